@@ -1,0 +1,33 @@
+"""gpucache: encoded images held once in a packed buffer, decoded per batch (GPU or CPU workers).
+
+The public surface is exactly ``__all__``; modules starting with ``_`` are private.
+"""
+
+from . import transforms
+from ._build import BuildError, BuildReport, Skipped
+from ._format import CacheFormatError
+from ._loader import BatchInfo, GpuCachedLoader, LoaderStats
+from ._shm import SharedMemoryError
+from ._sniff import Kind
+from ._store import JpegCache
+from ._workers import WorkerError
+from .decode.cpu import SampleError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "JpegCache",
+    "GpuCachedLoader",
+    "BatchInfo",
+    "LoaderStats",
+    "BuildReport",
+    "Skipped",
+    "Kind",
+    "BuildError",
+    "CacheFormatError",
+    "SharedMemoryError",
+    "SampleError",
+    "WorkerError",
+    "transforms",
+    "__version__",
+]

@@ -1,0 +1,245 @@
+"""JpegCache: encoded images packed once into one read-only buffer.
+
+A store is a handful of numpy arrays: one uint8 buffer of every file's bytes, int64 offsets (N+1),
+int64 labels, a per-sample record (kind, components, orientation, precision, height, width), class
+names and two string tables (source paths, optional metadata). No per-image Python objects.
+
+Backing, and what sharing costs:
+- in memory (just built): nothing to share under fork or with zero workers; pickling it is refused,
+  because that would silently copy it into every process. ``share()`` moves it into shared memory.
+- a mapped file (``JpegCache.open`` or after ``share()``): pickles as its path, O(1) bytes; the
+  child maps the same pages read-only.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from . import _format, _shm
+from ._sniff import Kind
+
+
+class _Strings(Sequence[str]):
+    """A read-only list of strings over a UTF-8 blob and its offsets."""
+
+    def __init__(self, table: tuple[np.ndarray, np.ndarray]):
+        self._offsets, self._blob = table
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        i = range(len(self))[i]
+        return bytes(self._blob[self._offsets[i]:self._offsets[i + 1]]).decode("utf-8")
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} strings>"
+
+
+class JpegCache:
+    """Encoded images of a data set held once, in one packed read-only buffer.
+
+    Build with :meth:`from_folder` or :meth:`from_files`, or map a saved store with :meth:`open`.
+    ``cache[i]`` is a zero-copy read-only uint8 view of sample ``i``'s encoded bytes.
+    """
+
+    def __init__(self, *, data: np.ndarray, offsets: np.ndarray, labels: np.ndarray,
+                 samples: np.ndarray, classes: Sequence[str],
+                 paths: tuple[np.ndarray, np.ndarray],
+                 metadata: tuple[np.ndarray, np.ndarray] | None = None,
+                 report=None, _file: _format.Parsed | None = None) -> None:
+        for a in (data, offsets, labels, samples):
+            a.flags.writeable = False  # views handed out cannot write into the store
+        self._data, self._offsets, self._labels, self._samples = data, offsets, labels, samples
+        self._classes = list(classes)
+        self._paths, self._metadata_table = paths, metadata
+        self.report = report
+        self._file = _file
+        self._shm_finalizer: weakref.finalize | None = None
+        self._tensor: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ building and opening
+    @classmethod
+    def from_folder(cls, root: str | os.PathLike, *, on_error: Literal["skip", "raise"] = "skip",
+                    num_threads: int | None = None, progress: bool = True) -> JpegCache:
+        """Pack an ImageFolder tree (``root/<class>/<image>``); labels as torchvision assigns."""
+        from ._build import build, scan_folder
+
+        paths, labels, classes = scan_folder(Path(root))
+        return build(cls, paths, labels, classes, None, on_error=on_error,
+                     num_threads=num_threads, progress=progress)
+
+    @classmethod
+    def from_files(cls, paths: Sequence[str | os.PathLike], labels: Sequence[int] | None = None,
+                   metadata: Sequence[str] | None = None, *, classes: Sequence[str] | None = None,
+                   on_error: Literal["skip", "raise"] = "skip", num_threads: int | None = None,
+                   progress: bool = True) -> JpegCache:
+        """Pack a list of files; ``labels`` are ints (``-1`` or None for unlabeled)."""
+        from ._build import build, check_labels
+
+        labels_arr, class_names = check_labels(len(paths), labels, classes)
+        if metadata is not None and len(metadata) != len(paths):
+            raise ValueError(f"metadata has {len(metadata)} entries for {len(paths)} paths; "
+                             "give one string per path (or metadata=None).")
+        return build(cls, [os.fspath(p) for p in paths], labels_arr, class_names,
+                     None if metadata is None else [str(m) for m in metadata],
+                     on_error=on_error, num_threads=num_threads, progress=progress)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> JpegCache:
+        """Map a saved store read-only. Validates header, sizes and offsets; reads no image data."""
+        parsed = _format.open_mapped(Path(path))
+        return cls(data=parsed.data, offsets=parsed.offsets, labels=parsed.labels,
+                   samples=parsed.samples, classes=parsed.classes, paths=parsed.paths,
+                   metadata=parsed.metadata, _file=parsed)
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        i = range(len(self))[i]  # negative indices and a clear IndexError
+        return self._data[self._offsets[i]:self._offsets[i + 1]]
+
+    def tensor(self, i: int) -> torch.Tensor:
+        """Sample ``i``'s bytes as a uint8 tensor sharing the store's memory (do not write)."""
+        if self._tensor is None:
+            import warnings
+
+            with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is
+                warnings.simplefilter("ignore", UserWarning)
+                self._tensor = torch.from_numpy(self._data)
+        return self._tensor[int(self._offsets[i]):int(self._offsets[i + 1])]
+
+    @property
+    def labels(self) -> np.ndarray:
+        """int64 label per sample (read-only); -1 where unlabeled."""
+        return self._labels
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self._classes)
+
+    @property
+    def paths(self) -> Sequence[str]:
+        """Source path of each sample, as given at build time."""
+        return _Strings(self._paths)
+
+    @property
+    def metadata(self) -> Sequence[str] | None:
+        """Per-sample metadata strings given to :meth:`from_files`, or None."""
+        return None if self._metadata_table is None else _Strings(self._metadata_table)
+
+    @property
+    def samples(self) -> np.ndarray:
+        """Structured per-sample record: kind, components, orientation, precision, height, width."""
+        return self._samples
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of encoded image data held (about the size of the files on disk)."""
+        return int(self._data.nbytes)
+
+    @property
+    def path(self) -> Path | None:
+        """The file this store is mapped from (a saved store or its shared-memory copy)."""
+        return None if self._file is None else self._file.path
+
+    def kinds(self) -> np.ndarray:
+        return self._samples["kind"]
+
+    def gpu_decodable(self) -> np.ndarray:
+        """Boolean mask: 8-bit Huffman JPEG with 1 or 3 components (what nvJPEG takes)."""
+        k = self._samples["kind"]
+        return np.isin(k, [Kind.JPEG, Kind.JPEG_PROGRESSIVE]) & (self._samples["components"] != 4)
+
+    def __repr__(self) -> str:
+        where = f"file {self.path}" if self.path else "memory"
+        return (f"JpegCache({len(self)} samples, {len(self._classes)} classes, "
+                f"{self.nbytes / 2**20:,.1f} MiB in {where})")
+
+    # ------------------------------------------------------------------ saving and sharing
+    def _arrays(self) -> dict:
+        return dict(data=self._data, offsets=self._offsets, labels=self._labels,
+                    samples=self._samples, classes=self._classes, paths=self._paths,
+                    metadata=self._metadata_table)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the store to one file, atomically (temp name, fsync, rename)."""
+        path = Path(path)
+        try:
+            _format.save_atomic(path, **self._arrays())
+        except OSError as err:
+            raise OSError(err.errno, f"could not save the cache to {path}: {err.strerror}. "
+                          f"It needs {self.nbytes / 2**20:,.1f} MiB there; free room or "
+                          "choose another folder.") from err
+        return path
+
+    @property
+    def is_shared(self) -> bool:
+        """True when workers of any start method can attach to this store's pages."""
+        return self._file is not None
+
+    def share(self) -> JpegCache:
+        """Move an in-memory store into shared memory (once; checks the room first). Idempotent."""
+        if self.is_shared:
+            return self
+        arrays = self._arrays()
+        size = _format.write(None, **arrays)
+        path = _shm.create(size, lambda f: _format.write(f, **arrays))
+        try:
+            parsed = _format.open_mapped(path)
+        except BaseException:
+            _shm.unlink(path)
+            raise
+        self._shm_finalizer = weakref.finalize(self, _shm.unlink, path)
+        self._adopt(parsed)
+        return self
+
+    def _adopt(self, parsed: _format.Parsed) -> None:
+        self._data, self._offsets, self._labels = parsed.data, parsed.offsets, parsed.labels
+        self._samples, self._paths, self._metadata_table = (parsed.samples, parsed.paths,
+                                                             parsed.metadata)
+        self._file, self._tensor = parsed, None
+
+    def close(self) -> None:
+        """Remove this store's shared-memory file, if it made one. Idempotent.
+
+        Views already handed out stay valid (the mapping lives until they are gone)."""
+        if self._shm_finalizer is not None:
+            self._shm_finalizer()
+
+    def __enter__(self) -> JpegCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce__(self):
+        if self._file is None:
+            raise TypeError(
+                "an in-memory JpegCache cannot be pickled: that would copy every image into each "
+                "process. Call cache.share() to move it into shared memory once, or save it "
+                "(cache.save(path)) and pass JpegCache.open(path); GpuCachedLoader does the "
+                "former by itself for spawn/forkserver workers.")
+        st = os.stat(self._file.path)
+        return (_reopen, (str(self._file.path), st.st_size, st.st_mtime_ns, st.st_ino))
+
+
+def _reopen(path: str, size: int, mtime_ns: int, ino: int) -> JpegCache:
+    st = os.stat(path)
+    if (st.st_size, st.st_mtime_ns, st.st_ino) != (size, mtime_ns, ino):
+        raise _format.CacheFormatError(
+            f"{path}: the store file changed after it was shared with this process; do not "
+            "overwrite a store while loaders use it (save to a new name).")
+    return JpegCache.open(path)
+

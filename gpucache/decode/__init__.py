@@ -1,0 +1,41 @@
+"""Decode backends behind one interface (:class:`~gpucache.decode._base.Backend`).
+
+- ``cpu``: worker processes decoding with libjpeg-turbo (``cpu_backend``)
+- ``nvjpeg``, ``dali``: GPU decoding (see their modules)
+
+``resolve(backend, device)`` turns the user's choice into a concrete backend name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+BACKENDS = ("auto", "cpu", "nvjpeg", "dali")
+
+
+def dali_available() -> bool:
+    return importlib.util.find_spec("nvidia.dali") is not None
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None -> cuda when present, else cpu; "cuda" without CUDA is a clear error."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={str(device)!r} but CUDA is not available on this machine "
+                           f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
+                           "use device='cpu' or device=None to pick what is present.")
+    return dev
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+    if backend == "auto":
+        if device.type != "cuda":
+            return "cpu"
+        return "dali" if dali_available() else "nvjpeg"
+    return backend

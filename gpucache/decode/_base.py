@@ -1,0 +1,45 @@
+"""The interface every decode backend implements: submit batches, get them back in order."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import numpy as np
+
+from .cpu import Decoded
+
+
+class Backend(ABC):
+    """Turns (store indices, geometric plans) into decoded uint8 images, in submission order.
+
+    The loader keeps up to ``prefetch`` batches submitted ahead of the one it hands out, so a
+    backend may work on several batches at once (worker processes, CUDA streams, DALI's queue).
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
+        """Queue one batch; ``stack`` asks for one (N, 3, H, W) tensor instead of a list."""
+
+    @abstractmethod
+    def get(self) -> Decoded:
+        """The oldest submitted batch, decoded (images on the backend's output device)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Batches submitted and not yet returned."""
+
+    def drain(self) -> None:
+        """Drop the batches of an abandoned epoch."""
+        while len(self):
+            self.get()
+
+    def close(self) -> None:
+        """Free processes, pipelines, streams and buffers. Idempotent."""
+
+    @property
+    def pids(self) -> list[int]:
+        """Worker processes this backend runs (for leak checks)."""
+        return []

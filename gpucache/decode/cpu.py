@@ -1,0 +1,118 @@
+"""CPU decoding: libjpeg-turbo ``decode_jpeg`` for JPEG, PIL for the other formats.
+
+Also the per-sample executor of a geometric plan (crop, antialiased bilinear resize on uint8, crop,
+flip), and :func:`decode_batch`, which the worker processes and the GPU backends' CPU fallback share.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .._sniff import JPEG_KINDS
+
+try:  # TorchCodec supersedes torchvision's image decoding from torchvision 0.29
+    from torchcodec.decoders import decode_jpeg as _codec_decode_jpeg
+except Exception:  # pragma: no cover - depends on what is installed
+    _codec_decode_jpeg = None
+
+_TV_DEPRECATION = r".*image decoding and encoding capabilities of TorchVision.*"
+
+
+def jpeg_decoder_name() -> str:
+    return "torchcodec" if _codec_decode_jpeg is not None else "torchvision"
+
+
+def decode_jpeg(data: torch.Tensor, *, use_torchcodec: bool | None = None) -> torch.Tensor:
+    """Decode JPEG bytes to RGB uint8 CHW, EXIF orientation applied (gray and CMYK converted)."""
+    if _codec_decode_jpeg is not None and use_torchcodec is not False:
+        return _codec_decode_jpeg(data, mode="RGB")
+    from torchvision.io import ImageReadMode
+    from torchvision.io import decode_jpeg as tv_decode_jpeg
+
+    with warnings.catch_warnings():  # the deprecation notice, once per call otherwise
+        warnings.filterwarnings("ignore", message=_TV_DEPRECATION, category=DeprecationWarning)
+        return tv_decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
+
+
+def decode_pil(data: np.ndarray) -> torch.Tensor:
+    """PNG, GIF (first frame), WebP, BMP, TIFF, PNM -> RGB uint8 CHW, EXIF orientation applied."""
+    from PIL import Image, ImageOps
+
+    with Image.open(io.BytesIO(data)) as im:
+        rgb = ImageOps.exif_transpose(im).convert("RGB")
+    return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)
+
+
+def decode_sample(cache, i: int) -> torch.Tensor:
+    """Sample ``i`` of ``cache`` as RGB uint8 CHW."""
+    if cache.samples["kind"][i] in JPEG_KINDS:
+        return decode_jpeg(cache.tensor(i))
+    return decode_pil(cache[i])
+
+
+def apply_plan(img: torch.Tensor, plan) -> torch.Tensor:
+    """Run one sample's plan (see :mod:`gpucache.transforms`) on a decoded CHW uint8 image."""
+    t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan)
+    x = img[:, t1:t1 + h1, l1:l1 + w1]
+    if (rh, rw) != (h1, w1):
+        x = F.interpolate(x[None], size=(rh, rw), mode="bilinear", antialias=True,
+                          align_corners=False)[0]
+    if (t2, l2, h2, w2) != (0, 0, rh, rw):
+        if t2 < 0 or l2 < 0 or t2 + h2 > rh or l2 + w2 > rw:  # crop larger than image: zero pad
+            x = F.pad(x, (max(0, -l2), max(0, l2 + w2 - rw), max(0, -t2), max(0, t2 + h2 - rh)))
+            t2, l2 = max(t2, 0), max(l2, 0)
+        x = x[:, t2:t2 + h2, l2:l2 + w2]
+    if flip:
+        x = x.flip(-1)
+    return x
+
+
+@dataclass
+class Decoded:
+    """One decoded batch: ``images`` (stacked when every output has one size) for ``indices``."""
+
+    images: torch.Tensor | list[torch.Tensor]
+    indices: np.ndarray  # store indices of the images, in batch order
+    failed: list[tuple[int, str]] = field(default_factory=list)  # (store index, reason)
+    cpu_decoded: int = 0  # samples that took the CPU path (GPU backends' fallback)
+
+
+class SampleError(RuntimeError):
+    """A sample could not be decoded; names the index, the file and the reason."""
+
+
+def describe(cache, i: int, err: BaseException) -> str:
+    return (f"sample {i} ({cache.paths[i]}) could not be decoded: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}")
+
+
+def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str,
+                 stack: bool) -> Decoded:
+    """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise)."""
+    images, kept, failed = [], [], []
+    for i, plan in zip(indices.tolist(), plans):
+        try:
+            img = decode_sample(cache, i)
+            expected = (int(cache.samples["height"][i]), int(cache.samples["width"][i]))
+            if tuple(img.shape[1:]) != expected:
+                raise ValueError(f"decoded size {tuple(img.shape[1:])} differs from the header's "
+                                 f"{expected}")
+            images.append(apply_plan(img, plan))
+            kept.append(i)
+        except Exception as err:  # a bad sample is reported, never fatal unless asked
+            if on_error == "raise":
+                raise SampleError(describe(cache, i, err)) from err
+            failed.append((i, describe(cache, i, err)))
+    out: torch.Tensor | list[torch.Tensor] = images
+    if stack and images:
+        out = torch.stack(images)
+    elif stack:
+        out = torch.empty((0, 3, int(plans[0, 8]), int(plans[0, 9])) if len(plans) else (0, 3, 0, 0),
+                          dtype=torch.uint8)
+    return Decoded(out, np.asarray(kept, dtype=np.int64), failed, len(kept))

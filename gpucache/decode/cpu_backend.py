@@ -1,0 +1,58 @@
+"""backend="cpu": decode in persistent worker processes, or inline with ``num_workers=0``."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from .._workers import WorkerPool
+from ._base import Backend
+from .cpu import Decoded, decode_batch
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, cache, *, num_workers: int, context: str | None, seed: int,
+                 worker_init_fn, on_error: str, timeout: float | None, pin_memory: bool):
+        self.cache, self.on_error, self.pin_memory = cache, on_error, pin_memory
+        self.pool = None
+        if num_workers > 0:
+            self.pool = WorkerPool(cache, num_workers=num_workers, context=context, seed=seed,
+                                   worker_init_fn=worker_init_fn, on_error=on_error,
+                                   timeout=timeout, pin_memory=pin_memory)
+        self._inline: deque[tuple[np.ndarray, np.ndarray, bool]] = deque()
+
+    def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
+        if self.pool is not None:
+            self.pool.submit(indices, plans, stack)
+        else:  # decoded lazily in get(), so an abandoned epoch costs nothing
+            self._inline.append((indices, plans, stack))
+
+    def get(self) -> Decoded:
+        if self.pool is not None:
+            return self.pool.get()
+        indices, plans, stack = self._inline.popleft()
+        out = decode_batch(self.cache, indices, plans, on_error=self.on_error, stack=stack)
+        if self.pin_memory and hasattr(out.images, "pin_memory"):
+            out.images = out.images.pin_memory()
+        return out
+
+    def __len__(self) -> int:
+        return len(self.pool) if self.pool is not None else len(self._inline)
+
+    def drain(self) -> None:
+        if self.pool is None:
+            self._inline.clear()
+        else:
+            self.pool.drain()
+
+    def close(self) -> None:
+        self._inline.clear()
+        if self.pool is not None:
+            self.pool.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return self.pool.pids if self.pool is not None else []

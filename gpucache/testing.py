@@ -1,0 +1,182 @@
+"""Synthetic, deterministic JPEG data for tests and benchmarks.
+
+The images are meant to *decode like photos*: smooth colour gradients, a few
+soft-edged shapes with shading, mild mid-frequency texture and fine grain.
+Pure noise would give huge files whose entropy decoding dominates, which is not
+representative of ImageNet-style data.
+
+`make_jpeg_folder` writes an ImageFolder tree with an ImageNet-like spread of
+sizes (median about 500x375, a ~3% tail up to 2000 px on the long side, short
+side at least 100 px) and special cases at fixed indices (see its docstring).
+Everything is a pure function of ``seed``: the same call gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+from typing import Sequence
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFilter
+
+__all__ = ["make_jpeg_folder", "make_jpeg_bytes", "natural_image"]
+
+_LOW = 256  # long side of the low-resolution canvas the shapes are drawn on
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng([int(k) & 0xFFFFFFFF for k in key])
+
+
+def _noise_field(rng: np.random.Generator, width: int, height: int, cells: int) -> np.ndarray:
+    """Smooth random field in [0, 1] of shape (height, width) with ~cells bumps."""
+    noise = Image.frombytes("L", (cells, cells), rng.bytes(cells * cells))
+    return np.asarray(noise.resize((width, height), Image.BICUBIC), dtype=np.float32) / 255.0
+
+
+def natural_image(width: int, height: int, *, seed: int = 0) -> np.ndarray:
+    """Return a natural-looking ``(height, width, 3)`` uint8 RGB image."""
+    if width < 1 or height < 1:
+        raise ValueError(f"invalid size {width}x{height}")
+    rng = _rng(seed, 0x5EED)
+    scale = _LOW / max(width, height)
+    lw, lh = max(2, round(width * scale)), max(2, round(height * scale))
+    x = np.linspace(0, 1, lw, dtype=np.float32)[None, :]
+    y = np.linspace(0, 1, lh, dtype=np.float32)[:, None]
+    # Background: a linear gradient between two colours plus a radial glow.
+    c0, c1, c2 = rng.uniform(20, 235, (3, 3)).astype(np.float32)
+    theta = rng.uniform(0, 2 * np.pi)
+    t = np.clip(0.5 + (x - 0.5) * np.cos(theta) + (y - 0.5) * np.sin(theta), 0, 1)[..., None]
+    cx, cy, r2 = rng.uniform(0, 1), rng.uniform(0, 1), rng.uniform(0.04, 0.6)
+    glow = (0.6 * np.exp(-((x - cx) ** 2) / r2) * np.exp(-((y - cy) ** 2) / r2))[..., None]
+    img = (c0 * (1 - t) + c1 * t) * (1 - glow) + c2 * glow
+    canvas = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+    # Shapes back to front; blurring the canvas between groups of shapes gives
+    # far objects softer edges than near ones (a cheap depth-of-field look).
+    n_shapes = int(rng.integers(5, 16))
+    for k in range(n_shapes):
+        if k in (n_shapes // 3, 2 * n_shapes // 3):
+            canvas = canvas.filter(ImageFilter.GaussianBlur(rng.uniform(0.5, 2.0)))
+        draw = ImageDraw.Draw(canvas)
+        fill = tuple(int(c) for c in rng.integers(10, 246, 3))
+        px, py = rng.uniform(-0.1, 1.1) * lw, rng.uniform(-0.1, 1.1) * lh
+        sx, sy = rng.uniform(0.03, 0.35) * lw, rng.uniform(0.03, 0.35) * lh
+        kind = int(rng.integers(4))
+        if kind == 0:
+            draw.ellipse([px - sx, py - sy, px + sx, py + sy], fill=fill)
+        elif kind == 1:
+            draw.line([(px, py), (px + 2 * sx, py + 2 * sy - sx)], fill=fill,
+                      width=int(rng.integers(1, 5)))
+        else:  # polygons; kind 2 gives (rotated) rectangles
+            m = 4 if kind == 2 else int(rng.integers(3, 9))
+            ang = np.sort(rng.uniform(0, 2 * np.pi, m)) if kind == 3 else \
+                rng.uniform(0, np.pi) + np.array([0.0, 0.5, 1.0, 1.5]) * np.pi
+            rad = rng.uniform(0.5, 1.0, m) if kind == 3 else np.ones(m)
+            draw.polygon([(float(px + sx * a * np.cos(b)), float(py + sy * a * np.sin(b)))
+                          for a, b in zip(rad, ang)], fill=fill)
+    canvas = canvas.filter(ImageFilter.GaussianBlur(rng.uniform(0.3, 0.8)))
+    light = 0.7 + 0.6 * _noise_field(rng, lw, lh, 3)  # smooth shading
+    img = np.asarray(canvas, dtype=np.float32) * light[..., None]
+    canvas = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+    out = np.asarray(canvas.resize((width, height), Image.BICUBIC), dtype=np.float32)
+    # Texture: multi-octave value noise (coarse -> per-pixel) whose strength
+    # varies over the image, applied multiplicatively like surface detail.
+    tex = np.zeros((height, width), np.float32)
+    for div, amp in ((24, 0.5), (6, 0.6), (2, 0.7), (1, 0.5)):
+        nw, nh = max(2, width // div), max(2, height // div)
+        noise = Image.frombytes("L", (nw, nh), rng.bytes(nw * nh))
+        if div > 1:
+            noise = noise.resize((width, height), Image.BILINEAR)
+        tex += (np.asarray(noise, dtype=np.float32) - 127.5) * (amp / 127.5)
+    strength = _noise_field(rng, width, height, 4) * rng.uniform(0.05, 0.25)
+    fx, fy, amp = rng.uniform(-0.3, 0.3), rng.uniform(-0.3, 0.3), rng.uniform(0.2, 0.6)
+    ax = fx * np.arange(width, dtype=np.float32)[None, :]
+    ay = fy * np.arange(height, dtype=np.float32)[:, None]
+    tex += amp * (np.sin(ax) * np.cos(ay) + np.cos(ax) * np.sin(ay))  # sin(ax + ay)
+    out *= (1 + tex * strength)[..., None]
+    chroma = np.frombuffer(rng.bytes(width * height * 3), np.uint8).reshape(height, width, 3)
+    out += (chroma.astype(np.float32) - 127.5) * rng.uniform(0.01, 0.04)
+    return np.clip(out, 0, 255).astype(np.uint8)
+
+
+def make_jpeg_bytes(width: int, height: int, *, seed: int = 0, mode: str = "RGB",
+                    progressive: bool = False, quality: int = 90,
+                    exif_orientation: int | None = None) -> bytes:
+    """Encode ``natural_image(width, height, seed=seed)`` as a JPEG.
+
+    ``mode`` is "RGB", "L" (grayscale) or "CMYK" (PIL writes an Adobe marker).
+    ``exif_orientation`` (1-8) adds an EXIF Orientation tag; the stored pixels
+    are not rotated, so the stored size stays ``width x height``.
+    """
+    if mode not in ("RGB", "L", "CMYK"):
+        raise ValueError(f"unsupported mode {mode!r}")
+    img = Image.fromarray(natural_image(width, height, seed=seed), "RGB")
+    if mode != "RGB":
+        img = img.convert(mode)
+    kwargs: dict = {"quality": int(quality), "progressive": progressive, "optimize": False}
+    if exif_orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = int(exif_orientation)
+        kwargs["exif"] = exif.tobytes()
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", **kwargs)
+    return buf.getvalue()
+
+
+def _image_size(rng: np.random.Generator) -> tuple[int, int]:
+    """ImageNet-like (width, height): mostly long side 500, landscape-heavy."""
+    u = rng.uniform()
+    if u < 0.03:
+        long_side = rng.uniform(1500, 2000)
+    elif u < 0.60:
+        long_side = 500.0
+    else:
+        long_side = float(np.clip(rng.lognormal(np.log(450), 0.4), 100, 1500))
+    shape = rng.uniform()
+    ratio = (4 / 3, 3 / 2, rng.uniform(1.05, 2.0))[int(rng.choice(3, p=[0.5, 0.3, 0.2]))]
+    if shape < 0.10:
+        ratio = 1.0
+    long_px, short_px = round(long_side), max(100, round(long_side / ratio))
+    long_px = max(long_px, short_px)
+    return (long_px, short_px) if shape < 0.85 else (short_px, long_px)
+
+
+def make_jpeg_folder(root: str | os.PathLike, n: int, *,
+                     classes: Sequence[str] | int = ("ant", "bee", "cat", "dog"),
+                     seed: int = 0, quality: int | tuple[int, int] = (75, 95)) -> pathlib.Path:
+    """Write ``n`` synthetic JPEGs as ``root/<class>/<class>_<i:05d>.jpg``.
+
+    Image ``i`` (global index, 0-based) goes to class ``classes[i % len(classes)]``
+    (an int ``classes`` means names ``class_000``, ``class_001``, ...). Quality is
+    fixed or drawn uniformly from the inclusive ``(lo, hi)`` range. Special cases
+    sit at fixed indices, so any ``n >= 5`` contains one of each:
+
+    * ``i % 50 == 1``  -> grayscale ("L") JPEG             (2%)
+    * ``i % 100 == 2`` -> CMYK JPEG with Adobe marker      (1%)
+    * ``i % 20 == 3``  -> progressive JPEG                 (5%)
+    * ``i % 100 == 4`` -> EXIF Orientation = 6 (rotate 90) (1%)
+
+    These sets are disjoint; all other images are baseline RGB. Output is
+    byte-identical for the same arguments. Returns ``Path(root)``.
+    """
+    names = [f"class_{k:03d}" for k in range(classes)] if isinstance(classes, int) else list(classes)
+    if not names:
+        raise ValueError("need at least one class")
+    root = pathlib.Path(root)
+    for name in names:
+        (root / name).mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        rng = _rng(seed, i)
+        width, height = _image_size(rng)
+        q = quality if isinstance(quality, int) else int(rng.integers(quality[0], quality[1] + 1))
+        data = make_jpeg_bytes(
+            width, height, seed=int(rng.integers(2**31)),
+            mode="L" if i % 50 == 1 else "CMYK" if i % 100 == 2 else "RGB",
+            progressive=i % 20 == 3, quality=q,
+            exif_orientation=6 if i % 100 == 4 else None,
+        )
+        name = names[i % len(names)]
+        (root / name / f"{name}_{i:05d}.jpg").write_bytes(data)
+    return root

@@ -1,0 +1,273 @@
+"""Batch transforms, split in two kinds.
+
+Geometric transforms (:class:`RandomResizedCrop`, :class:`Resize`, :class:`CenterCrop`,
+:class:`RandomHorizontalFlip`) never see pixels when they run: from each sample's stored height and
+width and the loader's seeded generator they add to a per-sample *plan*, 11 integers::
+
+    crop1 (top, left, height, width) in the decoded image   -> resize to (rh, rw)
+    -> crop2 (top, left, height, width) in the resized image -> flip (0/1)
+
+The plan is drawn in the main process, so the same seed gives the same crops whatever the worker
+count or backend; each backend then executes it (per sample on the CPU, batched on the GPU).
+
+Pixel transforms (:class:`ToDtype`, :class:`Normalize`) run on the whole batch, on the target device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+
+PLAN_FIELDS = ("top1", "left1", "height1", "width1", "rh", "rw",
+               "top2", "left2", "height2", "width2", "flip")
+PLAN_WIDTH = len(PLAN_FIELDS)
+
+
+def identity_plans(heights: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    n = len(heights)
+    p = np.zeros((n, PLAN_WIDTH), dtype=np.int64)
+    p[:, 2], p[:, 3], p[:, 4], p[:, 5] = heights, widths, heights, widths
+    p[:, 8], p[:, 9] = heights, widths
+    return p
+
+
+def _size2(size: int | Sequence[int]) -> tuple[int, int]:
+    if isinstance(size, int):
+        return size, size
+    if len(size) == 1:
+        return size[0], size[0]
+    if len(size) != 2:
+        raise ValueError(f"size must be an int or (height, width), got {size!r}")
+    return int(size[0]), int(size[1])
+
+
+class Transform:
+    """Base class. Geometric ones implement ``plan``; pixel ones implement ``__call__``."""
+
+    geometric = False
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+
+class Geometric(Transform):
+    geometric = True
+
+    def plan(self, p: np.ndarray, rng: np.random.Generator) -> None:
+        """Update the plans ``p`` (n x 11, in place) for samples whose current size is p[:, 8:10]."""
+        raise NotImplementedError
+
+
+def _crop(p: np.ndarray, k: int, top: int, left: int, h: int, w: int) -> None:
+    """Crop sample k's current output (the crop2 box) to (top, left, h, w) of it."""
+    if p[k, 10]:  # already flipped: the crop is taken from the mirrored image
+        left = int(p[k, 9]) - left - w
+    no_resize = p[k, 4] == p[k, 2] and p[k, 5] == p[k, 3]
+    no_crop2 = p[k, 6] == 0 and p[k, 7] == 0 and p[k, 8] == p[k, 4] and p[k, 9] == p[k, 5]
+    inside = 0 <= top and 0 <= left and top + h <= p[k, 8] and left + w <= p[k, 9]
+    if no_resize and no_crop2 and inside:
+        # no resize and no crop2 yet: fold into crop1, so the decoder can crop before resizing
+        p[k, 0] += top
+        p[k, 1] += left
+        p[k, 2], p[k, 3], p[k, 4], p[k, 5] = h, w, h, w
+        p[k, 8], p[k, 9] = h, w
+        return
+    p[k, 6] += top
+    p[k, 7] += left
+    p[k, 8], p[k, 9] = h, w
+
+
+def _resize(p: np.ndarray, k: int, h: int, w: int) -> None:
+    if (p[k, 6], p[k, 7], p[k, 8], p[k, 9]) != (0, 0, p[k, 4], p[k, 5]):
+        raise ValueError("a resize after a crop of a resized image is not supported; put Resize "
+                         "before CenterCrop (as in Resize(256) + CenterCrop(224)).")
+    p[k, 4], p[k, 5], p[k, 8], p[k, 9] = h, w, h, w
+
+
+class RandomResizedCrop(Geometric):
+    """torchvision's RandomResizedCrop: a random area/aspect crop resized to ``size``."""
+
+    def __init__(self, size: int | Sequence[int], scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3)):
+        self.size = _size2(size)
+        self.scale, self.ratio = tuple(scale), tuple(ratio)
+
+    def box(self, height: int, width: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
+        area = height * width
+        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):
+            target = area * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(*log_ratio))
+            w = int(round(math.sqrt(target * aspect)))
+            h = int(round(math.sqrt(target / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                return int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)), h, w
+        in_ratio = width / height  # fallback: central crop, as torchvision does
+        if in_ratio < min(self.ratio):
+            w, h = width, int(round(width / min(self.ratio)))
+        elif in_ratio > max(self.ratio):
+            h, w = height, int(round(height * max(self.ratio)))
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def plan(self, p: np.ndarray, rng: np.random.Generator) -> None:
+        for k in range(len(p)):
+            _crop(p, k, *self.box(int(p[k, 8]), int(p[k, 9]), rng))
+            _resize(p, k, *self.size)
+
+
+class Resize(Geometric):
+    """Resize (bilinear, antialiased). An int sets the shorter side, as torchvision does."""
+
+    def __init__(self, size: int | Sequence[int], *, max_size: int | None = None):
+        self.size, self.max_size = size, max_size
+
+    def out_size(self, h: int, w: int) -> tuple[int, int]:
+        if not isinstance(self.size, int) and len(self.size) == 2:
+            return int(self.size[0]), int(self.size[1])
+        s = self.size if isinstance(self.size, int) else self.size[0]
+        short, long = (h, w) if h <= w else (w, h)
+        new_short, new_long = s, int(s * long / short)
+        if self.max_size is not None and new_long > self.max_size:
+            new_short, new_long = int(self.max_size * new_short / new_long), self.max_size
+        return (new_short, new_long) if h <= w else (new_long, new_short)
+
+    def plan(self, p: np.ndarray, rng: np.random.Generator) -> None:
+        for k in range(len(p)):
+            _resize(p, k, *self.out_size(int(p[k, 8]), int(p[k, 9])))
+
+
+class CenterCrop(Geometric):
+    """Central crop; pads with zeros where the image is smaller, as torchvision does."""
+
+    def __init__(self, size: int | Sequence[int]):
+        self.size = _size2(size)
+
+    def plan(self, p: np.ndarray, rng: np.random.Generator) -> None:
+        ch, cw = self.size
+        for k in range(len(p)):
+            h, w = int(p[k, 8]), int(p[k, 9])
+            _crop(p, k, int(round((h - ch) / 2.0)), int(round((w - cw) / 2.0)), ch, cw)
+
+
+class RandomHorizontalFlip(Geometric):
+    def __init__(self, p: float = 0.5):
+        self.p = p
+
+    def plan(self, plans: np.ndarray, rng: np.random.Generator) -> None:
+        plans[:, 10] ^= (rng.random(len(plans)) < self.p)
+
+
+class ToDtype(Transform):
+    """uint8 batch -> ``dtype`` (scaled to [0, 1] when ``scale``), in the layout asked for.
+
+    ``layout="NHWC"`` gives shape (N, H, W, C); ``"channels_last"`` keeps shape (N, C, H, W) with
+    channels-last memory, the format convolutions prefer on recent GPUs.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float32, *, scale: bool = True,
+                 layout: Literal["NCHW", "NHWC", "channels_last"] = "NCHW"):
+        if layout not in ("NCHW", "NHWC", "channels_last"):
+            raise ValueError(f"layout must be 'NCHW', 'NHWC' or 'channels_last', got {layout!r}")
+        self.dtype, self.scale, self.layout = dtype, scale, layout
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.uint8 and self.dtype.is_floating_point:
+            x = x.to(self.dtype)
+            if self.scale:
+                x = x.mul_(1 / 255)
+        else:
+            x = x.to(self.dtype)
+        return _layout(x, self.layout)
+
+
+def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "NHWC":
+        return x.permute(0, 2, 3, 1).contiguous() if x.dim() == 4 else x.permute(1, 2, 0)
+    if layout == "channels_last" and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+class Normalize(Transform):
+    """(x - mean) / std per channel. A uint8 batch is first scaled to [0, 1] in ``dtype``."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], *,
+                 dtype: torch.dtype = torch.float32,
+                 layout: Literal["NCHW", "NHWC", "channels_last"] = "NCHW"):
+        self.mean, self.std, self.dtype, self.layout = list(mean), list(std), dtype, layout
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        nhwc = x.shape[-1] == len(self.mean) and x.shape[-3] != len(self.mean)
+        shape = (-1,) if nhwc else (-1, 1, 1)
+        mean = torch.tensor(self.mean, dtype=torch.float32, device=x.device).view(shape)
+        std = torch.tensor(self.std, dtype=torch.float32, device=x.device).view(shape)
+        scale = 1 / 255 if x.dtype == torch.uint8 else 1.0
+        # one fused multiply-add in float32, then the cast: x * (s / std) - mean / std
+        out = torch.addcmul(-mean / std, x.to(torch.float32), scale / std)
+        return _layout(out.to(self.dtype), self.layout)
+
+
+class Compose(Transform):
+    """Geometric transforms first (any order among them), then pixel transforms."""
+
+    def __init__(self, transforms: Sequence[Transform]):
+        self.transforms = list(transforms)
+        seen_pixel = False
+        for t in self.transforms:
+            if not isinstance(t, Transform):
+                raise TypeError(f"{t!r} is not a gpucache transform; gpucache runs geometry per "
+                                "sample from seeded draws and pixel ops on the batch, so it takes "
+                                "gpucache.transforms.* only.")
+            if t.geometric and seen_pixel:
+                raise ValueError(f"{t!r} comes after a pixel transform; put geometric transforms "
+                                 "(crops, resizes, flips) before ToDtype/Normalize.")
+            seen_pixel |= not t.geometric
+        self.geometric = [t for t in self.transforms if t.geometric]
+        self.pixel = [t for t in self.transforms if not t.geometric]
+
+    def plan(self, heights: np.ndarray, widths: np.ndarray,
+             rng: np.random.Generator) -> np.ndarray:
+        p = identity_plans(heights, widths)
+        for t in self.geometric:
+            t.plan(p, rng)
+        return p
+
+    @property
+    def fixed_size(self) -> bool:
+        """True when every sample comes out at one size, so a batch can be one tensor."""
+        fixed = False
+        for t in self.geometric:
+            if isinstance(t, (RandomResizedCrop, CenterCrop)):
+                fixed = True
+            elif isinstance(t, Resize):
+                fixed = not isinstance(t.size, int) and len(t.size) == 2
+        return fixed
+
+    def __call__(self, x):
+        for t in self.pixel:
+            x = t(x) if isinstance(x, torch.Tensor) else [t(i[None])[0] for i in x]
+        return x
+
+    def __repr__(self) -> str:
+        return "Compose([" + ", ".join(map(repr, self.transforms)) + "])"
+
+
+def as_compose(transform: Transform | Sequence[Transform] | None) -> Compose:
+    if transform is None:
+        return Compose([])
+    if isinstance(transform, Compose):
+        return transform
+    if isinstance(transform, Transform):
+        return Compose([transform])
+    return Compose(list(transform))
+
+
+__all__ = ["Compose", "RandomResizedCrop", "Resize", "CenterCrop", "RandomHorizontalFlip",
+           "ToDtype", "Normalize", "Transform"]
