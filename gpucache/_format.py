@@ -175,11 +175,9 @@ class Parsed:
             fail("sample offsets are not monotonic or point outside the data section")
         if n == 0 and data_len != 0:
             fail("data section is not empty but there are no samples")
-        self.classes = self._strings("classes", spans["classes"], fail)
-        if len(self.classes) != n_classes:
-            fail(f"{len(self.classes)} class names stored, header says {n_classes}")
-        self.classes = [bytes(self.classes[1][self.classes[0][i]:self.classes[0][i + 1]])
-                        .decode("utf-8") for i in range(n_classes)]
+        c_offsets, c_blob = self._strings("classes", spans["classes"], fail, n_classes)
+        self.classes = [bytes(c_blob[c_offsets[i]:c_offsets[i + 1]]).decode("utf-8")
+                        for i in range(n_classes)]
         if n and (self.labels.min() < -1 or self.labels.max() >= n_classes):
             fail(f"labels out of range for {n_classes} classes")
         self.paths = self._strings("paths", spans["paths"], fail, n)

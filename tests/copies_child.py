@@ -1,0 +1,69 @@
+"""One memory measurement, run in a fresh process: summed PSS after an epoch, workers alive.
+
+python copies_child.py KIND BACKING CONTEXT WORKERS REPEAT SRC  ->  prints "PSS_BYTES DATA_BYTES"
+KIND: gpucache | listbytes (a list-of-bytes Dataset in torch's DataLoader, the usual home-made cache)
+BACKING: memory | file (gpucache only). The same SRC images are repeated REPEAT times, so two runs
+differing only in REPEAT differ only in data bytes: their PSS difference / data difference is the
+number of copies held, with build-time and per-worker overheads cancelled.
+"""
+
+import gc
+import os
+import sys
+import tempfile
+import warnings
+
+import torch
+from torch.utils.data import Dataset
+
+
+class ListOfBytes(Dataset):
+    """The usual home-made RAM cache: a Python list of bytes objects, decoded on access."""
+
+    def __init__(self, paths):
+        self.items = [open(p, "rb").read() for p in paths]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        from torchvision.io import decode_jpeg
+
+        warnings.simplefilter("ignore")
+        return decode_jpeg(torch.frombuffer(self.items[i], dtype=torch.uint8)).shape[1]
+
+
+def main(kind, backing, context, workers, repeat, src):
+    from gpucache._memory import tree_pss
+
+    workers, repeat = int(workers), int(repeat)
+    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(src) for f in fs
+                   if f.endswith(".jpg"))
+    paths = files * repeat
+    if kind == "gpucache":
+        from gpucache import GpuCachedLoader, JpegCache
+
+        cache = JpegCache.from_files(paths, progress=False)
+        if backing == "file":
+            cache = JpegCache.open(cache.save(os.path.join(tempfile.mkdtemp(), "s.gpucache")))
+            gc.collect()
+        loader = GpuCachedLoader(cache, batch_size=16, num_workers=workers, device="cpu",
+                                 multiprocessing_context=context)
+        n = sum(len(labels) for _, labels in loader)
+        data_bytes = cache.nbytes
+    else:
+        from torch.utils.data import DataLoader
+
+        ds = ListOfBytes(paths)
+        loader = DataLoader(ds, batch_size=16, num_workers=workers,
+                            persistent_workers=workers > 0,
+                            multiprocessing_context=context if workers else None)
+        n = sum(len(b) for b in loader)
+        data_bytes = sum(len(b) for b in ds.items)
+    assert n == len(paths), (n, len(paths))
+    gc.collect()
+    print(tree_pss(), data_bytes)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:7])
