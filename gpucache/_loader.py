@@ -184,7 +184,11 @@ class GpuCachedLoader:
                 idx = batches[submitted]
                 backend.submit(idx, self.plans(epoch, submitted, idx), stack)
                 submitted += 1
-            out = backend.get()
+            try:
+                out = backend.get()
+            except BaseException:
+                self.close()  # a failed backend is not reused; the next iteration starts afresh
+                raise
             self._resume_at = b + 1
             yield self._finish(out)
         self._epoch, self._resume_at = epoch + 1, 0

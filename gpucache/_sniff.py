@@ -135,7 +135,6 @@ def _sniff_pil(b: memoryview, kind: Kind) -> Info:
             w, h = im.size
             orientation = im.getexif().get(0x0112, 1) if kind != Kind.GIF else 1
             bands = len(im.getbands())
-            im.verify()
     except Exception as err:  # PIL raises many types for bad files
         raise SniffError(f"unreadable {kind.name} image: {err}") from err
     orientation = orientation if orientation in range(1, 9) else 1

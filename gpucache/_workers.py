@@ -143,10 +143,11 @@ class WorkerPool:
     def get(self) -> Decoded:
         w, task, indices = self._pending.popleft()
         conn, proc = self.conns[w], self.procs[w]
+        pid = proc.pid
         ready = wait([conn, proc.sentinel], self.timeout)
         if not ready:
             self.close()
-            raise WorkerError(f"worker {w} (pid {proc.pid}) returned no batch within "
+            raise WorkerError(f"worker {w} (pid {pid}) returned no batch within "
                               f"timeout={self.timeout}s while decoding samples "
                               f"{_span(indices)}; raise timeout= if images are very large.")
         try:
@@ -159,7 +160,7 @@ class WorkerPool:
             why = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
                    else f"exited with code {code}")
             self.close()
-            raise WorkerError(f"worker {w} (pid {proc.pid}) {why} while decoding samples "
+            raise WorkerError(f"worker {w} (pid {pid}) {why} while decoding samples "
                               f"{_span(indices)}. If it was killed by the OOM killer (SIGKILL), "
                               "use fewer workers or a smaller batch_size.")
         assert header["task"] == task, "worker results out of order"

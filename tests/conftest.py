@@ -1,0 +1,72 @@
+"""Shared fixtures: real JPEG folders made with gpucache.testing, never downloaded."""
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpucache.testing import make_jpeg_bytes, make_jpeg_folder
+
+
+@pytest.fixture(scope="session")
+def jpeg_folder(tmp_path_factory) -> Path:
+    """24 synthetic photos in 3 classes, including grayscale, CMYK, progressive and EXIF-6."""
+    return make_jpeg_folder(tmp_path_factory.mktemp("imgs"), 24, classes=("ant", "bee", "cat"),
+                            seed=0)
+
+
+@pytest.fixture(scope="session")
+def small_folder(tmp_path_factory) -> Path:
+    """Small images (fast to decode) for the loader tests."""
+    root = tmp_path_factory.mktemp("small")
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        cls = root / f"c{i % 4}"
+        cls.mkdir(exist_ok=True)
+        w, h = int(rng.integers(40, 120)), int(rng.integers(40, 120))
+        (cls / f"{i:03d}.jpg").write_bytes(make_jpeg_bytes(w, h, seed=i))
+    return root
+
+
+def sof_jpeg(precision: int = 8, sof: int = 0xC0, h: int = 2, w: int = 3, comps: int = 3) -> bytes:
+    """A header-only JPEG (SOI, SOFn, EOI): enough for the sniffer, not for a decoder."""
+    body = struct.pack(">BHHB", precision, h, w, comps) + b"\x01\x11\x00" * comps
+    return b"\xff\xd8" + bytes([0xFF, sof]) + struct.pack(">H", len(body) + 2) + body + b"\xff\xd9"
+
+
+@pytest.fixture(scope="session")
+def bad_folder(tmp_path_factory) -> dict:
+    """One file per bad-input case, with its documented outcome (see README "Bad input")."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("bad")
+    good = make_jpeg_bytes(64, 48, seed=1)
+    png = BytesIO()
+    Image.new("RGB", (30, 20), (200, 10, 10)).save(png, "PNG")
+    cases = {
+        # name: (bytes, outcome) -- outcome is "skip" at build, "kept" or "decode-fails"
+        "good.jpg": (good, "kept"),
+        "empty.jpg": (b"", "skip"),
+        "truncated_header.jpg": (good[:40], "skip"),
+        "truncated_body.jpg": (good[: len(good) // 2], "skip"),  # no EOI marker
+        "random.jpg": (np.random.default_rng(0).bytes(3000), "skip"),
+        "text.jpg": (b"this is not an image\n" * 20, "skip"),
+        "png_named.jpg": (png.getvalue(), "kept"),
+        "cmyk.jpg": (make_jpeg_bytes(40, 30, seed=2, mode="CMYK"), "kept"),
+        "gray.jpg": (make_jpeg_bytes(40, 30, seed=3, mode="L"), "kept"),
+        "progressive.jpg": (make_jpeg_bytes(40, 30, seed=4, progressive=True), "kept"),
+        "exif6.jpg": (make_jpeg_bytes(40, 30, seed=5, exif_orientation=6), "kept"),
+        "12bit.jpg": (sof_jpeg(precision=12, sof=0xC1), "skip"),
+        "lossless.jpg": (sof_jpeg(sof=0xC3), "skip"),
+        # header and EOI intact but the scan data is garbage: caught at decode time
+        "corrupt_scan.jpg": (good[:300] + b"\x00" * (len(good) - 302) + b"\xff\xd9",
+                             "decode-fails"),
+    }
+    (root / "x").mkdir()
+    for name, (data, _) in cases.items():
+        (root / "x" / name).write_bytes(data)
+    return {"root": root, "cases": {os.path.join(root, "x", k): v[1] for k, v in cases.items()}}

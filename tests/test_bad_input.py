@@ -1,0 +1,93 @@
+"""Bad samples never kill a run: each case has its documented outcome and the counts add up."""
+
+import warnings
+
+import pytest
+import torch
+
+from gpucache import BuildError, GpuCachedLoader, JpegCache, Kind, SampleError
+from gpucache import transforms as T
+
+
+def test_each_case_has_its_documented_outcome(bad_folder):
+    cases = bad_folder["cases"]
+    paths = sorted(cases)
+    cache = JpegCache.from_files(paths, progress=False)
+    report = cache.report
+    skipped = {s.path: s.reason for s in report.skipped}
+    for path, outcome in cases.items():
+        assert (path in skipped) == (outcome == "skip"), (path, skipped.get(path))
+    assert report.total == len(paths) == report.kept + len(report.skipped) == len(cache) + len(
+        skipped)
+    reasons = {p.rsplit("/", 1)[1]: r for p, r in skipped.items()}
+    assert reasons["empty.jpg"] == "empty file"
+    assert "no end-of-image marker" in reasons["truncated_body.jpg"]
+    assert "not an image" in reasons["random.jpg"] and "not an image" in reasons["text.jpg"]
+    assert "12-bit JPEG is not supported" in reasons["12bit.jpg"]
+    assert "lossless JPEG" in reasons["lossless.jpg"]
+    assert "truncated" in reasons["truncated_header.jpg"]
+    kinds = {p.rsplit("/", 1)[1]: Kind(k).name for p, k in zip(cache.paths, cache.kinds())}
+    assert kinds["png_named.jpg"] == "PNG" and kinds["progressive.jpg"] == "JPEG_PROGRESSIVE"
+    comps = dict(zip((p.rsplit("/", 1)[1] for p in cache.paths), cache.samples["components"]))
+    assert comps["cmyk.jpg"] == 4 and comps["gray.jpg"] == 1
+    exif = cache.paths.index(next(p for p in cache.paths if p.endswith("exif6.jpg")))
+    # stored 40 wide, 30 high with orientation 6: decoded (and planned) as 30 wide, 40 high
+    assert (cache.samples["height"][exif], cache.samples["width"][exif]) == (40, 30)
+    assert cache.samples["orientation"][exif] == 6
+
+
+def test_raise_policy_reports_every_bad_file(bad_folder):
+    with pytest.raises(BuildError) as info:
+        JpegCache.from_files(sorted(bad_folder["cases"]), on_error="raise", progress=False)
+    msg = str(info.value)
+    bad = [p for p, o in bad_folder["cases"].items() if o == "skip"]
+    assert all(p in msg for p in bad) and f"{len(bad)} of" in msg
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_finishes_the_epoch_and_counts(bad_folder, num_workers):
+    cache = JpegCache.from_files(sorted(bad_folder["cases"]), progress=False)
+    loader = GpuCachedLoader(cache, batch_size=4, num_workers=num_workers, device="cpu",
+                             transform=T.Compose([T.Resize((32, 32))]), return_metadata=True)
+    seen = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for images, labels, info in loader:
+            assert images.shape[1:] == (3, 32, 32) and len(images) == len(labels)
+            seen += info.paths
+    loader.close()
+    failing = [p for p, o in bad_folder["cases"].items() if o == "decode-fails"]
+    assert loader.stats.skipped == len(failing)
+    assert [i for i, _ in loader.stats.skipped_samples] == [cache.paths.index(p) for p in failing]
+    assert any("corrupt_scan.jpg" in str(w.message) for w in caught)
+    assert len(seen) + loader.stats.skipped == len(cache)  # counts in = counts out + reported
+    assert sorted(seen) == sorted(p for p in cache.paths if p not in failing)
+
+
+def test_loader_raise_policy_names_the_file(bad_folder):
+    cache = JpegCache.from_files(sorted(bad_folder["cases"]), progress=False)
+    loader = GpuCachedLoader(cache, batch_size=4, num_workers=0, device="cpu", on_error="raise")
+    with pytest.raises(SampleError, match="corrupt_scan.jpg.*could not be decoded"):
+        for _ in loader:
+            pass
+
+
+def test_odd_jpegs_decode_to_rgb(bad_folder):
+    """CMYK, grayscale, progressive, EXIF-rotated and PNG-named-.jpg all come out RGB uint8."""
+    from PIL import Image, ImageOps
+
+    from gpucache.decode.cpu import decode_sample
+
+    cache = JpegCache.from_files(sorted(bad_folder["cases"]), progress=False)
+    for i, path in enumerate(cache.paths):
+        if path.endswith("corrupt_scan.jpg"):
+            continue
+        img = decode_sample(cache, i)
+        assert img.dtype == torch.uint8 and img.shape[0] == 3
+        assert tuple(img.shape[1:]) == (cache.samples["height"][i], cache.samples["width"][i])
+        with Image.open(path) as im:
+            ref = torch.from_numpy(
+                __import__("numpy").asarray(ImageOps.exif_transpose(im).convert("RGB"))
+            ).permute(2, 0, 1)
+        tol = 12 if path.endswith("cmyk.jpg") else 1  # PIL's CMYK conversion differs slightly
+        assert (img.float() - ref.float()).abs().mean() < tol, path

@@ -1,0 +1,217 @@
+"""GpuCachedLoader on the CPU backend: DataLoader habits, determinism, errors and clean shutdown."""
+
+import gc
+import os
+import signal
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from gpucache import GpuCachedLoader, JpegCache, WorkerError
+from gpucache import transforms as T
+
+TRAIN = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip()])
+
+
+@pytest.fixture(scope="module")
+def cache(small_folder):
+    return JpegCache.from_folder(small_folder, progress=False)
+
+
+def _epoch(loader):
+    out = [(x.clone() if isinstance(x, torch.Tensor) else x, i.indices.tolist())
+           for x, _, i in loader]
+    return torch.cat([x for x, _ in out]), sum((ix for _, ix in out), [])
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_each_epoch_yields_every_index_once(cache, shuffle, drop_last):
+    loader = GpuCachedLoader(cache, batch_size=7, shuffle=shuffle, drop_last=drop_last, seed=3,
+                             num_workers=0, device="cpu", return_metadata=True, transform=TRAIN)
+    seen = [i for _, labels, info in loader for i in info.indices.tolist()]
+    full = len(cache) // 7 * 7 if drop_last else len(cache)
+    assert len(seen) == full == len(set(seen))
+    assert len(loader) == (len(cache) // 7 if drop_last else -(-len(cache) // 7))
+    if not shuffle:
+        assert seen == list(range(full))
+
+
+def test_labels_and_metadata_come_with_images(cache):
+    loader = GpuCachedLoader(cache, batch_size=8, shuffle=True, seed=0, num_workers=0,
+                             device="cpu", return_metadata=True)
+    images, labels, info = next(iter(loader))
+    assert isinstance(images, list) and all(im.dtype == torch.uint8 for im in images)
+    assert labels.dtype == torch.int64
+    assert labels.tolist() == cache.labels[info.indices.numpy()].tolist()
+    assert isinstance(info.paths, list) and info.paths == [cache.paths[i] for i in info.indices]
+    for im, i in zip(images, info.indices.tolist()):
+        assert tuple(im.shape) == (3, cache.samples["height"][i], cache.samples["width"][i])
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_same_seed_same_order_and_crops_for_any_worker_count(cache, context):
+    runs = {}
+    for workers in (0, 1, 2):
+        if workers == 1 and context == "spawn":
+            continue  # spawn start-up is slow; 0 vs 2 covers it
+        with GpuCachedLoader(cache, batch_size=6, shuffle=True, seed=11, num_workers=workers,
+                             device="cpu", transform=TRAIN, return_metadata=True,
+                             multiprocessing_context=context) as loader:
+            runs[workers] = _epoch(loader)
+    first = runs[0]
+    for workers, (images, order) in runs.items():
+        assert order == first[1], workers
+        assert torch.equal(images, first[0]), workers
+
+
+def test_epochs_differ_and_set_epoch_replays(cache):
+    loader = GpuCachedLoader(cache, batch_size=8, shuffle=True, seed=5, num_workers=0,
+                             device="cpu", transform=TRAIN, return_metadata=True)
+    e0 = _epoch(loader)
+    e1 = _epoch(loader)
+    assert e0[1] != e1[1] and sorted(e0[1]) == sorted(e1[1])
+    loader.set_epoch(0)
+    again = _epoch(loader)
+    assert again[1] == e0[1] and torch.equal(again[0], e0[0])
+    other = GpuCachedLoader(cache, batch_size=8, shuffle=True, seed=6, num_workers=0,
+                            device="cpu", transform=TRAIN, return_metadata=True)
+    assert _epoch(other)[1] != e0[1]
+
+
+def test_state_dict_resumes_mid_epoch(cache):
+    kw = dict(batch_size=5, shuffle=True, seed=9, num_workers=0, device="cpu", transform=TRAIN,
+              return_metadata=True)
+    ref = GpuCachedLoader(cache, **kw)
+    _epoch(ref)
+    full_images, full_order = _epoch(ref)  # epoch 1
+    loader = GpuCachedLoader(cache, **kw)
+    _epoch(loader)
+    it = iter(loader)
+    first = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    resumed = GpuCachedLoader(cache, **{**kw, "seed": 0})
+    resumed.load_state_dict(state)
+    rest_images, rest_order = _epoch(resumed)
+    head = sum((i.indices.tolist() for _, _, i in first), [])
+    assert head + rest_order == full_order
+    assert torch.equal(torch.cat([x for x, _, _ in first] + [rest_images]), full_images)
+    with pytest.raises(ValueError, match="batch_size"):
+        GpuCachedLoader(cache, **{**kw, "batch_size": 4}).load_state_dict(state)
+
+
+def test_sharding_splits_the_epoch_between_ranks(cache):
+    orders = []
+    for rank in range(3):
+        loader = GpuCachedLoader(cache, batch_size=4, shuffle=True, seed=1, num_workers=0,
+                                 device="cpu", num_replicas=3, rank=rank, return_metadata=True)
+        orders.append([i for _, _, info in loader for i in info.indices.tolist()])
+    assert len({len(o) for o in orders}) == 1
+    assert set(sum(orders, [])) == set(range(len(cache)))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_size=0), "batch_size option should be an integer >= 1"),
+    (dict(batch_size=2, num_workers=-1), "num_workers=0 to decode in the main process"),
+    (dict(batch_size=2, prefetch_factor=0), "prefetch_factor"),
+    (dict(batch_size=2, timeout=-1), "timeout option should be non-negative"),
+    (dict(batch_size=2, backend="magic"), "backend must be one of"),
+    (dict(batch_size=2, multiprocessing_context="threads"), "multiprocessing_context"),
+    (dict(batch_size=2, rank=2, num_replicas=2), "rank should be in"),
+    (dict(batch_size=2, on_error="ignore"), "on_error"),
+])
+def test_invalid_arguments_say_what_and_how_to_fix(cache, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GpuCachedLoader(cache, **kwargs)
+
+
+def test_cuda_without_cuda_is_a_clear_error(cache):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        GpuCachedLoader(cache, batch_size=2, device="cuda")
+    loader = GpuCachedLoader(cache, batch_size=2, device=None, num_workers=0)
+    assert loader.device.type == "cpu" and loader.backend_name == "cpu"
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_reiterations_and_early_breaks_leak_nothing(cache):
+    me = psutil.Process()
+    before_fds, before_children = me.num_fds(), _children()
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    loader = GpuCachedLoader(cache, batch_size=4, shuffle=True, seed=0, num_workers=2,
+                             device="cpu", transform=TRAIN, multiprocessing_context="fork")
+    for k in range(20):
+        for b, (images, _) in enumerate(loader):
+            if k % 2 and b == 1:
+                break  # early break: the next epoch drains what was in flight
+    workers = set(loader.worker_pids)
+    assert len(workers) == 2 and workers <= _children()  # the same two, reused every epoch
+    loader.close()
+    loader.close()  # idempotent
+    assert _children() == before_children and me.num_fds() == before_fds
+    for broke in (True, False):  # garbage collection alone also stops workers
+        loader = GpuCachedLoader(cache, batch_size=4, num_workers=2, device="cpu",
+                                 multiprocessing_context="fork")
+        for _ in loader:
+            if broke:
+                break
+        del loader
+        gc.collect()
+        assert _children() == before_children
+    with GpuCachedLoader(cache, batch_size=4, num_workers=2, device="cpu") as loader:
+        next(iter(loader))
+    assert _children() == before_children and me.num_fds() == before_fds
+    if os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) == shm_before
+
+
+def test_killed_worker_raises_within_the_timeout(cache):
+    loader = GpuCachedLoader(cache, batch_size=2, num_workers=2, device="cpu", timeout=20,
+                             multiprocessing_context="fork")
+    it = iter(loader)
+    next(it)
+    os.kill(loader.worker_pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"worker 1 .* killed by signal SIGKILL .* samples \["):
+        for _ in it:
+            pass
+    assert time.monotonic() - start < 20
+    assert loader.worker_pids == []
+
+
+def _raise_in_worker(worker_id):
+    if worker_id == 1:
+        raise RuntimeError("boom from worker_init_fn")
+
+
+def test_worker_exception_carries_the_original_traceback(cache):
+    loader = GpuCachedLoader(cache, batch_size=2, num_workers=2, device="cpu", timeout=30,
+                             worker_init_fn=_raise_in_worker, multiprocessing_context="fork")
+    with pytest.raises(WorkerError, match="worker 1"):
+        for _ in loader:
+            pass
+
+
+
+
+def test_hung_worker_times_out(cache):
+    loader = GpuCachedLoader(cache, batch_size=2, num_workers=1, device="cpu", timeout=2,
+                             multiprocessing_context="fork")
+    it = iter(loader)
+    next(it)
+    os.kill(loader.worker_pids[0], signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="no batch within timeout=2"):
+            for _ in it:
+                pass
+        assert time.monotonic() - start < 10
+    finally:
+        loader.close()

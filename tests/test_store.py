@@ -1,0 +1,212 @@
+"""The store: round trips, ImageFolder parity, the file format, read-only views, pickling."""
+
+import os
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torchvision
+
+import gpucache
+from gpucache import CacheFormatError, JpegCache
+
+
+def test_every_public_name_resolves():
+    for name in gpucache.__all__:
+        assert getattr(gpucache, name) is not None, name
+    for name in gpucache.transforms.__all__:
+        assert getattr(gpucache.transforms, name) is not None, name
+
+
+def test_bytes_round_trip_and_imagefolder_parity(jpeg_folder, tmp_path):
+    cache = JpegCache.from_folder(jpeg_folder, progress=False)
+    ref = torchvision.datasets.ImageFolder(str(jpeg_folder))
+    assert cache.classes == ref.classes
+    assert [p for p, _ in ref.samples] == list(cache.paths)
+    assert cache.labels.tolist() == [label for _, label in ref.samples]
+    assert cache.nbytes == sum(os.path.getsize(p) for p, _ in ref.samples)
+    for i, (path, _) in enumerate(ref.samples):
+        assert cache[i].tobytes() == Path(path).read_bytes()
+    opened = JpegCache.open(cache.save(tmp_path / "s.gpucache"))
+    assert len(opened) == len(cache) and opened.classes == cache.classes
+    assert np.array_equal(opened.labels, cache.labels)
+    assert np.array_equal(opened.samples, cache.samples)
+    for i, (path, _) in enumerate(ref.samples):
+        assert opened[i].tobytes() == Path(path).read_bytes()
+    assert cache[-1].tobytes() == opened[len(opened) - 1].tobytes()
+    with pytest.raises(IndexError):
+        cache[len(cache)]
+
+
+def test_from_files_metadata_and_labels(jpeg_folder):
+    paths = sorted(str(p) for p in Path(jpeg_folder).rglob("*.jpg"))[:5]
+    meta = [f"caption {i} \N{SNOWMAN}" for i in range(5)]
+    cache = JpegCache.from_files(paths, [0, 1, 0, 1, 1], meta, classes=["no", "yes"],
+                                 progress=False)
+    assert list(cache.metadata) == meta and cache.classes == ["no", "yes"]
+    assert cache.labels.tolist() == [0, 1, 0, 1, 1]
+    unlabeled = JpegCache.from_files(paths, progress=False)
+    assert unlabeled.labels.tolist() == [-1] * 5 and unlabeled.metadata is None
+    with pytest.raises(ValueError, match="labels must lie"):
+        JpegCache.from_files(paths, [0, 1, 2, 0, 0], classes=["a", "b"], progress=False)
+    with pytest.raises(ValueError, match="metadata has 2 entries"):
+        JpegCache.from_files(paths, metadata=["a", "b"], progress=False)
+
+
+def test_views_are_read_only_and_store_unchanged(jpeg_folder, tmp_path):
+    for cache in (JpegCache.from_folder(jpeg_folder, progress=False),):
+        opened = JpegCache.open(cache.save(tmp_path / "ro.gpucache"))
+        for c in (cache, opened):
+            before = c[0].tobytes()
+            view = c[0]
+            with pytest.raises(ValueError, match="read-only"):
+                view[0] = 0
+            with pytest.raises(ValueError, match="read-only"):
+                view += 1
+            with pytest.raises(ValueError):
+                view.flags.writeable = True
+            assert c[0].tobytes() == before
+
+
+def test_pickle_is_o1_bytes_for_mapped_and_refused_in_memory(jpeg_folder, tmp_path):
+    cache = JpegCache.from_folder(jpeg_folder, progress=False)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(cache)
+    opened = JpegCache.open(cache.save(tmp_path / "p.gpucache"))
+    blob = pickle.dumps(opened)
+    assert len(blob) < 400 < cache.nbytes
+    again = pickle.loads(blob)
+    assert again[3].tobytes() == cache[3].tobytes()
+    shared = cache.share()
+    try:
+        assert len(pickle.dumps(shared)) < 400
+        assert pickle.loads(pickle.dumps(shared))[5].tobytes() == opened[5].tobytes()
+        assert shared.path.exists()
+    finally:
+        cache.close()
+    assert not shared.path.exists()
+
+
+def test_shared_memory_removed_on_gc(jpeg_folder):
+    import gc
+
+    cache = JpegCache.from_folder(jpeg_folder, progress=False).share()
+    path = cache.path
+    assert path.exists()
+    del cache
+    gc.collect()
+    assert not path.exists()
+
+
+def test_golden_bytes_of_a_tiny_file(tmp_path, monkeypatch):
+    """Format v1 stays byte-for-byte stable; the README's Format section walks through this file."""
+    from conftest import sof_jpeg
+
+    golden = Path(__file__).parent / "data" / "tiny-v1.gpucache"
+    monkeypatch.chdir(tmp_path)  # relative paths, so the file does not depend on the machine
+    Path("a.jpg").write_bytes(sof_jpeg(h=2, w=3))
+    Path("b.jpg").write_bytes(sof_jpeg(h=5, w=4, comps=1))
+    cache = JpegCache.from_files(["a.jpg", "b.jpg"], [1, 0], ["first", "second"],
+                                 classes=["cat", "dog"], progress=False)
+    out = cache.save(tmp_path / "tiny.gpucache").read_bytes()
+    assert out == golden.read_bytes()
+    head = struct.unpack_from("<8sIIQQQ", out)
+    assert head == (b"GPUCACHE", 1, 256, 2, 2, len(out))
+    assert out[4096:4096 + 2] == b"\xff\xd8"  # data section on a page boundary
+    opened = JpegCache.open(golden)
+    assert opened.classes == ["cat", "dog"] and opened.labels.tolist() == [1, 0]
+    assert list(opened.metadata) == ["first", "second"] and list(opened.paths) == ["a.jpg", "b.jpg"]
+    assert opened.samples["height"].tolist() == [2, 5] and opened.samples["width"].tolist() == [3, 4]
+    assert opened.samples["components"].tolist() == [3, 1]
+
+
+@pytest.fixture()
+def saved(jpeg_folder, tmp_path) -> bytes:
+    cache = JpegCache.from_folder(jpeg_folder, progress=False)
+    return cache.save(tmp_path / "ok.gpucache").read_bytes()
+
+
+def _open_bytes(tmp_path, data: bytes) -> JpegCache:
+    p = tmp_path / "bad.gpucache"
+    p.write_bytes(data)
+    return JpegCache.open(p)
+
+
+def _with_header_crc(b: bytearray) -> bytes:
+    import zlib
+
+    at = struct.calcsize("<8sIIQQQ" + "QQ" * 7 + "II")
+    struct.pack_into("<I", b, at, zlib.crc32(bytes(b[:at])))
+    return bytes(b)
+
+
+def test_bad_files_give_clear_errors(saved, tmp_path):
+    cases = {
+        "empty file": b"",
+        "too small": saved[:100],
+        "not a gpucache store": b"\x89PNG" + saved[4:],
+        "truncated or extended": saved[:-1000],
+        "header checksum": saved[:20] + b"\x07" + saved[21:],
+    }
+    for why, data in cases.items():
+        with pytest.raises(CacheFormatError, match=why):
+            _open_bytes(tmp_path, data)
+    wrong_version = bytearray(saved)
+    struct.pack_into("<I", wrong_version, 8, 99)
+    with pytest.raises(CacheFormatError, match="version 99 is not supported"):
+        _open_bytes(tmp_path, _with_header_crc(wrong_version))
+    with pytest.raises(FileNotFoundError, match="no such gpucache store"):
+        JpegCache.open(tmp_path / "missing.gpucache")
+
+
+def test_out_of_range_offsets_and_sections(saved, tmp_path):
+    fields = struct.unpack_from("<8sIIQQQ" + "QQ" * 7, saved)
+    off_start = fields[6]
+    bad = bytearray(saved)
+    struct.pack_into("<q", bad, off_start + 8, 10**12)  # offsets[1] far outside the data
+    # index crc no longer matches: the checksum catches it first
+    with pytest.raises(CacheFormatError, match="index checksum"):
+        _open_bytes(tmp_path, bytes(bad))
+    # the same corruption with a recomputed index checksum: the bounds check catches it
+    import zlib
+
+    crc = 0
+    spans = list(zip(fields[6::2], fields[7::2]))
+    for start, length in spans[:-1]:
+        crc = zlib.crc32(bytes(bad[start:start + length]), crc)
+    at = struct.calcsize("<8sIIQQQ" + "QQ" * 7 + "I")
+    struct.pack_into("<I", bad, at, crc)
+    with pytest.raises(CacheFormatError, match="offsets are not monotonic or point outside"):
+        _open_bytes(tmp_path, _with_header_crc(bad))
+    bad = bytearray(saved)
+    struct.pack_into("<Q", bad, 40 + 16 * 6, len(saved) + 10)  # data section past the end
+    with pytest.raises(CacheFormatError, match="out of bounds"):
+        _open_bytes(tmp_path, _with_header_crc(bad))
+
+
+def test_save_is_atomic_and_leaves_no_temp(jpeg_folder, tmp_path):
+    cache = JpegCache.from_folder(jpeg_folder, progress=False)
+    target = tmp_path / "a.gpucache"
+    target.write_bytes(b"old contents")
+    cache.save(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gpucache"]
+    assert JpegCache.open(target)[0].tobytes() == cache[0].tobytes()
+
+
+def test_cli_build_info_verify(jpeg_folder, tmp_path, capsys):
+    from gpucache.cli import main
+
+    out = tmp_path / "cli.gpucache"
+    assert main(["build", str(jpeg_folder), "-o", str(out)]) == 0
+    assert main(["info", str(out)]) == 0
+    assert main(["verify", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "24 files: 24 kept" in text and "24 of 24 samples decode" in text
+    data = bytearray(out.read_bytes())
+    data[-10] ^= 0xFF  # flip bits inside the image data: only the data checksum sees it
+    out.write_bytes(bytes(data))
+    assert main(["verify", str(out)]) == 1
+    assert "data checksum mismatch" in capsys.readouterr().err
+    assert main(["info", str(tmp_path / "nope.gpucache")]) == 2
