@@ -1,0 +1,1 @@
+"""Ready recipes built on gpucache's public API only."""
