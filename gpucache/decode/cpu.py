@@ -57,12 +57,17 @@ def decode_sample(cache, i: int) -> torch.Tensor:
 
 
 def apply_plan(img: torch.Tensor, plan) -> torch.Tensor:
-    """Run one sample's plan (see :mod:`gpucache.transforms`) on a decoded CHW uint8 image."""
+    """Run one sample's plan (see :mod:`gpucache.transforms`) on a decoded CHW uint8 image.
+
+    Device-agnostic: the GPU backends run this same function on CUDA tensors."""
     t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan)
     x = img[:, t1:t1 + h1, l1:l1 + w1]
     if (rh, rw) != (h1, w1):
-        x = F.interpolate(x[None], size=(rh, rw), mode="bilinear", antialias=True,
-                          align_corners=False)[0]
+        if x.device.type == "cpu":  # uint8 in, uint8 out: torch's vectorized CPU kernel
+            x = F.interpolate(x[None], size=(rh, rw), mode="bilinear", antialias=True)[0]
+        else:  # the same filter in float on other devices, rounded back to uint8
+            x = F.interpolate(x[None].float(), size=(rh, rw), mode="bilinear",
+                              antialias=True)[0].round_().clamp_(0, 255).to(torch.uint8)
     if (t2, l2, h2, w2) != (0, 0, rh, rw):
         if t2 < 0 or l2 < 0 or t2 + h2 > rh or l2 + w2 > rw:  # crop larger than image: zero pad
             x = F.pad(x, (max(0, -l2), max(0, l2 + w2 - rw), max(0, -t2), max(0, t2 + h2 - rh)))

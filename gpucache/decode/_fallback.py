@@ -1,0 +1,71 @@
+"""Device-agnostic helpers the GPU backends share: split a batch, decode the rest on the CPU, join.
+
+A GPU decoder takes only what :meth:`JpegCache.gpu_decodable` allows (8-bit Huffman JPEG with 1 or 3
+components); PNG, GIF, WebP, CMYK and arithmetic JPEG go to the CPU path. Each path yields one
+result per batch position, an image or the reason it failed, and :func:`join` puts them back in
+batch order. Nothing here touches CUDA, so CI runs it on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from .cpu import Decoded, decode_batch
+
+#: One sample's outcome: its image (uint8 CHW), or why it failed (see :func:`.cpu.describe`).
+Result = torch.Tensor | str
+#: Positions within the batch, their results (a list, or one stacked tensor), and whether they
+#: took the CPU path (counted in ``Decoded.cpu_decoded``).
+Part = tuple[np.ndarray, Sequence[Result] | torch.Tensor, bool]
+
+
+def split(cache, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in the batch the GPU decoder may take, and those that must go to the CPU."""
+    gpu = cache.gpu_decodable()[np.asarray(indices, dtype=np.int64)]
+    return np.flatnonzero(gpu), np.flatnonzero(~gpu)
+
+
+def decode_on_cpu(cache, indices: np.ndarray, plans: np.ndarray, positions: Iterable[int], *,
+                  on_error: str) -> list[Result]:
+    """Decode and transform ``indices[positions]`` on the CPU, one result per position.
+
+    Raises :class:`.cpu.SampleError` for a bad sample when ``on_error="raise"``."""
+    out: list[Result] = []
+    for p in positions:
+        d = decode_batch(cache, indices[p:p + 1], plans[p:p + 1], on_error=on_error, stack=False)
+        out.append(d.images[0] if d.images else d.failed[0][1])
+    return out
+
+
+def join(n: int, parts: Iterable[Part], *, indices: np.ndarray, stack: bool,
+         device: torch.device, out_hw: tuple[int, int] = (0, 0)) -> Decoded:
+    """Reassemble the parts of an ``n``-sample batch into one :class:`Decoded`, in batch order.
+
+    Failed positions are left out and reported as ``(store index, reason)``; ``out_hw`` is the
+    image size of an empty stacked batch (every sample failed).
+    """
+    parts = list(parts)
+    if (stack and len(parts) == 1 and isinstance(parts[0][1], torch.Tensor)
+            and np.array_equal(parts[0][0], np.arange(n))):
+        positions, images, on_cpu = parts[0]  # the common case: one path took the whole batch
+        return Decoded(images.to(device), np.asarray(indices, dtype=np.int64),
+                       cpu_decoded=n if on_cpu else 0)
+    slots: list[Result | None] = [None] * n
+    cpu_decoded = 0
+    for positions, results, on_cpu in parts:
+        for p, r in zip(positions.tolist(), results, strict=True):
+            slots[p] = r
+            cpu_decoded += bool(on_cpu and isinstance(r, torch.Tensor))
+    if any(r is None for r in slots):
+        raise ValueError(f"join: positions {[p for p, r in enumerate(slots) if r is None]} of a "
+                         f"{n}-sample batch have no result; every position needs one part.")
+    kept = [p for p, r in enumerate(slots) if isinstance(r, torch.Tensor)]
+    failed = [(int(indices[p]), r) for p, r in enumerate(slots) if isinstance(r, str)]
+    images: torch.Tensor | list[torch.Tensor] = [slots[p].to(device) for p in kept]  # type: ignore[union-attr]
+    if stack:
+        images = (torch.stack(images) if images else
+                  torch.empty((0, 3, *out_hw), dtype=torch.uint8, device=device))
+    return Decoded(images, np.asarray(indices, dtype=np.int64)[kept], failed, cpu_decoded)

@@ -1,0 +1,222 @@
+"""backend="dali": NVIDIA DALI decodes each batch and runs its geometric plans in one graph.
+
+Per sample, the graph is ``decoders.image_slice`` (crop1, EXIF orientation applied) -> ``resize``
+(antialiased linear) to (rh, rw) -> ``slice`` (crop2, zero padding outside the image) ->
+``crop_mirror_normalize`` (flip; uint8 CHW out). Normalization and dtype stay with the loader's
+pixel transforms, which every backend shares.
+
+The encoded bytes go in as zero-copy views of the store (``external_source(no_copy=True)``), kept
+alive until that batch's outputs are back; the plan goes in as one int32 row per sample. Outputs
+reach torch through DLPack and are copied out of DALI's buffers at once. Samples the GPU decoder
+does not take (PNG, GIF, WebP, CMYK, arithmetic JPEG) are decoded on the CPU and joined back in.
+
+``device=cpu`` runs the same graph with DALI's CPU decoder (``device_id=None``), which is how CI
+covers it; on CUDA only the decoder's device and the pipeline's ``device_id`` change.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+try:
+    from nvidia.dali import fn, types
+    from nvidia.dali.pipeline import Pipeline
+except ImportError as err:  # pragma: no cover - depends on what is installed
+    raise ImportError("backend='dali' needs NVIDIA DALI: pip install nvidia-dali-cuda120 (or "
+                      "gpucache[dali]), or use backend='nvjpeg' or 'cpu'.") from err
+
+from ._base import Backend
+from ._fallback import Part, decode_on_cpu, join, split
+from .cpu import Decoded
+
+log = logging.getLogger("gpucache")
+
+_PIXELS = dict(axis_names="HW", normalized_anchor=False, normalized_shape=False)
+
+
+@dataclass
+class _Batch:
+    indices: np.ndarray
+    plans: np.ndarray
+    stack: bool
+    gpu_pos: np.ndarray  # positions DALI decodes
+    cpu_pos: np.ndarray  # positions the CPU path decodes
+    views: list[np.ndarray] | None = None  # fed to DALI (zero-copy) and not yet collected
+
+
+class DaliBackend(Backend):
+    name = "dali"
+
+    def __init__(self, cache, *, device: torch.device, batch_size: int, on_error: str, seed: int,
+                 num_threads: int, prefetch: int = 2, hw_decoder_load: float = 0.65):
+        device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"backend='dali' runs on 'cpu' or 'cuda', got device={device}.")
+        for name, value in (("batch_size", batch_size), ("num_threads", num_threads),
+                            ("prefetch", prefetch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} should be an integer >= 1, got {value!r}.")
+        if on_error not in ("skip", "raise"):
+            raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}.")
+        self.cache, self.on_error, self.seed = cache, on_error, int(seed) % 2**31
+        self.batch_size, self.num_threads, self.prefetch = batch_size, num_threads, prefetch
+        self.hw_decoder_load = hw_decoder_load
+        self.device = torch.device("cuda", device.index or 0) if device.type == "cuda" else device
+        self._queue: deque[_Batch] = deque()
+        self._pipe: Pipeline | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ the DALI graph
+    def _pipeline(self) -> Pipeline:
+        if self._pipe is not None:
+            return self._pipe
+        gpu = self.device.type == "cuda"  # the only CUDA-specific lines of this backend
+        decoder = (dict(device="mixed", hw_decoder_load=self.hw_decoder_load,
+                        jpeg_fancy_upsampling=True) if gpu else dict(device="cpu"))
+        pipe = Pipeline(batch_size=self.batch_size, num_threads=self.num_threads,
+                        device_id=self.device.index if gpu else None, seed=self.seed,
+                        prefetch_queue_depth=1, exec_dynamic=True)
+        with pipe:
+            enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
+            plan = fn.external_source(name="plan", dtype=types.INT32, ndim=1)  # the 11 integers
+            img = fn.decoders.image_slice(enc, plan[0:2], plan[2:4], output_type=types.RGB,
+                                          **decoder, **_PIXELS)
+            img = fn.resize(img, resize_y=fn.cast(plan[4], dtype=types.FLOAT),
+                            resize_x=fn.cast(plan[5], dtype=types.FLOAT), antialias=True,
+                            interp_type=types.INTERP_LINEAR)
+            img = fn.slice(img, plan[6:8], plan[8:10], out_of_bounds_policy="pad", fill_values=0,
+                           **_PIXELS)
+            img = fn.crop_mirror_normalize(img, mirror=plan[10], dtype=types.UINT8,
+                                           output_layout="CHW")
+            pipe.set_outputs(img)
+        pipe.build()
+        self._pipe = pipe
+        return pipe
+
+    def _run(self, indices: np.ndarray, plans: np.ndarray) -> list[np.ndarray]:
+        """Feed one batch and schedule it; returns the views DALI reads until it is collected."""
+        pipe = self._pipeline()
+        views = [self.cache[i] for i in indices.tolist()]
+        pipe.feed_input("enc", views)
+        pipe.feed_input("plan", np.ascontiguousarray(plans, dtype=np.int32))
+        pipe.schedule_run()
+        return views
+
+    def _outputs(self) -> torch.Tensor | list[torch.Tensor]:
+        """The oldest scheduled batch, copied out of DALI's buffers (raises RuntimeError)."""
+        assert self._pipe is not None
+        (out,) = self._pipe.outputs()
+        if out.is_dense_tensor():
+            return torch.from_dlpack(out.as_tensor()).clone()
+        return [torch.from_dlpack(out[k]).clone() for k in range(len(out))]
+
+    def _reset(self) -> None:
+        """Drop the pipeline (it may be unusable after an error) and what was in flight on it."""
+        self._pipe = None
+        for b in self._queue:
+            b.views = None
+
+    def _pump(self) -> None:
+        """Schedule queued batches in order, at most ``prefetch`` in flight."""
+        in_flight = sum(b.views is not None for b in self._queue)
+        for b in self._queue:
+            if in_flight >= self.prefetch:
+                break
+            if b.views is None and len(b.gpu_pos):
+                b.views = self._run(b.indices[b.gpu_pos], b.plans[b.gpu_pos])
+                in_flight += 1
+
+    # ------------------------------------------------------------------ Backend
+    def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
+        if self._closed:
+            raise RuntimeError("this DaliBackend is closed; make a new one (or a new loader).")
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) > self.batch_size:
+            raise ValueError(f"a batch of {len(indices)} samples is larger than the pipeline's "
+                             f"batch_size={self.batch_size}; pass the loader's batch size.")
+        self._queue.append(_Batch(indices, np.asarray(plans), stack, *split(self.cache, indices)))
+        self._pump()
+
+    def get(self) -> Decoded:
+        if not self._queue:
+            raise RuntimeError("get() called with no batch submitted.")
+        b = self._queue[0]
+        parts: list[Part] = []
+        try:
+            if len(b.gpu_pos):
+                if b.views is None:  # not in flight (after a reset): run it now
+                    self._pump()
+                try:
+                    parts.append((b.gpu_pos, self._outputs(), False))
+                except RuntimeError as err:  # DALI fails the whole batch: find the bad sample(s)
+                    self._queue.popleft()
+                    self._reset()
+                    parts += self._isolate(b, err)
+                else:
+                    self._queue.popleft()
+            else:
+                self._queue.popleft()
+            b.views = None
+            self._pump()  # keep DALI busy while the CPU path below runs
+            if len(b.cpu_pos):
+                parts.append((b.cpu_pos, decode_on_cpu(self.cache, b.indices, b.plans, b.cpu_pos,
+                                                       on_error=self.on_error), True))
+        except BaseException:
+            if self._queue and self._queue[0] is b:
+                self._queue.popleft()
+            self._reset()  # b's output may still be queued in DALI: drop it to keep the order
+            raise
+        out_hw = (int(b.plans[0, 8]), int(b.plans[0, 9])) if len(b.plans) else (0, 0)
+        return join(len(b.indices), parts, indices=b.indices, stack=b.stack, device=self.device,
+                    out_hw=out_hw)
+
+    def _isolate(self, b: _Batch, err: RuntimeError) -> list[Part]:
+        """Run a failed batch's DALI samples one at a time; what DALI rejects tries the CPU."""
+        reason = str(err).split("encountered:")[-1].strip().splitlines()[0] if str(err) else ""
+        log.warning("gpucache: DALI failed a batch of %d samples (%s); decoding them one at a "
+                    "time to find the bad one(s)", len(b.gpu_pos), reason)
+        good: list[torch.Tensor] = []
+        good_pos, rejected = [], []
+        for p in b.gpu_pos.tolist():
+            views = self._run(b.indices[p:p + 1], b.plans[p:p + 1])
+            try:
+                good.append(self._outputs()[0])
+                good_pos.append(p)
+            except RuntimeError:
+                self._reset()
+                rejected.append(p)
+            del views  # DALI read them in place until now
+        parts: list[Part] = [(np.asarray(good_pos, dtype=np.int64), good, False)]
+        if rejected:  # libjpeg-turbo gets the last word: decoded there, or reported as failed
+            results = decode_on_cpu(self.cache, b.indices, b.plans, rejected,
+                                    on_error=self.on_error)
+            for p, r in zip(rejected, results):
+                if isinstance(r, torch.Tensor):
+                    log.warning("gpucache: DALI could not decode sample %d (%s); decoded it on "
+                                "the CPU", int(b.indices[p]), self.cache.paths[int(b.indices[p])])
+            parts.append((np.asarray(rejected, dtype=np.int64), results, True))
+        return parts
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def drain(self) -> None:
+        """Drop queued batches; what DALI has in flight is collected and thrown away."""
+        try:
+            for b in self._queue:
+                if b.views is not None:
+                    (_,) = self._pipe.outputs()  # type: ignore[union-attr]
+        except RuntimeError:
+            self._reset()
+        self._queue.clear()
+
+    def close(self) -> None:
+        """Free the DALI pipeline and its buffers. Idempotent."""
+        self._queue.clear()
+        self._pipe = None
+        self._closed = True
