@@ -67,6 +67,7 @@ class GpuCachedLoader:
         worker_init_fn: Callable[[int], None] | None = None,
         multiprocessing_context: str | None = None,
         timeout: float | None = 300.0,
+        hw_decoder_load: float = 0.65,
         # bad samples, metadata, sharding
         on_error: Literal["skip", "raise"] = "skip",
         return_metadata: bool = False,
@@ -106,6 +107,7 @@ class GpuCachedLoader:
         self.pin_memory = self.device.type == "cuda" and pin_memory is not False
         self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
         self.timeout = timeout or None
+        self.hw_decoder_load = hw_decoder_load
         self.on_error, self.return_metadata = on_error, return_metadata
         self.num_replicas, self.rank = num_replicas, rank
         self.stats = LoaderStats()
@@ -177,7 +179,8 @@ class GpuCachedLoader:
         if self.drop_last and batches and len(batches[-1]) < bs:
             batches.pop()
         stack = self.transform.fixed_size
-        ahead = self.prefetch_factor * max(1, self.num_workers)
+        ahead = (self.prefetch_factor * max(1, self.num_workers) if self.backend_name == "cpu"
+                 else max(2, self.prefetch_factor))  # GPU backends: >= 2 batches in flight
         submitted = start
         for b in range(start, len(batches)):
             while submitted < len(batches) and submitted < b + ahead:
@@ -256,4 +259,12 @@ def _make_backend(loader: GpuCachedLoader) -> Backend:
                           context=loader.multiprocessing_context,
                           worker_init_fn=loader.worker_init_fn, timeout=loader.timeout,
                           pin_memory=loader.pin_memory, **common)
-    raise NotImplementedError(f"backend {name!r} is not available yet.")
+    if name == "nvjpeg":
+        from .decode.nvjpeg import NvjpegBackend
+
+        return NvjpegBackend(loader.cache, device=loader.device, on_error=loader.on_error)
+    from .decode.dali import DaliBackend
+
+    return DaliBackend(loader.cache, device=loader.device, batch_size=loader.batch_size,
+                       num_threads=max(1, loader.num_workers), prefetch=max(2, loader.prefetch_factor),
+                       hw_decoder_load=loader.hw_decoder_load, **common)

@@ -1,7 +1,10 @@
 """Decode backends behind one interface (:class:`~gpucache.decode._base.Backend`).
 
 - ``cpu``: worker processes decoding with libjpeg-turbo (``cpu_backend``)
-- ``nvjpeg``, ``dali``: GPU decoding (see their modules)
+- ``nvjpeg``: batched nvJPEG on a side CUDA stream (``nvjpeg``)
+- ``dali``: an NVIDIA DALI pipeline; CPU-only mode on a CPU device (``dali``)
+
+``auto`` picks dali when it is importable and the device is CUDA, else nvjpeg on CUDA, else cpu.
 
 ``resolve(backend, device)`` turns the user's choice into a concrete backend name.
 """
@@ -38,4 +41,10 @@ def resolve(backend: str, device: torch.device) -> str:
         if device.type != "cuda":
             return "cpu"
         return "dali" if dali_available() else "nvjpeg"
+    if backend == "nvjpeg" and device.type != "cuda":
+        raise ValueError(f"backend='nvjpeg' decodes on a CUDA device, but device is {device}; use "
+                         "backend='cpu', or backend='dali', whose CPU mode runs without a GPU.")
+    if backend == "dali" and not dali_available():
+        raise ImportError("backend='dali' needs NVIDIA DALI: pip install 'gpucache[dali]' "
+                          "(nvidia-dali-cuda120), or use backend='auto'.")
     return backend

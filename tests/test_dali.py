@@ -1,0 +1,196 @@
+"""backend="dali" on the CPU (device_id=None, DALI's CPU decoder): the same graph CUDA runs.
+
+Real DALI, real JPEGs. The reference is gpucache.decode.cpu.decode_batch on the same plans.
+Tolerance: mean absolute difference <= 2 levels per image. Measured on these fixtures: mean
+0.08-0.21 per image; max 1 (Resize+CenterCrop) and up to 12 (RandomResizedCrop, at the crop borders,
+where DALI's and torch's antialias filters treat the image edge differently).
+"""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed (pip install "
+                    "nvidia-dali-cuda120); backend='dali' is untested here")
+
+from gpucache import JpegCache, Kind, SampleError  # noqa: E402
+from gpucache import transforms as T  # noqa: E402
+from gpucache.decode._fallback import join, split  # noqa: E402
+from gpucache.decode.cpu import decode_batch  # noqa: E402
+from gpucache.decode.dali import DaliBackend  # noqa: E402
+
+CPU = torch.device("cpu")
+TOLERANCE = 2.0  # mean abs difference, uint8 levels, per image
+
+TRANSFORMS = {
+    "rrc_flip": T.Compose([T.RandomResizedCrop(64), T.RandomHorizontalFlip()]),
+    "resize_center": T.Compose([T.Resize(72), T.CenterCrop(64)]),
+}
+
+
+def backend(cache, **kw):
+    args = dict(device=CPU, batch_size=32, on_error="skip", seed=0, num_threads=2)
+    return DaliBackend(cache, **{**args, **kw})
+
+
+def plans_for(cache, indices, transform, seed=0):
+    s = cache.samples
+    return transform.plan(s["height"][indices].astype(np.int64),
+                          s["width"][indices].astype(np.int64), np.random.default_rng(seed))
+
+
+def decode(be, indices, plans, stack=True):
+    be.submit(indices, plans, stack)
+    return be.get()
+
+
+def assert_close(images, ref_images):
+    assert len(images) == len(ref_images)
+    for a, b in zip(images, ref_images):
+        assert a.dtype == torch.uint8 and a.shape == b.shape
+        diff = (a.float() - b.float()).abs()
+        assert diff.mean() <= TOLERANCE, (diff.mean().item(), diff.max().item())
+
+
+@pytest.fixture(scope="module")
+def jpegs(jpeg_folder):
+    return JpegCache.from_folder(jpeg_folder, progress=False)
+
+
+@pytest.fixture(scope="module")
+def bad(bad_folder):
+    return JpegCache.from_files(sorted(bad_folder["cases"]), progress=False)
+
+
+def by_name(cache, name):
+    return next(i for i, p in enumerate(cache.paths) if p.endswith("/" + name))
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_matches_cpu_decoder(jpegs, name):
+    idx = np.arange(len(jpegs))  # grayscale, CMYK, progressive and EXIF-6 among them
+    plans = plans_for(jpegs, idx, TRANSFORMS[name])
+    be = backend(jpegs)
+    out = decode(be, idx, plans)
+    ref = decode_batch(jpegs, idx, plans, on_error="skip", stack=True)
+    assert out.images.shape == ref.images.shape == (len(idx), 3, 64, 64)
+    assert out.images.device == CPU and out.images.is_contiguous()
+    assert_close(out.images, ref.images)
+    assert out.indices.tolist() == idx.tolist() and out.failed == []
+    assert out.cpu_decoded == int((~jpegs.gpu_decodable()).sum()) == 1  # the CMYK one
+    be.close()
+
+
+def test_list_output_padding_and_identity(small_folder):
+    """stack=False gives a list; crops larger than the image are zero-padded; no-op plans."""
+    cache = JpegCache.from_folder(small_folder, progress=False)
+    idx = np.array([5, 0, 17, 3, 39, 21])
+    be = backend(cache)
+    for transform in (T.Compose([T.CenterCrop(100)]), T.Compose([])):
+        plans = plans_for(cache, idx, transform)
+        out = decode(be, idx, plans, stack=False)
+        ref = decode_batch(cache, idx, plans, on_error="skip", stack=False)
+        assert isinstance(out.images, list) and out.indices.tolist() == idx.tolist()
+        assert_close(out.images, ref.images)
+        for im, r in zip(out.images, ref.images):  # zero padding where the reference has it
+            assert torch.equal(im == 0, r == 0) or (r == 0).sum() == 0
+    h, w = cache.samples["height"][idx], cache.samples["width"][idx]
+    assert [tuple(im.shape) for im in out.images] == [(3, int(a), int(b)) for a, b in zip(h, w)]
+    be.close()
+
+
+def test_cpu_path_and_corrupt_sample(bad, caplog):
+    """PNG and CMYK take the CPU path; the corrupt-scan JPEG fails DALI and the CPU, is reported."""
+    idx = np.arange(len(bad))
+    plans = plans_for(bad, idx, T.Compose([T.Resize((32, 32))]))
+    gpu_pos, cpu_pos = split(bad, idx)
+    kinds = bad.kinds()
+    assert sorted(bad.paths[i].rsplit("/", 1)[1] for i in cpu_pos) == ["cmyk.jpg", "png_named.jpg"]
+    assert kinds[by_name(bad, "png_named.jpg")] == Kind.PNG
+    corrupt = by_name(bad, "corrupt_scan.jpg")
+    be = backend(bad, batch_size=len(idx))
+    with caplog.at_level(logging.WARNING, logger="gpucache"):
+        out = decode(be, idx, plans)
+    assert [i for i, _ in out.failed] == [corrupt]
+    assert "corrupt_scan.jpg" in out.failed[0][1] and "could not be decoded" in out.failed[0][1]
+    assert out.cpu_decoded == 2
+    kept = [i for i in idx.tolist() if i != corrupt]
+    assert out.indices.tolist() == kept  # batch order preserved
+    ref = decode_batch(bad, np.array(kept), plans[kept], on_error="skip", stack=True)
+    assert_close(out.images, ref.images)
+    assert "DALI failed a batch" in caplog.text
+    be.close()
+
+
+def test_bad_batch_among_batches_in_flight(bad):
+    """A failing batch between good ones: every batch comes back, in order, right counts."""
+    corrupt = by_name(bad, "corrupt_scan.jpg")
+    good = [i for i in range(len(bad)) if i != corrupt]
+    batches = [np.array(good[:3]), np.array([good[3], corrupt, good[4]]), np.array(good[5:]),
+               np.array(good[:2])]
+    be = backend(bad, batch_size=4, prefetch=3)
+    t = T.Compose([T.Resize((24, 24))])
+    for b in batches:
+        be.submit(b, plans_for(bad, b, t), True)
+    assert len(be) == len(batches)
+    outs = [be.get() for _ in batches]
+    assert len(be) == 0
+    assert [o.indices.tolist() for o in outs] == [[i for i in b.tolist() if i != corrupt]
+                                                 for b in batches]
+    assert [len(o.failed) for o in outs] == [0, 1, 0, 0]
+    assert sum(o.cpu_decoded for o in outs) == sum(int((~bad.gpu_decodable()[b]).sum())
+                                                   for b in batches)
+    assert all(o.images.shape[1:] == (3, 24, 24) for o in outs)
+    be.close()
+
+
+def test_raise_policy_names_the_file(bad):
+    corrupt = by_name(bad, "corrupt_scan.jpg")
+    good = [by_name(bad, "good.jpg"), by_name(bad, "gray.jpg")]
+    idx = np.array([good[0], corrupt, good[1]])
+    be = backend(bad, on_error="raise")
+    be.submit(idx, plans_for(bad, idx, T.Compose([T.Resize((16, 16))])), True)
+    with pytest.raises(SampleError, match="corrupt_scan.jpg.*could not be decoded"):
+        be.get()
+    assert len(be) == 0  # and the backend still works afterwards
+    ok = np.array(good)
+    assert decode(be, ok, plans_for(bad, ok, T.Compose([T.Resize((16, 16))]))).indices.tolist() \
+        == good
+    be.close()
+
+
+def test_queue_short_batches_drain_and_close(small_folder):
+    cache = JpegCache.from_folder(small_folder, progress=False)
+    be = backend(cache, batch_size=8, prefetch=2)
+    t = TRANSFORMS["resize_center"]
+    order = np.random.default_rng(1).permutation(len(cache))
+    batches = [order[i:i + 8] for i in range(0, len(order), 8)] + [order[:3]]  # short last one
+    for b in batches:  # more than `prefetch` queued: the rest wait their turn
+        be.submit(b, plans_for(cache, b, t), True)
+    got = [be.get().indices.tolist() for _ in range(3)]
+    assert got == [b.tolist() for b in batches[:3]]
+    be.drain()  # an abandoned epoch
+    assert len(be) == 0
+    out = decode(be, order[:5], plans_for(cache, order[:5], t))
+    assert out.indices.tolist() == order[:5].tolist() and out.images.shape == (5, 3, 64, 64)
+    with pytest.raises(ValueError, match="batch_size=8"):
+        be.submit(order[:9], plans_for(cache, order[:9], t), True)
+    be.close()
+    be.close()  # idempotent
+    assert be._pipe is None and len(be) == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        be.submit(order[:2], plans_for(cache, order[:2], t), True)
+
+
+def test_join_reassembles_in_order():
+    a, b, c = (torch.full((3, 2, 2), v, dtype=torch.uint8) for v in (1, 2, 3))
+    idx = np.array([10, 11, 12, 13])
+    out = join(4, [(np.array([0, 3]), [a, "bad 13"], False), (np.array([1, 2]), [b, c], True)],
+               indices=idx, stack=True, device=CPU)
+    assert out.indices.tolist() == [10, 11, 12] and out.failed == [(13, "bad 13")]
+    assert out.images[:, 0, 0, 0].tolist() == [1, 2, 3] and out.cpu_decoded == 2
+    empty = join(1, [(np.array([0]), ["x"], False)], indices=idx[:1], stack=True, device=CPU,
+                 out_hw=(2, 2))
+    assert empty.images.shape == (0, 3, 2, 2) and empty.failed == [(10, "x")]
