@@ -261,7 +261,7 @@ class Runner:
         import torch
 
         sync = self.device == "cuda"
-        skipped0 = len(self.cache.labels) and self.loader.stats.skipped if self.cache else 0
+        skipped0 = len(self.loader.stats.skipped_samples) if self.cache is not None else 0
         counts = np.zeros(len(self.expected), dtype=np.int64)
         lat, small = [], 0
         t0 = last = time.perf_counter()

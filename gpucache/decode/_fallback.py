@@ -50,7 +50,7 @@ def join(n: int, parts: Iterable[Part], *, indices: np.ndarray, stack: bool,
     parts = list(parts)
     if (stack and len(parts) == 1 and isinstance(parts[0][1], torch.Tensor)
             and np.array_equal(parts[0][0], np.arange(n))):
-        positions, images, on_cpu = parts[0]  # the common case: one path took the whole batch
+        _, images, on_cpu = parts[0]  # the common case: one path took the whole batch
         return Decoded(images.to(device), np.asarray(indices, dtype=np.int64),
                        cpu_decoded=n if on_cpu else 0)
     slots: list[Result | None] = [None] * n
@@ -62,10 +62,15 @@ def join(n: int, parts: Iterable[Part], *, indices: np.ndarray, stack: bool,
     if any(r is None for r in slots):
         raise ValueError(f"join: positions {[p for p, r in enumerate(slots) if r is None]} of a "
                          f"{n}-sample batch have no result; every position needs one part.")
-    kept = [p for p, r in enumerate(slots) if isinstance(r, torch.Tensor)]
-    failed = [(int(indices[p]), r) for p, r in enumerate(slots) if isinstance(r, str)]
-    images: torch.Tensor | list[torch.Tensor] = [slots[p].to(device) for p in kept]  # type: ignore[union-attr]
+    kept, images, failed = [], [], []
+    for p, r in enumerate(slots):
+        if isinstance(r, torch.Tensor):
+            kept.append(p)
+            images.append(r.to(device))
+        else:
+            failed.append((int(indices[p]), r))
+    out: torch.Tensor | list[torch.Tensor] = images
     if stack:
-        images = (torch.stack(images) if images else
-                  torch.empty((0, 3, *out_hw), dtype=torch.uint8, device=device))
-    return Decoded(images, np.asarray(indices, dtype=np.int64)[kept], failed, cpu_decoded)
+        out = (torch.stack(images) if images else
+               torch.empty((0, 3, *out_hw), dtype=torch.uint8, device=device))
+    return Decoded(out, np.asarray(indices, dtype=np.int64)[kept], failed, cpu_decoded)

@@ -102,9 +102,13 @@ class DaliBackend(Backend):
         """Feed one batch and schedule it; returns the views DALI reads until it is collected."""
         pipe = self._pipeline()
         views = [self.cache[i] for i in indices.tolist()]
-        pipe.feed_input("enc", views)
-        pipe.feed_input("plan", np.ascontiguousarray(plans, dtype=np.int32))
-        pipe.schedule_run()
+        try:
+            pipe.feed_input("enc", views)
+            pipe.feed_input("plan", np.ascontiguousarray(plans, dtype=np.int32))
+            pipe.schedule_run()
+        except BaseException:
+            self._reset()  # a half-fed iteration would shift every later batch
+            raise
         return views
 
     def _outputs(self) -> torch.Tensor | list[torch.Tensor]:
