@@ -203,3 +203,24 @@ def test_join_reassembles_in_order():
     empty = join(1, [(np.array([0]), ["x"], False)], indices=idx[:1], stack=True, device=CPU,
                  out_hw=(2, 2))
     assert empty.images.shape == (0, 3, 2, 2) and empty.failed == [(10, "x")]
+
+
+def test_loader_with_dali_backend_on_cpu_matches_cpu_backend(bad):
+    """backend="dali" through GpuCachedLoader: same batches, labels and counts as backend="cpu"."""
+    from gpucache import GpuCachedLoader
+    from gpucache import transforms as T
+
+    tf = T.Compose([T.RandomResizedCrop(40), T.RandomHorizontalFlip(),
+                    T.Normalize((0.5,) * 3, (0.25,) * 3)])
+    runs = {}
+    for backend in ("cpu", "dali"):
+        with GpuCachedLoader(bad, batch_size=4, shuffle=True, seed=3, device="cpu",
+                             backend=backend, num_workers=0, transform=tf,
+                             return_metadata=True) as loader:
+            runs[backend] = [(x, y, info.indices.tolist()) for x, y, info in loader]
+            runs[backend + "_stats"] = loader.stats
+    for (xc, yc, ic), (xd, yd, idd) in zip(runs["cpu"], runs["dali"]):
+        assert ic == idd and torch.equal(yc, yd)
+        assert (xc - xd).abs().mean().item() * 0.25 * 255 <= 2.0  # back in uint8 levels
+    assert runs["cpu_stats"].skipped == runs["dali_stats"].skipped == 1
+    assert runs["dali_stats"].cpu_decoded < runs["cpu_stats"].cpu_decoded
