@@ -179,9 +179,16 @@ class JpegCache:
         try:
             _format.save_atomic(path, **self._arrays())
         except OSError as err:
-            raise OSError(err.errno, f"could not save the cache to {path}: {err.strerror}. "
-                          f"It needs {self.nbytes / 2**20:,.1f} MiB there; free room or "
-                          "choose another folder.") from err
+            import errno
+
+            fix = {errno.ENOSPC: f"it needs {self.nbytes / 2**20:,.1f} MiB there; free room or "
+                                 "choose another folder",
+                   errno.EFBIG: "the file-size limit (ulimit -f / RLIMIT_FSIZE) is lower than the "
+                                f"{self.nbytes / 2**20:,.1f} MiB store; raise it",
+                   errno.ENOENT: "the folder does not exist; create it first",
+                   errno.EACCES: "no permission to write there; choose another folder"}
+            raise OSError(err.errno, f"could not save the cache to {path}: {err.strerror}; "
+                          f"{fix.get(err.errno, 'check the path and the disk')}.") from err
         return path
 
     @property

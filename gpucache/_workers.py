@@ -63,6 +63,7 @@ def _worker_main(wid: int, conn, cache, seed: int, worker_init_fn, on_error: str
                        "traceback": traceback.format_exc()})
             continue
         _send(conn, task, out)
+        del out  # an idle worker holds no decoded images
 
 
 def _send(conn, task: int, out: Decoded) -> None:

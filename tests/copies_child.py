@@ -76,7 +76,8 @@ def main(kind, backing, context, workers, repeat, src):
 
         cache = JpegCache.from_files(paths, progress=False)
         if backing == "file":
-            cache = JpegCache.open(cache.save(os.path.join(tempfile.mkdtemp(), "s.gpucache")))
+            tmp = tempfile.TemporaryDirectory(prefix="gpucache-copies-")  # removed on return
+            cache = JpegCache.open(cache.save(os.path.join(tmp.name, "s.gpucache")))
             gc.collect()
         loader = GpuCachedLoader(cache, batch_size=16, num_workers=workers, device="cpu",
                                  multiprocessing_context=context)
