@@ -38,6 +38,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,9 @@ CROP = 224
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 CASES = ("main", "batch100", "scaling-workers", "scaling-size")
 GPU_BACKENDS = ("nvjpeg", "dali")
+DESCRIPTION = ("Time GpuCachedLoader against torch DataLoader peers (PIL from files, a list-of-bytes "
+               "RAM cache) on the same data, workers, batch size and transform: images/s, batch "
+               "latency, time to first batch, copies of the data held and peak parent RSS.")
 
 
 class BenchError(RuntimeError):
@@ -219,7 +223,8 @@ class Runner:
                 self.device = "cuda"
         return time.perf_counter() - t0
 
-    def make_loader(self, *, batch_size: int | None = None, workers: int | None = None) -> None:
+    def make_loader(self, *, batch_size: int | None = None, workers: int | None = None,
+                    worker_init_fn=None) -> None:
         import torch
 
         bs = batch_size or self.cfg.batch_size
@@ -232,14 +237,16 @@ class Runner:
                 self.data, batch_size=bs, shuffle=shuffle, num_workers=w,
                 persistent_workers=w > 0, pin_memory=False,
                 multiprocessing_context=self.c.context if w > 0 else None,
-                generator=torch.Generator().manual_seed(self.cfg.seed))
+                generator=torch.Generator().manual_seed(self.cfg.seed),
+                worker_init_fn=worker_init_fn)
         else:
             from ._loader import GpuCachedLoader
 
             self.loader = GpuCachedLoader(
                 self.cache, batch_size=bs, shuffle=shuffle, seed=self.cfg.seed,
                 transform=gc_transform(self.cfg.pipeline), device=self.device,
-                backend=self.c.backend, num_workers=w, multiprocessing_context=self.c.context)
+                backend=self.c.backend, num_workers=w, multiprocessing_context=self.c.context,
+                worker_init_fn=worker_init_fn)
         self._bs = bs
 
     # ---------------------------------------------------------------- running
@@ -415,7 +422,7 @@ def run_interleaved(names: list[str], source: Source, cfg: Config) -> list[Resul
 # ---------------------------------------------------------------------------------- memory
 def _probe_main(spec_path: str) -> int:
     """Hidden mode: one contender, one data size, a fresh process; prints a JSON line."""
-    import resource
+    import psutil
 
     from ._memory import tree_pss
 
@@ -426,28 +433,84 @@ def _probe_main(spec_path: str) -> int:
     r = Runner(CONTENDERS[spec["contender"]], src, cfg)
     t0 = time.perf_counter()
     r.setup()
-    r.make_loader()
-    ep = r.epoch()
+    r.make_loader(worker_init_fn=_trim_on_signal)
+    for _ in range(spec["epochs"]):
+        ep = r.epoch()
     gc.collect()
-    pss = tree_pss()
-    scale = 1 if sys.platform == "darwin" else 1024
-    out = {"pss": pss, "data_bytes": r.data_bytes, "images": ep["images"],
-           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
-           "workers_alive": len(_children()), "seconds": time.perf_counter() - t0}
+    for child in psutil.Process().children(recursive=True):  # workers give back free heap
+        os.kill(child.pid, signal.SIGUSR1)
+    _malloc_trim()
+    time.sleep(0.5)
+    split = data_pss()
+    out = {"pss": split["data"], "pss_libs": split["libs"], "pss_all": tree_pss(),
+           "processes": split["processes"], "data_bytes": r.data_bytes, "images": ep["images"],
+           "peak_rss": _peak_rss(), "seconds": time.perf_counter() - t0}
     r.close()
     print(json.dumps(out))
     return 0
 
 
-def _children() -> list:
+def data_pss(pid: int | None = None) -> dict:
+    """PSS of a process tree, split into shared libraries and everything else (bytes).
+
+    PSS divides a page among *every* process on the machine that maps it, so the PSS of
+    libtorch's pages moves whenever some unrelated process imports torch or exits. A file mapped
+    executable anywhere in a process (a library, the interpreter) is counted apart as "libs";
+    "data" is the rest: anonymous memory, shared memory and mapped data files such as a store.
+    """
     import psutil
 
-    return psutil.Process().children(recursive=True)
+    root = psutil.Process(pid or os.getpid())
+    total = {"data": 0, "libs": 0, "processes": 0}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            text = Path(f"/proc/{proc.pid}/smaps").read_text()
+        except (OSError, ValueError):
+            continue
+        maps, cur = [], None
+        for line in text.splitlines():
+            head = line.split(None, 5)
+            if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                cur = [head[5] if len(head) > 5 else "", head[1], 0]
+                maps.append(cur)
+            elif line.startswith("Pss:") and cur is not None:
+                cur[2] = int(line.split()[1]) * 1024
+        code = {path for path, perms, _ in maps if "x" in perms and path.startswith("/")}
+        for path, _, pss in maps:
+            total["libs" if path in code else "data"] += pss
+        total["processes"] += 1
+    return total
+
+
+def _malloc_trim(*_) -> None:
+    """Give free heap pages back to the OS (glibc), so freed decode buffers do not count."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _trim_on_signal(worker_id: int) -> None:
+    """worker_init_fn of the memory probes: SIGUSR1 makes the worker trim its heap."""
+    signal.signal(signal.SIGUSR1, _malloc_trim)
+
+
+def _peak_rss() -> int:
+    """This process's peak RSS (VmHWM: unlike ru_maxrss it does not carry over through exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def _probe_sources(source: Source, sizes_mb: tuple[float, float], tmp: Path,
-                   need_store: bool) -> list[Source]:
-    """Two data sets of about sizes_mb: one sample of the files, repeated 1 and k times."""
+                   need_store: bool, unit: int = 1) -> list[Source]:
+    """Two data sets of about sizes_mb: one sample of the files, repeated 1 and k times.
+
+    The sample is a whole number of ``unit`` (batch size x workers) images, so every batch of
+    either set is full: a worker holding on to its last batch then holds as much in both."""
     files = source.samples
     sizes = np.array([os.path.getsize(p) for p, _ in files], dtype=np.int64)
     small_target = sizes_mb[0] * 2**20
@@ -455,7 +518,7 @@ def _probe_sources(source: Source, sizes_mb: tuple[float, float], tmp: Path,
     order = list(range(0, len(files), stride))
     order += [i for i in range(len(files)) if i % stride]
     picked, total, k = [], 0, 0
-    while total < small_target:
+    while total < small_target or k % unit:
         i = order[k % len(order)]
         picked.append(files[i])
         total += int(sizes[i])
@@ -475,11 +538,11 @@ def _probe_sources(source: Source, sizes_mb: tuple[float, float], tmp: Path,
     return out
 
 
-def _run_probe(contender: str, src: Source, cfg: Config, tmp: Path) -> dict:
+def _run_probe(contender: str, src: Source, cfg: Config, tmp: Path, epochs: int) -> dict:
     spec = tmp / f"probe-{contender}-{len(src.samples)}.json"
     spec.write_text(json.dumps({"contender": contender, "root": src.root,
                                 "samples": src.samples, "classes": src.classes,
-                                "store": src.store, "config": asdict(cfg)}))
+                                "store": src.store, "config": asdict(cfg), "epochs": epochs}))
     env = dict(os.environ, **MALLOC_ENV)
     pkg_parent = str(Path(__file__).resolve().parent.parent)  # a source checkout works too
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
@@ -498,7 +561,8 @@ def measure_memory(names: list[str], source: Source, cfg: Config, sizes_mb: tupl
         _say("memory probes skipped: PSS needs Linux (/proc/PID/smaps_rollup)")
         return
     need_store = any(CONTENDERS[n].backing == "file" for n in names)
-    small, large = _probe_sources(source, sizes_mb, tmp, need_store)
+    small, large = _probe_sources(source, sizes_mb, tmp, need_store,
+                                  cfg.batch_size * max(1, cfg.workers))
     by_name = {r.name: r for r in results}
     bar = _progress(len(names), "memory probes")
     for n in names:
@@ -506,7 +570,10 @@ def measure_memory(names: list[str], source: Source, cfg: Config, sizes_mb: tupl
         if res.error:
             continue
         try:
-            a, b = (_run_probe(n, s, cfg, tmp) for s in (small, large))
+            # the small set runs as many epochs as the large set is repeats of it: both decode
+            # the same images, so what decoding leaves on the heaps cancels too
+            a = _run_probe(n, small, cfg, tmp, len(large.samples) // len(small.samples))
+            b = _run_probe(n, large, cfg, tmp, 1)
             d_bytes = b["data_bytes"] - a["data_bytes"]
             res.memory = {"copies": (b["pss"] - a["pss"]) / d_bytes if d_bytes else None,
                           "peak_rss_mb": b["peak_rss"] / 2**20, "small": a, "large": b}
@@ -642,7 +709,9 @@ def machine_info() -> dict:
 
 # ---------------------------------------------------------------------------------- printing
 def _fmt(x, spec: str, dash: str = "-") -> str:
-    return dash if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return dash
+    return format(x, spec).replace("-0.00", "0.00")  # no "negative zero" copies
 
 
 def format_table(results: list[Result]) -> str:
@@ -684,16 +753,23 @@ def plot_main(results: list[Result], path: Path, title: str) -> None:
     rate = [x["img_s"] for x in s]
     err = [[x["img_s"] - x["img_s_min"] for x in s], [x["img_s_max"] - x["img_s"] for x in s]]
     colors = ["#999999" if CONTENDERS[n].kind != "gpucache" else "#2a7ab0" for n in names]
-    a1.barh(names, rate, xerr=err, color=colors, capsize=3)
-    for y, v in enumerate(rate):
-        a1.text(v, y, f" {v:.0f}", va="center", ha="left", fontsize=8)
+    a1.barh(names, rate, xerr=err, color=colors, capsize=3, ecolor="#444444")
+    top = max(x["img_s_max"] for x in s)
+    for y, x in enumerate(s):
+        a1.text(x["img_s_max"] + top * 0.01, y, f"{x['img_s']:.0f}", va="center", ha="left",
+                fontsize=8)
     a1.set_xlabel("images/s (median over epochs; whiskers min-max)")
-    a1.set_xlim(0, max(rate) * 1.25)
-    copies = [x.get("copies") or 0.0 for x in s]
+    a1.set_xlim(0, top * 1.15)
+    copies = [max(0.0, x.get("copies") or 0.0) for x in s]
     a2.barh(names, copies, color=colors)
     for y, (v, x) in enumerate(zip(copies, s)):
         a2.text(v, y, f" {v:.2f}" if x.get("copies") is not None else " n/a", va="center",
                 ha="left", fontsize=8)
+    from matplotlib.patches import Patch
+
+    a2.legend(handles=[Patch(color="#2a7ab0", label="gpucache"),
+                       Patch(color="#999999", label="DataLoader peers")],
+              fontsize=8, loc="lower right")
     a2.axvline(1.0, color="k", lw=0.8, ls="--")
     a2.set_xlabel("copies of the data held (parent + workers, PSS)")
     a2.set_xlim(0, max(max(copies), 1.0) * 1.25)
@@ -714,6 +790,7 @@ def plot_scaling(table: dict, path: Path, title: str) -> None:
                 style, label=name)
     a1.set_xlabel("workers")
     a1.set_ylabel("images/s (median)")
+    a1.set_ylim(bottom=0)
     a2.set_xlabel("workers")
     a2.set_ylabel("copies held")
     a2.axhline(1.0, color="k", lw=0.8, ls=":")
@@ -764,8 +841,8 @@ def case_batch100(names, source, cfg, args, tmp) -> dict:
         base = base or med
         out["streamed"][r.name] = {"median_ms": med, "p99_ms": p99, "batches": len(full),
                                    "first_batch_s": r.first_batch_s, "raw_ms": full}
-        print(f"  {r.name:<15} median {med:7.0f} ms  p99 {p99:7.0f} ms  ({base / med:.2f}x "
-              f"{streamed[0].name})")
+        print(f"  {r.name:<15} median {med:7.0f} ms  p99 {p99:7.0f} ms  ({base / med:.2f}x as "
+              f"fast as {streamed[0].name})")
     runners = {}
     times: dict[str, list[float]] = {}
     try:
@@ -793,8 +870,8 @@ def case_batch100(names, source, cfg, args, tmp) -> dict:
         med, p99 = float(np.median(t)), float(np.percentile(t, 99))
         base = base or med
         out["in_process"][n] = {"median_ms": med, "p99_ms": p99, "batches": len(t), "raw_ms": t}
-        print(f"  {n:<15} median {med:7.0f} ms  p99 {p99:7.0f} ms  ({base / med:.2f}x "
-              f"{names[0]})")
+        print(f"  {n:<15} median {med:7.0f} ms  p99 {p99:7.0f} ms  ({base / med:.2f}x as "
+              f"fast as {names[0]})")
     return out
 
 
@@ -914,9 +991,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contenders", type=_csv(str), default=None,
                    help=f"comma list of contenders to run: {', '.join(CONTENDERS)}")
     p.add_argument("--workers", type=int, default=None, help="workers (default: usable cores)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--epochs", type=int, default=3, help="measured epochs after the warm-up")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=64, help="default 64")
+    p.add_argument("--epochs", type=int, default=3, help="measured epochs after the warm-up (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="loader and synthetic-data seed")
     p.add_argument("--case", action="append", choices=CASES, default=[],
                    help="what to run (repeatable; default main)")
     p.add_argument("--no-memory", action="store_true", help="skip the copies-held probes")
@@ -933,8 +1010,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``gpucache bench`` on the ``gpucache`` command's subparsers."""
     p = subparsers.add_parser("bench", help="compare GpuCachedLoader with DataLoader peers",
-                              description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              description=DESCRIPTION)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -1007,8 +1083,9 @@ def run(args) -> int:
     plots = []
     with tempfile.TemporaryDirectory(prefix="gpucache-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        need_store = any(CONTENDERS[n].backing == "file" for n in names) or \
-            "scaling-size" in cases
+        need_store = any(CONTENDERS[n].backing == "file"
+                         for n in (names if set(cases) & {"main", "scaling-workers"} else [])
+                         + (names100 if "batch100" in cases else []))
         source = prepare_source(args, tmp, need_store)
         report["data"] = source.info
         print(f"gpucache bench: {_header(source, cfg, machine)}")
@@ -1029,7 +1106,8 @@ def run(args) -> int:
                 report["scaling_workers"] = rep = case_scaling_workers(names, source, cfg, args,
                                                                        tmp)
                 plots.append(("scaling-workers", lambda p, t=rep["table"]: plot_scaling(
-                    t, p, "scaling with workers: " + _header(source, cfg, machine))))
+                    t, p, "scaling with workers: " + _header(source, cfg, machine).replace(
+                        f", {cfg.workers} workers", ""))))
             elif case == "scaling-size":
                 report["scaling_size"] = case_scaling_size(source, cfg, args, tmp)
     report["wall_s"] = time.perf_counter() - t_start
@@ -1050,8 +1128,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--memory-probe"]:
         return _probe_main(argv[1])
-    parser = argparse.ArgumentParser(prog="gpucache bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog="gpucache bench", description=DESCRIPTION)
     add_arguments(parser)
     args = parser.parse_args(argv)
     from ._format import CacheFormatError
