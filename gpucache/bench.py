@@ -726,9 +726,15 @@ def format_table(results: list[Result]) -> str:
             ratio = f"{s['img_s'] / base:.2f}" if base else "-"
         else:
             rate, ratio = "-", "-"
+        copies = _fmt(s.get("copies"), ".2f")
+        if s.get("copies") is not None and s["copies"] < -0.05:
+            copies += "?"
         lines.append(f"{r.name:<15} {rate:>17} {ratio:>6} {_fmt(s.get('p50_ms'), '.0f'):>7} "
                      f"{_fmt(s.get('p99_ms'), '.0f'):>7} {_fmt(r.first_batch_s, '.2f'):>11} "
-                     f"{_fmt(s.get('copies'), '.2f'):>6} {_fmt(s.get('peak_rss_mb'), '.0f'):>11}")
+                     f"{copies:>6} {_fmt(s.get('peak_rss_mb'), '.0f'):>11}")
+        if s.get("copies") is not None and s["copies"] < -0.05:
+            lines.append(f"  {r.name}: negative copies held: the two probes' worker heaps differed "
+                         "by more than the data; try other --probe-mb sizes")
         if r.error:
             lines.append(f"  {r.name} failed: {r.error}")
         elif r.memory and "error" in r.memory:
@@ -1046,7 +1052,15 @@ def select(args, cuda: bool) -> list[str]:
 
 
 def run(args) -> int:
-    """Entry point of ``gpucache bench`` (after argument parsing)."""
+    """Entry point of ``gpucache bench`` (after argument parsing); returns the exit status."""
+    try:
+        return _run(args)
+    except BenchError as err:
+        print(f"gpucache bench: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(args) -> int:
     import torch
 
     from ._workers import usable_cores
@@ -1135,7 +1149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return run(args)
-    except (CacheFormatError, FileNotFoundError, BenchError) as err:
+    except (CacheFormatError, FileNotFoundError) as err:
         print(f"gpucache bench: {err}", file=sys.stderr)
         return 2
 
