@@ -22,7 +22,7 @@ from multiprocessing.connection import wait
 import numpy as np
 import torch
 
-from .decode.cpu import Decoded, decode_batch
+from .decode.cpu import Decoded, SampleError, decode_batch
 
 log = logging.getLogger("gpucache")
 
@@ -60,6 +60,7 @@ def _worker_main(wid: int, conn, cache, seed: int, worker_init_fn, on_error: str
             out = decode_batch(cache, indices, plans, on_error=on_error, stack=stack)
         except BaseException as err:  # noqa: BLE001 - everything is reported to the parent
             conn.send({"task": task, "error": f"{type(err).__name__}: {err}",
+                       "sample_error": isinstance(err, SampleError),
                        "traceback": traceback.format_exc()})
             continue
         _send(conn, task, out)
@@ -167,6 +168,8 @@ class WorkerPool:
         assert header["task"] == task, "worker results out of order"
         if "error" in header:
             self.close()
+            if header["sample_error"]:  # on_error="raise": the same error as without workers
+                raise SampleError(f"{header['error'].split(': ', 1)[1]} (in worker {w})")
             raise WorkerError(f"worker {w} failed while decoding samples {_span(indices)}: "
                               f"{header['error']}\n\nOriginal traceback in the worker:\n"
                               f"{header['traceback']}")

@@ -64,9 +64,11 @@ def test_loader_finishes_the_epoch_and_counts(bad_folder, num_workers):
     assert sorted(seen) == sorted(p for p in cache.paths if p not in failing)
 
 
-def test_loader_raise_policy_names_the_file(bad_folder):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_raise_policy_names_the_file(bad_folder, num_workers):
     cache = JpegCache.from_files(sorted(bad_folder["cases"]), progress=False)
-    loader = GpuCachedLoader(cache, batch_size=4, num_workers=0, device="cpu", on_error="raise")
+    loader = GpuCachedLoader(cache, batch_size=4, num_workers=num_workers, device="cpu",
+                             on_error="raise", multiprocessing_context="fork")
     with pytest.raises(SampleError, match="corrupt_scan.jpg.*could not be decoded"):
         for _ in loader:
             pass
