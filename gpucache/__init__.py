@@ -3,7 +3,7 @@
 The public surface is exactly ``__all__``; modules starting with ``_`` are private.
 """
 
-from . import transforms
+from . import testing, transforms
 from ._build import BuildError, BuildReport, Skipped
 from ._format import CacheFormatError
 from ._loader import BatchInfo, GpuCachedLoader, LoaderStats
@@ -29,5 +29,6 @@ __all__ = [
     "SampleError",
     "WorkerError",
     "transforms",
+    "testing",
     "__version__",
 ]

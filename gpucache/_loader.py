@@ -57,6 +57,7 @@ class GpuCachedLoader:
         shuffle: bool = False,
         drop_last: bool = False,
         seed: int | None = None,
+        generator: torch.Generator | None = None,
         transform: Transform | Sequence[Transform] | None = None,
         # where and how to decode
         device: str | torch.device | None = None,
@@ -65,6 +66,7 @@ class GpuCachedLoader:
         prefetch_factor: int = 2,
         pin_memory: bool | None = None,
         worker_init_fn: Callable[[int], None] | None = None,
+        persistent_workers: bool = True,
         multiprocessing_context: str | None = None,
         timeout: float | None = 300.0,
         hw_decoder_load: float = 0.65,
@@ -95,7 +97,16 @@ class GpuCachedLoader:
                              f"'forkserver', got {multiprocessing_context!r}.")
         self.cache = cache
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
-        self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else int(seed)
+        if seed is not None and generator is not None:
+            raise ValueError("give seed or generator, not both; the generator's initial_seed() "
+                             "is used as the seed.")
+        if seed is None:
+            seed = (generator.initial_seed() if generator is not None
+                    else np.random.SeedSequence().entropy)
+        self.seed = int(seed) % 2**63
+        if not persistent_workers:
+            warnings.warn("persistent_workers=False is ignored: GpuCachedLoader always keeps its "
+                          "workers for the next epoch (call close() to stop them).", stacklevel=2)
         self.transform = as_compose(transform)
         self.device = _decode.resolve_device(device)
         self.backend_name = _decode.resolve(backend, self.device)

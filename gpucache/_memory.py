@@ -2,27 +2,52 @@
 
 RSS counts a shared page in every process that maps it; PSS splits it among them, so the PSS summed
 over a parent and its workers counts each page once. That is what "copies held" is built on.
+
+PSS also splits a page with *every other* process on the machine that maps it, so the PSS of
+libtorch's pages moves whenever an unrelated process imports torch or exits, by tens of MB. Those
+pages never scale with the data; ``without_libraries=True`` leaves them out.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import psutil
 
 
-def pss(pid: int) -> int:
-    """PSS of one process in bytes (``/proc/PID/smaps_rollup`` through psutil)."""
-    return psutil.Process(pid).memory_full_info().pss
+def pss(pid: int, *, without_libraries: bool = False) -> int:
+    """PSS of one process in bytes (``/proc/PID/smaps_rollup`` through psutil).
+
+    ``without_libraries``: leave out every mapping of a file that the process maps executable
+    anywhere (shared libraries, the interpreter), read from ``/proc/PID/smaps``. What is left is
+    anonymous memory, shared memory and mapped data files (such as a saved store)."""
+    if not without_libraries:
+        return psutil.Process(pid).memory_full_info().pss
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except FileNotFoundError as err:
+        raise psutil.NoSuchProcess(pid) from err
+    except PermissionError as err:
+        raise psutil.AccessDenied(pid) from err
+    maps: list[list] = []  # [path, perms, pss bytes]
+    for line in text.splitlines():
+        head = line.split(None, 5)
+        if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            maps.append([head[5] if len(head) > 5 else "", head[1], 0])
+        elif line.startswith("Pss:") and maps:
+            maps[-1][2] = int(line.split()[1]) * 1024
+    code = {path for path, perms, _ in maps if "x" in perms and path.startswith("/")}
+    return sum(size for path, _, size in maps if path not in code)
 
 
-def tree_pss(pid: int | None = None) -> int:
+def tree_pss(pid: int | None = None, *, without_libraries: bool = False) -> int:
     """Summed PSS of ``pid`` (default: this process) and all its descendants."""
     root = psutil.Process(pid or os.getpid())
     total = 0
     for p in [root, *root.children(recursive=True)]:
         try:
-            total += p.memory_full_info().pss
+            total += pss(p.pid, without_libraries=without_libraries)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return total

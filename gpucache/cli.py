@@ -1,4 +1,4 @@
-"""``gpucache build | info | verify`` -- the command line."""
+"""``gpucache build | info | verify | bench`` -- the command line."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
+from . import bench
 from ._build import BuildError
 from ._format import CacheFormatError
 from ._sniff import Kind
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("verify", help="check a store's checksum and decode every sample")
     p.add_argument("file")
     p.set_defaults(func=_verify)
+    bench.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

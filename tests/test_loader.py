@@ -215,3 +215,17 @@ def test_hung_worker_times_out(cache):
         assert time.monotonic() - start < 10
     finally:
         loader.close()
+
+
+def test_dataloader_keywords_are_accepted(cache):
+    g = torch.Generator().manual_seed(42)
+    a = GpuCachedLoader(cache, batch_size=4, shuffle=True, generator=g, num_workers=0,
+                        device="cpu", return_metadata=True, transform=TRAIN)
+    b = GpuCachedLoader(cache, batch_size=4, shuffle=True, seed=42, num_workers=0, device="cpu",
+                        return_metadata=True, transform=TRAIN)
+    ea, eb = _epoch(a), _epoch(b)
+    assert a.seed == b.seed and ea[1] == eb[1] and torch.equal(ea[0], eb[0])
+    with pytest.warns(UserWarning, match="always keeps its workers"):
+        GpuCachedLoader(cache, batch_size=4, persistent_workers=False)
+    with pytest.raises(ValueError, match="seed or generator"):
+        GpuCachedLoader(cache, batch_size=4, seed=1, generator=g)
