@@ -126,7 +126,7 @@ def torchvision_per_image(cache, epochs: int = 2) -> float:
         for start in range(0, len(gpu), 256):
             out = []
             for i in gpu[start:start + 256].tolist():
-                img = decode_jpeg(cache.tensor(i), mode=ImageReadMode.RGB, device="cuda")
+                img = decode_jpeg(cache._bytes_tensor(i), mode=ImageReadMode.RGB, device="cuda")
                 top, left, h, w = rrc.box(img.shape[1], img.shape[2], rng)
                 out.append(F.resized_crop(img, top, left, h, w, [224, 224], antialias=True))
             torch.stack(out)

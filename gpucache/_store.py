@@ -110,8 +110,11 @@ class JpegCache:
         i = range(len(self))[i]  # negative indices and a clear IndexError
         return self._data[self._offsets[i]:self._offsets[i + 1]]
 
-    def tensor(self, i: int) -> torch.Tensor:
-        """Sample ``i``'s bytes as a uint8 tensor sharing the store's memory (do not write)."""
+    def _bytes_tensor(self, i: int) -> torch.Tensor:
+        """Sample ``i``'s bytes as a uint8 tensor sharing the store's memory, for the decoders.
+
+        Private on purpose: torch ignores numpy's read-only flag, so only read-only numpy views
+        (``cache[i]``) are handed to users."""
         if self._tensor is None:
             import warnings
 

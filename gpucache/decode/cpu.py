@@ -52,7 +52,7 @@ def decode_pil(data: np.ndarray) -> torch.Tensor:
 def decode_sample(cache, i: int) -> torch.Tensor:
     """Sample ``i`` of ``cache`` as RGB uint8 CHW."""
     if cache.samples["kind"][i] in JPEG_KINDS:
-        return decode_jpeg(cache.tensor(i))
+        return decode_jpeg(cache._bytes_tensor(i))
     return decode_pil(cache[i])
 
 
