@@ -1,0 +1,118 @@
+"""Where the CPU train pipeline's time goes, per image on one core, and what the known levers buy.
+
+    python benchmarks/cpu_levers.py SRC [--images 200] [--rounds 5]
+
+Single-threaded, interleaved rounds, medians; every variant is checked (output shape, and that the
+alternative decoders give the same pixels or the stated difference). Rows:
+- pil: what DataLoader + ImageFolder + PIL + torchvision v2 RandomResizedCrop runs per image;
+- gpucache: libjpeg-turbo decode (torchcodec/torchvision) + the plan (crop, uint8 antialiased resize);
+- decode only: the share of gpucache's time that is full-frame JPEG decoding;
+- simplejpeg, simplejpeg fast: another libjpeg-turbo binding, accurate and fast-DCT/fast-upsample;
+- 1/2-scale decode: libjpeg-turbo DCT scaling, the upper bound of what reduced-size decoding saves.
+simplejpeg rows are skipped when it is not installed (it is not a gpucache dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import time
+
+import numpy as np
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("src", help="ImageFolder root")
+    ap.add_argument("--images", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    import torchvision.transforms.v2 as v2
+    from PIL import Image
+
+    from gpucache import JpegCache
+    from gpucache import transforms as T
+    from gpucache.decode.cpu import apply_plan, decode_sample
+
+    cache = JpegCache.from_folder(args.src, progress=False)
+    ok = np.flatnonzero(cache.gpu_decodable() & (cache.samples["orientation"] == 1))
+    idx = np.random.default_rng(0).choice(ok, min(args.images, len(ok)), replace=False)
+    s = cache.samples
+    plans = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()]).plan(
+        s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
+        np.random.default_rng(0))
+    pil_t = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(),
+                        v2.PILToTensor()])
+
+    def pil():
+        for i in idx:
+            assert pil_t(Image.open(io.BytesIO(cache[i])).convert("RGB")).shape == (3, 224, 224)
+
+    def ours():
+        for i, p in zip(idx, plans):
+            assert apply_plan(decode_sample(cache, i), p).shape == (3, 224, 224)
+
+    def decode_only():
+        for i in idx:
+            decode_sample(cache, i)
+
+    rows = {"pil (DataLoader+PIL per-image work)": pil, "gpucache (decode + plan)": ours,
+            "gpucache decode only": decode_only}
+    try:
+        import simplejpeg
+    except ImportError:
+        simplejpeg = None
+    if simplejpeg is not None:
+        first = simplejpeg.decode_jpeg(cache[idx[0]], colorspace="RGB")
+        assert np.array_equal(first, decode_sample(cache, idx[0]).permute(1, 2, 0).numpy())
+
+        def simple(fast=False):
+            for i, p in zip(idx, plans):
+                a = simplejpeg.decode_jpeg(cache[i], colorspace="RGB", fastdct=fast,
+                                           fastupsample=fast)
+                assert apply_plan(torch.from_numpy(a).permute(2, 0, 1), p).shape == (3, 224, 224)
+
+        def half():
+            for i in idx:
+                h, w = int(s["height"][i]), int(s["width"][i])
+                simplejpeg.decode_jpeg(cache[i], colorspace="RGB", min_height=-(-h // 2),
+                                       min_width=-(-w // 2))
+
+        rows.update({"simplejpeg decode + plan": simple,
+                     "simplejpeg fast DCT/upsampling + plan": lambda: simple(True),
+                     "simplejpeg decode only": lambda: simple_decode(simplejpeg, cache, idx),
+                     "simplejpeg 1/2-scale decode only": half})
+    times: dict[str, list[float]] = {k: [] for k in rows}
+    for _ in range(args.rounds):
+        for name, f in rows.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append((time.perf_counter() - t0) / len(idx) * 1e3)
+    base = np.median(times[next(iter(rows))])
+    print(f"{len(idx)} images from {args.src}, one core, median of {args.rounds} interleaved rounds")
+    print(f"{'variant':42} {'ms/image':>9} {'img/s':>7} {'vs pil':>7}")
+    for name, t in times.items():
+        m = float(np.median(t))
+        print(f"{name:42} {m:9.2f} {1e3 / m:7.0f} {base / m:7.2f}x")
+    k = [_scale(p) for p in plans]
+    print(f"RandomResizedCrop(224) samples whose crop allows a 1/2-scale decode: "
+          f"{sum(x > 1 for x in k)} of {len(k)}")
+
+
+def simple_decode(simplejpeg, cache, idx) -> None:
+    for i in idx:
+        simplejpeg.decode_jpeg(cache[i], colorspace="RGB")
+
+
+def _scale(plan) -> int:
+    """Largest power-of-2 DCT scale whose output still covers the crop at the output size."""
+    k = 1
+    while k < 8 and plan[2] / (2 * k) >= plan[4] and plan[3] / (2 * k) >= plan[5]:
+        k *= 2
+    return k
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""``gpucache bench``: GpuCachedLoader against the usual ways of feeding JPEGs, side by side.
+
+Every contender (``_contenders``) gets the same data, workers, batch size and transform. Each is
+made and run for one warm-up epoch (time to first batch recorded), then the measured epochs run
+interleaved -- an epoch of A, of B, ... -- with every loader and its persistent workers alive, so
+drift of a noisy machine hits all alike (``_timing``). Memory is *copies held*, from two fresh
+processes per contender (``_memory``; ``--memory-probe`` is their hidden mode). Cases
+(``--case``, ``_cases``): ``main`` (the table), ``batch100`` (a batch of 100 from disk with
+DataLoader+PIL against the store), ``scaling-workers`` and ``scaling-size`` (store build, save and
+open time against data size). ``_report`` prints the table and draws the charts.
+
+Importing this package is cheap: torchvision and matplotlib are imported only when a run needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ._common import BenchError, Config, say
+from ._contenders import CONTENDERS, GPU_BACKENDS
+
+__all__ = ["add_parser", "run", "main"]
+
+CASES = ("main", "batch100", "scaling-workers", "scaling-size")
+DESCRIPTION = ("Time GpuCachedLoader against torch DataLoader peers (PIL from files, a list-of-bytes "
+               "RAM cache) on the same data, workers, batch size and transform: images/s, batch "
+               "latency, time to first batch, copies of the data held and peak parent RSS.")
+
+
+def _csv(kind):
+    def parse(text: str):
+        return [kind(x) for x in text.split(",") if x.strip()]
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", nargs="?", help="ImageFolder root or a saved store file")
+    p.add_argument("--synthetic", type=int, metavar="N",
+                   help="use N generated JPEGs instead of SRC (made once, kept in the temp dir)")
+    p.add_argument("--pipeline", choices=("train", "val"), default="train",
+                   help="train: random-resized-crop 224 + flip; val: resize 256 + center crop 224")
+    p.add_argument("--backend", action="append", type=_csv(str), default=[],
+                   help="gpucache backends to run (repeatable or comma list: cpu,nvjpeg,dali); "
+                        "default cpu, plus nvjpeg and dali when CUDA is present")
+    p.add_argument("--contenders", type=_csv(str), default=None,
+                   help=f"comma list of contenders to run: {', '.join(CONTENDERS)}")
+    p.add_argument("--workers", type=int, default=None, help="workers (default: usable cores)")
+    p.add_argument("--batch-size", type=int, default=64, help="default 64")
+    p.add_argument("--epochs", type=int, default=3,
+                   help="measured epochs after the warm-up (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="loader and synthetic-data seed")
+    p.add_argument("--case", action="append", choices=CASES, default=[],
+                   help="what to run (repeatable; default main)")
+    p.add_argument("--no-memory", action="store_true", help="skip the copies-held probes")
+    p.add_argument("--probe-mb", type=_csv(float), default=(30.0, 90.0),
+                   help="the two data sizes of the copies-held probes, MB (default 30,90)")
+    p.add_argument("--sizes-mb", type=_csv(float), default=[100.0, 1000.0],
+                   help="scaling-size: data sizes in MB (default 100,1000)")
+    p.add_argument("--batches", type=int, default=10,
+                   help="batch100: batches timed per contender in the calling process")
+    p.add_argument("--json", type=Path, help="write every raw number here")
+    p.add_argument("--plot", type=Path, help="draw images/s and copies held to this PNG")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``gpucache bench`` on the ``gpucache`` command's subparsers."""
+    p = subparsers.add_parser("bench", help="compare GpuCachedLoader with DataLoader peers",
+                              description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def select(args, cuda: bool) -> list[str]:
+    """The contenders to run: ``--contenders`` and ``--backend``, less what this machine lacks."""
+    backends = {b for group in args.backend for b in group} or \
+        ({"cpu", *GPU_BACKENDS} if cuda else {"cpu"})
+    bad = backends - {"cpu", *GPU_BACKENDS}
+    if bad:
+        raise ValueError(f"unknown backend {sorted(bad)}; choose from cpu, nvjpeg, dali")
+    names = args.contenders or list(CONTENDERS)
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        raise ValueError(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+    keep = []
+    for n in names:
+        c = CONTENDERS[n]
+        if c.backend is not None and c.backend not in backends:
+            continue
+        if c.backend in GPU_BACKENDS and not cuda:
+            if args.contenders or args.backend:
+                say(f"{n}: skipped, CUDA is not available here")
+            continue
+        if c.backend == "dali":
+            from ..decode import dali_available
+
+            if not dali_available():
+                say("dali: skipped, nvidia-dali is not installed (pip install 'gpucache[dali]')")
+                continue
+        keep.append(n)
+    return keep
+
+
+def _invalid(args) -> str | None:
+    """What is wrong with the arguments, or None."""
+    if bool(args.src) == bool(args.synthetic):
+        return "give SRC (an ImageFolder or a store file) or --synthetic N"
+    for name, v, low in (("--workers", args.workers, 0), ("--batch-size", args.batch_size, 1),
+                         ("--epochs", args.epochs, 1), ("--synthetic", args.synthetic, 1),
+                         ("--batches", args.batches, 1)):
+        if v is not None and v < low:
+            return f"{name} should be >= {low}, got {v}"
+    if len(args.probe_mb) != 2 or not 0 < args.probe_mb[0] < args.probe_mb[1]:
+        return "--probe-mb takes two sizes, small then large (e.g. 30,90)"
+    return None
+
+
+def run(args) -> int:
+    """Entry point of ``gpucache bench`` (after argument parsing); returns the exit status."""
+    import torch
+
+    from .._workers import usable_cores
+
+    problem = _invalid(args)
+    if problem:
+        say(f"gpucache bench: {problem}")
+        return 2
+    args.probe_mb = tuple(args.probe_mb)
+    try:
+        names = select(args, torch.cuda.is_available())
+    except ValueError as err:
+        say(f"gpucache bench: {err}")
+        return 2
+    cfg = Config(pipeline=args.pipeline, batch_size=args.batch_size, epochs=args.epochs,
+                 workers=usable_cores() if args.workers is None else args.workers, seed=args.seed)
+    try:
+        return _run(args, names, cfg)
+    except BenchError as err:
+        print(f"gpucache bench: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(args, names: list[str], cfg: Config) -> int:
+    from . import _cases, _report
+    from ._data import prepare_source
+
+    cases = args.case or ["main"]
+    if args.case and "batch100" in cases and not args.contenders:
+        names100 = [n for n in ("pil", "cpu-file-fork", *GPU_BACKENDS) if n in names]
+    else:
+        names100 = names
+    t_start = time.perf_counter()
+    machine = _report.machine_info()
+    report: dict = {"machine": machine, "args": {k: (str(v) if isinstance(v, Path) else v)
+                                                 for k, v in vars(args).items() if k != "func"}}
+    plots = []
+    with tempfile.TemporaryDirectory(prefix="gpucache-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        need_store = any(CONTENDERS[n].backing == "file"
+                         for n in (names if set(cases) & {"main", "scaling-workers"} else [])
+                         + (names100 if "batch100" in cases else []))
+        source = prepare_source(args, tmp, need_store)
+        report["data"] = source.info
+        title = _report.header(source, cfg, machine)
+        print(f"gpucache bench: {title}")
+        for case in cases:
+            if case == "main":
+                report["main"], results = _cases.case_main(names, source, cfg, args, tmp)
+                print()
+                print(_report.format_table(results))
+                width = max(len(n) for n in names)
+                print("\n".join(f"  {n:<{width}}  {CONTENDERS[n].what}" for n in names))
+                print("ratio: images/s over the first row's; copies: extra PSS per data byte "
+                      f"(probes of {args.probe_mb[0]:g} and {args.probe_mb[1]:g} MB)")
+                plots.append(("main", lambda p, r=results: _report.plot_main(
+                    r, p, "gpucache bench: " + title)))
+            elif case == "batch100":
+                report["batch100"] = _cases.case_batch100(names100, source, cfg, args)
+            elif case == "scaling-workers":
+                report["scaling_workers"] = rep = _cases.case_scaling_workers(
+                    names, source, cfg, args, tmp)
+                plots.append(("scaling-workers", lambda p, t=rep["table"]: _report.plot_scaling(
+                    t, p, "scaling with workers: " + title.replace(f", {cfg.workers} workers",
+                                                                   ""))))
+            elif case == "scaling-size":
+                report["scaling_size"] = _cases.case_scaling_size(source, args, tmp)
+    report["wall_s"] = time.perf_counter() - t_start
+    print(f"\ntotal wall time {report['wall_s']:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+        print(f"wrote {args.json}")
+    for k, (case, draw) in enumerate(plots if args.plot else []):
+        path = args.plot if k == 0 else args.plot.with_name(
+            f"{args.plot.stem}-{case}{args.plot.suffix}")
+        draw(path)
+        print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gpucache.bench`` / ``benchmarks/bench_loader.py``: parse, then run."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--memory-probe"]:
+        from ._memory import probe_main
+
+        return probe_main(argv[1])
+    parser = argparse.ArgumentParser(prog="gpucache bench", description=DESCRIPTION)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    from .._format import CacheFormatError
+
+    try:
+        return run(args)
+    except (CacheFormatError, FileNotFoundError) as err:
+        print(f"gpucache bench: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,51 @@
+"""What every part of the bench shares: the run's settings, its data, its one error type, output."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+CROP = 224
+
+
+class BenchError(RuntimeError):
+    """A benchmark check failed: what was timed is not what it should be."""
+
+
+@dataclass
+class Config:
+    pipeline: str = "train"
+    workers: int = 2
+    batch_size: int = 64
+    epochs: int = 3
+    seed: int = 0
+
+
+@dataclass
+class Source:
+    """The images every contender reads: ImageFolder order (path, label) pairs and their store."""
+
+    root: str
+    samples: list[tuple[str, int]]
+    classes: list[str]
+    store: str | None = None  # a saved store of exactly these samples (file-backed contenders)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(os.path.getsize(p) for p, _ in self.samples)
+
+
+def say(msg: str) -> None:
+    """A status line on stderr (the tables go to stdout)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def progress(total: int, desc: str):
+    """A tqdm bar on a terminal; None (plain status lines instead) otherwise."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="epoch", leave=False, file=sys.stderr)

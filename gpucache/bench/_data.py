@@ -1,0 +1,89 @@
+"""The images the contenders read: an ImageFolder tree, a saved store, or generated photos."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from ._common import Source, say
+
+
+def synthetic_folder(n: int, seed: int) -> Path:
+    """``make_jpeg_folder(n, seed)``, generated once and kept in the temp dir for later runs."""
+    from ..testing import make_jpeg_folder
+
+    root = Path(tempfile.gettempdir()) / f"gpucache-bench-synthetic-{n}-seed{seed}"
+    if (root / ".complete").exists():
+        return root
+    say(f"generating {n} synthetic JPEGs into {root} (once; about {n * 0.015:.0f} s)")
+    part = root.with_name(f"{root.name}.part-{os.getpid()}")
+    shutil.rmtree(part, ignore_errors=True)
+    make_jpeg_folder(part, n, seed=seed)
+    (part / ".complete").write_text("")
+    try:
+        os.rename(part, root)
+    except OSError:  # another run finished first, or a stale incomplete copy is there
+        if not (root / ".complete").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            os.rename(part, root)
+        else:
+            shutil.rmtree(part, ignore_errors=True)
+    return root
+
+
+def _export_store(store: Path, tmp: Path) -> Path:
+    """Write a saved store's images back out as an ImageFolder (for the file-reading peers)."""
+    from .._store import JpegCache
+
+    cache = JpegCache.open(store)
+    root = tmp / "exported"
+    names = cache.classes or ["unlabeled"]
+    for i in range(len(cache)):
+        label = int(cache.labels[i])
+        folder = root / (names[label] if label >= 0 else "unlabeled")
+        folder.mkdir(parents=True, exist_ok=True)
+        ext = Path(cache.paths[i]).suffix.lower() or ".jpg"
+        (folder / f"{i:07d}{ext}").write_bytes(cache[i].tobytes())
+    return root
+
+
+def prepare_source(args, tmp: Path, need_store: bool) -> Source:
+    """The run's Source; with ``need_store``, a saved store of it in ``tmp`` (build/save timed)."""
+    from .._build import scan_folder
+
+    t0 = time.perf_counter()
+    info: dict = {}
+    store = None
+    if args.synthetic:
+        root = synthetic_folder(args.synthetic, args.seed)
+        info["src"] = f"synthetic {args.synthetic} (seed {args.seed}): {root}"
+    elif Path(args.src).is_file():
+        store = Path(args.src)
+        root = _export_store(store, tmp)
+        info["src"] = f"store {store} (images exported to {root} for the file readers)"
+    elif Path(args.src).is_dir():
+        root = Path(args.src)
+        info["src"] = str(root)
+    else:
+        raise FileNotFoundError(f"{args.src} is neither an ImageFolder tree nor a store file")
+    info["prepare_s"] = time.perf_counter() - t0
+    paths, labels, classes = scan_folder(root)
+    samples = [(p, int(y)) for p, y in zip(paths, labels.tolist())]
+    src = Source(str(root), samples, classes, info=info)
+    info.update(images=len(samples), classes=len(classes), bytes=src.nbytes)
+    if need_store and store is None:
+        from .._store import JpegCache
+
+        t0 = time.perf_counter()
+        cache = JpegCache.from_files(paths, labels, classes=classes, progress=False)
+        info["build_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        store = cache.save(tmp / "bench.gpucache")
+        info["save_s"] = time.perf_counter() - t0
+        info["store_kept"] = len(cache)
+        del cache
+    src.store = None if store is None else str(store)
+    return src
