@@ -13,7 +13,6 @@ machine maps or unmaps the same libraries (another test run importing torch), by
 
 import gc
 import os
-import re
 import sys
 import tempfile
 import warnings
@@ -36,32 +35,6 @@ class ListOfBytes(Dataset):
 
         warnings.simplefilter("ignore")
         return decode_jpeg(torch.frombuffer(self.items[i], dtype=torch.uint8)).shape[1]
-
-
-_LIB = re.compile(r"\.so(\.[0-9]+)*$")
-
-
-def tree_pss_without_libraries() -> int:
-    """Summed PSS of this process and its descendants, leaving out shared-library mappings."""
-    import psutil
-
-    root = psutil.Process()
-    exe = os.path.realpath(sys.executable)
-    total = 0
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            with open(f"/proc/{p.pid}/smaps") as f:
-                skip = False
-                for line in f:
-                    if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
-                        parts = line.split(None, 5)
-                        path = parts[5].strip() if len(parts) == 6 else ""
-                        skip = bool(path.startswith("/") and (_LIB.search(path) or path == exe))
-                    elif line.startswith("Pss:") and not skip:
-                        total += int(line.split()[1]) * 1024
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            pass
-    return total
 
 
 def main(kind, backing, context, workers, repeat, src):
@@ -94,7 +67,7 @@ def main(kind, backing, context, workers, repeat, src):
         data_bytes = sum(len(b) for b in ds.items)
     assert n == len(paths), (n, len(paths))
     gc.collect()
-    print(tree_pss(), data_bytes, tree_pss_without_libraries())
+    print(tree_pss(), data_bytes, tree_pss(without_libraries=True))
 
 
 if __name__ == "__main__":
