@@ -210,3 +210,23 @@ def test_cli_build_info_verify(jpeg_folder, tmp_path, capsys):
     assert main(["verify", str(out)]) == 1
     assert "data checksum mismatch" in capsys.readouterr().err
     assert main(["info", str(tmp_path / "nope.gpucache")]) == 2
+
+
+def _digests(cache) -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(cache[i]).hexdigest() for i in range(len(cache))]
+
+
+@pytest.mark.parametrize("backing", ["file", "shared"])
+def test_bytes_inside_a_spawned_worker_equal_the_files(jpeg_folder, tmp_path, backing):
+    import hashlib
+    import multiprocessing as mp
+
+    cache = JpegCache.from_folder(jpeg_folder, progress=False)
+    store = (JpegCache.open(cache.save(tmp_path / "w.gpucache")) if backing == "file"
+             else cache.share())
+    with mp.get_context("spawn").Pool(1) as pool:
+        inside = pool.apply(_digests, (store,))
+    assert inside == [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in cache.paths]
+    cache.close()
