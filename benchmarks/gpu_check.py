@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -38,7 +37,7 @@ from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode import dali_available  # noqa: E402
 from gpucache.decode.cpu import decode_batch  # noqa: E402
-from gpucache.testing import make_jpeg_folder  # noqa: E402
+from gpucache.testing import cached_jpeg_folder  # noqa: E402
 
 TOLERANCE = 3.0  # mean absolute difference in levels, decoder IDCT/upsampling differences
 TRAIN = [T.RandomResizedCrop(224), T.RandomHorizontalFlip()]
@@ -160,10 +159,7 @@ def main() -> int:
         print("gpu_check: CUDA is not available here; nothing to check.", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
-    root = Path(tempfile.gettempdir()) / f"gpucache-gpucheck-{args.images}"
-    if not root.exists():
-        make_jpeg_folder(root, args.images, seed=0)
-    cache = JpegCache.from_folder(root, progress=False)
+    cache = JpegCache.from_folder(cached_jpeg_folder(args.images, seed=0), progress=False)
     backends = ["nvjpeg"] + (["dali"] if dali_available() else [])
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "images": len(cache), "checks": {},

@@ -52,7 +52,7 @@ def _info(args) -> int:
 def _verify(args) -> int:
     from tqdm.auto import tqdm
 
-    from .decode.cpu import decode_sample
+    from .decode.cpu import check_size, decode_sample
 
     cache = JpegCache.open(args.file)
     crc = zlib.crc32(memoryview(cache._data))
@@ -63,10 +63,7 @@ def _verify(args) -> int:
     bad = 0
     for i in tqdm(range(len(cache)), desc="decode", unit="img", disable=None, leave=False):
         try:
-            img = decode_sample(cache, i)
-            want = (int(cache.samples["height"][i]), int(cache.samples["width"][i]))
-            if tuple(img.shape[1:]) != want:
-                raise ValueError(f"decoded size {tuple(img.shape[1:])} != header {want}")
+            check_size(cache, i, decode_sample(cache, i))
         except Exception as err:  # report every sample, keep going
             bad += 1
             print(f"sample {i} ({cache.paths[i]}): {type(err).__name__}: {err}", file=sys.stderr)

@@ -15,14 +15,17 @@ bytes (for a given numpy/Pillow/libjpeg build).
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pathlib
+import shutil
+import tempfile
 from typing import Sequence
 
 import numpy as np
 from PIL import Image, ImageChops, ImageDraw, ImageFilter
 
-__all__ = ["make_jpeg_folder", "make_jpeg_bytes", "natural_image"]
+__all__ = ["make_jpeg_folder", "cached_jpeg_folder", "make_jpeg_bytes", "natural_image"]
 
 _LOW = 256  # long side of the low-resolution canvas the shapes are drawn on
 _TEXTURE_GAIN = (1.5, 3.5)  # contrast range of the fine texture
@@ -197,4 +200,29 @@ def make_jpeg_folder(root: str | os.PathLike, n: int, *,
         )
         name = names[i % len(names)]
         (root / name / f"{name}_{i:05d}.jpg").write_bytes(data)
+    return root
+
+
+def cached_jpeg_folder(n: int, *, seed: int = 0, name: str = "synthetic") -> pathlib.Path:
+    """``make_jpeg_folder(n, seed=seed)`` made once into the temp dir and reused by later runs.
+
+    Written under a temporary name and renamed when complete, so an interrupted run never leaves a
+    partial folder that a later run would take for the real one."""
+    root = pathlib.Path(tempfile.gettempdir()) / f"gpucache-{name}-{n}-seed{seed}"
+    if (root / ".complete").exists():
+        return root
+    logging.getLogger("gpucache").info("generating %d synthetic JPEGs into %s (once; about %.0f s)",
+                                       n, root, n * 0.015)
+    part = root.with_name(f"{root.name}.part-{os.getpid()}")
+    shutil.rmtree(part, ignore_errors=True)
+    make_jpeg_folder(part, n, seed=seed)
+    (part / ".complete").write_text("")
+    try:
+        os.rename(part, root)
+    except OSError:  # another run finished first, or a stale incomplete copy is there
+        if not (root / ".complete").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            os.rename(part, root)
+        else:
+            shutil.rmtree(part, ignore_errors=True)
     return root

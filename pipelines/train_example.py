@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from gpucache import JpegCache
-from gpucache.testing import make_jpeg_folder
+from gpucache.testing import cached_jpeg_folder
 from pipelines.imagenet import train_loader, val_loader
 
 
@@ -33,10 +32,7 @@ def small_cnn(num_classes: int) -> nn.Module:
 
 def open_data(args) -> JpegCache:
     if args.data is None:
-        root = Path(tempfile.gettempdir()) / f"gpucache-synthetic-{args.synthetic}"
-        if not root.exists():
-            make_jpeg_folder(root, args.synthetic, seed=0)
-        return JpegCache.from_folder(root)
+        return JpegCache.from_folder(cached_jpeg_folder(args.synthetic, seed=0))
     path = Path(args.data)
     return JpegCache.open(path) if path.is_file() else JpegCache.from_folder(path)
 

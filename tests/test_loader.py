@@ -5,7 +5,6 @@ import os
 import signal
 import time
 
-import numpy as np
 import psutil
 import pytest
 import torch
@@ -203,8 +202,6 @@ def test_worker_exception_carries_the_original_traceback(cache):
     with pytest.raises(WorkerError, match="worker 1"):
         for _ in loader:
             pass
-
-
 
 
 def test_hung_worker_times_out(cache):

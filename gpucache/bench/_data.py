@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -12,25 +9,11 @@ from ._common import Source, say
 
 
 def synthetic_folder(n: int, seed: int) -> Path:
-    """``make_jpeg_folder(n, seed)``, generated once and kept in the temp dir for later runs."""
-    from ..testing import make_jpeg_folder
+    """The built-in generator's photos, made once into the temp dir (see cached_jpeg_folder)."""
+    from ..testing import cached_jpeg_folder
 
-    root = Path(tempfile.gettempdir()) / f"gpucache-bench-synthetic-{n}-seed{seed}"
-    if (root / ".complete").exists():
-        return root
-    say(f"generating {n} synthetic JPEGs into {root} (once; about {n * 0.015:.0f} s)")
-    part = root.with_name(f"{root.name}.part-{os.getpid()}")
-    shutil.rmtree(part, ignore_errors=True)
-    make_jpeg_folder(part, n, seed=seed)
-    (part / ".complete").write_text("")
-    try:
-        os.rename(part, root)
-    except OSError:  # another run finished first, or a stale incomplete copy is there
-        if not (root / ".complete").exists():
-            shutil.rmtree(root, ignore_errors=True)
-            os.rename(part, root)
-        else:
-            shutil.rmtree(part, ignore_errors=True)
+    root = cached_jpeg_folder(n, seed=seed, name="bench-synthetic")
+    say(f"synthetic JPEGs: {root}")
     return root
 
 

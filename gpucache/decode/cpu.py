@@ -97,27 +97,39 @@ def describe(cache, i: int, err: BaseException) -> str:
             f"{str(err).splitlines()[0] if str(err) else ''}")
 
 
+def check_size(cache, i: int, img: torch.Tensor) -> torch.Tensor:
+    """``img`` if it has the size the header promised (plans were drawn for that size)."""
+    expected = (int(cache.samples["height"][i]), int(cache.samples["width"][i]))
+    if tuple(img.shape[1:]) != expected:
+        raise ValueError(f"decoded size {tuple(img.shape[1:])} differs from the header's "
+                         f"{expected}")
+    return img
+
+
+def failure(cache, i: int, err: Exception, on_error: str) -> str:
+    """The loader's policy for a sample that failed: raise ``SampleError``, or return the reason."""
+    if on_error == "raise":
+        raise SampleError(describe(cache, i, err)) from err
+    return describe(cache, i, err)
+
+
+def out_size(plans: np.ndarray) -> tuple[int, int]:
+    """Output (height, width) of a fixed-size batch's plans: the shape of an empty batch."""
+    return (int(plans[0, 8]), int(plans[0, 9])) if len(plans) else (0, 0)
+
+
 def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str,
                  stack: bool) -> Decoded:
     """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise)."""
     images, kept, failed = [], [], []
     for i, plan in zip(indices.tolist(), plans):
         try:
-            img = decode_sample(cache, i)
-            expected = (int(cache.samples["height"][i]), int(cache.samples["width"][i]))
-            if tuple(img.shape[1:]) != expected:
-                raise ValueError(f"decoded size {tuple(img.shape[1:])} differs from the header's "
-                                 f"{expected}")
-            images.append(apply_plan(img, plan))
+            images.append(apply_plan(check_size(cache, i, decode_sample(cache, i)), plan))
             kept.append(i)
         except Exception as err:  # a bad sample is reported, never fatal unless asked
-            if on_error == "raise":
-                raise SampleError(describe(cache, i, err)) from err
-            failed.append((i, describe(cache, i, err)))
+            failed.append((i, failure(cache, i, err, on_error)))
     out: torch.Tensor | list[torch.Tensor] = images
-    if stack and images:
-        out = torch.stack(images)
-    elif stack:
-        out = torch.empty((0, 3, int(plans[0, 8]), int(plans[0, 9])) if len(plans) else (0, 3, 0, 0),
-                          dtype=torch.uint8)
+    if stack:
+        out = (torch.stack(images) if images
+               else torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8))
     return Decoded(out, np.asarray(kept, dtype=np.int64), failed, len(kept))

@@ -32,7 +32,7 @@ except ImportError as err:  # pragma: no cover - depends on what is installed
 
 from ._base import Backend
 from ._fallback import Part, decode_on_cpu, join, split
-from .cpu import Decoded
+from .cpu import Decoded, out_size
 
 log = logging.getLogger("gpucache")
 
@@ -175,9 +175,8 @@ class DaliBackend(Backend):
                 self._queue.popleft()
             self._reset()  # b's output may still be queued in DALI: drop it to keep the order
             raise
-        out_hw = (int(b.plans[0, 8]), int(b.plans[0, 9])) if len(b.plans) else (0, 0)
         return join(len(b.indices), parts, indices=b.indices, stack=b.stack, device=self.device,
-                    out_hw=out_hw)
+                    out_hw=out_size(b.plans))
 
     def _isolate(self, b: _Batch, err: RuntimeError) -> list[Part]:
         """Run a failed batch's DALI samples one at a time; what DALI rejects tries the CPU."""

@@ -30,7 +30,7 @@ import torch
 
 from ._base import Backend
 from ._fallback import Part, decode_on_cpu, join, split
-from .cpu import Decoded, SampleError, apply_plan, describe
+from .cpu import Decoded, apply_plan, check_size, failure, out_size
 
 
 def _batched_decoder(device: torch.device):
@@ -127,11 +127,9 @@ class NvjpegBackend(Backend):
                                          on_error=self.on_error)[0])
                 continue
             try:
-                out.append(apply_plan(img, plan))
+                out.append(apply_plan(check_size(self.cache, i, img), plan))
             except Exception as err:  # noqa: BLE001 - reported like any bad sample
-                if self.on_error == "raise":
-                    raise SampleError(describe(self.cache, i, err)) from err
-                out.append(describe(self.cache, i, err))
+                out.append(failure(self.cache, i, err, self.on_error))
         return out
 
     def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
@@ -143,9 +141,8 @@ class NvjpegBackend(Backend):
             event = self.cuda.record() if self.cuda else None
         cpu_out = decode_on_cpu(self.cache, indices, plans, cpu_pos.tolist(),
                                 on_error=self.on_error)
-        out_hw = (int(plans[0, 8]), int(plans[0, 9])) if len(plans) else (0, 0)
         self._pending.append(_Pending(indices, stack, gpu_pos, gpu_out,
-                                      (cpu_pos, cpu_out, True), staging, event, out_hw))
+                                      (cpu_pos, cpu_out, True), staging, event, out_size(plans)))
 
     def get(self) -> Decoded:
         p = self._pending.popleft()

@@ -3,7 +3,6 @@
 benchmarks/gpu_check.py runs the same checks plus throughput and memory on a GPU machine.
 """
 
-import numpy as np
 import pytest
 import torch
 
