@@ -1,0 +1,33 @@
+"""The pixel budget: a per-sample bound on decoded pixels, checked before anything is decoded.
+
+A few-KB JPEG can claim 65500 x 65500 pixels in its header (a decompression bomb: 12 GiB of RGB).
+The bound is checked from the header when a store is built and again, from the stored record,
+before every decode on every backend and every CPU fallback, so no decoder ever allocates for it.
+"""
+
+from __future__ import annotations
+
+#: PIL's ``Image.MAX_IMAGE_PIXELS`` (about 89.5 Mpx, 268 MB as RGB): the bound people already know.
+DEFAULT_MAX_PIXELS = 89_478_485
+
+
+def pixel_budget(cache) -> int | None:
+    """The store's bound on decoded pixels per sample (None = unbounded)."""
+    return getattr(cache, "max_pixels", DEFAULT_MAX_PIXELS)
+
+
+def over_budget(height: int, width: int, limit: int | None) -> str | None:
+    """The reason a ``height`` x ``width`` image is refused under ``limit``, or None if it fits."""
+    if limit is None or int(height) * int(width) <= limit:
+        return None
+    return (f"{int(width)}x{int(height)} = {int(height) * int(width):,} pixels exceeds "
+            f"max_pixels={limit:,} (a decompression bomb, or a very large image); raise "
+            "max_pixels= when building or opening the store if it is genuine")
+
+
+def check_pixels(cache, i: int) -> None:
+    """Raise ``ValueError`` if sample ``i`` would decode to more pixels than the store allows."""
+    s = cache.samples
+    why = over_budget(s["height"][i], s["width"][i], pixel_budget(cache))
+    if why is not None:
+        raise ValueError(why)
