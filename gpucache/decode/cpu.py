@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .._limits import check_pixels
 from .._sniff import JPEG_KINDS
 
 try:  # TorchCodec supersedes torchvision's image decoding from torchvision 0.29
@@ -50,7 +51,8 @@ def decode_pil(data: np.ndarray) -> torch.Tensor:
 
 
 def decode_sample(cache, i: int) -> torch.Tensor:
-    """Sample ``i`` of ``cache`` as RGB uint8 CHW."""
+    """Sample ``i`` of ``cache`` as RGB uint8 CHW (refused before decoding if over the pixel budget)."""
+    check_pixels(cache, i)
     if cache.samples["kind"][i] in JPEG_KINDS:
         return decode_jpeg(cache._bytes_tensor(i))
     return decode_pil(cache[i])
