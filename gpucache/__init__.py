@@ -10,6 +10,7 @@ from ._loader import BatchInfo, GpuCachedLoader, LoaderStats
 from ._shm import SharedMemoryError
 from ._sniff import Kind
 from ._store import JpegCache
+from .dataset import JpegDataset
 from ._workers import WorkerError
 from .decode.cpu import SampleError
 
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "JpegCache",
     "GpuCachedLoader",
+    "JpegDataset",
     "BatchInfo",
     "LoaderStats",
     "BuildReport",
