@@ -10,7 +10,10 @@ width and the loader's seeded generator they add to a per-sample *plan*, 11 inte
 The plan is drawn in the main process, so the same seed gives the same crops whatever the worker
 count or backend; each backend then executes it (per sample on the CPU, batched on the GPU).
 
-Pixel transforms (:class:`ToDtype`, :class:`Normalize`) run on the whole batch, on the target device.
+Batch steps follow the geometry and run on the whole batch, on the output device: pixel ops
+(:class:`ToDtype`, :class:`Normalize`, :class:`ColorJitter`, :class:`PerSample`, or any callable such
+as a torchvision v2 transform) and ops that also change the labels (:class:`MixUp`, :class:`CutMix`,
+:class:`WithLabels`). Random ones draw per sample from a generator seeded by (seed, epoch, batch).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from typing import Literal
 
 import numpy as np
 import torch
+
+from ._augment import (ColorJitter, CutMix, MixUp, PerSample, WithLabels, batch_generator,
+                       seeded_global_rng)
 
 PLAN_FIELDS = ("top1", "left1", "height1", "width1", "rh", "rw",
                "top2", "left2", "height2", "width2", "flip")
@@ -214,23 +220,60 @@ class Normalize(Transform):
         return _layout(out.to(self.dtype), self.layout)
 
 
-class Compose(Transform):
-    """Geometric transforms first (any order among them), then pixel transforms."""
+_ACCEPTED = ("gpucache.transforms geometric ops (RandomResizedCrop, Resize, CenterCrop, "
+             "RandomHorizontalFlip) first, then batch steps: gpucache.transforms pixel ops "
+             "(ColorJitter, Normalize, ToDtype, PerSample(...)), label-changing ops (MixUp, "
+             "CutMix, WithLabels(...), torchvision's v2.MixUp/v2.CutMix) or any callable on the "
+             "batch (a torchvision v2 transform or Compose, a function)")
+_TV_GEOMETRIC = ("Resize", "RandomResizedCrop", "CenterCrop", "RandomHorizontalFlip")
 
-    def __init__(self, transforms: Sequence[Transform]):
+
+def _kind(t) -> str:
+    """What a Compose item is: 'geometric', 'pixel' (images -> images) or 'labels'."""
+    if isinstance(t, Transform):
+        return "geometric" if t.geometric else "pixel"
+    if getattr(t, "with_labels", False) or type(t).__name__ in ("MixUp", "CutMix") \
+            and type(t).__module__.startswith("torchvision"):
+        return "labels"
+    if not callable(t):
+        raise TypeError(f"{t!r} ({type(t).__name__}) is not a transform; accepted: {_ACCEPTED}.")
+    if type(t).__module__.startswith("torchvision") and type(t).__name__ in _TV_GEOMETRIC:
+        raise TypeError(f"use gpucache.transforms.{type(t).__name__} instead of torchvision's "
+                        f"{t!r}: gpucache's draws each sample's crop/flip from the seed and runs "
+                        "it while decoding; torchvision's would crop the whole batch alike.")
+    return "pixel"
+
+
+def _run(t, x, generator):
+    """One pixel step on a batch tensor, or on each image of a list (variable sizes)."""
+    if isinstance(t, Transform):
+        return t(x) if isinstance(x, torch.Tensor) else [t(i[None])[0] for i in x]
+    if getattr(t, "random", False):  # gpucache's seeded ops take the generator
+        return t(x, generator=generator) if isinstance(x, torch.Tensor) or \
+            isinstance(t, PerSample) else [t(i[None], generator=generator)[0] for i in x]
+    device = x.device if isinstance(x, torch.Tensor) else x[0].device
+    with seeded_global_rng(generator, device):  # foreign callables draw from torch's global RNG
+        return t(x) if isinstance(x, torch.Tensor) else [t(i) for i in x]
+
+
+class Compose(Transform):
+    """Geometric transforms first (any order among them), then batch steps in the order given.
+
+    Batch steps run on the output device after decoding. Random ones draw from the generator the
+    loader seeds per (seed, epoch, batch); callables that use torch's global RNG (torchvision's)
+    run with the global RNG seeded from it and restored afterwards."""
+
+    def __init__(self, transforms: Sequence):
         self.transforms = list(transforms)
-        seen_pixel = False
-        for t in self.transforms:
-            if not isinstance(t, Transform):
-                raise TypeError(f"{t!r} is not a gpucache transform; gpucache runs geometry per "
-                                "sample from seeded draws and pixel ops on the batch, so it takes "
-                                "gpucache.transforms.* only.")
-            if t.geometric and seen_pixel:
+        kinds = [_kind(t) for t in self.transforms]
+        for t, k, before in zip(self.transforms, kinds, [None] + kinds[:-1]):
+            if k == "geometric" and before not in (None, "geometric"):
                 raise ValueError(f"{t!r} comes after a pixel transform; put geometric transforms "
-                                 "(crops, resizes, flips) before ToDtype/Normalize.")
-            seen_pixel |= not t.geometric
-        self.geometric = [t for t in self.transforms if t.geometric]
-        self.pixel = [t for t in self.transforms if not t.geometric]
+                                 "(crops, resizes, flips) before ToDtype/Normalize and other "
+                                 "batch steps.")
+        self.geometric = [t for t, k in zip(self.transforms, kinds) if k == "geometric"]
+        self.steps = [(k, t) for t, k in zip(self.transforms, kinds) if k != "geometric"]
+        self.pixel = [t for k, t in self.steps if k == "pixel"]
 
     def plan(self, heights: np.ndarray, widths: np.ndarray,
              rng: np.random.Generator) -> np.ndarray:
@@ -250,24 +293,50 @@ class Compose(Transform):
                 fixed = not isinstance(t.size, int) and len(t.size) == 2
         return fixed
 
-    def __call__(self, x):
-        for t in self.pixel:
-            x = t(x) if isinstance(x, torch.Tensor) else [t(i[None])[0] for i in x]
-        return x
+    @property
+    def changes_labels(self) -> bool:
+        return any(k == "labels" for k, _ in self.steps)
+
+    def apply(self, images, labels, *, generator: torch.Generator | None = None):
+        """Run the batch steps: ``(images, labels)`` in, ``(images, labels)`` out."""
+        for kind, t in self.steps:
+            if kind == "pixel":
+                images = _run(t, images, generator)
+                continue
+            if not isinstance(images, torch.Tensor):
+                raise ValueError(f"{t!r} mixes samples, which needs one fixed-size batch tensor; "
+                                 "add RandomResizedCrop/CenterCrop/Resize((h, w)) before it.")
+            if getattr(t, "random", False):
+                images, labels = t(images, labels, generator=generator)
+            else:
+                with seeded_global_rng(generator, images.device):
+                    images, labels = t(images, labels)
+        return images, labels
+
+    def __call__(self, x, *, generator: torch.Generator | None = None):
+        if self.changes_labels:
+            raise ValueError("this Compose has steps that change labels (MixUp/CutMix/"
+                             "WithLabels); call compose.apply(images, labels).")
+        return self.apply(x, None, generator=generator)[0]
 
     def __repr__(self) -> str:
         return "Compose([" + ", ".join(map(repr, self.transforms)) + "])"
 
 
-def as_compose(transform: Transform | Sequence[Transform] | None) -> Compose:
+def as_compose(transform) -> Compose:
+    """A Compose from None, one transform or callable, or a list/tuple of them."""
     if transform is None:
         return Compose([])
     if isinstance(transform, Compose):
         return transform
-    if isinstance(transform, Transform):
+    if isinstance(transform, Transform) or callable(transform):
         return Compose([transform])
-    return Compose(list(transform))
+    if isinstance(transform, (list, tuple)):
+        return Compose(list(transform))
+    raise TypeError(f"transform={transform!r} ({type(transform).__name__}) is not accepted; give "
+                    f"one transform or a list of them: {_ACCEPTED}.")
 
 
 __all__ = ["Compose", "RandomResizedCrop", "Resize", "CenterCrop", "RandomHorizontalFlip",
-           "ToDtype", "Normalize", "Transform"]
+           "ToDtype", "Normalize", "Transform", "ColorJitter", "MixUp", "CutMix", "PerSample",
+           "WithLabels", "batch_generator"]

@@ -88,3 +88,107 @@ def test_pixel_before_geometry_is_rejected():
         T.Compose([T.ToDtype(), T.Resize(10)])
     with pytest.raises(TypeError, match="gpucache.transforms"):
         T.Compose([v2.Resize(10)])
+
+
+# ------------------------------------------------------------------ open transforms (issue 11)
+from pathlib import Path  # noqa: E402
+
+from gpucache.testing import make_jpeg_bytes  # noqa: E402
+
+HYMENOPTERA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "hymenoptera"
+
+
+def _photo_batch(n: int = 6, size: int = 64) -> torch.Tensor:
+    """Real photos when present (../shared/data/hymenoptera), else generated ones, cropped."""
+    files = sorted(HYMENOPTERA.rglob("*.jpg"))[::25][:n] if HYMENOPTERA.is_dir() else []
+    blobs = [f.read_bytes() for f in files] or [make_jpeg_bytes(120, 90, seed=k) for k in range(n)]
+    from gpucache.decode.cpu import decode_jpeg
+
+    imgs = [decode_jpeg(torch.frombuffer(bytearray(b), dtype=torch.uint8)) for b in blobs]
+    return torch.stack([TF.center_crop(TF.resize(i, [size], antialias=True), [size]) for i in imgs])
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_color_jitter_matches_torchvision_per_sample(dtype):
+    x = _photo_batch()
+    if dtype == torch.float32:
+        x = x.float() / 255
+    cj = T.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4)
+    out = cj(x, generator=T.batch_generator(7, 0, 3))
+    f = cj.factors(len(x), T.batch_generator(7, 0, 3))
+    assert len(set(f["brightness"].tolist())) == len(x)  # one draw per sample
+    assert all(0.6 <= v <= 1.4 for k in f for v in f[k].tolist())
+    for k in range(len(x)):
+        ref = TF.adjust_brightness(x[k], f["brightness"][k].item())
+        ref = TF.adjust_contrast(ref, f["contrast"][k].item())
+        ref = TF.adjust_saturation(ref, f["saturation"][k].item())
+        diff = (out[k].float() - ref.float()).abs()
+        assert out.dtype == dtype and diff.max() <= (1 if dtype == torch.uint8 else 1e-5)
+        assert diff.mean() < 0.05 * (1 if dtype == torch.uint8 else 1 / 255)
+    again = cj(x, generator=T.batch_generator(7, 0, 3))
+    other = cj(x, generator=T.batch_generator(7, 0, 4))
+    assert torch.equal(out, again) and not torch.equal(out, other)
+
+
+def test_mixup_and_cutmix_mix_images_and_labels_alike():
+    x = _photo_batch(n=4)
+    labels = torch.tensor([0, 1, 2, 1])
+    g = T.batch_generator(1, 2, 3)
+    images, soft = T.MixUp(alpha=1.0, num_classes=3)(x, labels, generator=g)
+    assert soft.shape == (4, 3) and torch.allclose(soft.sum(1), torch.ones(4))
+    lam = soft[0, 0].item()  # sample 0 (class 0) mixed with sample 3 (class 1)
+    assert 0 < lam < 1 and abs(soft[0, 1].item() - (1 - lam)) < 1e-6
+    ref = (lam * x.float() + (1 - lam) * x.roll(1, 0).float()).round()
+    assert (images.float() - ref).abs().max() <= 1
+    images, soft = T.CutMix(alpha=1.0, num_classes=3)(x, labels, generator=g)
+    pasted = (images != x).any(1)  # where sample k shows sample k-1's pixels
+    assert pasted.any()
+    ys, xs = torch.nonzero(pasted[0], as_tuple=True)
+    box = images[:, :, ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+    assert torch.equal(box, x.roll(1, 0)[:, :, ys.min():ys.max() + 1, xs.min():xs.max() + 1])
+    area = (ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1) / x[0, 0].numel()
+    assert abs(soft[0, 1].item() - area.item()) < 1e-6 and abs(soft[0, 0].item() - 1 + area) < 1e-6
+    with pytest.raises(ValueError, match="num_classes"):
+        T.MixUp()(x, labels)
+
+
+def test_any_callable_runs_on_the_batch_seeded():
+    x = _photo_batch(n=4)
+    compose = T.Compose([T.RandomResizedCrop(32), v2.RandomGrayscale(p=0.5),
+                         lambda b: b.flip(-2), T.PerSample(v2.RandAugment()),
+                         T.ToDtype(torch.float32), v2.MixUp(num_classes=3)])
+    assert [k for k, _ in compose.steps] == ["pixel"] * 4 + ["labels"]
+    labels = torch.tensor([0, 1, 2, 0])
+    a = compose.apply(x, labels, generator=T.batch_generator(0, 0, 0))
+    torch.manual_seed(123)  # the global RNG is neither used nor disturbed
+    state = torch.get_rng_state()
+    b = compose.apply(x, labels, generator=T.batch_generator(0, 0, 0))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[1].shape == (4, 3)
+    c = compose.apply(x, labels, generator=T.batch_generator(0, 0, 1))
+    assert not torch.equal(a[0], c[0])
+    with pytest.raises(ValueError, match="apply"):
+        compose(x)
+
+
+def test_wrong_transform_names_what_is_accepted():
+    for bad in (42, "Resize", {"a": 1}):
+        with pytest.raises(TypeError, match="torchvision v2 transform or Compose, a function"):
+            T.as_compose(bad)
+    with pytest.raises(TypeError, match="not a transform.*any callable on the batch"):
+        T.Compose([T.Resize(8), 3])
+    assert T.as_compose(v2.ColorJitter(0.5)).steps[0][0] == "pixel"
+    with pytest.raises(ValueError, match="mixes samples"):
+        T.Compose([T.MixUp(num_classes=2)]).apply([torch.zeros(3, 4, 4)], torch.tensor([0]))
+
+
+def test_loader_takes_torchvision_transforms_and_functions(cache):
+    """The issue's report: transform=ColorJitter() gave "'ColorJitter' object is not iterable"."""
+    for transform in (v2.ColorJitter(brightness=0.5),
+                      [T.RandomResizedCrop(32), v2.ColorJitter(0.5), T.ColorJitter(0.3, 0.3, 0.3),
+                       lambda b: b // 2, T.Normalize([0.5] * 3, [0.25] * 3)]):
+        loader = GpuCachedLoader(cache, batch_size=8, num_workers=0, device="cpu",
+                                 transform=transform, seed=0)
+        batches = list(loader)
+        assert sum(len(y) for _, y in batches) == len(cache)
+    assert batches[0][0].shape == (8, 3, 32, 32) and batches[0][0].dtype == torch.float32
