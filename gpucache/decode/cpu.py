@@ -15,13 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from .._limits import check_pixels
-from .._sniff import JPEG_KINDS
+from .._sniff import JPEG_KINDS, Kind
+from . import _roi
 
 try:  # TorchCodec supersedes torchvision's image decoding from torchvision 0.29
     from torchcodec.decoders import decode_jpeg as _codec_decode_jpeg
 except Exception:  # pragma: no cover - depends on what is installed
     _codec_decode_jpeg = None
 
+_ROI_KINDS = (Kind.JPEG, Kind.JPEG_PROGRESSIVE)  # not arithmetic-coded
 _TV_DEPRECATION = r".*image decoding and encoding capabilities of TorchVision.*"
 
 
@@ -63,7 +65,13 @@ def apply_plan(img: torch.Tensor, plan) -> torch.Tensor:
 
     Device-agnostic: the GPU backends run this same function on CUDA tensors."""
     t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan)
-    x = img[:, t1:t1 + h1, l1:l1 + w1]
+    return finish_plan(img[:, t1:t1 + h1, l1:l1 + w1], rh, rw, t2, l2, h2, w2, flip)
+
+
+def finish_plan(x: torch.Tensor, rh: int, rw: int, t2: int, l2: int, h2: int, w2: int,
+                flip: int) -> torch.Tensor:
+    """The plan after its first crop: resize ``x`` to (rh, rw), crop (zero-padded), flip."""
+    h1, w1 = x.shape[-2:]
     if (rh, rw) != (h1, w1):
         if x.device.type == "cpu":  # uint8 in, uint8 out: torch's vectorized CPU kernel
             x = F.interpolate(x[None], size=(rh, rw), mode="bilinear", antialias=True)[0]
@@ -88,6 +96,7 @@ class Decoded:
     indices: np.ndarray  # store indices of the images, in batch order
     failed: list[tuple[int, str]] = field(default_factory=list)  # (store index, reason)
     cpu_decoded: int = 0  # samples that took the CPU path (GPU backends' fallback)
+    roi_decoded: int = 0  # of those, JPEGs decoded only inside their crop box (see ._roi)
 
 
 class SampleError(RuntimeError):
@@ -122,11 +131,36 @@ def out_size(plans: np.ndarray) -> tuple[int, int]:
 
 def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str,
                  stack: bool) -> Decoded:
-    """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise)."""
-    images, kept, failed = [], [], []
-    for i, plan in zip(indices.tolist(), plans):
+    """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise).
+
+    A JPEG whose plan crops is decoded only inside the crop box when ROI decode is available
+    (:mod:`._roi`; same output, less work); anything else is decoded in full, then cropped."""
+    images, kept, failed, roi = [], [], [], 0
+    indices = np.asarray(indices, dtype=np.int64)
+    rec = cache.samples[indices]  # one gather per batch, not numpy scalars per sample
+    roi_ok = _roi.available()
+    if not roi_ok:
+        _roi.notice_once()
+    rows = zip(indices.tolist(), np.asarray(plans).tolist(), rec["kind"].tolist(),
+               rec["precision"].tolist(), rec["orientation"].tolist(), rec["height"].tolist(),
+               rec["width"].tolist())
+    for i, plan, kind, precision, orientation, height, width in rows:
+        t1, l1, h1, w1 = plan[:4]
         try:
-            images.append(apply_plan(check_size(cache, i, decode_sample(cache, i)), plan))
+            check_pixels(cache, i)
+            if (roi_ok and kind in _ROI_KINDS and precision == 8 and (h1, w1) != (height, width)
+                    and 0 <= t1 and 0 <= l1 and t1 + h1 <= height and l1 + w1 <= width):
+                x = _roi.decode_crop(cache[i], t1, l1, h1, w1, orientation=orientation,
+                                     height=height, width=width)
+                roi += 1
+            else:
+                img = decode_jpeg(cache._bytes_tensor(i)) if kind in JPEG_KINDS else decode_pil(
+                    cache[i])
+                if tuple(img.shape[1:]) != (height, width):
+                    raise ValueError(f"decoded size {tuple(img.shape[1:])} differs from the "
+                                     f"header's {(height, width)}")
+                x = img[:, t1:t1 + h1, l1:l1 + w1]
+            images.append(finish_plan(x, *plan[4:]))
             kept.append(i)
         except Exception as err:  # a bad sample is reported, never fatal unless asked
             failed.append((i, failure(cache, i, err, on_error)))
@@ -134,4 +168,4 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
     if stack:
         out = (torch.stack(images) if images
                else torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8))
-    return Decoded(out, np.asarray(kept, dtype=np.int64), failed, len(kept))
+    return Decoded(out, np.asarray(kept, dtype=np.int64), failed, len(kept), roi)

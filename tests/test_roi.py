@@ -1,0 +1,167 @@
+"""ROI decode (decode only the crop box) is bit-exact with a full decode + the same plan.
+
+Real JPEGs made here cover every chroma subsampling PIL writes, gray, CMYK, progressive and all eight
+EXIF orientations; a few real photos are added when ../shared/data is present. The fallback (no
+nvImageCodec) is exercised in a subprocess where the import really fails.
+"""
+
+import io
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from gpucache import JpegCache
+from gpucache.decode import _roi
+from gpucache.decode.cpu import apply_plan, decode_batch, decode_sample
+from gpucache.testing import natural_image
+
+needs_roi = pytest.mark.skipif(not _roi.available(), reason="nvImageCodec not installed")
+PHOTOS = Path(__file__).resolve().parents[2] / "shared" / "data" / "hymenoptera"
+
+
+def _jpeg(w: int, h: int, *, seed: int, mode: str = "RGB", subsampling: str | None = "4:2:0",
+          progressive: bool = False, orientation: int | None = None) -> bytes:
+    img = Image.fromarray(natural_image(w, h, seed=seed)).convert(mode)
+    kw: dict = {"quality": 92, "progressive": progressive}
+    if subsampling is not None and mode == "RGB":
+        kw["subsampling"] = subsampling
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        kw["exif"] = exif.tobytes()
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", **kw)
+    return buf.getvalue()
+
+
+CASES = {  # name -> jpeg kwargs; odd sizes so partial MCUs and edge upsampling are exercised
+    "444": dict(subsampling="4:4:4"), "420": dict(subsampling="4:2:0"),
+    "422": dict(subsampling="4:2:2"), "gray": dict(mode="L"), "cmyk": dict(mode="CMYK"),
+    "progressive420": dict(progressive=True), "progressive444": dict(progressive=True,
+                                                                     subsampling="4:4:4"),
+    **{f"exif{o}_420": dict(orientation=o) for o in range(1, 9)},
+    **{f"exif{o}_422": dict(orientation=o, subsampling="4:2:2") for o in (5, 6, 7, 8)},
+}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("roi")
+    paths = []
+    for k, (name, kw) in enumerate(CASES.items()):
+        p = root / f"{k:02d}_{name}.jpg"
+        p.write_bytes(_jpeg(203 + 2 * k, 131 + 3 * k, seed=k, **kw))
+        paths.append(p)
+    return JpegCache.from_files(paths, progress=False)
+
+
+def _plans(h: int, w: int, rng: np.random.Generator, n: int) -> np.ndarray:
+    """Crop boxes of every kind: random, 1 px, at MCU boundaries, touching each edge; resized."""
+    boxes = [(0, 0, h, w - 1), (0, 0, 1, 1), (h - 1, w - 1, 1, 1), (8, 16, 16, 16),
+             (16, 8, h - 16, w - 8), (7, 15, 9, 17), (0, w - 17, h, 17), (h - 9, 0, 9, w)]
+    for _ in range(n):
+        bh, bw = int(rng.integers(1, h + 1)), int(rng.integers(1, w + 1))
+        boxes.append((int(rng.integers(0, h - bh + 1)), int(rng.integers(0, w - bw + 1)), bh, bw))
+    out = []
+    for k, (t, l, bh, bw) in enumerate(boxes):
+        rh, rw = (bh, bw) if k % 3 == 0 else (int(rng.integers(8, 64)), int(rng.integers(8, 64)))
+        out.append([t, l, bh, bw, rh, rw, 0, 0, rh, rw, k % 2])
+    return np.asarray(out, dtype=np.int64)
+
+
+def _check_exact(cache, i: int, plans: np.ndarray) -> int:
+    full = decode_sample(cache, i)
+    got = decode_batch(cache, np.full(len(plans), i), plans, on_error="raise", stack=False)
+    for plan, img in zip(plans, got.images):
+        ref = apply_plan(full, plan)
+        assert img.shape == ref.shape and torch.equal(img, ref), (cache.paths[i], plan.tolist())
+    return got.roi_decoded
+
+
+@needs_roi
+@pytest.mark.parametrize("name", list(CASES))
+def test_roi_is_bit_exact(cache, name):
+    i = list(CASES).index(name)
+    h, w = int(cache.samples["height"][i]), int(cache.samples["width"][i])
+    if CASES[name].get("orientation", 1) >= 5:
+        assert (h, w) == (131 + 3 * i, 203 + 2 * i)[::-1]  # the store's size is the oriented one
+    plans = _plans(h, w, np.random.default_rng(i), 24)
+    assert _check_exact(cache, i, plans) == len(plans)  # every sample went through ROI
+
+
+@needs_roi
+def test_roi_on_real_photos():
+    files = sorted(PHOTOS.glob("*/*/*.jpg"))[::40] if PHOTOS.is_dir() else []
+    if not files:
+        pytest.skip(f"{PHOTOS} absent (fresh clone): the generated JPEGs carry the coverage")
+    photos = JpegCache.from_files(files, progress=False)
+    rng = np.random.default_rng(0)
+    for i in range(len(photos)):
+        h, w = int(photos.samples["height"][i]), int(photos.samples["width"][i])
+        _check_exact(photos, i, _plans(h, w, rng, 6))
+
+
+def test_uncropped_and_non_jpeg_samples_are_decoded_in_full(cache, tmp_path):
+    png = tmp_path / "x.png"
+    Image.fromarray(natural_image(40, 30, seed=1)).save(png)
+    store = JpegCache.from_files([png, *cache.paths[:1]], progress=False)
+    h, w = int(store.samples["height"][1]), int(store.samples["width"][1])
+    plans = np.asarray([[2, 3, 20, 20, 20, 20, 0, 0, 20, 20, 0],
+                        [0, 0, h, w, 20, 20, 0, 0, 20, 20, 1]], dtype=np.int64)
+    got = decode_batch(store, np.arange(2), plans, on_error="raise", stack=True)
+    assert got.roi_decoded == 0 and got.images.shape == (2, 3, 20, 20)
+    for k in range(2):
+        assert torch.equal(got.images[k], apply_plan(decode_sample(store, k), plans[k]))
+
+
+def test_box_mapping_matches_orientation():
+    """coded_box and orient agree: the box cut from the coded image, oriented, is the same pixels."""
+    coded = torch.arange(5 * 7).reshape(1, 5, 7)
+    for o in range(1, 9):
+        oriented = _roi.orient(coded, o)
+        h, w = oriented.shape[-2:]
+        t, l, bh, bw = 1, 2, h - 2, w - 3
+        ct, cl, ch, cw = _roi.coded_box(t, l, bh, bw, o, h, w)
+        cut = _roi.orient(coded[:, ct:ct + ch, cl:cl + cw], o)
+        assert torch.equal(cut, oriented[:, t:t + bh, l:l + bw]), o
+
+
+FALLBACK = textwrap.dedent("""
+    import logging, sys
+    import numpy as np
+    sys.modules["nvidia.nvimgcodec"] = None  # the package is absent: its import fails
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from gpucache import JpegCache
+    from gpucache.decode import _roi
+    from gpucache.decode.cpu import decode_batch
+    assert not _roi.available()
+    cache = JpegCache.open(sys.argv[1])
+    plans = np.load(sys.argv[2])
+    for _ in range(2):  # the notice is logged once, not per batch
+        d = decode_batch(cache, np.zeros(len(plans), dtype=np.int64), plans, on_error="raise",
+                         stack=True)
+    assert d.roi_decoded == 0 and d.cpu_decoded == len(plans)
+    np.save(sys.argv[3], d.images.numpy())
+""")
+
+
+def test_fallback_without_nvimgcodec_gives_the_same_output(cache, tmp_path):
+    h, w = int(cache.samples["height"][1]), int(cache.samples["width"][1])
+    plans = _plans(h, w, np.random.default_rng(5), 4)
+    plans[:, 4:6] = plans[:, 8:10] = 24
+    store = tmp_path / "s.gpucache"
+    JpegCache.from_files(cache.paths[1:2], progress=False).save(store)
+    np.save(tmp_path / "p.npy", plans)
+    r = subprocess.run([sys.executable, "-c", FALLBACK, str(store), str(tmp_path / "p.npy"),
+                        str(tmp_path / "out.npy")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("nvImageCodec is not installed") == 1, r.stderr
+    here = decode_batch(cache, np.ones(len(plans), dtype=np.int64), plans, on_error="raise",
+                        stack=True)
+    assert np.array_equal(np.load(tmp_path / "out.npy"), here.images.numpy())
