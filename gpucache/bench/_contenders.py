@@ -8,6 +8,7 @@
 ``cpu-mem-spawn``       the same under spawn (the store is moved to shared memory once)
 ``cpu-file-fork``       GpuCachedLoader, cpu backend, store opened from a saved file, fork
 ``cpu-file-spawn``      the same under spawn
+``cpu-full-fork``       cpu-file-fork with ROI decode off: every JPEG decoded in full, then cropped
 ``nvjpeg``, ``dali``    GpuCachedLoader GPU backends, store from file (when CUDA is present)
 ======================  ===============================================================
 """
@@ -36,6 +37,7 @@ class Contender:
     context: str | None = None  # multiprocessing start method; None: the platform's default
     backing: str | None = None  # gpucache: "memory" | "file"
     backend: str | None = None  # gpucache: "cpu" | "nvjpeg" | "dali"
+    roi: bool = True  # gpucache cpu: decode only the crop box when nvImageCodec is there
 
 
 CONTENDERS = {c.name: c for c in (
@@ -51,6 +53,8 @@ CONTENDERS = {c.name: c for c in (
               "fork", "file", "cpu"),
     Contender("cpu-file-spawn", "gpucache", "GpuCachedLoader cpu, store opened from file, spawn",
               "spawn", "file", "cpu"),
+    Contender("cpu-full-fork", "gpucache", "GpuCachedLoader cpu, file store, fork, ROI decode off "
+              "(full decode, then crop)", "fork", "file", "cpu", roi=False),
     Contender("nvjpeg", "gpucache", "GpuCachedLoader nvjpeg (GPU), store from file", None, "file",
               "nvjpeg"),
     Contender("dali", "gpucache", "GpuCachedLoader dali (GPU), store from file", None, "file",
@@ -76,6 +80,20 @@ def gc_transform(pipeline: str) -> list:
     if pipeline == "train":
         return [T.RandomResizedCrop(CROP), T.RandomHorizontalFlip()]
     return [T.Resize(256), T.CenterCrop(CROP)]
+
+
+class NoRoi:
+    """worker_init_fn that switches ROI decode off in the worker, then runs ``inner``."""
+
+    def __init__(self, inner=None):
+        self.inner = inner
+
+    def __call__(self, worker_id: int) -> None:
+        from ..decode import _roi
+
+        _roi.ENABLED = False
+        if self.inner is not None:
+            self.inner(worker_id)
 
 
 class ListOfBytes(Dataset):
@@ -177,6 +195,11 @@ class Runner:
         else:
             from .._loader import GpuCachedLoader
 
+            if not self.c.roi:
+                if w == 0:
+                    raise BenchError(f"{self.c.name} switches ROI off in its workers: needs "
+                                     "workers > 0")
+                worker_init_fn = NoRoi(worker_init_fn)
             self.loader = GpuCachedLoader(
                 self.cache, batch_size=bs, shuffle=shuffle, seed=self.cfg.seed,
                 transform=gc_transform(self.cfg.pipeline), device=self.device,
