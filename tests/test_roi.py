@@ -165,3 +165,20 @@ def test_fallback_without_nvimgcodec_gives_the_same_output(cache, tmp_path):
     here = decode_batch(cache, np.ones(len(plans), dtype=np.int64), plans, on_error="raise",
                         stack=True)
     assert np.array_equal(np.load(tmp_path / "out.npy"), here.images.numpy())
+
+
+@needs_roi
+def test_threads_decode_at_once(cache):
+    """The nvjpeg backend's fallback thread and the main thread may both decode (one decoder each)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    i = list(CASES).index("420")
+    h, w = int(cache.samples["height"][i]), int(cache.samples["width"][i])
+    plans = _plans(h, w, np.random.default_rng(3), 30)
+    ref = decode_batch(cache, np.full(len(plans), i), plans, on_error="raise", stack=False)
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda _: decode_batch(cache, np.full(len(plans), i), plans,
+                                                    on_error="raise", stack=False), range(8)))
+    for out in outs:
+        assert out.roi_decoded == len(plans)
+        assert all(torch.equal(a, b) for a, b in zip(out.images, ref.images))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import numpy as np
 import torch
@@ -35,7 +36,8 @@ _OPS = {1: (False, False, False), 2: (False, True, False), 3: (False, True, True
         4: (False, False, True), 5: (True, False, False), 6: (True, True, False),
         7: (True, True, True), 8: (True, False, True)}
 
-_state: dict[str, object] = {}  # per process: the decoder (made after fork), the one-time notice
+_state: dict[str, object] = {}  # per process: the one-time notice
+_local = threading.local()  # per thread (a decoder is not thread-safe): pid, decoder, params
 
 
 def available() -> bool:
@@ -62,13 +64,13 @@ def notice_once() -> None:
 
 def _decoder():
     pid = os.getpid()
-    if _state.get("pid") != pid:  # one decoder per process, never inherited through fork
+    if getattr(_local, "pid", None) != pid:  # one decoder per thread, never inherited by fork
         n = _nvimgcodec
-        _state["decoder"] = n.Decoder(device_id=n.NVIMGCODEC_DEVICE_CPU_ONLY,
-                                      max_num_cpu_threads=1, backends=[n.Backend(n.CPU_ONLY)])
-        _state["params"] = n.DecodeParams(apply_exif_orientation=False, color_spec=n.SRGB)
-        _state["pid"] = pid
-    return _state["decoder"], _state["params"]
+        _local.decoder = n.Decoder(device_id=n.NVIMGCODEC_DEVICE_CPU_ONLY,
+                                   max_num_cpu_threads=1, backends=[n.Backend(n.CPU_ONLY)])
+        _local.params = n.DecodeParams(apply_exif_orientation=False, color_spec=n.SRGB)
+        _local.pid = pid
+    return _local.decoder, _local.params
 
 
 def coded_box(top: int, left: int, h: int, w: int, orientation: int, height: int,
