@@ -1,5 +1,7 @@
 """The nvjpeg backend's device-agnostic code on CPU tensors: staging, batched decode, plans,
-fallback join and ordering. Only the CUDA stream/event lines are left to tests/gpu/."""
+fallback join and ordering, EXIF orientation after a decoder that ignores it, the pixel budget, and
+the hand-over rule on a non-CPU device (meta). Only the CUDA stream/event lines
+(decode/_streams.CudaStreams) are left to tests/gpu/."""
 
 import numpy as np
 import pytest
@@ -7,8 +9,12 @@ import torch
 
 from gpucache import GpuCachedLoader, JpegCache, SampleError
 from gpucache import transforms as T
+from gpucache._sniff import Kind
+from gpucache.decode._batched import default_decoder, make_decoder, orient, torchvision_decoder
+from gpucache.decode._streams import HostStreams
 from gpucache.decode.cpu import decode_batch
 from gpucache.decode.nvjpeg import NvjpegBackend
+from gpucache.testing import make_jpeg_bytes
 
 CPU = torch.device("cpu")
 
@@ -24,12 +30,14 @@ def test_matches_cpu_backend_and_keeps_order(jpeg_folder):
     cache = JpegCache.from_folder(jpeg_folder, progress=False)
     backend = NvjpegBackend(cache, device=CPU, on_error="skip")
     batches = [np.arange(k, k + 6) for k in range(0, 18, 6)]
+    refs = [decode_batch(cache, idx, _plans(cache, idx, b), on_error="skip", stack=True)
+            for b, idx in enumerate(batches)]
     for b, idx in enumerate(batches):  # three batches in flight before the first is taken
         backend.submit(idx, _plans(cache, idx, b), stack=True)
     assert len(backend) == 3
     for b, idx in enumerate(batches):
         got = backend.get()
-        ref = decode_batch(cache, idx, _plans(cache, idx, b), on_error="skip", stack=True)
+        ref = refs[b]
         assert np.array_equal(got.indices, idx)
         assert torch.equal(got.images, ref.images), b
         cmyk = int((cache.samples["components"][idx] == 4).sum())
@@ -45,6 +53,7 @@ def test_fallback_join_for_png_cmyk_and_corrupt(bad_folder):
     plans = T.Compose([T.Resize((24, 24))]).plan(cache.samples["height"].astype(np.int64),
                                                  cache.samples["width"].astype(np.int64),
                                                  np.random.default_rng(0))
+    ref = decode_batch(cache, idx, plans, on_error="skip", stack=True)
     backend = NvjpegBackend(cache, device=CPU, on_error="skip")
     backend.submit(idx, plans, stack=True)
     out = backend.get()
@@ -54,11 +63,12 @@ def test_fallback_join_for_png_cmyk_and_corrupt(bad_folder):
     assert out.images.shape == (len(cache) - 1, 3, 24, 24)
     non_gpu = (~cache.gpu_decodable()).sum()
     assert out.cpu_decoded == non_gpu
-    ref = decode_batch(cache, idx, plans, on_error="skip", stack=True)
     assert torch.equal(out.images, ref.images)
     strict = NvjpegBackend(cache, device=CPU, on_error="raise")
+    strict.submit(idx, plans, stack=False)  # decoded in the background thread
     with pytest.raises(SampleError, match="corrupt_scan.jpg"):
-        strict.submit(idx, plans, stack=False)
+        strict.get()
+    assert not strict.thread_alive and len(strict) == 0  # an error stops the thread
 
 
 def test_list_output_when_sizes_vary(jpeg_folder):
@@ -83,3 +93,108 @@ def test_auto_selection_and_device_errors(jpeg_folder):
 
     assert resolve("auto", torch.device("cuda")) in ("dali", "nvjpeg")
     assert resolve("auto", CPU) == "cpu"
+
+
+# ---------------------------------------------------------------- EXIF, hand-over, pixel budget
+def _tv_decode(data, exif):
+    import warnings
+
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=exif)
+
+
+def test_orient_is_the_exif_transform_for_all_8_orientations():
+    for o in range(1, 9):
+        data = torch.frombuffer(bytearray(make_jpeg_bytes(40, 24, seed=o, exif_orientation=o)),
+                                dtype=torch.uint8)
+        raw, shown = _tv_decode(data, False), _tv_decode(data, True)
+        assert raw.shape[1:] == (24, 40)
+        assert torch.equal(orient(raw, o), shown), o
+
+
+@pytest.fixture(scope="module")
+def rotated(tmp_path_factory):
+    """Every EXIF orientation, non-square and square (a square rotated image keeps its size)."""
+    root = tmp_path_factory.mktemp("rotated")
+    paths = []
+    for o in range(1, 9):
+        for w, h in ((56, 32), (40, 40)):
+            paths.append(root / f"o{o}_{w}x{h}.jpg")
+            paths[-1].write_bytes(make_jpeg_bytes(w, h, seed=o * w, exif_orientation=o))
+    return JpegCache.from_files(paths, progress=False)
+
+
+def test_decoder_that_ignores_exif_still_orients_every_sample(rotated):
+    """torchvision's CUDA decode_jpeg ignores EXIF; emulated by its CPU decode without it."""
+    emulated = torchvision_decoder(CPU)
+    assert not emulated.applies_exif  # measured by decoding a tagged probe, not assumed
+    idx = np.arange(len(rotated))
+    plans = _plans(rotated, idx)
+    ref = decode_batch(rotated, idx, plans, on_error="raise", stack=True)
+    for decoder in (emulated, default_decoder(CPU)):
+        backend = NvjpegBackend(rotated, device=CPU, on_error="raise", decoder=decoder)
+        backend.submit(idx, plans, stack=True)
+        out = backend.get()
+        backend.close()
+        assert out.failed == [] and out.cpu_decoded == 0, decoder.name
+        assert torch.equal(out.images, ref.images), decoder.name
+
+
+def _emulated_gpu_decoder(device, rejects=b"\xff\xc2"):
+    """A decoder "on" ``device`` (meta: not the CPU, like CUDA) that rejects progressive JPEGs,
+    as nvJPEG rejects some JPEGs that libjpeg-turbo decodes; it ignores EXIF like torchvision's."""
+
+    def decode(data):
+        if any(rejects in bytes(d.numpy()) for d in data):
+            raise RuntimeError("emulated nvJPEG: unsupported JPEG")
+        return [x.to(device) for x in _tv_decode(data, False)]
+
+    return make_decoder("emulated-gpu", device, decode)
+
+
+def test_cpu_retry_result_reaches_hand_over_on_the_device(jpeg_folder):
+    cache = JpegCache.from_folder(jpeg_folder, progress=False)
+    meta = torch.device("meta")
+    progressive = int((cache.samples["kind"] == Kind.JPEG_PROGRESSIVE).sum())
+    assert progressive >= 1
+    backend = NvjpegBackend(cache, device=meta, on_error="raise",
+                            decoder=_emulated_gpu_decoder(meta))
+    idx = np.arange(len(cache))
+    backend.submit(idx, _plans(cache, idx), stack=True)
+    out = backend.get()  # the hand-over checks every tensor is on the device, as CUDA needs
+    assert out.images.device == meta and out.images.shape == (len(cache), 3, 48, 48)
+    cmyk = int((cache.samples["components"] == 4).sum())
+    assert out.cpu_decoded == progressive + cmyk and out.failed == []
+    with pytest.raises(RuntimeError, match="moved to the device first"):
+        HostStreams(meta).hand_over(None, [torch.zeros(1)])
+
+
+def test_pixel_budget_refuses_before_any_decoder(jpeg_folder):
+    cache = JpegCache.from_folder(jpeg_folder, progress=False)
+    s = cache.samples
+    pixels = s["height"].astype(np.int64) * s["width"]
+    cache.max_pixels = int(pixels[s["components"] == 4].min()) - 1  # the CMYK sample is refused
+    over = set(np.flatnonzero(pixels > cache.max_pixels).tolist())
+    assert 0 < len(over) < len(cache) and any((s["components"] == 4) & (pixels > cache.max_pixels))  # CPU path too
+    seen = []
+    real = torchvision_decoder(CPU)
+    spy = make_decoder("spy", CPU, lambda data: seen.extend(len(d) for d in data) or
+                       real.decode(data))
+    idx = np.arange(len(cache))
+    backend = NvjpegBackend(cache, device=CPU, on_error="skip", decoder=spy)
+    backend.submit(idx, _plans(cache, idx), stack=True)
+    out = backend.get()
+    assert {i for i, _ in out.failed} == over
+    assert all("max_pixels" in why for _, why in out.failed)
+    assert sorted(out.indices.tolist() + sorted(over)) == idx.tolist()
+    decoded_sizes = sorted(seen[1:])  # the first call is the EXIF probe
+    assert decoded_sizes == sorted(len(cache[i]) for i in idx.tolist()
+                                   if i not in over and s["components"][i] != 4)
+    assert out.cpu_decoded == int(((s["components"] == 4) & (pixels <= cache.max_pixels)).sum())
+    strict = NvjpegBackend(cache, device=CPU, on_error="raise", decoder=spy)
+    strict.submit(idx, _plans(cache, idx), stack=True)
+    with pytest.raises(SampleError, match="max_pixels"):
+        strict.get()

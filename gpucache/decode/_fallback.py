@@ -1,7 +1,9 @@
 """Device-agnostic helpers the GPU backends share: split a batch, decode the rest on the CPU, join.
 
 A GPU decoder takes only what :meth:`JpegCache.gpu_decodable` allows (8-bit Huffman JPEG with 1 or 3
-components); PNG, GIF, WebP, CMYK and arithmetic JPEG go to the CPU path. Each path yields one
+components); PNG, GIF, WebP, CMYK and arithmetic JPEG go to the CPU path. A sample over the store's
+pixel budget (:func:`gpucache._limits.check_pixels`) goes to neither: it fails like any bad sample,
+before any decoder (GPU, or the CPU fallback after a GPU refusal) sees it. Each path yields one
 result per batch position, an image or the reason it failed, and :func:`join` puts them back in
 batch order. Nothing here touches CUDA, so CI runs it on CPU tensors.
 """
@@ -13,7 +15,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from .cpu import Decoded, decode_batch
+from .._limits import check_pixels
+from .cpu import Decoded, decode_batch, failure
 
 #: One sample's outcome: its image (uint8 CHW), or why it failed (see :func:`.cpu.describe`).
 Result = torch.Tensor | str
@@ -22,19 +25,39 @@ Result = torch.Tensor | str
 Part = tuple[np.ndarray, Sequence[Result] | torch.Tensor, bool]
 
 
-def split(cache, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Positions in the batch the GPU decoder may take, and those that must go to the CPU."""
-    gpu = cache.gpu_decodable()[np.asarray(indices, dtype=np.int64)]
-    return np.flatnonzero(gpu), np.flatnonzero(~gpu)
+def split(cache, indices: np.ndarray, *, on_error: str) -> tuple[np.ndarray, np.ndarray, Part]:
+    """Positions the GPU decoder may take, those that must go to the CPU, and the refused part.
+
+    A sample over the pixel budget is refused before any decoder sees it (``SampleError`` when
+    ``on_error="raise"``); the refused part holds those positions and their reasons."""
+    indices = np.asarray(indices, dtype=np.int64)
+    refused, reasons = [], []
+    for p, i in enumerate(indices.tolist()):
+        try:
+            check_pixels(cache, i)
+        except ValueError as err:
+            reasons.append(failure(cache, i, err, on_error))
+            refused.append(p)
+    ok = np.ones(len(indices), dtype=bool)
+    ok[refused] = False
+    gpu = cache.gpu_decodable()[indices]
+    return (np.flatnonzero(ok & gpu), np.flatnonzero(ok & ~gpu),
+            (np.asarray(refused, dtype=np.int64), reasons, False))
 
 
 def decode_on_cpu(cache, indices: np.ndarray, plans: np.ndarray, positions: Iterable[int], *,
                   on_error: str) -> list[Result]:
     """Decode and transform ``indices[positions]`` on the CPU, one result per position.
 
-    Raises :class:`.cpu.SampleError` for a bad sample when ``on_error="raise"``."""
+    Raises :class:`.cpu.SampleError` for a bad sample when ``on_error="raise"``. The pixel budget is
+    checked again here, so no path into this fallback decodes a sample the budget refuses."""
     out: list[Result] = []
     for p in positions:
+        try:
+            check_pixels(cache, int(indices[p]))
+        except ValueError as err:
+            out.append(failure(cache, int(indices[p]), err, on_error))
+            continue
         d = decode_batch(cache, indices[p:p + 1], plans[p:p + 1], on_error=on_error, stack=False)
         out.append(d.images[0] if d.images else d.failed[0][1])
     return out
@@ -47,7 +70,7 @@ def join(n: int, parts: Iterable[Part], *, indices: np.ndarray, stack: bool,
     Failed positions are left out and reported as ``(store index, reason)``; ``out_hw`` is the
     image size of an empty stacked batch (every sample failed).
     """
-    parts = list(parts)
+    parts = [part for part in parts if len(part[0])]
     if (stack and len(parts) == 1 and isinstance(parts[0][1], torch.Tensor)
             and np.array_equal(parts[0][0], np.arange(n))):
         _, images, on_cpu = parts[0]  # the common case: one path took the whole batch

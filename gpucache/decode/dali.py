@@ -8,7 +8,8 @@ pixel transforms, which every backend shares.
 The encoded bytes go in as zero-copy views of the store (``external_source(no_copy=True)``), kept
 alive until that batch's outputs are back; the plan goes in as one int32 row per sample. Outputs
 reach torch through DLPack and are copied out of DALI's buffers at once. Samples the GPU decoder
-does not take (PNG, GIF, WebP, CMYK, arithmetic JPEG) are decoded on the CPU and joined back in.
+does not take (PNG, GIF, WebP, CMYK, arithmetic JPEG) are decoded on the CPU and joined back in;
+samples over the pixel budget are refused before DALI or the CPU fallback sees them.
 
 ``device=cpu`` runs the same graph with DALI's CPU decoder (``device_id=None``), which is how CI
 covers it; on CUDA only the decoder's device and the pipeline's ``device_id`` change.
@@ -46,6 +47,7 @@ class _Batch:
     stack: bool
     gpu_pos: np.ndarray  # positions DALI decodes
     cpu_pos: np.ndarray  # positions the CPU path decodes
+    refused: Part  # positions over the pixel budget: never fed to DALI nor to the CPU
     views: list[np.ndarray] | None = None  # fed to DALI (zero-copy) and not yet collected
 
 
@@ -143,14 +145,15 @@ class DaliBackend(Backend):
         if len(indices) > self.batch_size:
             raise ValueError(f"a batch of {len(indices)} samples is larger than the pipeline's "
                              f"batch_size={self.batch_size}; pass the loader's batch size.")
-        self._queue.append(_Batch(indices, np.asarray(plans), stack, *split(self.cache, indices)))
+        self._queue.append(_Batch(indices, np.asarray(plans), stack, *split(self.cache, indices,
+                                                                      on_error=self.on_error)))
         self._pump()
 
     def get(self) -> Decoded:
         if not self._queue:
             raise RuntimeError("get() called with no batch submitted.")
         b = self._queue[0]
-        parts: list[Part] = []
+        parts: list[Part] = [b.refused]
         try:
             if len(b.gpu_pos):
                 if b.views is None:  # not in flight (after a reset): run it now

@@ -1,161 +1,182 @@
-"""backend="nvjpeg": batched nvJPEG decode on a side CUDA stream, straight into device tensors.
+"""backend="nvjpeg": batched nvJPEG decode in a background thread, straight into device tensors.
 
-For each batch: the GPU-decodable samples' compressed bytes are copied once into one pinned host
-buffer (staging), handed to the batched ``decode_jpeg(list, device="cuda")`` (TorchCodec's when
-installed, torchvision's otherwise) on a side stream, and each decoded image runs its plan there
-(:func:`~gpucache.decode.cpu.apply_plan`, the same function the CPU backend uses, on CUDA tensors).
-An event recorded on the side stream marks the batch done; :meth:`get` makes the consumer's stream
-wait on it and ``record_stream``\\s the outputs, so the caching allocator never hands their memory
-to another stream early. The loader submits at least two batches ahead, so batch k+1 decodes while
-the model trains on batch k.
+Each submitted batch is decoded by one background thread (``threaded=False`` decodes it in
+``submit`` instead), so staging, host-side Huffman decoding, the CPU fallback and the join overlap
+with the training step that consumes the previous batch; the loader keeps at least two batches in
+flight. Per batch, in that thread:
 
-Samples nvJPEG does not take (PNG, GIF, WebP, CMYK, arithmetic JPEG) are decoded on the CPU and joined
-back in order. If the batched call fails (one corrupt JPEG fails the whole call), the batch is
-decoded one sample at a time on the GPU, and a sample that still fails is retried on the CPU before
-it is reported, so a bad sample never kills the run.
+1. the pixel budget refuses oversized samples; the rest split into what the batched decoder takes
+   and what the CPU decodes (:func:`~gpucache.decode._fallback.split`);
+2. one batched ``decode_jpeg(list, device=...)`` call (:mod:`._batched`: TorchCodec's when installed,
+   else torchvision's) reads zero-copy views of the store; its outputs are allocated on a dedicated
+   stream (:mod:`._streams`); EXIF orientation is applied when the decoder does not apply it;
+3. each image runs its plan (:func:`~gpucache.decode.cpu.apply_plan`, the CPU backend's function);
+   if the batched call fails (one corrupt JPEG fails it all) the batch is decoded one sample at a
+   time, and what the decoder still rejects is retried on the CPU before it is reported;
+4. every result is moved to the device and joined in batch order, and an event marks the batch done.
 
-On a CPU device the very same code runs with the CPU batched ``decode_jpeg`` and no streams: that is
-how CI exercises staging, ordering, the fallback join and the plans. Only ``_Cuda`` is CUDA-only.
+:meth:`get` makes the consumer's stream wait on that event and ``record_stream``\\s the outputs.
+
+There is no pinned staging copy: nvJPEG (torchvision, TorchCodec) reads the compressed bytes
+through host pointers and copies them with its own pinned buffers, so a pinned copy of ours would
+add a memcpy and buy nothing. On a CPU device the very same code runs with no streams: that is how
+CI covers everything but :class:`~gpucache.decode._streams.CudaStreams`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections import deque
+import functools
+import logging
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ._base import Backend
+from ._batched import BatchDecoder, default_decoder, orient
 from ._fallback import Part, decode_on_cpu, join, split
+from ._streams import CudaStreams, HostStreams
 from .cpu import Decoded, apply_plan, check_size, failure, out_size
 
-
-def _batched_decoder(device: torch.device):
-    """decode(list of CPU uint8 tensors) -> list of RGB uint8 CHW tensors on ``device``."""
-    try:
-        from torchcodec.decoders import decode_jpeg as codec
-
-        return lambda data: codec(data, mode="RGB", device=str(device))
-    except ImportError:
-        from torchvision.io import ImageReadMode
-        from torchvision.io import decode_jpeg as tv
-
-        def decode(data):
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", category=DeprecationWarning,
-                                        message=r".*image decoding and encoding capabilities")
-                return tv(data, mode=ImageReadMode.RGB, device=device,
-                          apply_exif_orientation=True)
-
-        return decode
-
-
-class _Cuda:
-    """The CUDA-only part: a side stream and an event per batch."""
-
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device)
-
-    def context(self):
-        return torch.cuda.stream(self.stream)
-
-    def record(self):
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
-
-    @staticmethod
-    def hand_over(event, tensors) -> None:
-        consumer = torch.cuda.current_stream()
-        consumer.wait_event(event)
-        for t in tensors:
-            t.record_stream(consumer)
+log = logging.getLogger("gpucache")
 
 
 @dataclass
-class _Pending:
-    indices: np.ndarray
-    stack: bool
-    gpu_pos: np.ndarray
-    gpu_out: list  # one result per gpu position: tensor on device, or failure reason
-    cpu_part: Part
-    staging: torch.Tensor | None  # pinned bytes, kept alive until the batch is handed over
-    event: object | None
-    out_hw: tuple[int, int]
+class _Done:
+    decoded: Decoded
+    event: object | None  # the side stream's event after the batch (None without streams)
 
 
 class NvjpegBackend(Backend):
     name = "nvjpeg"
 
-    def __init__(self, cache, *, device: torch.device, on_error: str):
-        self.cache, self.device, self.on_error = cache, torch.device(device), on_error
-        self.cuda = _Cuda(self.device) if self.device.type == "cuda" else None
-        self._decode = _batched_decoder(self.device)
-        self._pending: deque[_Pending] = deque()
+    def __init__(self, cache, *, device: torch.device, on_error: str,
+                 decoder: BatchDecoder | None = None, threaded: bool = True):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.cache, self.device, self.on_error = cache, device, on_error
+        self.decoder = decoder if decoder is not None else default_decoder(device)
+        if self.decoder.device != device:
+            raise ValueError(f"decoder {self.decoder.name!r} decodes to {self.decoder.device}, "
+                             f"but the backend's device is {device}; make it for {device}.")
+        self._streams = CudaStreams(device) if device.type == "cuda" else HostStreams(device)
+        self._pending: list[Future | _Done] = []
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="gpucache-nvjpeg") if threaded
+                      else None)
+        self._closed = False
+        self._thread: threading.Thread | None = None  # the pool's thread, once it ran a batch
+        # garbage collection may happen on the pool's own thread: stop it without joining there
+        self._finalizer = weakref.finalize(self, _shutdown, self._pool, wait=False)
 
-    def _stage(self, indices: np.ndarray) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Views of one (pinned, on CUDA) buffer holding these samples' compressed bytes."""
-        if not len(indices):
-            return [], None
-        lengths = [len(self.cache[i]) for i in indices.tolist()]
-        staging = torch.empty(sum(lengths), dtype=torch.uint8, pin_memory=self.cuda is not None)
-        flat = staging.numpy()
-        pos = 0
-        for i, n in zip(indices.tolist(), lengths):
-            flat[pos:pos + n] = self.cache[i]
-            pos += n
-        return list(staging.split(lengths)), staging
+    # ------------------------------------------------------------------ one batch (any thread)
+    def _decode_batch(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> _Done:
+        if self._pool is not None:
+            self._thread = threading.current_thread()
+        gpu_pos, cpu_pos, refused = split(self.cache, indices, on_error=self.on_error)
+        with self._streams.on_side():
+            parts = self._decode_gpu(indices, plans, gpu_pos)
+            parts.append((cpu_pos, decode_on_cpu(self.cache, indices, plans, cpu_pos,
+                                                 on_error=self.on_error), True))
+            parts.append(refused)
+            decoded = join(len(indices), parts, indices=indices, stack=stack, device=self.device,
+                           out_hw=out_size(plans))
+            return _Done(decoded, self._streams.record())
 
-    def _decode_gpu(self, indices: np.ndarray, plans: np.ndarray,
-                    data: list[torch.Tensor]) -> list:
+    def _decode_all(self, data: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         try:
-            images = self._decode(data)
-        except RuntimeError:  # one bad JPEG fails the batched call: find it sample by sample
-            images = []
+            return list(self.decoder.decode(data))
+        except Exception:  # noqa: BLE001  # one bad JPEG fails the batched call: find it sample by sample
+            out: list[torch.Tensor | Exception] = []
             for d in data:
                 try:
-                    images.append(self._decode([d])[0])
-                except RuntimeError as err:
-                    images.append(err)
-        out = []
-        for i, plan, img in zip(indices.tolist(), plans, images):
-            if isinstance(img, Exception):  # the CPU decoder gets a second chance
-                out.append(decode_on_cpu(self.cache, np.array([i]), plan[None], [0],
-                                         on_error=self.on_error)[0])
+                    out.append(self.decoder.decode([d])[0])
+                except Exception as err:  # noqa: BLE001 - retried on the CPU, then reported
+                    out.append(err)
+            return out
+
+    def _decode_gpu(self, indices: np.ndarray, plans: np.ndarray,
+                    positions: np.ndarray) -> list[Part]:
+        """Batched decode of ``indices[positions]``; what the decoder rejects is tried on the CPU."""
+        if not len(positions):
+            return []
+        data = [self.cache._bytes_tensor(int(i)) for i in indices[positions].tolist()]
+        with self._streams.decoding():
+            images = self._decode_all(data)
+        self._streams.adopt(t for t in images if isinstance(t, torch.Tensor))
+        done, results, retry = [], [], []
+        for p, img in zip(positions.tolist(), images):
+            i = int(indices[p])
+            if isinstance(img, Exception):
+                retry.append(p)
                 continue
             try:
-                out.append(apply_plan(check_size(self.cache, i, img), plan))
+                if not self.decoder.applies_exif:
+                    img = orient(img, self.cache.samples["orientation"][i])
+                results.append(apply_plan(check_size(self.cache, i, img), plans[p]))
             except Exception as err:  # noqa: BLE001 - reported like any bad sample
-                out.append(failure(self.cache, i, err, self.on_error))
-        return out
+                results.append(failure(self.cache, i, err, self.on_error))
+            done.append(p)
+        parts: list[Part] = [(np.asarray(done, dtype=np.int64), results, False)]
+        if retry:  # libjpeg-turbo gets the last word: decoded there, or reported as failed
+            rescued = decode_on_cpu(self.cache, indices, plans, retry, on_error=self.on_error)
+            for p, r in zip(retry, rescued):
+                if isinstance(r, torch.Tensor):
+                    log.warning("gpucache: %s could not decode sample %d (%s); decoded it on the "
+                                "CPU", self.decoder.name, int(indices[p]),
+                                self.cache.paths[int(indices[p])])
+            parts.append((np.asarray(retry, dtype=np.int64), rescued, True))
+        return parts
 
+    # ------------------------------------------------------------------ Backend
     def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
-        gpu_pos, cpu_pos = split(self.cache, indices)
-        data, staging = self._stage(indices[gpu_pos])
-        ctx = self.cuda.context() if self.cuda else contextlib.nullcontext()
-        with ctx:
-            gpu_out = self._decode_gpu(indices[gpu_pos], plans[gpu_pos], data)
-            event = self.cuda.record() if self.cuda else None
-        cpu_out = decode_on_cpu(self.cache, indices, plans, cpu_pos.tolist(),
-                                on_error=self.on_error)
-        self._pending.append(_Pending(indices, stack, gpu_pos, gpu_out,
-                                      (cpu_pos, cpu_out, True), staging, event, out_size(plans)))
+        if self._closed:
+            raise RuntimeError("this NvjpegBackend is closed; make a new one (or a new loader).")
+        job = functools.partial(self._decode_batch, np.asarray(indices, dtype=np.int64),
+                                np.asarray(plans), stack)
+        self._pending.append(self._pool.submit(job) if self._pool is not None else job())
 
     def get(self) -> Decoded:
-        p = self._pending.popleft()
-        if self.cuda is not None:
-            self.cuda.hand_over(p.event, [t for t in p.gpu_out if isinstance(t, torch.Tensor)])
-        parts: list[Part] = [(p.gpu_pos, p.gpu_out, False), p.cpu_part]
-        return join(len(p.indices), parts, indices=p.indices, stack=p.stack, device=self.device,
-                    out_hw=p.out_hw)
+        if not self._pending:
+            raise RuntimeError("get() called with no batch submitted.")
+        item = self._pending.pop(0)
+        try:
+            done = item.result() if isinstance(item, Future) else item
+        except BaseException:
+            self.close()  # the thread stops; what was queued behind the failed batch is dropped
+            raise
+        images = done.decoded.images
+        self._streams.hand_over(done.event, [images] if isinstance(images, torch.Tensor)
+                                else images)
+        return done.decoded
 
     def __len__(self) -> int:
         return len(self._pending)
 
+    def drain(self) -> None:
+        """Drop the batches of an abandoned epoch: queued ones are cancelled, a running one waited
+        for (its errors too belong to the abandoned epoch)."""
+        pending, self._pending = self._pending, []
+        for item in pending:
+            if isinstance(item, Future) and not item.cancel():
+                item.exception()
+
     def close(self) -> None:
-        """Drop in-flight batches (their device tensors and pinned staging buffers) and the stream."""
-        self._pending.clear()
-        self.cuda = None
+        """Cancel queued batches, wait for a running one, stop the thread. Idempotent."""
+        self._closed = True
+        self._pending = []
+        self._finalizer.detach()
+        _shutdown(self._pool, wait=True)
+
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the background decode thread is running (for shutdown checks)."""
+        return self._thread is not None and self._thread.is_alive()
+
+
+def _shutdown(pool: ThreadPoolExecutor | None, *, wait: bool) -> None:
+    if pool is not None:
+        pool.shutdown(wait=wait, cancel_futures=True)

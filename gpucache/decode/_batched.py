@@ -1,0 +1,101 @@
+"""Batched JPEG decoders for the nvjpeg backend, and the EXIF orientation some of them skip.
+
+A :class:`BatchDecoder` turns a list of CPU byte tensors into RGB uint8 CHW tensors on its device.
+Whether it applies the EXIF Orientation tag is *measured* once (:func:`applies_exif`) by decoding
+a tiny JPEG tagged "rotate 90", never assumed: torchvision's CUDA ``decode_jpeg`` ignores EXIF
+(its ``apply_exif_orientation`` is CPU-only; gpucache passes ``False`` on every device so CPU and
+CUDA run the same code), while TorchCodec's applies it on the CPU and on CUDA. For a decoder that
+does not, :func:`orient` applies the tag afterwards, the same transform the CPU decode applies.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+#: EXIF Orientation (1-8) -> (transpose H and W first, then flip H, then flip W), which takes the
+#: stored pixels to the displayed image (TIFF 6.0 / EXIF 2.3 definitions of the tag's values).
+_ORIENT = {1: (False, False, False), 2: (False, False, True), 3: (False, True, True),
+           4: (False, True, False), 5: (True, False, False), 6: (True, False, True),
+           7: (True, True, True), 8: (True, True, False)}
+
+
+def orient(img: torch.Tensor, orientation: int) -> torch.Tensor:
+    """The CHW image as displayed under EXIF ``orientation`` (values outside 1-8 mean 1)."""
+    transpose, flip_h, flip_w = _ORIENT.get(int(orientation), _ORIENT[1])
+    if transpose:
+        img = img.transpose(-1, -2)
+    dims = [d for d, on in ((-2, flip_h), (-1, flip_w)) if on]
+    return img.flip(dims) if dims else img
+
+
+@dataclass(frozen=True)
+class BatchDecoder:
+    """``decode(list of 1-D uint8 CPU tensors) -> list of RGB uint8 CHW tensors on device``."""
+
+    name: str
+    device: torch.device
+    decode: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    applies_exif: bool
+
+
+def _probe_jpeg() -> torch.Tensor:
+    """A 16 x 8 (W x H) JPEG tagged EXIF Orientation 6: displayed, it is 8 wide and 16 high."""
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 8), (200, 30, 30)).save(buf, "JPEG", exif=exif.tobytes())
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def applies_exif(decode: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> bool:
+    """Whether ``decode`` applies EXIF orientation, by decoding a tagged probe image."""
+    (img,) = decode([_probe_jpeg()])
+    return tuple(img.shape[1:]) == (16, 8)
+
+
+def make_decoder(name: str, device: torch.device,
+                 decode: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> BatchDecoder:
+    return BatchDecoder(name, torch.device(device), decode, applies_exif(decode))
+
+
+def torchvision_decoder(device: torch.device) -> BatchDecoder:
+    """torchvision's ``decode_jpeg`` (batched nvJPEG on CUDA, libjpeg-turbo on the CPU), no EXIF."""
+    from torchvision.io import ImageReadMode
+    from torchvision.io import decode_jpeg
+
+    def decode(data: list[torch.Tensor]) -> list[torch.Tensor]:
+        with warnings.catch_warnings():  # torchvision >= 0.29 points to TorchCodec on every call
+            warnings.filterwarnings("ignore", category=DeprecationWarning,
+                                    message=r".*image decoding and encoding capabilities")
+            return decode_jpeg(data, mode=ImageReadMode.RGB, device=device,
+                               apply_exif_orientation=False)
+
+    return make_decoder("torchvision", device, decode)
+
+
+def torchcodec_decoder(device: torch.device) -> BatchDecoder:
+    """TorchCodec's ``decode_jpeg`` (batched nvJPEG on CUDA); raises ImportError without it."""
+    from torchcodec.decoders import decode_jpeg
+
+    return make_decoder("torchcodec", device,
+                        lambda data: decode_jpeg(data, mode="RGB", device=str(device)))
+
+
+def default_decoder(device: torch.device, *,
+                    prefer: Literal["auto", "torchcodec", "torchvision"] = "auto") -> BatchDecoder:
+    """TorchCodec's decoder when installed (``prefer="auto"``), else torchvision's."""
+    if prefer in ("auto", "torchcodec"):
+        try:
+            return torchcodec_decoder(device)
+        except ImportError:
+            if prefer == "torchcodec":
+                raise
+    return torchvision_decoder(device)

@@ -1,0 +1,87 @@
+"""Stream handling of the nvjpeg backend: the only CUDA-only lines of that backend.
+
+The backend calls the same five methods on every device; :class:`HostStreams` (CPU, or any
+device without streams) runs everything in order and checks the hand-over rule that CUDA's
+``record_stream`` needs, so CI catches a CPU tensor reaching it. :class:`CudaStreams` is
+**untested on GPU**.
+
+On CUDA a batch is decoded and planned on the backend's side stream, in the background thread.
+The decoder's outputs are allocated on a dedicated *allocation stream*: torchvision's
+``decode_jpegs_cuda`` allocates them on the current stream, then writes them from a private
+stream that waits for nothing but itself, so memory freed by kernels still queued on the side
+stream must never be handed to it. Blocks of the allocation stream are only reused once the side
+stream's work on them is done (``record_stream``), and the side stream waits for that stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+
+
+def check_on_device(tensors: Iterable[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The tensors, after checking that every one is on ``device`` (what ``record_stream`` needs)."""
+    tensors = list(tensors)
+    stray = sorted({str(t.device) for t in tensors if t.device != device})
+    if stray:
+        raise RuntimeError(f"hand-over of tensors on {stray} by a backend on {device}: every "
+                           "result (CPU fallback included) must be moved to the device first.")
+    return tensors
+
+
+class HostStreams:
+    """No streams: work runs in order on the calling thread; hand-over only checks devices."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def on_side(self):
+        return contextlib.nullcontext()
+
+    def decoding(self):
+        return contextlib.nullcontext()
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Decoder outputs are used on the side stream from now on."""
+
+    def record(self) -> None:
+        return None
+
+    def hand_over(self, event, tensors: Iterable[torch.Tensor]) -> None:
+        check_on_device(tensors, self.device)
+
+
+class CudaStreams(HostStreams):
+    """A side stream for the batch's work and an allocation stream for the decoder's outputs."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.side = torch.cuda.Stream(device)
+        self.alloc = torch.cuda.Stream(device)
+
+    def on_side(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self.side))
+        return stack
+
+    def decoding(self):
+        return torch.cuda.stream(self.alloc)
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.side.wait_stream(self.alloc)
+        for t in tensors:
+            t.record_stream(self.side)
+
+    def record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self.side)
+        return event
+
+    def hand_over(self, event, tensors: Iterable[torch.Tensor]) -> None:
+        consumer = torch.cuda.current_stream(self.device)  # the backend's device, not the current
+        consumer.wait_event(event)
+        for t in check_on_device(tensors, self.device):
+            t.record_stream(consumer)
