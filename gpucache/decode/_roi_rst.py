@@ -1,0 +1,167 @@
+"""Restart-marker stores: decode only the entropy-coded segments that cover a crop.
+
+At build (``restart_markers=True``) each baseline/progressive 8-bit JPEG is transcoded losslessly
+(same DCT coefficients, so the same pixels from any decoder) to baseline with a restart marker every
+``k`` <= 4 MCUs, ``k`` dividing the MCUs per row (the C function in ``_roi_rst.c``, through ctypes).
+Every MCU row is then a whole number of segments, each decodable on its own (a restart resets the DC
+predictors). At decode, the segments covering the crop box plus a 1-pixel margin (the context of
+chroma upsampling) are copied, renumbered, under the original headers with the SOF size patched,
+into a smaller valid JPEG, which is ROI-decoded (:mod:`._roi`). Nothing outside the box's segments
+is entropy-decoded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import threading
+
+import numpy as np
+import torch
+
+from . import _roi
+
+_lock = threading.Lock()
+_lib: list = []  # [ctypes.CDLL | None], loaded once
+
+
+def _load():
+    with _lock:
+        if not _lib:
+            spec = importlib.util.find_spec("gpucache.decode._roi_rst_c")
+            lib = None
+            if spec is not None and spec.origin:
+                lib = ctypes.CDLL(spec.origin)
+                lib.gc_transcode_restart.argtypes = [
+                    ctypes.c_char_p, ctypes.c_ulong, ctypes.POINTER(ctypes.c_void_p),
+                    ctypes.POINTER(ctypes.c_ulong), ctypes.POINTER(ctypes.c_int),
+                    ctypes.c_char_p, ctypes.c_int]
+                lib.gc_free.argtypes = [ctypes.c_void_p]
+            _lib.append(lib)
+    return _lib[0]
+
+
+def transcoder_available() -> bool:
+    """Whether the compiled transcoder (built at install with a C compiler and libjpeg) is here."""
+    return _load() is not None
+
+
+def transcode(data: bytes) -> tuple[bytes, int]:
+    """``data`` re-encoded losslessly as baseline with restart markers; and the interval in MCUs."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(
+            "restart_markers=True needs gpucache's compiled transcoder, which was not built when "
+            "gpucache was installed (no C compiler or libjpeg headers). Install them (Debian: "
+            "apt-get install gcc libjpeg-dev) and reinstall gpucache, or build without "
+            "restart_markers.")
+    out, n, k = ctypes.c_void_p(), ctypes.c_ulong(), ctypes.c_int()
+    err = ctypes.create_string_buffer(256)
+    if lib.gc_transcode_restart(bytes(data), len(data), ctypes.byref(out), ctypes.byref(n),
+                                ctypes.byref(k), err, len(err)):
+        raise ValueError(f"lossless transcode failed: {err.value.decode(errors='replace')}")
+    try:
+        return ctypes.string_at(out, n.value), k.value
+    finally:
+        lib.gc_free(out)
+
+
+class Layout:
+    """Where a restart-marker JPEG's parts are: headers, SOF, MCU geometry, segment byte ranges."""
+
+    def __init__(self, data: np.ndarray, k: int):
+        pos, sof, sos_end, dri, ns = 2, -1, -1, 0, 0
+        view = memoryview(data)
+        while pos + 4 <= len(view):
+            if view[pos] != 0xFF:
+                raise ValueError("bad JPEG marker layout")
+            marker = view[pos + 1]
+            length = (view[pos + 2] << 8) | view[pos + 3]
+            if marker in (0xC0, 0xC1):
+                sof = pos
+            elif 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+                raise ValueError("not a baseline JPEG")
+            elif marker == 0xDD:
+                dri = (view[pos + 4] << 8) | view[pos + 5]
+            elif marker == 0xDA:
+                sos_end = pos + 2 + length
+                ns = view[pos + 4]
+                break
+            pos += 2 + length
+        if sof < 0 or sos_end < 0 or dri != k or k <= 0:
+            raise ValueError("not a restart-marker JPEG of this store")
+        self.height = (view[sof + 5] << 8) | view[sof + 6]
+        self.width = (view[sof + 7] << 8) | view[sof + 8]
+        nf = view[sof + 9]
+        if ns != nf:
+            raise ValueError("not a single interleaved scan")
+        hs = [view[sof + 11 + 3 * c] >> 4 for c in range(nf)]
+        vs = [view[sof + 11 + 3 * c] & 15 for c in range(nf)]
+        self.mcu_w = 8 if nf == 1 else 8 * max(hs)
+        self.mcu_h = 8 if nf == 1 else 8 * max(vs)
+        self.sof, self.sos_end, self.k = sof, sos_end, k
+        per_row = -(-self.width // self.mcu_w)
+        rows = -(-self.height // self.mcu_h)
+        if per_row % k:
+            raise ValueError("restart interval does not divide the MCU row")
+        self.segs_per_row, self.seg_w = per_row // k, k * self.mcu_w
+        ent = data[sos_end:]
+        ff = np.flatnonzero(ent[:-1] == 0xFF)
+        nxt = ent[ff + 1]
+        self.rst = ff[(nxt >= 0xD0) & (nxt <= 0xD7)] + sos_end  # the FF of each RSTn
+        eoi = ff[nxt == 0xD9]
+        end = int(eoi[-1]) + sos_end if len(eoi) else len(data)
+        if len(self.rst) + 1 != rows * self.segs_per_row:
+            raise ValueError(f"{len(self.rst) + 1} restart segments, expected "
+                             f"{rows * self.segs_per_row}")
+        self.starts = np.concatenate(([sos_end], self.rst + 2))
+        self.ends = np.concatenate((self.rst, [end]))
+
+
+def segment_jpeg(data: np.ndarray, lay: Layout, top: int, left: int, h: int, w: int
+                 ) -> tuple[np.ndarray, int, int, int, int]:
+    """A valid JPEG of the segments covering rows top:top+h, columns left:left+w (1-px margin).
+
+    Returns (jpeg bytes, its top and left in the coded image, its height and width)."""
+    t0, b0 = max(top - 1, 0), min(top + h + 1, lay.height)
+    l0, r0 = max(left - 1, 0), min(left + w + 1, lay.width)
+    ra, rb = t0 // lay.mcu_h, (b0 - 1) // lay.mcu_h
+    ca, cb = l0 // lay.seg_w, (r0 - 1) // lay.seg_w
+    y0, x0 = ra * lay.mcu_h, ca * lay.seg_w
+    sub_h = min(lay.height, (rb + 1) * lay.mcu_h) - y0
+    sub_w = min(lay.width, (cb + 1) * lay.seg_w) - x0
+    first = np.arange(ra, rb + 1) * lay.segs_per_row + ca
+    last = first + (cb - ca)
+    spans_s, spans_e = lay.starts[first], lay.ends[last]
+    lens = spans_e - spans_s
+    n_rows = len(first)
+    total = lay.sos_end + int(lens.sum()) + 2 * (n_rows - 1) + 2
+    out = np.empty(total, dtype=np.uint8)
+    out[:lay.sos_end] = data[:lay.sos_end]
+    out[lay.sof + 5:lay.sof + 9] = (sub_h >> 8, sub_h & 255, sub_w >> 8, sub_w & 255)
+    pos = lay.sos_end
+    markers = []  # positions of each RSTn's second byte in out, in stream order
+    for r in range(n_rows):
+        s, e = int(spans_s[r]), int(spans_e[r])
+        out[pos:pos + e - s] = data[s:e]
+        inner = lay.rst[first[r]:last[r]]  # the markers inside this row's span
+        markers.append(inner - s + pos + 1)
+        pos += e - s
+        if r + 1 < n_rows:
+            out[pos] = 0xFF
+            markers.append(np.array([pos + 1]))
+            pos += 2
+    out[pos:pos + 2] = (0xFF, 0xD9)
+    at = np.concatenate(markers) if markers else np.empty(0, dtype=np.int64)
+    out[at] = 0xD0 + (np.arange(len(at)) % 8)
+    return out, y0, x0, sub_h, sub_w
+
+
+def decode_crop(data: np.ndarray, k: int, top: int, left: int, h: int, w: int, *,
+                orientation: int, height: int, width: int) -> torch.Tensor:
+    """The box (top, left, h, w) of the oriented image, from a restart-marker JPEG's segments."""
+    lay = Layout(data, k)
+    t, l, hh, ww = _roi.coded_box(top, left, h, w, orientation, height, width)
+    sub, y0, x0, sub_h, sub_w = segment_jpeg(data, lay, t, l, hh, ww)
+    region = _roi.decode_region(sub, t - y0, l - x0, hh, ww, height=sub_h, width=sub_w)
+    return _roi.orient(region, orientation)
