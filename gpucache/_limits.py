@@ -7,6 +7,8 @@ before every decode on every backend and every CPU fallback, so no decoder ever 
 
 from __future__ import annotations
 
+import struct
+
 #: PIL's ``Image.MAX_IMAGE_PIXELS`` (about 89.5 Mpx, 268 MB as RGB): the bound people already know.
 DEFAULT_MAX_PIXELS = 89_478_485
 
@@ -26,8 +28,29 @@ def over_budget(height: int, width: int, limit: int | None) -> str | None:
 
 
 def check_pixels(cache, i: int) -> None:
-    """Raise ``ValueError`` if sample ``i`` would decode to more pixels than the store allows."""
+    """Raise ``ValueError`` if sample ``i`` would decode to more pixels than the store allows.
+
+    Checks the stored record and, for JPEG and PNG, the dimensions in the sample's own bytes
+    (a few microseconds), so a record that disagrees with its bytes cannot let a bomb through."""
+    limit = pixel_budget(cache)
+    if limit is None:
+        return
     s = cache.samples
-    why = over_budget(s["height"][i], s["width"][i], pixel_budget(cache))
+    why = over_budget(s["height"][i], s["width"][i], limit)
+    if why is None:
+        size = _header_size(memoryview(cache[i]), int(s["kind"][i]))
+        why = None if size is None else over_budget(*size, limit)
     if why is not None:
         raise ValueError(why)
+
+
+def _header_size(b: memoryview, kind: int) -> tuple[int, int] | None:
+    """(height, width) as the encoded bytes state them (before EXIF orientation), if cheap."""
+    from ._sniff import JPEG_KINDS, Kind, jpeg_frame_size
+
+    if kind in JPEG_KINDS:
+        return jpeg_frame_size(b)
+    if kind == Kind.PNG and len(b) >= 24:
+        width, height = struct.unpack_from(">II", b, 16)
+        return height, width
+    return None

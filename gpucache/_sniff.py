@@ -1,13 +1,15 @@
 """Sniff encoded images: format, dimensions and the JPEG features decoders care about.
 
-Only headers are parsed (no pixel decoding for JPEG); the result decides whether a sample is kept,
-which decoder may take it (GPU decoders want 8-bit Huffman JPEG with 1 or 3 components) and, from
-the stored height/width after EXIF orientation, lets the loader draw crop boxes without decoding.
+Only headers are parsed, never pixels (a PNG's chunks are walked, its image data skipped). The
+result decides whether a sample is kept, which decoder may take it (GPU decoders want 8-bit
+Huffman JPEG with 1 or 3 components) and, from the stored height/width after EXIF orientation,
+lets the loader draw crop boxes without decoding.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -58,27 +60,110 @@ _SOF_UNSUPPORTED = {0xC3: "lossless JPEG", 0xC5: "hierarchical JPEG", 0xC6: "hie
 
 
 def _exif_orientation(seg: memoryview) -> int:
-    """Orientation tag (0x0112) from an APP1 Exif payload, 1 when absent or unreadable."""
-    if bytes(seg[:6]) != b"Exif\x00\x00" or len(seg) < 14:
+    """The orientation libjpeg-turbo's decoders (TorchCodec, torchvision) apply for this APP1.
+
+    Their rule, followed to the byte so the stored size matches the decoded one: only the first
+    APP1 segment counts (an XMP one first means no orientation); its first 6 bytes are skipped
+    unchecked; "II" means little-endian, anything else big-endian; the tag's value is read as a
+    16-bit SHORT whatever its type (a LONG 6 stored big-endian reads as 0); 1-8 or none."""
+    d = bytes(seg[6:])
+    if not d:
         return 1
-    tiff = seg[6:]
-    order = bytes(tiff[:2])
-    if order not in (b"II", b"MM"):
+    end = "<" if d[:2] == b"II" else ">"
+    bad = 0xFFFF  # what the decoder's readers return past the end
+
+    def u16(o: int) -> int:
+        return struct.unpack_from(end + "H", d, o)[0] if o + 1 < len(d) else bad
+
+    def u32(o: int) -> int:
+        return struct.unpack_from(end + "I", d, o)[0] if o + 3 < len(d) else bad
+
+    if u16(2) != 0x2A:
         return 1
-    e = "<" if order == b"II" else ">"
-    (ifd,) = struct.unpack(e + "I", tiff[4:8])
-    if ifd + 2 > len(tiff):
-        return 1
-    (count,) = struct.unpack(e + "H", tiff[ifd:ifd + 2])
-    for k in range(count):
-        p = ifd + 2 + 12 * k
-        if p + 12 > len(tiff):
+    off = u32(4)
+    count, off = u16(off), (off + 2) & 0xFFFFFFFF
+    for _ in range(count):
+        tag = u16(off)
+        if tag == bad:
             break
-        tag, typ = struct.unpack(e + "HH", tiff[p:p + 4])
-        if tag == 0x0112 and typ == 3:
-            (value,) = struct.unpack(e + "H", tiff[p + 8:p + 10])
+        if tag == 0x0112:
+            value = u16(off + 8)
             return value if 1 <= value <= 8 else 1
+        off = (off + 12) & 0xFFFFFFFF
     return 1
+
+
+_FF = re.compile(rb"\xff")
+
+
+def _skip_fill(b: memoryview, pos: int) -> int:
+    """Position of the first byte at or after ``pos`` that is not FF fill (``len(b)`` if none)."""
+    n = len(b)
+    if pos >= n or b[pos] != 0xFF:
+        return pos
+    arr, step = np.frombuffer(b, dtype=np.uint8), 4096
+    while pos < n:  # vectorised, in growing chunks: megabytes of fill cost milliseconds
+        hit = np.flatnonzero(arr[pos:pos + step] != 0xFF)
+        if hit.size:
+            return pos + int(hit[0])
+        pos, step = pos + step, min(step * 4, 1 << 22)
+    return n
+
+
+def _next_marker(b: memoryview, pos: int) -> tuple[int, int]:
+    """``(marker, position after it)`` of the next marker at or after ``pos``, as libjpeg finds it.
+
+    Like libjpeg's ``next_marker``: bytes before an FF are skipped (it warns "extraneous bytes"
+    and decodes), any run of FF fill is skipped, FF 00 is not a marker. Linear time, in C-level
+    scans. ``(-1, len(b))`` when the data ends first."""
+    n = len(b)
+    while pos < n:
+        if b[pos] != 0xFF:
+            ff = _FF.search(b, pos)
+            if ff is None:
+                break
+            pos = ff.start()
+        pos = _skip_fill(b, pos + 1)
+        if pos >= n:
+            break
+        code, pos = b[pos], pos + 1
+        if code != 0x00:
+            return code, pos
+    return -1, n
+
+
+def _frame(seg: memoryview, marker: int) -> tuple[Kind, int, int, int]:
+    if marker in _SOF_UNSUPPORTED:
+        raise SniffError(f"{_SOF_UNSUPPORTED[marker]} (SOF{marker - 0xC0}) is not supported by "
+                         "the decoders; re-encode it as baseline or progressive JPEG")
+    if len(seg) < 6:
+        raise SniffError("truncated or corrupt JPEG header: frame header (SOF) too short")
+    precision, h, w, comps = struct.unpack(">BHHB", seg[:6])
+    if precision != 8:
+        raise SniffError(f"{precision}-bit JPEG is not supported by the 8-bit decoders; "
+                         "re-encode it as 8-bit JPEG")
+    if h == 0 or w == 0:
+        raise SniffError(f"JPEG header gives an empty image ({w}x{h})")
+    if comps not in (1, 3, 4):
+        raise SniffError(f"JPEG with {comps} components is not supported (1, 3 or 4)")
+    return _SOF_KINDS[marker], h, w, comps
+
+
+def jpeg_frame_size(b: memoryview) -> tuple[int, int] | None:
+    """``(height, width)`` from the first frame header (SOF) of JPEG bytes, as stored (before
+    EXIF orientation); None when there is none. Microseconds: the pixel budget's re-check."""
+    pos, n = 2, len(b)
+    while pos < n:
+        marker, pos = _next_marker(b, pos)
+        if marker < 0 or marker in (0xD9, 0xDA) or pos + 2 > n:
+            return None
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:
+            continue
+        (length,) = struct.unpack_from(">H", b, pos)
+        if marker in _SOF_KINDS or marker in _SOF_UNSUPPORTED:
+            return struct.unpack_from(">HH", b, pos + 3) if pos + 7 <= n else None
+        pos += max(length, 2)
+    return None
 
 
 def _sniff_jpeg(b: memoryview) -> Info:
@@ -87,54 +172,77 @@ def _sniff_jpeg(b: memoryview) -> Info:
     tail = bytes(b[max(0, n - 1024):]).rstrip(b"\x00")
     if not tail.endswith(b"\xff\xd9"):
         raise SniffError("truncated JPEG: no end-of-image marker (FFD9) at the end of the file")
-    pos, orientation = 2, 1
-    while pos + 4 <= n:
-        if b[pos] != 0xFF:
-            raise SniffError(f"corrupt JPEG header: expected a marker at byte {pos}")
-        marker = b[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker in (0x01,) or 0xD0 <= marker <= 0xD7:  # markers without a length
-            pos += 2
-            continue
-        (length,) = struct.unpack(">H", b[pos + 2:pos + 4])
-        seg = b[pos + 4:pos + 2 + length]
-        if length < 2 or pos + 2 + length > n:
+    pos, orientation, app1, frame = 2, 1, False, None
+    while True:  # the markers libjpeg reads before the first scan (SOS)
+        marker, pos = _next_marker(b, pos)
+        if marker < 0 or marker == 0xD9:
             break
-        if marker == 0xE1:
-            orientation = _exif_orientation(seg) if orientation == 1 else orientation
-        elif marker in _SOF_UNSUPPORTED:
-            raise SniffError(f"{_SOF_UNSUPPORTED[marker]} (SOF{marker - 0xC0}) is not supported "
-                             "by the decoders; re-encode it as baseline or progressive JPEG")
-        elif marker in _SOF_KINDS:
-            if len(seg) < 6:
+        if marker == 0xD8:
+            raise SniffError("corrupt JPEG header: a second start-of-image marker (FFD8)")
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
+            continue
+        if pos + 2 > n:
+            break
+        (length,) = struct.unpack_from(">H", b, pos)
+        if length < 2 or pos + length > n:
+            raise SniffError(f"truncated or corrupt JPEG header: marker FF{marker:02X} at byte "
+                             f"{pos - 2} has length {length}, {n - pos} bytes remain")
+        seg = b[pos + 2:pos + length]
+        if marker == 0xDA:
+            break
+        if marker == 0xE1 and not app1:  # only the first APP1 counts for the decoders
+            app1, orientation = True, _exif_orientation(seg)
+        elif marker in _SOF_KINDS or marker in _SOF_UNSUPPORTED:
+            if frame is not None:
+                raise SniffError("corrupt JPEG header: two frame headers (SOF)")
+            frame = _frame(seg, marker)
+        pos += length
+    if frame is None:
+        raise SniffError("truncated or corrupt JPEG header: no frame header (SOF) found")
+    kind, h, w, comps = frame  # a missing scan is left to the decoder (a decode-time failure)
+    if orientation >= 5:
+        h, w = w, h
+    return Info(kind, h, w, comps, orientation, 8)
+
+
+def _png_exif_chunks(b: memoryview, im, fp: io.BytesIO) -> None:
+    """Add to ``im.info`` what PIL reads from the chunks after the image data when it decodes
+    (eXIf, text, XMP), by walking the chunk list and skipping IDAT: no pixel is decoded."""
+    from PIL import PngImagePlugin
+
+    stream, pos, n, after_idat = PngImagePlugin.PngStream(fp), 8, len(b), False
+    while pos + 8 <= n:
+        length, cid = struct.unpack_from(">I4s", b, pos)
+        if cid == b"IEND" or (cid == b"fcTL" and after_idat and im.is_animated):
+            break
+        if cid in (b"IDAT", b"fdAT"):
+            after_idat = True
+        elif after_idat:
+            fp.seek(pos + 8)
+            try:
+                stream.call(cid, pos + 8, length)
+            except UnicodeDecodeError:
                 break
-            precision, h, w, comps = struct.unpack(">BHHB", seg[:6])
-            if precision != 8:
-                raise SniffError(f"{precision}-bit JPEG is not supported by the 8-bit decoders; "
-                                 "re-encode it as 8-bit JPEG")
-            if h == 0 or w == 0:
-                raise SniffError(f"JPEG header gives an empty image ({w}x{h})")
-            if comps not in (1, 3, 4):
-                raise SniffError(f"JPEG with {comps} components is not supported (1, 3 or 4)")
-            if orientation >= 5:
-                h, w = w, h
-            return Info(_SOF_KINDS[marker], h, w, comps, orientation, precision)
-        elif marker == 0xDA:
-            break
-        pos += 2 + length
-    raise SniffError("truncated or corrupt JPEG header: no frame header (SOF) found")
+            except (EOFError, AttributeError):  # chunks PIL skips
+                pass
+        pos += 12 + length
+    im.info.update(stream.im_info)
 
 
 def _sniff_pil(b: memoryview, kind: Kind) -> Info:
     from PIL import Image
 
+    fp = io.BytesIO(b)
     try:
-        with Image.open(io.BytesIO(b)) as im:
+        # Image.open reads headers only; the size is known without decoding a pixel.
+        with Image.open(fp) as im:
             w, h = im.size
-            orientation = im.getexif().get(0x0112, 1) if kind != Kind.GIF else 1
             bands = len(im.getbands())
+            if kind == Kind.PNG:  # PIL's PNG getexif() decodes the image: walk chunks instead
+                _png_exif_chunks(b, im, fp)
+            orientation = Image.Image.getexif(im).get(0x0112, 1)
+    except Image.DecompressionBombError as err:
+        raise SniffError(f"header claims more pixels than PIL decodes: {err}") from err
     except Exception as err:  # PIL raises many types for bad files
         raise SniffError(f"unreadable {kind.name} image: {err}") from err
     orientation = orientation if orientation in range(1, 9) else 1

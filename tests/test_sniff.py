@@ -1,0 +1,173 @@
+"""Sniffing agrees with the decoders, reads headers only, and stays linear on hostile bytes;
+the build reads paths and source objects into one buffer."""
+
+import io
+import os
+import tarfile
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from gpucache import JpegCache
+from gpucache._build import BytesSource, FileObjSource, FileRangeSource, build
+from gpucache._hostile import before_marker, png_bytes
+from gpucache._limits import check_pixels
+from gpucache._sniff import SniffError, sniff
+from gpucache.decode.cpu import decode_jpeg, decode_pil
+from gpucache.testing import hostile_image_bytes, make_hostile_folder, make_jpeg_bytes
+
+CASES = hostile_image_bytes(fill_bytes=4096)
+
+
+def _decode(data: bytes) -> torch.Tensor:
+    if data[:2] == b"\xff\xd8":
+        return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    return decode_pil(np.frombuffer(data, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("name", [k for k, (_, o) in CASES.items() if o == "kept"])
+def test_sniffed_size_is_the_decoded_size(name):
+    """Junk between markers, a short APP14, FF fill and every EXIF layout (orientation as LONG,
+    two Exif segments, XMP before Exif, Exif after SOF, PNG eXIf after IDAT): the stored size,
+    EXIF orientation applied, is what libjpeg-turbo (TorchCodec) or PIL decodes."""
+    data = CASES[name][0]
+    if "bomb" in name:
+        return
+    info = sniff(memoryview(data))
+    assert tuple(_decode(data).shape[1:]) == (info.height, info.width), name
+
+
+def test_png_is_sniffed_without_decoding():
+    """A PNG whose image data is garbage still sniffs (only chunk headers are read) and a 144 Mpx
+    PNG sniffs without allocating its pixels; its eXIf after IDAT is still found."""
+    info = sniff(memoryview(CASES["png_bad_idat.png"][0]))
+    assert (info.height, info.width) == (30, 40)
+    with pytest.raises(Exception):
+        _decode(CASES["png_bad_idat.png"][0])
+    info = sniff(memoryview(CASES["bomb_12000.png"][0]))
+    assert (info.height, info.width) == (12000, 12000)
+    assert sniff(memoryview(CASES["png_exif_after_idat.png"][0])).orientation == 6
+
+
+def test_ff_fill_is_scanned_in_linear_time():
+    """20 MiB of FF fill between two markers: about 2.5 s with a byte-by-byte scan, ~10 ms now.
+    The bound is 20x the measured time, so only a per-byte Python loop can fail it."""
+    data = memoryview(before_marker(make_jpeg_bytes(48, 32, seed=1), b"\xff\xdb",
+                                    b"\xff" * (20 << 20)))
+    t = time.process_time()
+    info = sniff(data)
+    assert time.process_time() - t < 0.25
+    assert (info.height, info.width) == (32, 48)
+
+
+def test_still_refused():
+    """Tolerance stops where libjpeg stops: a second SOI, a bad segment length, no SOF."""
+    good = make_jpeg_bytes(16, 16, seed=3)
+    for bad, why in [(good[:2] + good, "second start-of-image"),
+                     (good[:4] + b"\x00\x01" + good[6:], "has length 1"),
+                     (b"\xff\xd8\xff\xfe\x00\x04hi" + b"\x00" * 64 + b"\xff\xd9", "no frame header")]:
+        with pytest.raises(SniffError, match=why):
+            sniff(memoryview(bad))
+
+
+def test_hostile_folder_builds_and_decodes_as_promised(tmp_path):
+    from gpucache.decode.cpu import decode_sample
+
+    outcomes = make_hostile_folder(tmp_path, fill_bytes=4096)
+    cache = JpegCache.from_folder(tmp_path, progress=False)
+    skipped = {s.path: s.reason for s in cache.report.skipped}
+    assert sorted(skipped) == sorted(p for p, o in outcomes.items() if o == "skip")
+    assert "max_pixels=89,478,485" in skipped[str(tmp_path / "x" / "bomb_65500.jpg")]
+    assert "65500x65500" in skipped[str(tmp_path / "x" / "bomb_65500.jpg")]
+    assert "max_pixels" in skipped[str(tmp_path / "x" / "bomb_30000.jpg")]
+    assert "max_pixels" in skipped[str(tmp_path / "x" / "bomb_12000.png")]
+    assert "decompression" in skipped[str(tmp_path / "x" / "bomb_65500.png")]
+    assert skipped[str(tmp_path / "x" / "fifo.jpg")].startswith("not a regular file (a FIFO)")
+    for i, path in enumerate(cache.paths):
+        if outcomes[path] == "decode-fails":
+            with pytest.raises(Exception):
+                decode_sample(cache, i)
+        else:  # kept at build means decoded at the stored size, never dropped at decode
+            img = decode_sample(cache, i)
+            assert tuple(img.shape[1:]) == tuple(cache.samples[["height", "width"]][i]), path
+
+
+def test_fifo_does_not_hang_the_build(tmp_path):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.jpg").write_bytes(make_jpeg_bytes(16, 16, seed=1))
+    fifo = tmp_path / "c" / "pipe.jpg"
+    os.mkfifo(fifo)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(c=JpegCache.from_folder(tmp_path,
+                                                                           progress=False)))
+    t.start()
+    t.join(20)
+    if t.is_alive():  # free the blocked reader so the test process can exit, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join()
+        pytest.fail("from_folder blocked opening a FIFO")
+    assert len(out["c"]) == 1 and out["c"].report.skipped[0].path == str(fifo)
+
+
+def test_max_pixels_at_build(tmp_path):
+    bomb = CASES["bomb_30000.jpg"][0]
+    (tmp_path / "bomb.jpg").write_bytes(bomb)
+    args = ([str(tmp_path / "bomb.jpg")], np.zeros(1, np.int64), ["a"], None)
+    kw = dict(on_error="skip", num_threads=1, progress=False)
+    assert len(build(JpegCache, *args, **kw)) == 0
+    assert len(build(JpegCache, *args, **kw, max_pixels=30000 * 30000)) == 1
+    cache = build(JpegCache, *args, **kw, max_pixels=None)
+    assert len(cache) == 1
+    with pytest.raises(ValueError, match="30000x30000"):  # the decode-side guard
+        check_pixels(cache, 0)
+    with pytest.raises(Exception, match="max_pixels=1,000"):
+        build(JpegCache, *args, on_error="raise", num_threads=1, progress=False, max_pixels=1000)
+
+
+def test_decode_guard_reads_the_bytes_not_only_the_record():
+    """A record that understates the size (a tampered or stale store) cannot let a bomb through."""
+    bomb = CASES["bomb_65500.jpg"][0]
+    cache = build(JpegCache, [BytesSource("bomb", bomb)], np.zeros(1, np.int64), ["a"], None,
+                  on_error="skip", num_threads=1, progress=False, max_pixels=None)
+    samples = cache.samples.copy()
+    samples["height"], samples["width"] = 16, 16
+    lying = JpegCache(data=cache._data, offsets=cache._offsets, labels=cache.labels,
+                      samples=samples, classes=["a"], paths=cache._paths)
+    with pytest.raises(ValueError, match="65500x65500"):
+        check_pixels(lying, 0)
+
+
+def test_sources_go_straight_into_the_buffer(tmp_path):
+    a, b = make_jpeg_bytes(40, 30, seed=1), make_jpeg_bytes(50, 20, seed=2)
+    (tmp_path / "a.jpg").write_bytes(a)
+    with tarfile.open(tmp_path / "s.tar", "w") as tar:
+        member = tarfile.TarInfo("x/b.jpg")
+        member.size = len(b)
+        tar.addfile(member, io.BytesIO(b))
+    with tarfile.open(tmp_path / "s.tar") as tar:
+        offset = tar.getmember("x/b.jpg").offset_data
+
+    class Failing:
+        name, nbytes = "flaky", 10
+
+        def readinto(self, slot):
+            raise OSError(5, "I/O error")
+
+    inputs = [tmp_path / "a.jpg", BytesSource("mem", memoryview(a)), Failing(),
+              FileObjSource("fileobj", io.BytesIO(b)),
+              FileRangeSource("s.tar/x/b.jpg", tmp_path / "s.tar", offset, len(b)),
+              BytesSource("junk", b"not an image")]
+    cache = build(JpegCache, inputs, np.arange(6), list("abcdef"), None, on_error="skip",
+                  num_threads=3, progress=False)
+    assert list(cache.paths) == [str(tmp_path / "a.jpg"), "mem", "fileobj", "s.tar/x/b.jpg"]
+    assert [bytes(cache[i]) for i in range(4)] == [a, a, b, b]
+    assert cache.labels.tolist() == [0, 1, 3, 4]
+    assert cache.nbytes == 2 * len(a) + 2 * len(b) and cache._data.base is None  # no 2nd copy
+    assert [(s.index, s.path) for s in cache.report.skipped] == [(2, "flaky"), (5, "junk")]
+    assert "I/O error" in cache.report.skipped[0].reason
+    with pytest.raises(TypeError, match="BytesSource"):
+        build(JpegCache, [a], np.zeros(1, np.int64), ["a"], None, on_error="skip",
+              num_threads=1, progress=False)
