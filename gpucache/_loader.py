@@ -11,6 +11,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
+from . import _dist
 from . import decode as _decode
 from ._store import JpegCache
 from ._workers import usable_cores
@@ -28,6 +29,20 @@ class BatchInfo(NamedTuple):
     paths: list[str]
     metadata: list[str] | None
     skipped: list[tuple[int, str]]  # (store index, reason) of samples left out of this batch
+
+
+class _Pass:
+    """Where one pass over an epoch stands: it started at global position ``start``."""
+
+    def __init__(self, epoch: int, start: int, replicas: int, batch_size: int, total: int):
+        self.epoch, self.start, self.replicas, self.batch_size = epoch, start, replicas, batch_size
+        self.total, self.batches_done = total, 0
+
+    @property
+    def position(self) -> int:
+        """Global samples of the epoch's order consumed: ranks go in lockstep, so batch k of every
+        rank covers global slots [start + k*B*W, start + (k+1)*B*W)."""
+        return min(self.total, self.start + self.batches_done * self.batch_size * self.replicas)
 
 
 @dataclass
@@ -73,8 +88,8 @@ class GpuCachedLoader:
         # bad samples, metadata, sharding
         on_error: Literal["skip", "raise"] = "skip",
         return_metadata: bool = False,
-        num_replicas: int = 1,
-        rank: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
     ) -> None:
         if not isinstance(cache, JpegCache):
             raise TypeError(f"cache must be a gpucache.JpegCache, got {type(cache).__name__}; "
@@ -84,9 +99,10 @@ class GpuCachedLoader:
             _check_int("num_workers", num_workers, 0,
                        "use num_workers=0 to decode in the main process")
         _check_int("prefetch_factor", prefetch_factor, 1, "use prefetch_factor=1 or more")
+        num_replicas, rank = _dist.sharding(num_replicas, rank)
         _check_int("num_replicas", num_replicas, 1, "use num_replicas=world size (>= 1)")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank should be in [0, {num_replicas}), got {rank}.")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank should be in [0, {num_replicas}), got {rank!r}.")
         if timeout is not None and timeout < 0:
             raise ValueError("timeout option should be non-negative; use timeout=None to wait "
                              "for as long as workers are alive.")
@@ -100,9 +116,9 @@ class GpuCachedLoader:
         if seed is not None and generator is not None:
             raise ValueError("give seed or generator, not both; the generator's initial_seed() "
                              "is used as the seed.")
-        if seed is None:
+        if seed is None:  # a fresh seed, the same on every rank (or a clear error)
             seed = (generator.initial_seed() if generator is not None
-                    else np.random.SeedSequence().entropy)
+                    else _dist.agreed_seed(num_replicas, shuffle))
         self.seed = int(seed) % 2**63
         if not persistent_workers:
             warnings.warn("persistent_workers=False is ignored: GpuCachedLoader always keeps its "
@@ -122,54 +138,102 @@ class GpuCachedLoader:
         self.on_error, self.return_metadata = on_error, return_metadata
         self.num_replicas, self.rank = num_replicas, rank
         self.stats = LoaderStats()
-        self._epoch, self._resume_at = 0, 0
+        self._next_epoch = 0  # the epoch a fresh pass plays
+        self._resume: tuple[int, int] | None = None  # (epoch, global position) from load_state_dict
+        self._pass: _Pass | None = None  # the pass under way (or abandoned), for state_dict()
+        self._passes = 0  # counts passes, so a superseded iterator can tell
         self._backend: Backend | None = None
 
-    # ------------------------------------------------------------------ DataLoader habits
-    def _num_samples(self) -> int:
-        n, r = len(self.cache), self.num_replicas
-        return n // r if self.drop_last and r > 1 else -(-n // r)
+    # ------------------------------------------------------------------ order and sharding
+    def _global_size(self) -> int:
+        """Samples in one epoch's global order (before sharding)."""
+        return len(self.cache)
 
+    def _global_order(self, epoch: int) -> np.ndarray:
+        """The epoch's order over all ranks, as store indices, before sharding.
+
+        Everything else (sharding, resume, batches) works on positions in this array, so a subset
+        or a weighted draw only has to change this function and ``_global_size``."""
+        n = self._global_size()
+        return (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
+                else np.arange(n))
+
+    def _shard(self, order: np.ndarray, start: int, replicas: int, rank: int) -> np.ndarray:
+        """``rank``'s share of ``order[start:]``: DistributedSampler's rule (pad to a multiple of
+        ``replicas`` by repeating the rest from its start, or drop the tail with ``drop_last``),
+        then every ``replicas``-th slot. Global slot j of the rest goes to rank j % replicas.
+        Padding repeats samples of the rest only, so a resumed epoch never shows a consumed one."""
+        rest = order[start:]
+        if self.drop_last:
+            rest = rest[: len(rest) // replicas * replicas]
+        elif len(rest) % replicas:
+            rest = np.concatenate([rest, np.resize(rest, replicas - len(rest) % replicas)])
+        return rest[rank::replicas]
+
+    def _batches(self, mine: np.ndarray) -> list[np.ndarray]:
+        bs = self.batch_size
+        batches = [mine[i:i + bs] for i in range(0, len(mine), bs)]
+        if self.drop_last and batches and len(batches[-1]) < bs:
+            batches.pop()
+        return batches
+
+    def epoch_indices(self, epoch: int, start: int = 0) -> np.ndarray:
+        """Store indices this rank visits in ``epoch`` from global position ``start``, in order."""
+        return self._shard(self._global_order(epoch), start, self.num_replicas, self.rank)
+
+    # ------------------------------------------------------------------ DataLoader habits
     def __len__(self) -> int:
-        n = self._num_samples()
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        """Batches of a full epoch on this rank."""
+        n, r, bs = self._global_size(), self.num_replicas, self.batch_size
+        mine = n // r if self.drop_last else -(-n // r)
+        return mine // bs if self.drop_last else -(-mine // bs)
 
     def set_epoch(self, epoch: int) -> None:
-        """Order and crops come from (seed, epoch); an epoch also advances after each full pass."""
-        self._epoch, self._resume_at = int(epoch), 0
+        """The next ``iter()`` plays ``epoch`` from its start. Order and crops come from
+        (seed, epoch); without set_epoch the epoch advances after every pass."""
+        self._next_epoch, self._resume, self._pass = int(epoch), None, None
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        """The epoch of the pass under way, else the one the next ``iter()`` plays."""
+        if self._resume is not None:
+            return self._resume[0]
+        return self._pass.epoch if self._pass is not None else self._next_epoch
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "epoch": self._epoch, "batches_done": self._resume_at,
-                "batch_size": self.batch_size, "num_replicas": self.num_replicas,
-                "samples": len(self.cache)}
+        """Where the epoch stands, independent of world size: the seed, the epoch and how many
+        samples of the epoch's global order all ranks together have been handed."""
+        if self._resume is not None:
+            epoch, position = self._resume
+        elif self._pass is not None:
+            epoch, position = self._pass.epoch, self._pass.position
+        else:
+            epoch, position = self._next_epoch, 0
+        return {"version": 2, "seed": self.seed, "epoch": epoch, "position": position,
+                "samples": self._global_size(), "shuffle": self.shuffle,
+                "batch_size": self.batch_size, "num_replicas": self.num_replicas}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume: the next iteration continues the saved epoch after its last finished batch."""
-        for key in ("batch_size", "num_replicas", "samples"):
-            mine = self.state_dict()[key]
+        """The next ``iter()`` continues the saved epoch after its last batch handed out.
+
+        Any world size and batch size: the rest of the epoch's global order is split among this
+        loader's ``num_replicas`` ranks (every remaining sample once, apart from padding)."""
+        if "position" not in state:  # version 1: batches_done per rank, world size unchanged
+            state = {**state, "shuffle": self.shuffle, "position": min(
+                state["samples"], state["batches_done"] * state["batch_size"] * state["num_replicas"])}
+        for key, mine in (("samples", self._global_size()), ("shuffle", self.shuffle)):
             if state[key] != mine:
                 raise ValueError(f"state_dict was saved with {key}={state[key]}, this loader has "
-                                 f"{mine}; resume with the same settings and store.")
-        self.seed, self._epoch, self._resume_at = state["seed"], state["epoch"], \
-            state["batches_done"]
-
-    def epoch_indices(self, epoch: int) -> np.ndarray:
-        """Store indices this rank visits in ``epoch``, in order (DistributedSampler's rule)."""
-        n = len(self.cache)
-        order = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
-                 else np.arange(n))
-        total = self._num_samples() * self.num_replicas
-        if total > n:  # pad by repeating, so every rank gets as many samples
-            order = np.concatenate([order, order[: total - n]])
-        return order[:total][self.rank::self.num_replicas]
+                                 f"{mine}; resume with the same store and shuffle setting.")
+        if int(state["seed"]) != self.seed:
+            self.close()  # workers are seeded from the loader's seed: restart them with the saved one
+            self.seed = int(state["seed"])
+        self._resume, self._pass = (int(state["epoch"]), int(state["position"])), None
 
     def plans(self, epoch: int, batch: int, indices: np.ndarray) -> np.ndarray:
-        """The geometric plan of each sample of one batch (seeded by seed, epoch and batch)."""
-        rng = np.random.default_rng([self.seed, epoch, batch])
+        """The geometric plan of each sample of one batch (seeded by seed, epoch, batch, rank)."""
+        key = [self.seed, epoch, batch] + ([self.rank] if self.num_replicas > 1 else [])
+        rng = np.random.default_rng(key)
         s = self.cache.samples
         return self.transform.plan(s["height"][indices].astype(np.int64),
                                    s["width"][indices].astype(np.int64), rng)
@@ -181,31 +245,39 @@ class GpuCachedLoader:
         return self._backend
 
     def __iter__(self) -> Iterator:
+        """A fresh pass: the next epoch from batch 0, or where ``load_state_dict`` said."""
         backend = self._get_backend()
-        backend.drain()  # results of an epoch left early
-        epoch, start = self._epoch, self._resume_at
-        order = self.epoch_indices(epoch)
-        bs = self.batch_size
-        batches = [order[i:i + bs] for i in range(0, len(order), bs)]
-        if self.drop_last and batches and len(batches[-1]) < bs:
-            batches.pop()
+        backend.drain()  # results of a pass left early
+        epoch, start = self._resume if self._resume is not None else (self._next_epoch, 0)
+        bs, replicas = self.batch_size, self.num_replicas
+        mine = self.epoch_indices(epoch, start)
+        batches = self._batches(mine)
+        first = start // (bs * replicas)  # batch number of the first batch, for the plans
+        self._passes += 1
+        me = self._passes
+        self._resume, self._next_epoch = None, epoch + 1
+        self._pass = pos = _Pass(epoch, start, replicas, bs, self._global_size())
         stack = self.transform.fixed_size
         ahead = (self.prefetch_factor * max(1, self.num_workers) if self.backend_name == "cpu"
                  else max(2, self.prefetch_factor))  # GPU backends: >= 2 batches in flight
-        submitted = start
-        for b in range(start, len(batches)):
+        submitted = 0
+        for b in range(len(batches)):
+            if self._passes != me:
+                raise RuntimeError("this GpuCachedLoader iterator was superseded: a newer "
+                                   "iter(loader) started a fresh pass; iterate that one.")
             while submitted < len(batches) and submitted < b + ahead:
                 idx = batches[submitted]
-                backend.submit(idx, self.plans(epoch, submitted, idx), stack)
+                backend.submit(idx, self.plans(epoch, first + submitted, idx), stack)
                 submitted += 1
             try:
                 out = backend.get()
             except BaseException:
                 self.close()  # a failed backend is not reused; the next iteration starts afresh
                 raise
-            self._resume_at = b + 1
+            pos.batches_done = b + 1
             yield self._finish(out)
-        self._epoch, self._resume_at = epoch + 1, 0
+        if self._pass is pos:
+            self._pass = None  # finished: state_dict() now points at the next epoch's start
 
     def _finish(self, out: Decoded):
         s = self.stats

@@ -98,8 +98,40 @@ def test_state_dict_resumes_mid_epoch(cache):
     head = sum((i.indices.tolist() for _, _, i in first), [])
     assert head + rest_order == full_order
     assert torch.equal(torch.cat([x for x, _, _ in first] + [rest_images]), full_images)
-    with pytest.raises(ValueError, match="batch_size"):
-        GpuCachedLoader(cache, **{**kw, "batch_size": 4}).load_state_dict(state)
+    smaller = JpegCache.from_files(list(cache.paths)[:10], progress=False)
+    with pytest.raises(ValueError, match="samples=40, this loader has 10"):
+        GpuCachedLoader(smaller, **kw).load_state_dict(state)
+    with pytest.raises(ValueError, match="shuffle"):
+        GpuCachedLoader(cache, **{**kw, "shuffle": False}).load_state_dict(state)
+    old = {"seed": 9, "epoch": 1, "batches_done": 3, "batch_size": 5, "num_replicas": 1,
+           "samples": len(cache)}  # the version-1 layout still loads
+    legacy = GpuCachedLoader(cache, **kw)
+    legacy.load_state_dict(old)
+    assert _epoch(legacy)[1] == rest_order
+
+
+def test_every_iter_starts_a_fresh_epoch_and_keeps_its_workers(cache):
+    kw = dict(batch_size=6, shuffle=True, seed=4, device="cpu", transform=TRAIN,
+              return_metadata=True, multiprocessing_context="fork")
+    ref = GpuCachedLoader(cache, num_workers=0, **kw)
+    epochs = [_epoch(ref)[1] for _ in range(4)]
+    with GpuCachedLoader(cache, num_workers=2, **kw) as loader:
+        peek = next(iter(loader))  # a peek plays epoch 0's first batch, then is abandoned
+        assert peek[2].indices.tolist() == epochs[0][:6]
+        pids = loader.worker_pids
+        assert loader.state_dict()["position"] == 6 and loader.epoch == 0
+        assert _epoch(loader)[1] == epochs[1]  # the next iter() is a whole fresh epoch
+        it = iter(loader)
+        next(it)  # epoch 2, abandoned after one batch
+        assert loader.worker_pids == pids  # the same workers serve every pass
+        assert loader.state_dict()["epoch"] == 2
+        assert _epoch(loader)[1] == epochs[3]
+        assert loader.worker_pids == pids
+        with pytest.raises(RuntimeError, match="superseded"):
+            next(it)  # the abandoned iterator cannot steal the new pass's batches
+        loader.set_epoch(1)
+        assert _epoch(loader)[1] == epochs[1]
+        assert loader.state_dict() == {**loader.state_dict(), "epoch": 2, "position": 0}
 
 
 def test_sharding_splits_the_epoch_between_ranks(cache):
@@ -112,6 +144,57 @@ def test_sharding_splits_the_epoch_between_ranks(cache):
     assert set(sum(orders, [])) == set(range(len(cache)))
 
 
+def _ranks(cache, world, **kw):
+    return [GpuCachedLoader(cache, batch_size=3, shuffle=True, num_workers=0, device="cpu",
+                            transform=TRAIN, return_metadata=True, num_replicas=world, rank=r,
+                            **kw)
+            for r in range(world)]
+
+
+@pytest.mark.parametrize("before, after, steps", [(4, 2, 2), (2, 3, 3), (3, 3, 2), (4, 1, 1)])
+def test_resume_at_another_world_size_sees_each_remaining_sample_once(cache, before, after,
+                                                                       steps):
+    """Ranks (simulated in one process) play `steps` batches each in lockstep, then the epoch
+    resumes from rank 0's state_dict on `after` ranks: the rest of the epoch, re-split."""
+    old = _ranks(cache, before, seed=21)
+    old[0].set_epoch(1)  # any epoch; the others advance by themselves
+    for loader in old[1:]:
+        _epoch(loader)
+    its = [iter(loader) for loader in old]
+    consumed = [i for it in its for _ in range(steps) for i in next(it)[2].indices.tolist()]
+    states = [loader.state_dict() for loader in old]
+    assert all(st == {**states[0], "num_replicas": before} for st in states)  # lockstep
+    assert states[0]["epoch"] == 1 and states[0]["position"] == steps * 3 * before
+    new = _ranks(cache, after, seed=None if after == 1 else 0)
+    for loader in new:
+        loader.load_state_dict(states[0])
+    seen = [_epoch(loader)[1] for loader in new]
+    assert len({len(s) for s in seen}) == 1  # every rank plays as many samples
+    flat = sum(seen, [])
+    remaining = set(range(len(cache))) - set(consumed)
+    assert len(consumed) == len(set(consumed))
+    assert set(flat) == remaining  # every remaining sample, none already consumed
+    assert len(flat) - len(remaining) == (-len(remaining)) % after  # repeats: padding only
+    order = old[0]._global_order(1)
+    assert sorted(consumed) == sorted(order[: len(consumed)])  # a prefix of the epoch's order
+    for loader in new:  # then the next epoch, whole, on the new ranks
+        assert loader.epoch == 2
+    assert set(sum((_epoch(loader)[1] for loader in new), [])) == set(range(len(cache)))
+
+
+def test_ranks_that_could_disagree_on_the_order_are_an_error(cache, monkeypatch):
+    with pytest.raises(ValueError, match=r"no torch.distributed process group .* seed="):
+        GpuCachedLoader(cache, batch_size=2, shuffle=True, num_replicas=2, rank=1)
+    # without shuffling, or with a seed, there is nothing to agree on
+    GpuCachedLoader(cache, batch_size=2, num_replicas=2, rank=1)
+    GpuCachedLoader(cache, batch_size=2, shuffle=True, seed=3, num_replicas=2, rank=1)
+    loader = GpuCachedLoader(cache, batch_size=2, shuffle=True)  # no process group: 1 rank
+    assert (loader.num_replicas, loader.rank) == (1, 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # launched, but no process group initialised
+    with pytest.warns(UserWarning, match="WORLD_SIZE=2 but no torch.distributed process group"):
+        GpuCachedLoader(cache, batch_size=2, shuffle=True)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(batch_size=0), "batch_size option should be an integer >= 1"),
     (dict(batch_size=2, num_workers=-1), "num_workers=0 to decode in the main process"),
@@ -120,6 +203,7 @@ def test_sharding_splits_the_epoch_between_ranks(cache):
     (dict(batch_size=2, backend="magic"), "backend must be one of"),
     (dict(batch_size=2, multiprocessing_context="threads"), "multiprocessing_context"),
     (dict(batch_size=2, rank=2, num_replicas=2), "rank should be in"),
+    (dict(batch_size=2, num_replicas=0, rank=0), "num_replicas option should be"),
     (dict(batch_size=2, on_error="ignore"), "on_error"),
 ])
 def test_invalid_arguments_say_what_and_how_to_fix(cache, kwargs, match):
