@@ -13,6 +13,7 @@ is entropy-decoded.
 from __future__ import annotations
 
 import ctypes
+import os
 import importlib.util
 import threading
 
@@ -41,6 +42,12 @@ def _load():
     return _lib[0]
 
 
+MISSING = ("restart_markers=True needs gpucache's compiled transcoder, which was not built when "
+           "gpucache was installed (no C compiler or libjpeg headers). Install them (Debian: "
+           "apt-get install gcc libjpeg-dev) and reinstall gpucache, or build without "
+           "restart_markers.")
+
+
 def transcoder_available() -> bool:
     """Whether the compiled transcoder (built at install with a C compiler and libjpeg) is here."""
     return _load() is not None
@@ -50,11 +57,7 @@ def transcode(data: bytes) -> tuple[bytes, int]:
     """``data`` re-encoded losslessly as baseline with restart markers; and the interval in MCUs."""
     lib = _load()
     if lib is None:
-        raise RuntimeError(
-            "restart_markers=True needs gpucache's compiled transcoder, which was not built when "
-            "gpucache was installed (no C compiler or libjpeg headers). Install them (Debian: "
-            "apt-get install gcc libjpeg-dev) and reinstall gpucache, or build without "
-            "restart_markers.")
+        raise RuntimeError(MISSING)
     out, n, k = ctypes.c_void_p(), ctypes.c_ulong(), ctypes.c_int()
     err = ctypes.create_string_buffer(256)
     if lib.gc_transcode_restart(bytes(data), len(data), ctypes.byref(out), ctypes.byref(n),
@@ -130,30 +133,22 @@ def segment_jpeg(data: np.ndarray, lay: Layout, top: int, left: int, h: int, w: 
     y0, x0 = ra * lay.mcu_h, ca * lay.seg_w
     sub_h = min(lay.height, (rb + 1) * lay.mcu_h) - y0
     sub_w = min(lay.width, (cb + 1) * lay.seg_w) - x0
-    first = np.arange(ra, rb + 1) * lay.segs_per_row + ca
-    last = first + (cb - ca)
-    spans_s, spans_e = lay.starts[first], lay.ends[last]
-    lens = spans_e - spans_s
-    n_rows = len(first)
-    total = lay.sos_end + int(lens.sum()) + 2 * (n_rows - 1) + 2
-    out = np.empty(total, dtype=np.uint8)
-    out[:lay.sos_end] = data[:lay.sos_end]
-    out[lay.sof + 5:lay.sof + 9] = (sub_h >> 8, sub_h & 255, sub_w >> 8, sub_w & 255)
-    pos = lay.sos_end
-    markers = []  # positions of each RSTn's second byte in out, in stream order
-    for r in range(n_rows):
-        s, e = int(spans_s[r]), int(spans_e[r])
-        out[pos:pos + e - s] = data[s:e]
-        inner = lay.rst[first[r]:last[r]]  # the markers inside this row's span
-        markers.append(inner - s + pos + 1)
-        pos += e - s
-        if r + 1 < n_rows:
-            out[pos] = 0xFF
-            markers.append(np.array([pos + 1]))
-            pos += 2
-    out[pos:pos + 2] = (0xFF, 0xD9)
-    at = np.concatenate(markers) if markers else np.empty(0, dtype=np.int64)
-    out[at] = 0xD0 + (np.arange(len(at)) % 8)
+    first = np.arange(ra, rb + 1) * lay.segs_per_row + ca  # first segment of each row's span
+    starts, ends = lay.starts[first], lay.ends[first + (cb - ca)]
+    lens = ends - starts
+    head = bytearray(data[:lay.sos_end])
+    head[lay.sof + 5:lay.sof + 9] = bytes((sub_h >> 8, sub_h & 255, sub_w >> 8, sub_w & 255))
+    mv = memoryview(data)
+    pieces = [head]
+    for s, e in zip(starts.tolist(), ends.tolist()):  # one contiguous span per MCU row
+        pieces += (mv[s:e], b"\xff\xd0")
+    pieces[-1] = b"\xff\xd9"
+    out = np.frombuffer(bytearray(b"".join(pieces)), dtype=np.uint8)
+    # renumber every restart marker in stream order: those inside each span, then the row's end
+    at = lay.sos_end + np.concatenate(([0], np.cumsum(lens + 2)[:-1]))  # span starts in out
+    inner = lay.rst[first[:, None] + np.arange(cb - ca)] - starts[:, None] + at[:, None] + 1
+    every = np.concatenate((inner, (at + lens + 1)[:, None]), axis=1).ravel()[:-1]
+    out[every] = 0xD0 + (np.arange(len(every)) % 8)
     return out, y0, x0, sub_h, sub_w
 
 
@@ -165,3 +160,31 @@ def decode_crop(data: np.ndarray, k: int, top: int, left: int, h: int, w: int, *
     sub, y0, x0, sub_h, sub_w = segment_jpeg(data, lay, t, l, hh, ww)
     region = _roi.decode_region(sub, t - y0, l - x0, hh, ww, height=sub_h, width=sub_w)
     return _roi.orient(region, orientation)
+
+
+def transcode_samples(cache, *, num_threads: int | None = None) -> tuple[list, np.ndarray]:
+    """Each sample's bytes, transcoded where it can be (8-bit Huffman JPEG), and its interval.
+
+    Returns (list of byte buffers in store order, int32 restart interval per sample, 0 = kept
+    as it was: not a JPEG, arithmetic-coded, 12-bit, or one libjpeg would not transcode)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .._sniff import Kind
+
+    if not transcoder_available():
+        raise RuntimeError(MISSING)
+    s = cache.samples
+    ok = np.isin(s["kind"], [Kind.JPEG, Kind.JPEG_PROGRESSIVE]) & (s["precision"] == 8)
+
+    def one(i: int):
+        if not ok[i]:
+            return cache[i], 0
+        try:
+            return transcode(cache[i])
+        except ValueError:  # libjpeg refused it: the sample stays as it was (full/ROI decode)
+            return cache[i], 0
+
+    threads = num_threads or min(16, 2 * (os.cpu_count() or 1))
+    with ThreadPoolExecutor(threads) as pool:  # ctypes releases the GIL during the C call
+        done = list(pool.map(one, range(len(cache))))
+    return [d for d, _ in done], np.asarray([k for _, k in done], dtype=np.int32)
