@@ -7,7 +7,6 @@ Only the header and the index sections are read on open; data is mapped, never r
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 import zlib
@@ -17,6 +16,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from ._mapped import CacheFormatError, Handle, open_path
 from ._sniff import SAMPLE_DTYPE
 
 MAGIC = b"GPUCACHE"
@@ -28,10 +28,6 @@ SECTIONS = ("offsets", "labels", "samples", "classes", "paths", "metadata", "dat
 _HEADER = struct.Struct("<8sIIQQQ" + "QQ" * len(SECTIONS) + "II")
 _HEADER_CRC = struct.Struct("<I")
 _CRC_AT = _HEADER.size  # header crc32 covers bytes [0, _CRC_AT)
-
-
-class CacheFormatError(ValueError):
-    """A file is not a valid gpucache store (bad magic, version, sizes, bounds or checksum)."""
 
 
 def _align(n: int, a: int) -> int:
@@ -114,8 +110,10 @@ def save_atomic(path: Path, **arrays) -> None:
 class Parsed:
     """Read-only numpy views over a mapped store file."""
 
-    def __init__(self, buf: mmap.mmap, path: Path):
-        self.buf, self.path = buf, path
+    def __init__(self, handle: Handle):
+        self.handle, self.path = handle, handle.path
+        buf, path = handle.buf, handle.name
+        self.buf = buf
         size = len(buf)
 
         def fail(why: str, fix: str = "rebuild it with `gpucache build` or copy it again") -> None:
@@ -206,14 +204,4 @@ class Parsed:
 
 def open_mapped(path: Path) -> Parsed:
     """Map ``path`` read-only and validate it; O(number of samples), data untouched."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                raise CacheFormatError(f"{path}: empty file, not a gpucache store; rebuild it "
-                                       "with `gpucache build`.")
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"{path}: no such gpucache store; build one with "
-                                "`gpucache build SRC -o FILE` or JpegCache.save()") from err
-    return Parsed(buf, path)
+    return Parsed(open_path(path))

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from . import _format, _shm
+from ._mapped import Handle
 from ._sniff import Kind
 
 
@@ -83,21 +84,54 @@ class JpegCache:
                    metadata: Sequence[str] | None = None, *, classes: Sequence[str] | None = None,
                    on_error: Literal["skip", "raise"] = "skip", num_threads: int | None = None,
                    progress: bool = True) -> JpegCache:
-        """Pack a list of files; ``labels`` are ints (``-1`` or None for unlabeled)."""
-        from ._build import build, check_labels
+        """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
+        ``labels`` are ints (``-1`` or None for unlabeled)."""
+        from . import _sources
 
-        labels_arr, class_names = check_labels(len(paths), labels, classes)
-        if metadata is not None and len(metadata) != len(paths):
-            raise ValueError(f"metadata has {len(metadata)} entries for {len(paths)} paths; "
-                             "give one string per path (or metadata=None).")
-        return build(cls, [os.fspath(p) for p in paths], labels_arr, class_names,
-                     None if metadata is None else [str(m) for m in metadata],
-                     on_error=on_error, num_threads=num_threads, progress=progress)
+        return _sources.from_files(cls, paths, labels, metadata, classes=classes,
+                                   on_error=on_error, num_threads=num_threads, progress=progress)
+
+    @classmethod
+    def from_csv(cls, path: str | os.PathLike, *, classes: Sequence[str] | None = None,
+                 delimiter: str = ",", header: bool | None = None,
+                 on_error: Literal["skip", "raise"] = "skip", num_threads: int | None = None,
+                 progress: bool = True) -> JpegCache:
+        """Pack the files a CSV lists as ``path,label[,metadata]`` (paths relative to the CSV)."""
+        from . import _sources
+
+        return _sources.from_csv(cls, path, classes=classes, delimiter=delimiter, header=header,
+                                 on_error=on_error, num_threads=num_threads, progress=progress)
+
+    @classmethod
+    def from_webdataset(cls, shards: str | os.PathLike | Sequence[str | os.PathLike], *,
+                        classes: Sequence[str] | None = None, metadata_ext: str | None = None,
+                        on_error: Literal["skip", "raise"] = "skip",
+                        num_threads: int | None = None, progress: bool = True) -> JpegCache:
+        """Pack WebDataset tar shards (images and ``.cls`` labels), read in place from the tars."""
+        from . import _sources
+
+        return _sources.from_webdataset(cls, shards, classes=classes, metadata_ext=metadata_ext,
+                                        on_error=on_error, num_threads=num_threads,
+                                        progress=progress)
+
+    @classmethod
+    def from_hf(cls, dataset, *, image_column: str = "image", label_column: str | None = "label",
+                classes: Sequence[str] | None = None, on_error: Literal["skip", "raise"] = "skip",
+                num_threads: int | None = None, progress: bool = True) -> JpegCache:
+        """Pack a Hugging Face ``datasets.Dataset``'s ``Image`` column, bytes taken as stored."""
+        from . import _sources
+
+        return _sources.from_hf(cls, dataset, image_column=image_column,
+                                label_column=label_column, classes=classes, on_error=on_error,
+                                num_threads=num_threads, progress=progress)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> JpegCache:
         """Map a saved store read-only. Validates header, sizes and offsets; reads no image data."""
-        parsed = _format.open_mapped(Path(path))
+        return cls._from_parsed(_format.open_mapped(Path(path)))
+
+    @classmethod
+    def _from_parsed(cls, parsed: _format.Parsed) -> JpegCache:
         return cls(data=parsed.data, offsets=parsed.offsets, labels=parsed.labels,
                    samples=parsed.samples, classes=parsed.classes, paths=parsed.paths,
                    metadata=parsed.metadata, _file=parsed)
@@ -154,7 +188,8 @@ class JpegCache:
 
     @property
     def path(self) -> Path | None:
-        """The file this store is mapped from (a saved store or its shared-memory copy)."""
+        """The saved store file this store was opened from; None in memory and for a shared-memory
+        copy (which has no name on Linux; see :meth:`share`)."""
         return None if self._file is None else self._file.path
 
     def kinds(self) -> np.ndarray:
@@ -166,7 +201,8 @@ class JpegCache:
         return np.isin(k, [Kind.JPEG, Kind.JPEG_PROGRESSIVE]) & (self._samples["components"] != 4)
 
     def __repr__(self) -> str:
-        where = f"file {self.path}" if self.path else "memory"
+        where = (f"file {self.path}" if self.path else "shared memory" if self._file is not None
+                 else "memory")
         return (f"JpegCache({len(self)} samples, {len(self._classes)} classes, "
                 f"{self.nbytes / 2**20:,.1f} MiB in {where})")
 
@@ -197,21 +233,27 @@ class JpegCache:
     @property
     def is_shared(self) -> bool:
         """True when workers of any start method can attach to this store's pages."""
-        return self._file is not None
+        return self._file is not None and self._file.handle.fd is not None
 
     def share(self) -> JpegCache:
-        """Move an in-memory store into shared memory (once; checks the room first). Idempotent."""
+        """Move an in-memory store into shared memory (once; checks the room first). Idempotent.
+
+        On Linux the shared copy has no name: only this store's descriptor (and the workers that
+        attach through it) hold it, so it cannot outlive them, however they exit."""
         if self.is_shared:
             return self
         arrays = self._arrays()
         size = _format.write(None, **arrays)
-        path = _shm.create(size, lambda f: _format.write(f, **arrays))
+        fd, kept = _shm.create(size, lambda f: _format.write(f, **arrays))
         try:
-            parsed = _format.open_mapped(path)
+            parsed = _format.Parsed(Handle(fd, f"shared-memory copy of the cache ({size} bytes)",
+                                           kept))
         except BaseException:
-            _shm.unlink(path)
+            if kept is not None:
+                _shm.unlink(kept)
             raise
-        self._shm_finalizer = weakref.finalize(self, _shm.unlink, path)
+        if kept is not None:  # no /proc: the name stays until close(), gc or exit
+            self._shm_finalizer = weakref.finalize(self, _shm.unlink, kept)
         self._adopt(parsed)
         return self
 
@@ -222,9 +264,12 @@ class JpegCache:
         self._file, self._tensor = parsed, None
 
     def close(self) -> None:
-        """Remove this store's shared-memory file, if it made one. Idempotent.
+        """Release the store's file descriptor and shared-memory copy, if any. Idempotent.
 
-        Views already handed out stay valid (the mapping lives until they are gone)."""
+        Views already handed out stay valid (the mapping lives until they are gone); the store can
+        no longer be handed to new worker processes (call ``share()`` again for that)."""
+        if self._file is not None:
+            self._file.handle.close()
         if self._shm_finalizer is not None:
             self._shm_finalizer()
 
@@ -241,15 +286,9 @@ class JpegCache:
                 "process. Call cache.share() to move it into shared memory once, or save it "
                 "(cache.save(path)) and pass JpegCache.open(path); GpuCachedLoader does the "
                 "former by itself for spawn/forkserver workers.")
-        st = os.stat(self._file.path)
-        return (_reopen, (str(self._file.path), st.st_size, st.st_mtime_ns, st.st_ino))
+        return (_reopen, (self._file.handle,))
 
 
-def _reopen(path: str, size: int, mtime_ns: int, ino: int) -> JpegCache:
-    st = os.stat(path)
-    if (st.st_size, st.st_mtime_ns, st.st_ino) != (size, mtime_ns, ino):
-        raise _format.CacheFormatError(
-            f"{path}: the store file changed after it was shared with this process; do not "
-            "overwrite a store while loaders use it (save to a new name).")
-    return JpegCache.open(path)
-
+def _reopen(handle: Handle) -> JpegCache:
+    """In a worker: the very file the pickling process had open (see ``_mapped``)."""
+    return JpegCache._from_parsed(_format.Parsed(handle))

@@ -274,20 +274,26 @@ _LEAK_CHILD = textwrap.dedent("""
     import gc, os, sys
     from gpucache import GpuCachedLoader, JpegCache
 
+    def target(fd):
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return ""
+
     def main(mode, src):
         cache = JpegCache.from_folder(src, progress=False)
         if mode == "close-and-gc":
-            path = cache.share().path
-            assert path.exists()
+            fd = cache.share()._file.handle.fd
+            assert "gpucache-" in target(fd)
             cache.close()
             cache.close()  # idempotent
-            print("CLOSED_GONE", not path.exists())
+            print("CLOSED_GONE", "gpucache-" not in target(fd))
             cache = JpegCache.from_folder(src, progress=False)
-            path = cache.share().path
-            assert path.exists()
+            fd = cache.share()._file.handle.fd
+            assert "gpucache-" in target(fd)
             del cache
             gc.collect()
-            print("GC_GONE", not path.exists())
+            print("GC_GONE", "gpucache-" not in target(fd))
             return
         if mode == "share":
             cache.share()
@@ -296,10 +302,12 @@ _LEAK_CHILD = textwrap.dedent("""
                                      multiprocessing_context="spawn")
             next(iter(loader))
             print("WORKERS", *loader.worker_pids)
-        assert cache.path is not None and cache.path.exists()
-        print("PATH", cache.path)
+        assert cache.is_shared and cache.path is None
+        print("TARGET", target(cache._file.handle.fd))
+        print("LISTED", sorted(f for f in os.listdir("/dev/shm")
+                               if f.startswith(f"gpucache-{os.getpid()}-")))
         sys.stdout.flush()
-        # exit without close(): the file must go at interpreter exit
+        # exit without close()
 
     if __name__ == "__main__":
         main(sys.argv[1], sys.argv[2])
@@ -309,6 +317,8 @@ _LEAK_CHILD = textwrap.dedent("""
 @pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
 @pytest.mark.parametrize("mode", ["close-and-gc", "share", "spawn-loader"])
 def test_no_shared_memory_left_behind(copies_src, tmp_path, mode):
+    """The shared copy has no name in /dev/shm: only descriptors hold it (tests/test_reliability.py
+    kills its owner)."""
     script = tmp_path / "leak_child.py"
     script.write_text(_LEAK_CHILD)
     proc = subprocess.Popen([sys.executable, str(script), mode, str(copies_src)], env=_env(),
@@ -318,11 +328,11 @@ def test_no_shared_memory_left_behind(copies_src, tmp_path, mode):
     assert proc.returncode == 0, _explain(done)
     got = _lines(stdout)
     if mode == "close-and-gc":
-        assert got["CLOSED_GONE"] == "True", "close() left the shared-memory file"
-        assert got["GC_GONE"] == "True", "garbage collection left the shared-memory file"
+        assert got["CLOSED_GONE"] == "True", "close() kept the shared-memory descriptor"
+        assert got["GC_GONE"] == "True", "garbage collection kept the shared-memory descriptor"
     else:
-        path = Path(got["PATH"])
-        assert path.parent == SHM and path.name.startswith("gpucache-"), path
-        assert not path.exists(), f"{path} outlived the process that made it ({mode})"
+        assert got["TARGET"].startswith(str(SHM / "gpucache-")), got
+        assert got["TARGET"].endswith("(deleted)"), got
+        assert got["LISTED"] == "[]", got
     left = sorted(SHM.glob(f"gpucache-{proc.pid}-*"))
     assert not left, f"the child left {left} in /dev/shm"

@@ -81,23 +81,37 @@ def test_pickle_is_o1_bytes_for_mapped_and_refused_in_memory(jpeg_folder, tmp_pa
     assert again[3].tobytes() == cache[3].tobytes()
     shared = cache.share()
     try:
-        assert len(pickle.dumps(shared)) < 400
+        assert shared.is_shared and len(pickle.dumps(shared)) < 400
         assert pickle.loads(pickle.dumps(shared))[5].tobytes() == opened[5].tobytes()
-        assert shared.path.exists()
     finally:
         cache.close()
-    assert not shared.path.exists()
+    assert not shared.is_shared
+    with pytest.raises(ValueError, match="closed"):
+        pickle.dumps(shared)
+    assert shared[5].tobytes() == opened[5].tobytes()  # views stay valid after close()
 
 
-def test_shared_memory_removed_on_gc(jpeg_folder):
+def _fd_targets() -> dict[int, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux /proc")
+def test_shared_memory_is_nameless_and_released_on_gc(jpeg_folder):
     import gc
 
     cache = JpegCache.from_folder(jpeg_folder, progress=False).share()
-    path = cache.path
-    assert path.exists()
+    fd = cache._file.handle.fd
+    assert cache.path is None and "gpucache-" in _fd_targets()[fd]
+    assert "(deleted)" in _fd_targets()[fd]  # no name in /dev/shm: only the descriptor holds it
     del cache
     gc.collect()
-    assert not path.exists()
+    assert "gpucache-" not in _fd_targets().get(fd, "")
 
 
 def test_golden_bytes_of_a_tiny_file(tmp_path, monkeypatch):
