@@ -18,10 +18,18 @@ from ._store import JpegCache
 
 
 def _build(args) -> int:
-    src = Path(args.src)
+    from ._sources import cli_build
+
     t0 = time.perf_counter()
     try:
-        cache = JpegCache.from_folder(src, on_error=args.on_error, num_threads=args.threads)
+        cache = cli_build(args, JpegCache)
+        if cache is None and args.src is None:
+            print("gpucache build: give an ImageFolder root or one of --csv, --webdataset, --hf",
+                  file=sys.stderr)
+            return 2
+        if cache is None:
+            cache = JpegCache.from_folder(Path(args.src), on_error=args.on_error,
+                                          num_threads=args.threads)
     except BuildError as err:
         print(err, file=sys.stderr)
         return 1
@@ -76,7 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpucache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="pack an ImageFolder tree into one store file")
-    p.add_argument("src", help="ImageFolder root (root/<class>/<image>)")
+    p.add_argument("src", nargs="?", help="ImageFolder root (root/<class>/<image>)")
+    p.add_argument("--csv", help="a CSV of path,label[,metadata] rows instead of a folder")
+    p.add_argument("--webdataset", nargs="+", metavar="SHARD", help="WebDataset .tar shards")
+    p.add_argument("--hf", metavar="DATASET", help="a Hugging Face dataset: a save_to_disk "
+                   "folder or a hub name (with --hf-split, --hf-image-column)")
+    p.add_argument("--hf-split", default="train")
+    p.add_argument("--hf-image-column", default="image")
     p.add_argument("-o", "--output", required=True, help="store file to write")
     p.add_argument("--on-error", choices=("skip", "raise"), default="skip")
     p.add_argument("--threads", type=int, default=None, help="reader threads")

@@ -1,0 +1,239 @@
+"""Where data sets come from: files, bytes, file-likes, a CSV list, WebDataset tar shards, and
+Hugging Face ``datasets``.
+
+Each function turns its input into the build's inputs (paths or ``Source`` objects that know their
+size and read straight into their slot of the store's buffer), then calls the one build: sizes
+first, one buffer, every image read into its slot by a thread pool under a progress bar. No list
+of bytes is made, so the build peaks at one copy of the data.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import re
+import tarfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ._build import BytesSource, FileObjSource, FileRangeSource, Source, build, check_labels
+
+log = logging.getLogger("gpucache")
+
+#: Member extensions taken as the image of a WebDataset sample, in order of preference.
+WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
+
+
+def as_input(x: Any, i: int):
+    """One ``from_files`` item as a build input: a path, bytes-like, file-like or ``Source``."""
+    if isinstance(x, (str, os.PathLike)):
+        return os.fspath(x)
+    if isinstance(x, (bytes, bytearray, memoryview, np.ndarray)):
+        return BytesSource(f"<bytes #{i}>", x)
+    if isinstance(x, Source):
+        return x
+    if hasattr(x, "readinto") and hasattr(x, "seek") and hasattr(x, "tell"):
+        name = getattr(x, "name", None)
+        return FileObjSource(name if isinstance(name, str) else f"<file object #{i}>", x)
+    raise TypeError(f"item {i} of from_files is a {type(x).__name__}; give paths (str or "
+                    "os.PathLike), bytes-like objects (bytes, bytearray, memoryview, uint8 array) "
+                    "or seekable binary file objects (open(path, 'rb'), io.BytesIO).")
+
+
+def _labels_from_column(values: Sequence[str], classes: Sequence[str] | None
+                        ) -> tuple[np.ndarray, list[str] | None]:
+    """CSV labels: all ints (or empty) are taken as ints, otherwise as class names (sorted)."""
+    if all(re.fullmatch(r"\s*-?\d+\s*", v) or not v.strip() for v in values):
+        return np.array([int(v) if v.strip() else -1 for v in values], dtype=np.int64), \
+            None if classes is None else list(classes)
+    names = list(classes) if classes is not None else sorted({v for v in values if v})
+    index = {c: k for k, c in enumerate(names)}
+    unknown = sorted({v for v in values if v and v not in index})
+    if unknown:
+        raise ValueError(f"labels {unknown[:5]} are not among classes={names[:10]}...; pass "
+                         "classes= naming every label, or use integer labels.")
+    return np.array([index[v] if v else -1 for v in values], dtype=np.int64), names
+
+
+def from_csv(cls, path: str | os.PathLike, *, classes: Sequence[str] | None = None,
+             delimiter: str = ",", header: bool | None = None, **build_kw):
+    """Rows ``path,label[,metadata]``; relative paths are taken against the CSV's folder.
+
+    Labels are ints (empty = unlabeled) or class names (mapped to ``classes``, or to the sorted
+    names found). ``header=None`` skips a first row whose label cell is ``label``/``class``."""
+    path = Path(path)
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = [r for r in csv.reader(f, delimiter=delimiter) if r and any(c.strip() for c in r)]
+    if rows and (header or header is None and len(rows[0]) > 1
+                 and rows[0][1].strip().lower() in ("label", "class", "target", "y")):
+        rows = rows[1:]
+    for k, r in enumerate(rows):
+        if len(r) > 3:
+            raise ValueError(f"{path}: row {k + 1} has {len(r)} columns; expected "
+                             "path,label[,metadata] (quote metadata that contains the delimiter).")
+    base = path.parent
+    files = [os.path.join(base, r[0].strip()) for r in rows]  # absolute paths stay as they are
+    labels, names = _labels_from_column([r[1] if len(r) > 1 else "" for r in rows], classes)
+    labels, names = check_labels(len(files), labels, names)
+    meta = [r[2] if len(r) > 2 else "" for r in rows] if any(len(r) > 2 for r in rows) else None
+    return build(cls, files, labels, names, meta, **build_kw)
+
+
+def _split_key(name: str) -> tuple[str, str]:
+    """WebDataset's sample key and extension: ``dir/abc.seg.png`` -> (``dir/abc``, ``seg.png``)."""
+    folder, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext.lower() if dot else ""
+
+
+def _shard_samples(shard: str, metadata_ext: str | None):
+    """(image member or None, label text or None, metadata text or None, key) per sample."""
+    try:
+        tf = tarfile.open(shard, mode="r:")  # plain tar only: members are read in place
+    except tarfile.ReadError as err:
+        raise ValueError(f"{shard}: not an uncompressed tar ({err}); members of a compressed "
+                         "shard cannot be read in place: decompress it (gunzip) first.") from err
+    samples: dict[str, dict[str, Any]] = {}
+    with tf:
+        for m in tf:
+            if not m.isfile():
+                continue
+            key, ext = _split_key(m.name)
+            s = samples.setdefault(key, {})
+            if ext.rpartition(".")[2] in WDS_IMAGE_EXTS:  # "jpg", or "left.jpg" as in webdataset
+                s.setdefault("images", {}).setdefault(ext.rpartition(".")[2], m)
+            elif ext == "cls" or ext == metadata_ext:
+                s[ext] = tf.extractfile(m).read().decode("utf-8").strip()
+    for key, s in samples.items():
+        images = s.get("images", {})
+        image = next((images[e] for e in WDS_IMAGE_EXTS if e in images), None)
+        yield image, s.get("cls"), s.get(metadata_ext) if metadata_ext else None, key
+
+
+def from_webdataset(cls, shards: str | os.PathLike | Iterable[str | os.PathLike], *,
+                    classes: Sequence[str] | None = None, metadata_ext: str | None = None,
+                    progress: bool = True, **build_kw):
+    """Samples of WebDataset tar shards, read straight out of the tars (no extraction).
+
+    A sample is the members sharing a key (``dir/key.ext``); its image is the first member with an
+    image extension (``WDS_IMAGE_EXTS`` order), its label the integer in ``key.cls`` (-1 if none),
+    its metadata the text of ``key.<metadata_ext>`` (e.g. ``"json"``)."""
+    shards = [os.fspath(shards)] if isinstance(shards, (str, os.PathLike)) else \
+        [os.fspath(s) for s in shards]
+    inputs: list[Source] = []
+    labels: list[int] = []
+    meta: list[str] = []
+    missing: list[str] = []
+    for shard in tqdm(shards, desc="gpucache scan shards", unit="shard",
+                      disable=not progress or None, leave=False):
+        for member, cls_text, meta_text, key in _shard_samples(shard, metadata_ext):
+            if member is None:
+                missing.append(f"{shard}/{key}")
+                continue
+            try:
+                labels.append(int(cls_text) if cls_text else -1)
+            except ValueError as err:
+                raise ValueError(f"{shard}/{key}.cls holds {cls_text!r}, not an integer class "
+                                 "index.") from err
+            inputs.append(FileRangeSource(f"{shard}/{member.name}", shard, member.offset_data,
+                                          member.size))
+            meta.append(meta_text or "")
+    if missing:
+        log.warning("gpucache: %d WebDataset samples have no image member (extensions %s), left "
+                    "out: %s", len(missing), ", ".join(WDS_IMAGE_EXTS), ", ".join(missing[:10]))
+    labels_arr, names = check_labels(len(inputs), labels, classes)
+    return build(cls, inputs, labels_arr, names, meta if metadata_ext else None,
+                 progress=progress, **build_kw)
+
+
+class _HFImage:
+    """Row ``row`` of a Hugging Face dataset's image column (bytes left encoded), as a Source."""
+
+    def __init__(self, table, row: int, column: str, nbytes: int, name: str) -> None:
+        self._table, self._row, self._column = table, row, column
+        self.name, self.nbytes = name, nbytes
+
+    def readinto(self, slot: memoryview) -> None:
+        cell = self._table[self._row].column(self._column)[0]["bytes"]
+        slot[:] = memoryview(cell.as_buffer()).cast("B")  # Arrow's buffer, copied once
+
+
+def from_hf(cls, dataset, *, image_column: str = "image", label_column: str | None = "label",
+            classes: Sequence[str] | None = None, progress: bool = True, **build_kw):
+    """A Hugging Face ``datasets.Dataset`` with an ``Image`` feature; the encoded bytes are taken
+    as they are stored (``Image(decode=False)``: no decode, no re-encode). Labels from
+    ``label_column`` (a ``ClassLabel`` gives the class names) or -1 without one."""
+    import pyarrow.compute as pc
+    from datasets import ClassLabel, Image
+
+    if image_column not in dataset.features:
+        raise ValueError(f"the dataset has no column {image_column!r} (columns: "
+                         f"{list(dataset.features)}); pass image_column=.")
+    if not isinstance(dataset.features[image_column], Image):
+        raise ValueError(f"column {image_column!r} is a {dataset.features[image_column]!r}, not a "
+                         "datasets.Image feature.")
+    ds = dataset.cast_column(image_column, Image(decode=False))
+    table = ds.with_format("arrow")
+    n, chunk = len(ds), 4096
+    inputs: list = []
+    for start in tqdm(range(0, n, chunk), desc="gpucache scan dataset", unit="chunk",
+                      disable=not progress or None, leave=False):
+        col = table[start:start + chunk].column(image_column)
+        data = pc.struct_field(col, "bytes")
+        sizes = pc.binary_length(data).fill_null(-1).to_numpy()
+        paths = pc.struct_field(col, "path").to_pylist()
+        for k, (size, p) in enumerate(zip(sizes.tolist(), paths)):
+            i = start + k
+            name = f"hf[{i}]" + (f" {p}" if p else "")
+            if size >= 0:
+                inputs.append(_HFImage(table, i, image_column, size, name))
+            else:  # no bytes stored: the file it points to (a missing one is reported)
+                inputs.append(p if p else BytesSource(name, b""))
+    if label_column is not None and label_column in ds.features:
+        labels = np.asarray(ds.with_format("numpy")[label_column], dtype=np.int64)
+        feature = ds.features[label_column]
+        if classes is None and isinstance(feature, ClassLabel):
+            classes = feature.names
+    elif label_column not in (None, "label"):
+        raise ValueError(f"the dataset has no column {label_column!r} (columns: "
+                         f"{list(ds.features)}); pass label_column=None for unlabeled data.")
+    else:
+        labels = None
+    labels_arr, names = check_labels(n, labels, classes)
+    return build(cls, inputs, labels_arr, names, None, progress=progress, **build_kw)
+
+
+def from_files(cls, items: Sequence, labels, metadata, *, classes, **build_kw):
+    """``from_files`` with paths, bytes-like or file-like items (mixed freely)."""
+    labels_arr, names = check_labels(len(items), labels, classes)
+    if metadata is not None and len(metadata) != len(items):
+        raise ValueError(f"metadata has {len(metadata)} entries for {len(items)} items; "
+                         "give one string per item (or metadata=None).")
+    return build(cls, [as_input(x, i) for i, x in enumerate(items)], labels_arr, names,
+                 None if metadata is None else [str(m) for m in metadata], **build_kw)
+
+
+def cli_build(args, cls):
+    """The store for ``gpucache build --csv/--webdataset/--hf`` (None for an ImageFolder root)."""
+    kw = dict(on_error=args.on_error, num_threads=args.threads)
+    if getattr(args, "csv", None):
+        return from_csv(cls, args.csv, progress=True, **kw)
+    if getattr(args, "webdataset", None):
+        return from_webdataset(cls, args.webdataset, **kw)
+    if getattr(args, "hf", None):
+        import datasets
+
+        if os.path.isdir(args.hf):
+            ds = datasets.load_from_disk(args.hf)
+        else:
+            ds = datasets.load_dataset(args.hf, split=args.hf_split)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[args.hf_split]
+        return from_hf(cls, ds, image_column=args.hf_image_column, **kw)
+    return None
+
