@@ -93,3 +93,42 @@ def test_odd_jpegs_decode_to_rgb(bad_folder):
             ).permute(2, 0, 1)
         tol = 12 if path.endswith("cmyk.jpg") else 1  # PIL's CMYK conversion differs slightly
         assert (img.float() - ref.float()).abs().mean() < tol, path
+
+
+_BOMB_RUN = r"""
+import json, resource, sys
+from gpucache import GpuCachedLoader, JpegCache
+from gpucache import transforms as T
+from gpucache.testing import make_hostile_folder, make_jpeg_folder
+
+root = sys.argv[1]
+outcomes = make_hostile_folder(root, fifo=False)
+make_jpeg_folder(root, 8, classes=("y",))
+cache = JpegCache.from_folder(root, progress=False)
+kept_bombs = [p for p in cache.paths if "bomb" in p.rsplit("/", 1)[1]]
+if kept_bombs:  # decoding them would take gigabytes: stop here
+    sys.exit(f"bombs kept at build: {kept_bombs}")
+loader = GpuCachedLoader(cache, batch_size=4, num_workers=1, device="cpu", backend="cpu",
+                         transform=T.Compose([T.Resize((32, 32))]))
+seen = sum(len(images) for images, _ in loader)
+loader.close()
+print(json.dumps({"seen": seen, "kept": len(cache), "skipped": loader.stats.skipped,
+                  "self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "workers_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+"""
+
+
+def test_decompression_bombs_keep_the_run_under_1_gb(tmp_path):
+    """Build from a folder with 65500x65500 and 30000x30000 JPEG headers, a 65500x65500 and a
+    real 144 Mpx PNG, then a CPU-backend epoch with one worker, in a fresh process: the bombs are
+    skipped at build and the peak RSS of the process and of its worker stays under 1 GB."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _BOMB_RUN, str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["seen"] + out["skipped"] == out["kept"] and out["seen"] > 8
+    assert out["self_mb"] < 1024 and out["workers_mb"] < 1024, out
