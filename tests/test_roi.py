@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 
 from gpucache import JpegCache
-from gpucache.decode import _roi
-from gpucache.decode.cpu import apply_plan, decode_batch, decode_sample
+from gpucache.decode import _roi, _roi_rst
+from gpucache.decode.cpu import apply_plan, decode_batch, decode_jpeg, decode_sample
 from gpucache.testing import natural_image
 
 needs_roi = pytest.mark.skipif(not _roi.available(), reason="nvImageCodec not installed")
@@ -182,3 +182,30 @@ def test_threads_decode_at_once(cache):
     for out in outs:
         assert out.roi_decoded == len(plans)
         assert all(torch.equal(a, b) for a, b in zip(out.images, ref.images))
+
+
+needs_rst = pytest.mark.skipif(not (_roi.available() and _roi_rst.transcoder_available()),
+                               reason="nvImageCodec or the compiled transcoder is missing")
+
+
+@needs_rst
+@pytest.mark.parametrize("name", ["444", "420", "422", "gray", "cmyk", "progressive420",
+                                  "exif6_420", "exif7_422"])
+def test_restart_segments_decode_bit_exact(cache, name):
+    """Transcoded losslessly (same pixels in full), then only the crop's segments decoded."""
+    i = list(CASES).index(name)
+    data, k = _roi_rst.transcode(cache[i])
+    assert 1 <= k <= 4 and data[:2] == b"\xff\xd8"
+    restart = np.frombuffer(data, dtype=np.uint8)
+    full = decode_sample(cache, i)
+    assert torch.equal(decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8)), full)
+    h, w = full.shape[1:]
+    lay = _roi_rst.Layout(restart, k)
+    for plan in _plans(h, w, np.random.default_rng(100 + i), 20):
+        t, l, bh, bw = plan[:4].tolist()
+        got = _roi_rst.decode_crop(restart, k, t, l, bh, bw, orientation=CASES[name].get(
+            "orientation", 1), height=h, width=w)
+        assert torch.equal(got, full[:, t:t + bh, l:l + bw]), plan.tolist()
+    ct, cl, ch, cw = _roi.coded_box(h // 2, w // 2, 8, 8, CASES[name].get("orientation", 1), h, w)
+    sub = _roi_rst.segment_jpeg(restart, lay, ct, cl, ch, cw)[0]
+    assert len(sub) < len(data) / 2  # a small box's segments are a fraction of the file
