@@ -188,3 +188,8 @@ def transcode_samples(cache, *, num_threads: int | None = None) -> tuple[list, n
     with ThreadPoolExecutor(threads) as pool:  # ctypes releases the GIL during the C call
         done = list(pool.map(one, range(len(cache))))
     return [d for d, _ in done], np.asarray([k for _, k in done], dtype=np.int32)
+
+
+def intervals(cache) -> np.ndarray | None:
+    """The store's restart interval per sample (int32, MCUs; 0 = none), or None (a plain store)."""
+    return getattr(cache, "_restart_intervals", None)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .._limits import check_pixels
 from .._sniff import JPEG_KINDS, Kind
-from . import _roi
+from . import _roi, _roi_rst
 
 try:  # TorchCodec supersedes torchvision's image decoding from torchvision 0.29
     from torchcodec.decoders import decode_jpeg as _codec_decode_jpeg
@@ -129,39 +129,49 @@ def out_size(plans: np.ndarray) -> tuple[int, int]:
     return (int(plans[0, 8]), int(plans[0, 9])) if len(plans) else (0, 0)
 
 
+def _decode_box(cache, i: int, box: list[int], kind: int, precision: int, orientation: int,
+                height: int, width: int, restart: int, roi_ok: bool) -> tuple[torch.Tensor, bool]:
+    """Sample ``i`` cropped to ``box`` (the plan's first crop); True if only the box was decoded."""
+    t1, l1, h1, w1 = box
+    if (roi_ok and kind in _ROI_KINDS and precision == 8 and (h1, w1) != (height, width)
+            and 0 <= t1 and 0 <= l1 and t1 + h1 <= height and l1 + w1 <= width):
+        roi = _roi_rst.decode_crop if restart else _roi.decode_crop
+        args = (restart,) if restart else ()
+        return roi(cache[i], *args, t1, l1, h1, w1, orientation=orientation, height=height,
+                   width=width), True
+    img = decode_jpeg(cache._bytes_tensor(i)) if kind in JPEG_KINDS else decode_pil(cache[i])
+    if tuple(img.shape[1:]) != (height, width):
+        raise ValueError(f"decoded size {tuple(img.shape[1:])} differs from the header's "
+                         f"{(height, width)}")
+    return img[:, t1:t1 + h1, l1:l1 + w1], False
+
+
 def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str,
                  stack: bool) -> Decoded:
     """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise).
 
     A JPEG whose plan crops is decoded only inside the crop box when ROI decode is available
-    (:mod:`._roi`; same output, less work); anything else is decoded in full, then cropped."""
+    (:mod:`._roi`; same output, less work), from its restart segments in a restart-marker store
+    (:mod:`._roi_rst`); anything else is decoded in full, then cropped."""
     images, kept, failed, roi = [], [], [], 0
     indices = np.asarray(indices, dtype=np.int64)
     rec = cache.samples[indices]  # one gather per batch, not numpy scalars per sample
+    intervals = _roi_rst.intervals(cache)
+    restart = intervals[indices].tolist() if intervals is not None else [0] * len(indices)
     roi_ok = _roi.available()
     if not roi_ok:
         _roi.notice_once()
     rows = zip(indices.tolist(), np.asarray(plans).tolist(), rec["kind"].tolist(),
                rec["precision"].tolist(), rec["orientation"].tolist(), rec["height"].tolist(),
-               rec["width"].tolist())
-    for i, plan, kind, precision, orientation, height, width in rows:
-        t1, l1, h1, w1 = plan[:4]
+               rec["width"].tolist(), restart)
+    for i, plan, kind, precision, orientation, height, width, k in rows:
         try:
             check_pixels(cache, i)
-            if (roi_ok and kind in _ROI_KINDS and precision == 8 and (h1, w1) != (height, width)
-                    and 0 <= t1 and 0 <= l1 and t1 + h1 <= height and l1 + w1 <= width):
-                x = _roi.decode_crop(cache[i], t1, l1, h1, w1, orientation=orientation,
-                                     height=height, width=width)
-                roi += 1
-            else:
-                img = decode_jpeg(cache._bytes_tensor(i)) if kind in JPEG_KINDS else decode_pil(
-                    cache[i])
-                if tuple(img.shape[1:]) != (height, width):
-                    raise ValueError(f"decoded size {tuple(img.shape[1:])} differs from the "
-                                     f"header's {(height, width)}")
-                x = img[:, t1:t1 + h1, l1:l1 + w1]
+            x, used_roi = _decode_box(cache, i, plan[:4], kind, precision, orientation, height,
+                                      width, k, roi_ok)
             images.append(finish_plan(x, *plan[4:]))
             kept.append(i)
+            roi += used_roi
         except Exception as err:  # a bad sample is reported, never fatal unless asked
             failed.append((i, failure(cache, i, err, on_error)))
     out: torch.Tensor | list[torch.Tensor] = images
