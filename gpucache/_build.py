@@ -47,7 +47,7 @@ class Source(Protocol):
 
 @dataclass(frozen=True)
 class BytesSource:
-    """Bytes already in memory (bytes, bytearray, memoryview, uint8 array): one copy, into the slot."""
+    """Bytes in memory (bytes, bytearray, memoryview, uint8 array): copied once, into the slot."""
 
     name: str
     data: bytes | bytearray | memoryview | np.ndarray

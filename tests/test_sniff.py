@@ -13,7 +13,7 @@ import torch
 
 from gpucache import JpegCache
 from gpucache._build import BytesSource, FileObjSource, FileRangeSource, build
-from gpucache._hostile import before_marker, png_bytes
+from gpucache._hostile import before_marker
 from gpucache._limits import check_pixels
 from gpucache._sniff import SniffError, sniff
 from gpucache.decode.cpu import decode_jpeg, decode_pil
@@ -66,9 +66,10 @@ def test_ff_fill_is_scanned_in_linear_time():
 def test_still_refused():
     """Tolerance stops where libjpeg stops: a second SOI, a bad segment length, no SOF."""
     good = make_jpeg_bytes(16, 16, seed=3)
+    no_sof = b"\xff\xd8\xff\xfe\x00\x04hi" + b"\x00" * 64 + b"\xff\xd9"  # a comment, no SOF
     for bad, why in [(good[:2] + good, "second start-of-image"),
                      (good[:4] + b"\x00\x01" + good[6:], "has length 1"),
-                     (b"\xff\xd8\xff\xfe\x00\x04hi" + b"\x00" * 64 + b"\xff\xd9", "no frame header")]:
+                     (no_sof, "no frame header")]:
         with pytest.raises(SniffError, match=why):
             sniff(memoryview(bad))
 
