@@ -5,8 +5,10 @@
 Single-threaded, interleaved rounds, medians; every variant is checked (output shape, and that the
 alternative decoders give the same pixels or the stated difference). Rows:
 - pil: what DataLoader + ImageFolder + PIL + torchvision v2 RandomResizedCrop runs per image;
-- gpucache: libjpeg-turbo decode (torchcodec/torchvision) + the plan (crop, uint8 antialiased resize);
-- decode only: the share of gpucache's time that is full-frame JPEG decoding;
+- gpucache full: libjpeg-turbo decode (torchcodec) + the plan (crop, uint8 antialiased resize, flip);
+- gpucache ROI: decode_batch, which decodes only the crop box (nvImageCodec CPU, when installed);
+- gpucache restart-marker ROI: the same on a restart-marker store (only the crop's segments decoded);
+- decode only: the share of the full path's time that is full-frame JPEG decoding;
 - simplejpeg, simplejpeg fast: another libjpeg-turbo binding, accurate and fast-DCT/fast-upsample;
 - 1/2-scale decode: libjpeg-turbo DCT scaling, the upper bound of what reduced-size decoding saves.
 simplejpeg rows are skipped when it is not installed (it is not a gpucache dependency).
@@ -34,7 +36,8 @@ def main() -> None:
 
     from gpucache import JpegCache
     from gpucache import transforms as T
-    from gpucache.decode.cpu import apply_plan, decode_sample
+    from gpucache.decode import _roi, _roi_rst
+    from gpucache.decode.cpu import apply_plan, decode_batch, decode_sample
 
     cache = JpegCache.from_folder(args.src, progress=False)
     ok = np.flatnonzero(cache.gpu_decodable() & (cache.samples["orientation"] == 1))
@@ -58,8 +61,24 @@ def main() -> None:
         for i in idx:
             decode_sample(cache, i)
 
-    rows = {"pil (DataLoader+PIL per-image work)": pil, "gpucache (decode + plan)": ours,
-            "gpucache decode only": decode_only}
+    def batch(store):
+        def run():
+            out = decode_batch(store, idx, plans, on_error="raise", stack=True)
+            assert out.images.shape == (len(idx), 3, 224, 224)
+        return run
+
+    rows = {"pil (DataLoader+PIL per-image work)": pil, "gpucache full decode + plan": ours}
+    ref = torch.stack([apply_plan(decode_sample(cache, i), p) for i, p in zip(idx, plans)])
+    if _roi.available():  # checked: ROI output is the full path's, bit for bit
+        got = decode_batch(cache, idx, plans, on_error="raise", stack=True)
+        assert torch.equal(got.images, ref) and got.roi_decoded > 0
+        rows["gpucache ROI decode + plan"] = batch(cache)
+        if _roi_rst.transcoder_available():
+            rst = _roi_rst.restart_store(cache)
+            got = decode_batch(rst, idx, plans, on_error="raise", stack=True)
+            assert torch.equal(got.images, ref) and got.roi_decoded > 0
+            rows["gpucache restart-marker ROI + plan"] = batch(rst)
+    rows["gpucache full decode only"] = decode_only
     try:
         import simplejpeg
     except ImportError:

@@ -102,6 +102,13 @@ def select(args, cuda: bool) -> list[str]:
             if not dali_available():
                 say("dali: skipped, nvidia-dali is not installed (pip install 'gpucache[dali]')")
                 continue
+        if c.backing == "rst":
+            from ..decode._roi_rst import transcoder_available
+
+            if not transcoder_available():
+                say(f"{n}: skipped, gpucache's restart-marker transcoder was not built "
+                    "(needs a C compiler and libjpeg headers at install)")
+                continue
         keep.append(n)
     return keep
 
@@ -161,7 +168,7 @@ def _run(args, names: list[str], cfg: Config) -> int:
     plots = []
     with tempfile.TemporaryDirectory(prefix="gpucache-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        need_store = any(CONTENDERS[n].backing == "file"
+        need_store = any(CONTENDERS[n].backing in ("file", "rst")
                          for n in (names if set(cases) & {"main", "scaling-workers"} else [])
                          + (names100 if "batch100" in cases else []))
         source = prepare_source(args, tmp, need_store)

@@ -9,6 +9,7 @@
 ``cpu-file-fork``       GpuCachedLoader, cpu backend, store opened from a saved file, fork
 ``cpu-file-spawn``      the same under spawn
 ``cpu-full-fork``       cpu-file-fork with ROI decode off: every JPEG decoded in full, then cropped
+``cpu-rst-fork``        GpuCachedLoader cpu, the store transcoded with restart markers, fork
 ``nvjpeg``, ``dali``    GpuCachedLoader GPU backends, store from file (when CUDA is present)
 ======================  ===============================================================
 """
@@ -35,7 +36,7 @@ class Contender:
     kind: str  # "pil" | "bytes" | "gpucache"
     what: str
     context: str | None = None  # multiprocessing start method; None: the platform's default
-    backing: str | None = None  # gpucache: "memory" | "file"
+    backing: str | None = None  # gpucache: "memory" | "file" | "rst" (restart-marker, memory)
     backend: str | None = None  # gpucache: "cpu" | "nvjpeg" | "dali"
     roi: bool = True  # gpucache cpu: decode only the crop box when nvImageCodec is there
 
@@ -55,6 +56,8 @@ CONTENDERS = {c.name: c for c in (
               "spawn", "file", "cpu"),
     Contender("cpu-full-fork", "gpucache", "GpuCachedLoader cpu, file store, fork, ROI decode off "
               "(full decode, then crop)", "fork", "file", "cpu", roi=False),
+    Contender("cpu-rst-fork", "gpucache", "GpuCachedLoader cpu, restart-marker store (only the "
+              "crop's segments decoded), fork", "fork", "rst", "cpu"),
     Contender("nvjpeg", "gpucache", "GpuCachedLoader nvjpeg (GPU), store from file", None, "file",
               "nvjpeg"),
     Contender("dali", "gpucache", "GpuCachedLoader dali (GPU), store from file", None, "file",
@@ -170,6 +173,11 @@ class Runner:
                 if src.store is None:
                     raise BenchError("no saved store for a file-backed contender")
                 self.cache = JpegCache.open(src.store)
+                if c.backing == "rst":  # transcoded from the saved store (timed as setup)
+                    from ..decode._roi_rst import restart_store
+
+                    plain, self.cache = self.cache, restart_store(self.cache)
+                    plain.close()
             self.data_bytes = self.cache.nbytes
             self.expected = np.bincount(self.cache.labels, minlength=ncls)
             if c.backend != "cpu":

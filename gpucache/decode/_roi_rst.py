@@ -22,6 +22,7 @@ import torch
 
 from . import _roi
 
+SECTION = "rst"  # the store's optional section: int32 restart interval per sample
 _lock = threading.Lock()
 _lib: list = []  # [ctypes.CDLL | None], loaded once
 
@@ -191,5 +192,27 @@ def transcode_samples(cache, *, num_threads: int | None = None) -> tuple[list, n
 
 
 def intervals(cache) -> np.ndarray | None:
-    """The store's restart interval per sample (int32, MCUs; 0 = none), or None (a plain store)."""
-    return getattr(cache, "_restart_intervals", None)
+    """The store's restart interval per sample (int32, MCUs; 0 = none), or None (a plain store).
+
+    Kept in the store file's optional section ``rst`` (README "File format")."""
+    extra = getattr(cache, "extra", None)
+    return None if extra is None else extra.get(SECTION)
+
+
+def restart_store(cache, *, num_threads: int | None = None):
+    """A new in-memory store of ``cache``'s samples, transcoded with restart markers (same pixels).
+
+    Labels, paths, metadata and other sections are kept; transcoded samples become baseline
+    (``Kind.JPEG``) and their interval goes to the ``rst`` section."""
+    from .._sniff import Kind
+
+    bufs, ks = transcode_samples(cache, num_threads=num_threads)
+    offsets = np.zeros(len(bufs) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in bufs], out=offsets[1:])
+    data = np.empty(int(offsets[-1]), dtype=np.uint8)
+    for b, start, end in zip(bufs, offsets[:-1].tolist(), offsets[1:].tolist()):
+        data[start:end] = np.frombuffer(b, dtype=np.uint8) if isinstance(b, bytes) else b
+    samples = cache.samples.copy()
+    samples["kind"][ks > 0] = Kind.JPEG
+    return cache._replace(data=data, offsets=offsets, samples=samples,
+                          extra={**cache.extra, SECTION: ks})
