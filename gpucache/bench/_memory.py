@@ -159,7 +159,7 @@ def measure_memory(names: list[str], source: Source, cfg: Config, sizes_mb: tupl
     if not sys.platform.startswith("linux"):
         say("memory probes skipped: PSS needs Linux (/proc/PID/smaps)")
         return
-    need_store = any(CONTENDERS[n].backing == "file" for n in names)
+    need_store = any(CONTENDERS[n].backing in ("file", "rst") for n in names)
     small, large = _probe_sources(source, sizes_mb, tmp, need_store,
                                   cfg.batch_size * max(1, cfg.workers))
     by_name = {r.name: r for r in results}
