@@ -209,3 +209,67 @@ def test_restart_segments_decode_bit_exact(cache, name):
     ct, cl, ch, cw = _roi.coded_box(h // 2, w // 2, 8, 8, CASES[name].get("orientation", 1), h, w)
     sub = _roi_rst.segment_jpeg(restart, lay, ct, cl, ch, cw)[0]
     assert len(sub) < len(data) / 2  # a small box's segments are a fraction of the file
+
+
+@needs_rst
+def test_restart_marker_store_gives_the_plain_stores_output(cache, tmp_path):
+    png = tmp_path / "x.png"
+    Image.fromarray(natural_image(64, 48, seed=2)).save(png)
+    plain = JpegCache.from_files([*cache.paths, png], progress=False)
+    rst = _roi_rst.restart_store(plain)
+    ks = _roi_rst.intervals(rst)
+    assert ks is not None and (ks[:-1] > 0).all() and ks[-1] == 0  # the PNG stays as it was
+    reopened = JpegCache.open(rst.save(tmp_path / "rst.gpucache"))
+    assert np.array_equal(_roi_rst.intervals(reopened), ks)
+    rng = np.random.default_rng(7)
+    idx = rng.permutation(len(plain))
+    h, w = plain.samples["height"][idx], plain.samples["width"][idx]
+    from gpucache import transforms as T
+    plans = T.Compose([T.RandomResizedCrop(48), T.RandomHorizontalFlip()]).plan(
+        h.astype(np.int64), w.astype(np.int64), rng)
+    want = decode_batch(plain, idx, plans, on_error="raise", stack=True)
+    for store in (rst, reopened):
+        got = decode_batch(store, idx, plans, on_error="raise", stack=True)
+        assert torch.equal(got.images, want.images)
+        assert got.roi_decoded >= len(idx) - 3  # all but the PNG and uncropped fallbacks
+
+
+NO_TRANSCODER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    sys.modules["nvidia.nvimgcodec"] = None  # neither optional decoder part is here
+    from gpucache import JpegCache
+    from gpucache.decode import _roi_rst
+    from gpucache.decode.cpu import decode_batch
+    _roi_rst._lib.append(None)  # the compiled transcoder was not built
+    plain = JpegCache.open(sys.argv[1])
+    try:
+        _roi_rst.restart_store(plain)
+        raise SystemExit("no error")
+    except RuntimeError as err:
+        assert "C compiler" in str(err) and "reinstall" in str(err), err
+    rst = JpegCache.open(sys.argv[2])  # a restart-marker store still decodes (in full)
+    plans = np.load(sys.argv[3])
+    idx = np.arange(len(plans)) % len(rst)
+    d = decode_batch(rst, idx, plans, on_error="raise", stack=True)
+    assert d.roi_decoded == 0
+    np.save(sys.argv[4], d.images.numpy())
+""")
+
+
+@needs_rst
+def test_restart_markers_without_the_optional_parts(cache, tmp_path):
+    plain = JpegCache.from_files(cache.paths[:3], progress=False)
+    plain.save(tmp_path / "plain.gpucache")
+    _roi_rst.restart_store(plain).save(tmp_path / "rst.gpucache")
+    h, w = int(plain.samples["height"].min()), int(plain.samples["width"].min())
+    plans = _plans(h, w, np.random.default_rng(9), 3)
+    plans[:, 4:6] = plans[:, 8:10] = 16
+    np.save(tmp_path / "p.npy", plans)
+    r = subprocess.run([sys.executable, "-c", NO_TRANSCODER, str(tmp_path / "plain.gpucache"),
+                        str(tmp_path / "rst.gpucache"), str(tmp_path / "p.npy"),
+                        str(tmp_path / "out.npy")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    idx = np.arange(len(plans)) % len(plain)
+    want = decode_batch(plain, idx, plans, on_error="raise", stack=True).images.numpy()
+    assert np.array_equal(np.load(tmp_path / "out.npy"), want)
