@@ -1,33 +1,46 @@
-"""The single-file store format (version 1). The README's "File format" section specifies it.
+"""Writing the single-file store format (version 2; version 1 files still open). The README's
+"File format" section specifies it; ``_parse`` reads and validates it.
 
-Layout: a 256-byte little-endian header, then seven sections, each starting on a 64-byte boundary
-(the data section on a 4096-byte one): offsets, labels, samples, classes, paths, metadata, data.
-Only the header and the index sections are read on open; data is mapped, never read, until used.
+Layout: a 256-byte little-endian header; six index sections (offsets, labels, samples, classes,
+paths, metadata) on 64-byte boundaries; the section directory (one 80-byte entry per named optional
+section) and those sections, each on a 64-byte boundary; the data section on a 4096-byte boundary.
+Named optional sections let features add per-store arrays (per-sample flags, targets) without a
+new layout: a reader checks every section's bounds and CRC and ignores names it does not use.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import struct
+import tempfile
+import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
-from ._mapped import CacheFormatError, Handle, open_path
+from ._mapped import CacheFormatError
 from ._sniff import SAMPLE_DTYPE
 
+__all__ = ["CacheFormatError", "write", "save_atomic", "pack_strings", "check_extra"]
+
 MAGIC = b"GPUCACHE"
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 256
-SECTIONS = ("offsets", "labels", "samples", "classes", "paths", "metadata", "data")
+CORE = ("offsets", "labels", "samples", "classes", "paths", "metadata", "data")
 # magic, version, header size, n_samples, n_classes, file size, 7 x (offset, length),
-# data crc32, index crc32, header crc32
-_HEADER = struct.Struct("<8sIIQQQ" + "QQ" * len(SECTIONS) + "II")
-_HEADER_CRC = struct.Struct("<I")
-_CRC_AT = _HEADER.size  # header crc32 covers bytes [0, _CRC_AT)
+# data crc32, index crc32 -- the v1 header, then the header crc32 (v1) or, in v2:
+HEAD_V1 = struct.Struct("<8sIIQQQ" + "QQ" * len(CORE) + "II")
+# v2 continues with: directory offset, directory entries, directory crc32; then the header crc32
+HEAD_V2 = struct.Struct(HEAD_V1.format + "QQI")
+CRC = struct.Struct("<I")
+# a directory entry: name, numpy dtype string, offset, length, rows, cols (0: 1-D), crc32, zero
+ENTRY = struct.Struct("<32s8sQQQQII")
+NAME = re.compile(r"[a-z][a-z0-9_.]{0,31}\Z")
+KINDS = "biuf"  # bool, signed, unsigned, float: no objects, no pointers
 
 
 def _align(n: int, a: int) -> int:
@@ -48,13 +61,49 @@ def _string_section(table: tuple[np.ndarray, np.ndarray] | None) -> list[memoryv
     offsets, blob = table
     count = np.array([len(offsets) - 1], dtype="<u8")
     return [memoryview(count).cast("B"), memoryview(offsets.astype("<u8", copy=False)).cast("B"),
-            memoryview(blob)]
+            memoryview(np.ascontiguousarray(blob)).cast("B")]
+
+
+def check_extra(name: str, array) -> np.ndarray:
+    """An optional section as it will be stored: a 1-D or 2-D little-endian numeric array."""
+    if not isinstance(name, str) or not NAME.match(name):
+        raise ValueError(f"section name {name!r} is not allowed: use 1-32 characters of a-z, 0-9, "
+                         "'_' and '.', starting with a letter (e.g. 'rst', 'targets').")
+    arr = np.asarray(array)
+    if arr.dtype.kind not in KINDS or arr.ndim not in (1, 2):
+        raise ValueError(f"section {name!r}: a 1-D or 2-D array of bool, integers or floats is "
+                         f"stored, got {arr.ndim}-D {arr.dtype}; split ragged data into values "
+                         "and offsets sections.")
+    return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+
+
+def _plan(parts: dict[str, list[memoryview]], extra: dict[str, np.ndarray]):
+    """Offsets of every section: {name: (start, length)} for the core, then the directory, extras."""
+    spans, pos = {}, HEADER_SIZE
+    for name in CORE[:-1]:
+        start = _align(pos, 64)
+        pos = start + sum(c.nbytes for c in parts[name])
+        spans[name] = (start, pos - start)
+    directory = (_align(pos, 64), ENTRY.size * len(extra))
+    pos = directory[0] + directory[1]
+    extra_spans = {}
+    for name, arr in extra.items():
+        start = _align(pos, 64)
+        pos = start + arr.nbytes
+        extra_spans[name] = (start, arr.nbytes)
+    start = _align(pos, 4096)
+    spans["data"] = (start, sum(c.nbytes for c in parts["data"]))
+    return spans, directory, extra_spans, start + spans["data"][1]
 
 
 def write(f: BinaryIO | None, *, data: np.ndarray, offsets: np.ndarray, labels: np.ndarray,
           samples: np.ndarray, classes: Sequence[str], paths: tuple[np.ndarray, np.ndarray],
-          metadata: tuple[np.ndarray, np.ndarray] | None) -> int:
-    """Write a complete store to the binary file ``f`` (positioned at 0); returns its size."""
+          metadata: tuple[np.ndarray, np.ndarray] | None,
+          extra: Mapping[str, np.ndarray] | None = None) -> int:
+    """Write a complete store to the binary file ``f`` (positioned at 0); returns its size.
+
+    ``extra``: named optional sections ({name: 1-D or 2-D numeric array}), in the given order."""
+    extra = {k: check_extra(k, v) for k, v in (extra or {}).items()}
     parts = {
         "offsets": [memoryview(offsets.astype("<i8", copy=False)).cast("B")],
         "labels": [memoryview(labels.astype("<i8", copy=False)).cast("B")],
@@ -62,43 +111,58 @@ def write(f: BinaryIO | None, *, data: np.ndarray, offsets: np.ndarray, labels: 
         "classes": _string_section(pack_strings(classes)),
         "paths": _string_section(paths),
         "metadata": _string_section(metadata),
-        "data": [memoryview(data)],
+        "data": [memoryview(np.ascontiguousarray(data)).cast("B")],
     }
-    table, pos = [], HEADER_SIZE
-    for name in SECTIONS:
-        start = _align(pos, 4096 if name == "data" else 64)
-        pos = start + sum(chunk.nbytes for chunk in parts[name])
-        table += [start, pos - start]
+    spans, directory, extra_spans, size = _plan(parts, extra)
     if f is None:  # size only, used to check room before writing
-        return pos
+        return size
     index_crc = 0
     f.write(b"\0" * HEADER_SIZE)
-    for k, name in enumerate(SECTIONS):
-        f.seek(table[2 * k])
+    for name in CORE[:-1]:
+        f.seek(spans[name][0])
         for chunk in parts[name]:
             f.write(chunk)
-            if name != "data":
-                index_crc = zlib.crc32(chunk, index_crc)
-    f.truncate(pos)
-    header = _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, len(labels), len(classes), pos, *table,
-                          zlib.crc32(memoryview(data)), index_crc)
+            index_crc = zlib.crc32(chunk, index_crc)
+    entries = b""
+    for name, arr in extra.items():
+        start, length = extra_spans[name]
+        rows, cols = (arr.shape[0], 0) if arr.ndim == 1 else arr.shape
+        entries += ENTRY.pack(name.encode(), arr.dtype.str.encode(), start, length, rows, cols,
+                              zlib.crc32(memoryview(arr).cast("B")), 0)
+        f.seek(start)
+        f.write(memoryview(arr).cast("B"))
+    f.seek(directory[0])
+    f.write(entries)
+    f.seek(spans["data"][0])
+    f.write(parts["data"][0])
+    f.truncate(size)
+    table = [x for name in CORE for x in spans[name]]
+    header = HEAD_V2.pack(MAGIC, VERSION, HEADER_SIZE, len(labels), len(classes), size, *table,
+                          zlib.crc32(parts["data"][0]), index_crc, directory[0], len(extra),
+                          zlib.crc32(entries))
     f.seek(0)
-    f.write(header + _HEADER_CRC.pack(zlib.crc32(header)))
-    f.seek(pos)
-    return pos
+    f.write(header + CRC.pack(zlib.crc32(header)))
+    f.seek(size)
+    return size
 
 
 def save_atomic(path: Path, **arrays) -> None:
-    """Write to a temporary name beside ``path``, fsync, rename, fsync the folder."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write to a unique temporary name beside ``path``, fsync, rename, fsync the folder.
+
+    The temporary name comes from ``mkstemp``, so concurrent saves to one path (threads or
+    processes) never share it: the last rename wins and every result is a complete store."""
+    if not path.parent.is_dir():
+        raise FileNotFoundError(2, "No such file or directory", str(path.parent))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with open(tmp, "wb") as f:
+        with open(fd, "wb") as f:
             write(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -107,101 +171,11 @@ def save_atomic(path: Path, **arrays) -> None:
         os.close(dir_fd)
 
 
-class Parsed:
-    """Read-only numpy views over a mapped store file."""
-
-    def __init__(self, handle: Handle):
-        self.handle, self.path = handle, handle.path
-        buf, path = handle.buf, handle.name
-        self.buf = buf
-        size = len(buf)
-
-        def fail(why: str, fix: str = "rebuild it with `gpucache build` or copy it again") -> None:
-            raise CacheFormatError(f"{path}: {why}; {fix}.")
-
-        if size < HEADER_SIZE:
-            fail(f"too small to be a gpucache store ({size} bytes; the header alone is "
-                 f"{HEADER_SIZE})")
-        head = bytes(buf[:HEADER_SIZE])
-        if head[:8] != MAGIC:
-            fail(f"not a gpucache store (magic {head[:8]!r}, expected {MAGIC!r})",
-                 "pass a file written by JpegCache.save() or `gpucache build`")
-        fields = _HEADER.unpack_from(head)
-        version = fields[1]
-        if version != VERSION:
-            fail(f"format version {version} is not supported by this gpucache (reads "
-                 f"version {VERSION})", "rebuild it with this version's `gpucache build`")
-        (crc,) = _HEADER_CRC.unpack_from(head, _CRC_AT)
-        if zlib.crc32(head[:_CRC_AT]) != crc:
-            fail("header checksum mismatch (the header is corrupt)")
-        _, _, hsize, n, n_classes, file_size = fields[:6]
-        self.data_crc, index_crc = fields[-2:]
-        if hsize != HEADER_SIZE:
-            fail(f"header size {hsize} != {HEADER_SIZE}")
-        if file_size != size:
-            fail(f"truncated or extended: the header says {file_size} bytes, the file has {size}")
-        spans = dict(zip(SECTIONS, zip(fields[6:-2:2], fields[7:-2:2])))
-        end = HEADER_SIZE
-        for name in SECTIONS:
-            start, length = spans[name]
-            if start < end or start + length > size:
-                fail(f"section {name!r} at [{start}, {start + length}) is out of bounds or "
-                     "overlaps the previous one")
-            end = start + length
-        expected = {"offsets": 8 * (n + 1), "labels": 8 * n, "samples": SAMPLE_DTYPE.itemsize * n}
-        for name, length in expected.items():
-            if spans[name][1] != length:
-                fail(f"section {name!r} has {spans[name][1]} bytes, {length} expected for "
-                     f"{n} samples")
-        crc = 0
-        for name in SECTIONS[:-1]:
-            start, length = spans[name]
-            crc = zlib.crc32(buf[start:start + length], crc)
-        if crc != index_crc:
-            fail("index checksum mismatch (offsets, labels or names are corrupt)")
-
-        def view(name: str, dtype, count: int = -1) -> np.ndarray:
-            return np.frombuffer(buf, dtype=dtype, count=count, offset=spans[name][0])
-
-        self.offsets = view("offsets", "<i8", n + 1)
-        self.labels = view("labels", "<i8", n)
-        self.samples = view("samples", SAMPLE_DTYPE, n)
-        data_start, data_len = spans["data"]
-        self.data = np.frombuffer(buf, dtype=np.uint8, count=data_len, offset=data_start)
-        if n and (self.offsets[0] != 0 or np.any(np.diff(self.offsets) < 0)
-                  or self.offsets[-1] != data_len):
-            fail("sample offsets are not monotonic or point outside the data section")
-        if n == 0 and data_len != 0:
-            fail("data section is not empty but there are no samples")
-        c_offsets, c_blob = self._strings("classes", spans["classes"], fail, n_classes)
-        self.classes = [bytes(c_blob[c_offsets[i]:c_offsets[i + 1]]).decode("utf-8")
-                        for i in range(n_classes)]
-        if n and (self.labels.min() < -1 or self.labels.max() >= n_classes):
-            fail(f"labels out of range for {n_classes} classes")
-        self.paths = self._strings("paths", spans["paths"], fail, n)
-        self.metadata = self._strings("metadata", spans["metadata"], fail, n, optional=True)
-
-    def _strings(self, name, span, fail, n: int | None = None, optional: bool = False):
-        start, length = span
-        if length == 0 and optional:
-            return None
-        if length < 8:
-            fail(f"string section {name!r} is too short")
-        (count,) = struct.unpack_from("<Q", self.buf, start)
-        if n is not None and count != n:
-            fail(f"section {name!r} has {count} strings for {n} samples")
-        if 8 + 8 * (count + 1) > length:
-            fail(f"section {name!r} is shorter than its {count} string offsets")
-        offsets = np.frombuffer(self.buf, dtype="<u8", count=count + 1, offset=start + 8)
-        blob_len = length - 8 - 8 * (count + 1)
-        blob = np.frombuffer(self.buf, dtype=np.uint8, count=blob_len,
-                             offset=start + 8 + 8 * (count + 1))
-        if offsets[0] != 0 or np.any(np.diff(offsets.astype(np.int64)) < 0) or \
-                offsets[-1] != blob_len:
-            fail(f"string offsets in section {name!r} are not monotonic or out of bounds")
-        return offsets, blob
+_UMASK_LOCK = threading.Lock()
 
 
-def open_mapped(path: Path) -> Parsed:
-    """Map ``path`` read-only and validate it; O(number of samples), data untouched."""
-    return Parsed(open_path(path))
+def _umask() -> int:
+    with _UMASK_LOCK:  # os.umask can only be read by setting it: set it back at once
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask

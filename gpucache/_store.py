@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Literal
 
 import numpy as np
 import torch
 
-from . import _format, _shm
+from . import _format, _parse, _readonly, _shm
+from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
 from ._sniff import Kind
 
@@ -57,13 +59,25 @@ class JpegCache:
                  samples: np.ndarray, classes: Sequence[str],
                  paths: tuple[np.ndarray, np.ndarray],
                  metadata: tuple[np.ndarray, np.ndarray] | None = None,
-                 report=None, _file: _format.Parsed | None = None) -> None:
-        for a in (data, offsets, labels, samples):
-            a.flags.writeable = False  # views handed out cannot write into the store
+                 extra: Mapping[str, np.ndarray] | None = None, report=None,
+                 max_pixels: int | None = DEFAULT_MAX_PIXELS,
+                 _file: _parse.Parsed | None = None) -> None:
+        extra = {k: _format.check_extra(k, v) for k, v in (extra or {}).items()}
+        if _file is None:  # in memory: read-only pages, so no view can write into the store
+            tables = [*paths, *(metadata or ())]
+            data, offsets, labels, samples, *rest = _readonly.freeze(
+                [data, np.asarray(offsets, "<i8"), np.asarray(labels, "<i8"), samples, *tables,
+                 *extra.values()])
+            paths, rest = (rest[0], rest[1]), rest[2:]
+            if metadata is not None:
+                metadata, rest = (rest[0], rest[1]), rest[2:]
+            extra = dict(zip(extra, rest))
         self._data, self._offsets, self._labels, self._samples = data, offsets, labels, samples
         self._classes = list(classes)
         self._paths, self._metadata_table = paths, metadata
+        self._extra = dict(extra)
         self.report = report
+        self.max_pixels = max_pixels
         self._file = _file
         self._shm_finalizer: weakref.finalize | None = None
         self._tensor: torch.Tensor | None = None
@@ -72,31 +86,38 @@ class JpegCache:
     @classmethod
     def from_folder(cls, root: str | os.PathLike, *, on_error: Literal["skip", "raise"] = "skip",
                     num_threads: int | None = None, progress: bool = True,
+                    max_pixels: int | None = DEFAULT_MAX_PIXELS,
                     cache_dir: str | os.PathLike | None = None) -> JpegCache:
         """Pack an ImageFolder tree (``root/<class>/<image>``); labels as torchvision assigns.
+        ``max_pixels``: images whose header claims more pixels are refused (None: no bound).
         Several ranks or ``cache_dir``: built once per node and mapped (README "Multi-GPU")."""
         from ._build import build, scan_folder
         from ._node import built_once
 
         paths, labels, classes = scan_folder(Path(root))
-        return built_once(cls, lambda: build(cls, paths, labels, classes, None, on_error=on_error,
-                          num_threads=num_threads, progress=progress),
-                          paths, (labels, classes, on_error), cache_dir=cache_dir)
+        cache = built_once(cls, lambda: build(cls, paths, labels, classes, None, on_error=on_error,
+                           num_threads=num_threads, progress=progress, max_pixels=max_pixels),
+                           paths, (labels, classes, on_error, max_pixels), cache_dir=cache_dir)
+        cache.max_pixels = max_pixels
+        return cache
 
     @classmethod
     def from_files(cls, paths: Sequence[str | os.PathLike], labels: Sequence[int] | None = None,
                    metadata: Sequence[str] | None = None, *, classes: Sequence[str] | None = None,
                    on_error: Literal["skip", "raise"] = "skip", num_threads: int | None = None,
-                   progress: bool = True, cache_dir: str | os.PathLike | None = None) -> JpegCache:
+                   progress: bool = True, max_pixels: int | None = DEFAULT_MAX_PIXELS,
+                   cache_dir: str | os.PathLike | None = None) -> JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
-        ``labels`` are ints (``-1`` or None for unlabeled)."""
+        ``labels`` are ints (``-1`` or None for unlabeled); ``max_pixels`` as in from_folder."""
         from . import _sources
         from ._node import built_once
 
-        return built_once(cls, lambda: _sources.from_files(
+        cache = built_once(cls, lambda: _sources.from_files(
             cls, paths, labels, metadata, classes=classes, on_error=on_error,
-            num_threads=num_threads, progress=progress), paths, (labels, metadata, classes,
-                                                                 on_error), cache_dir=cache_dir)
+            num_threads=num_threads, progress=progress, max_pixels=max_pixels), paths,
+            (labels, metadata, classes, on_error, max_pixels), cache_dir=cache_dir)
+        cache.max_pixels = max_pixels
+        return cache
 
     @classmethod
     def from_csv(cls, path: str | os.PathLike, *, classes: Sequence[str] | None = None,
@@ -133,15 +154,27 @@ class JpegCache:
                                 num_threads=num_threads, progress=progress)
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> JpegCache:
-        """Map a saved store read-only. Validates header, sizes and offsets; reads no image data."""
-        return cls._from_parsed(_format.open_mapped(Path(path)))
+    def open(cls, path: str | os.PathLike, *,
+             max_pixels: int | None = DEFAULT_MAX_PIXELS) -> JpegCache:
+        """Map a saved store read-only. Validates header, sizes and offsets; reads no image data.
+
+        ``max_pixels``: samples whose header claims more decoded pixels are refused at decode."""
+        return cls._from_parsed(_parse.open_mapped(Path(path)), max_pixels)
 
     @classmethod
-    def _from_parsed(cls, parsed: _format.Parsed) -> JpegCache:
+    def _from_parsed(cls, parsed: _parse.Parsed, max_pixels: int | None) -> JpegCache:
         return cls(data=parsed.data, offsets=parsed.offsets, labels=parsed.labels,
                    samples=parsed.samples, classes=parsed.classes, paths=parsed.paths,
-                   metadata=parsed.metadata, _file=parsed)
+                   metadata=parsed.metadata, extra=parsed.extra, max_pixels=max_pixels,
+                   _file=parsed)
+
+    def _replace(self, **changes) -> JpegCache:
+        """A new in-memory store with some arrays replaced (``data``, ``offsets``, ``samples``,
+        ``labels``, ``extra``...): for code that derives a store from this one (e.g. transcoding).
+        ``extra`` replaces the optional sections as a whole; pass ``{**cache.extra, name: a}``."""
+        kw = dict(self._arrays(), report=self.report, max_pixels=self.max_pixels)
+        kw.update(changes)
+        return type(self)(**kw)
 
     # ------------------------------------------------------------------ access
     def __len__(self) -> int:
@@ -184,6 +217,11 @@ class JpegCache:
         return None if self._metadata_table is None else _Strings(self._metadata_table)
 
     @property
+    def extra(self) -> Mapping[str, np.ndarray]:
+        """Named optional sections of the store (README "File format"), as read-only arrays."""
+        return MappingProxyType(self._extra)
+
+    @property
     def samples(self) -> np.ndarray:
         """Structured per-sample record: kind, components, orientation, precision, height, width."""
         return self._samples
@@ -217,7 +255,7 @@ class JpegCache:
     def _arrays(self) -> dict:
         return dict(data=self._data, offsets=self._offsets, labels=self._labels,
                     samples=self._samples, classes=self._classes, paths=self._paths,
-                    metadata=self._metadata_table)
+                    metadata=self._metadata_table, extra=self._extra)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the store to one file, atomically (temp name, fsync, rename)."""
@@ -253,7 +291,7 @@ class JpegCache:
         size = _format.write(None, **arrays)
         fd, kept = _shm.create(size, lambda f: _format.write(f, **arrays))
         try:
-            parsed = _format.Parsed(Handle(fd, f"shared-memory copy of the cache ({size} bytes)",
+            parsed = _parse.Parsed(Handle(fd, f"shared-memory copy of the cache ({size} bytes)",
                                            kept))
         except BaseException:
             if kept is not None:
@@ -264,10 +302,11 @@ class JpegCache:
         self._adopt(parsed)
         return self
 
-    def _adopt(self, parsed: _format.Parsed) -> None:
+    def _adopt(self, parsed: _parse.Parsed) -> None:
         self._data, self._offsets, self._labels = parsed.data, parsed.offsets, parsed.labels
         self._samples, self._paths, self._metadata_table = (parsed.samples, parsed.paths,
                                                              parsed.metadata)
+        self._extra = dict(parsed.extra)
         self._file, self._tensor = parsed, None
 
     def close(self) -> None:
@@ -293,9 +332,9 @@ class JpegCache:
                 "process. Call cache.share() to move it into shared memory once, or save it "
                 "(cache.save(path)) and pass JpegCache.open(path); GpuCachedLoader does the "
                 "former by itself for spawn/forkserver workers.")
-        return (_reopen, (self._file.handle,))
+        return (_reopen, (self._file.handle, self.max_pixels))
 
 
-def _reopen(handle: Handle) -> JpegCache:
+def _reopen(handle: Handle, max_pixels: int | None) -> JpegCache:
     """In a worker: the very file the pickling process had open (see ``_mapped``)."""
-    return JpegCache._from_parsed(_format.Parsed(handle))
+    return JpegCache._from_parsed(_parse.Parsed(handle), max_pixels)

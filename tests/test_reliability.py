@@ -146,3 +146,80 @@ def test_shared_memory_cannot_outlive_a_killed_owner(jpeg_folder, tmp_path, cont
     assert proc.returncode != 0  # (a SIGTERM handler may turn the signal into an exit code)
     left = sorted(Path("/dev/shm").glob(f"gpucache-{proc.pid}-*"))
     assert not left, f"{left} outlived its owner ({sig.name}, {context})"
+
+
+# ------------------------------------------------------------ item 8: the read-only promise
+def _base_chain(a):
+    """Every object reachable from a view through .base / .obj."""
+    out, x = [], a
+    while x is not None:
+        out.append(x)
+        x = getattr(x, "base", None) if isinstance(x, np.ndarray) else getattr(x, "obj", None)
+    return out
+
+
+def _stores(jpeg_folder, tmp_path):
+    """In memory after a skipped file (compaction), opened from a file, in shared memory."""
+    files = sorted(str(p) for p in Path(jpeg_folder).rglob("*.jpg"))[:6]
+    junk = tmp_path / "junk.jpg"
+    junk.write_bytes(b"not a jpeg at all")
+    memory = JpegCache.from_files([files[0], str(junk), *files[1:]], progress=False)
+    assert len(memory.report.skipped) == 1
+    opened = JpegCache.open(memory.save(tmp_path / "ro.gpucache"))
+    shared = JpegCache.from_files(files, progress=False).share()
+    return {"memory": memory, "file": opened, "shared": shared}
+
+
+def test_no_numpy_route_writes_into_a_store(jpeg_folder, tmp_path):
+    for backing, cache in _stores(jpeg_folder, tmp_path).items():
+        before = [cache[i].tobytes() for i in range(len(cache))]
+        arrays = [cache[1], cache.labels, cache.samples, cache._offsets, cache._paths[1]]
+        for view in arrays:
+            for obj in _base_chain(view):
+                if isinstance(obj, np.ndarray):
+                    with pytest.raises(ValueError):
+                        obj.setflags(write=True)
+                    with pytest.raises(ValueError, match="read-only"):
+                        obj[...] = 0
+                else:  # memoryview or mmap: the buffer itself refuses writes
+                    with pytest.raises(TypeError):
+                        obj[0:1] = b"x"
+        assert [cache[i].tobytes() for i in range(len(cache))] == before, backing
+        cache.close()
+
+
+_TORCH_WRITE = textwrap.dedent("""
+    import sys, warnings
+    import torch
+    from gpucache import JpegCache
+
+    path, how, backing = sys.argv[1:4]
+    cache = JpegCache.open(path)
+    if backing == "memory":
+        cache = cache._replace()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        view = cache[0]
+        t = torch.from_numpy(view) if how == "from_numpy" else torch.frombuffer(view, dtype=torch.uint8)
+    print("WARNED", any("not writable" in str(w.message) for w in caught), flush=True)
+    t += 1  # a stray in-place op
+    print("WROTE", flush=True)
+""")
+
+
+@pytest.mark.skipif(not LINUX, reason="PROT_READ mappings as on Linux")
+@pytest.mark.parametrize("backing", ["memory", "file"])
+@pytest.mark.parametrize("how", ["from_numpy", "frombuffer"])
+def test_a_torch_write_through_a_view_faults_instead_of_changing_the_store(jpeg_folder,
+                                                                           tmp_path, how,
+                                                                           backing):
+    """torch ignores numpy's read-only flag (it warns); the pages themselves are read-only for
+    both backings, so the write faults in the process that made it and changes nothing."""
+    path = JpegCache.from_folder(jpeg_folder, progress=False).save(tmp_path / "t.gpucache")
+    before = path.read_bytes()
+    proc = subprocess.run([sys.executable, "-c", _TORCH_WRITE, str(path), how, backing],
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert "WARNED True" in proc.stdout, proc.stdout + proc.stderr
+    assert "WROTE" not in proc.stdout and proc.returncode == -signal.SIGSEGV, (
+        proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert path.read_bytes() == before

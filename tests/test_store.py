@@ -12,6 +12,8 @@ import torchvision
 import gpucache
 from gpucache import CacheFormatError, JpegCache
 
+DATA = Path(__file__).parent / "data"
+
 
 def test_every_public_name_resolves():
     for name in gpucache.__all__:
@@ -114,26 +116,73 @@ def test_shared_memory_is_nameless_and_released_on_gc(jpeg_folder):
     assert "gpucache-" not in _fd_targets().get(fd, "")
 
 
-def test_golden_bytes_of_a_tiny_file(tmp_path, monkeypatch):
-    """Format v1 stays byte-for-byte stable; the README's Format section walks through this file."""
+def _tiny(tmp_path, monkeypatch) -> JpegCache:
     from conftest import sof_jpeg
 
-    golden = Path(__file__).parent / "data" / "tiny-v1.gpucache"
     monkeypatch.chdir(tmp_path)  # relative paths, so the file does not depend on the machine
     Path("a.jpg").write_bytes(sof_jpeg(h=2, w=3))
     Path("b.jpg").write_bytes(sof_jpeg(h=5, w=4, comps=1))
-    cache = JpegCache.from_files(["a.jpg", "b.jpg"], [1, 0], ["first", "second"],
-                                 classes=["cat", "dog"], progress=False)
-    out = cache.save(tmp_path / "tiny.gpucache").read_bytes()
-    assert out == golden.read_bytes()
-    head = struct.unpack_from("<8sIIQQQ", out)
-    assert head == (b"GPUCACHE", 1, 256, 2, 2, len(out))
-    assert out[4096:4096 + 2] == b"\xff\xd8"  # data section on a page boundary
-    opened = JpegCache.open(golden)
+    return JpegCache.from_files(["a.jpg", "b.jpg"], [1, 0], ["first", "second"],
+                                classes=["cat", "dog"], progress=False)
+
+
+def _check_tiny(opened: JpegCache) -> None:
     assert opened.classes == ["cat", "dog"] and opened.labels.tolist() == [1, 0]
     assert list(opened.metadata) == ["first", "second"] and list(opened.paths) == ["a.jpg", "b.jpg"]
     assert opened.samples["height"].tolist() == [2, 5] and opened.samples["width"].tolist() == [3, 4]
     assert opened.samples["components"].tolist() == [3, 1]
+    assert opened[0].tobytes()[:2] == b"\xff\xd8"
+
+
+def test_golden_v1_file_still_opens():
+    """Version 1 files (no section directory) keep opening; the README walks through v2."""
+    golden = DATA / "tiny-v1.gpucache"
+    assert struct.unpack_from("<8sII", golden.read_bytes()) == (b"GPUCACHE", 1, 256)
+    opened = JpegCache.open(golden)
+    _check_tiny(opened)
+    assert dict(opened.extra) == {}
+
+
+def test_golden_v2_bytes_with_optional_sections(tmp_path, monkeypatch):
+    """Format v2 stays byte-for-byte stable, optional sections included."""
+    from gpucache._format import ENTRY, HEAD_V2
+
+    golden = DATA / "tiny-v2.gpucache"
+    extra = {"rst": np.array([0, 4], dtype="<i4"),
+             "targets": np.array([[0.5, 0.25], [1.0, 0.0]], dtype="<f4")}
+    cache = _tiny(tmp_path, monkeypatch)._replace(extra=extra)
+    out = cache.save(tmp_path / "tiny.gpucache").read_bytes()
+    assert out == golden.read_bytes()
+    head = HEAD_V2.unpack_from(out)
+    assert head[:6] == (b"GPUCACHE", 2, 256, 2, 2, len(out))
+    directory, count = head[22], head[23]
+    assert directory % 64 == 0 and count == 2
+    names = [ENTRY.unpack_from(out, directory + k * ENTRY.size)[:2] for k in range(count)]
+    assert names == [(b"rst".ljust(32, b"\0"), b"<i4".ljust(8, b"\0")),
+                     (b"targets".ljust(32, b"\0"), b"<f4".ljust(8, b"\0"))]
+    assert out[4096:4096 + 2] == b"\xff\xd8"  # data section on a page boundary
+    opened = JpegCache.open(golden)
+    _check_tiny(opened)
+    assert sorted(opened.extra) == ["rst", "targets"]
+    for name, arr in extra.items():
+        got = opened.extra[name]
+        assert got.dtype == arr.dtype and np.array_equal(got, arr) and not got.flags.writeable
+    shared = opened._replace().share()  # in memory, then shared memory: sections carried along
+    assert np.array_equal(pickle.loads(pickle.dumps(shared)).extra["targets"], extra["targets"])
+    shared.close()
+
+
+def test_optional_section_names_and_types_are_checked(tmp_path, monkeypatch):
+    cache = _tiny(tmp_path, monkeypatch)
+    for name, arr, match in [("Bad Name", np.zeros(2), "not allowed"),
+                             ("x" * 33, np.zeros(2), "not allowed"),
+                             ("objs", np.array([None, 1], dtype=object), "1-D or 2-D"),
+                             ("cube", np.zeros((2, 2, 2)), "1-D or 2-D")]:
+        with pytest.raises(ValueError, match=match):
+            cache._replace(extra={name: arr})
+    big_endian = cache._replace(extra={"t": np.array([1.5, 2.5], dtype=">f8")})
+    path = big_endian.save(tmp_path / "be.gpucache")
+    assert JpegCache.open(path).extra["t"].tolist() == [1.5, 2.5]
 
 
 @pytest.fixture()
@@ -151,8 +200,9 @@ def _open_bytes(tmp_path, data: bytes) -> JpegCache:
 def _with_header_crc(b: bytearray) -> bytes:
     import zlib
 
-    at = struct.calcsize("<8sIIQQQ" + "QQ" * 7 + "II")
-    struct.pack_into("<I", b, at, zlib.crc32(bytes(b[:at])))
+    from gpucache._format import HEAD_V2
+
+    struct.pack_into("<I", b, HEAD_V2.size, zlib.crc32(bytes(b[:HEAD_V2.size])))
     return bytes(b)
 
 
@@ -190,8 +240,7 @@ def test_out_of_range_offsets_and_sections(saved, tmp_path):
     spans = list(zip(fields[6::2], fields[7::2]))
     for start, length in spans[:-1]:
         crc = zlib.crc32(bytes(bad[start:start + length]), crc)
-    at = struct.calcsize("<8sIIQQQ" + "QQ" * 7 + "I")
-    struct.pack_into("<I", bad, at, crc)
+    struct.pack_into("<I", bad, 156, crc)  # the index CRC
     with pytest.raises(CacheFormatError, match="offsets are not monotonic or point outside"):
         _open_bytes(tmp_path, _with_header_crc(bad))
     bad = bytearray(saved)
