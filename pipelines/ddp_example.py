@@ -1,0 +1,92 @@
+"""The README's multi-GPU code as a script: one process per GPU (or CPU rank) under torchrun.
+
+    torchrun --standalone --nproc_per_node=4 -m pipelines.ddp_example --data imagenet/train
+
+Every rank runs the same lines: ``init_process_group``, ``JpegCache.from_folder`` (built once per
+node and mapped by every rank), ``GpuCachedLoader(..., shuffle=True)`` with no seed or rank (the
+process group's world size and rank, rank 0's seed). The other flags are for checks and measurements
+(tests/test_distributed.py, benchmarks/ddp_copies.py): record the labels each rank sees, save after
+some batches the loader's state, resume from it at another world size, fail a rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gpucache import GpuCachedLoader, JpegCache
+from gpucache import transforms as T
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True, help="ImageFolder root")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--context", default=None, help="fork | spawn | forkserver (default: Python's)")
+    p.add_argument("--record", type=Path, help="folder for per-rank labels, pids and memory")
+    p.add_argument("--save-at", type=int, help="save the loader state after N batches of the "
+                   "last epoch (and go on)")
+    p.add_argument("--resume", type=Path, help="a state saved by --save-at")
+    p.add_argument("--fail-rank", type=int, help="this rank raises after its first batch")
+    p.add_argument("--hang", action="store_true", help="wait after the first batch (for SIGTERM)")
+    args = p.parse_args(argv)
+
+    # ---- the README's code
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    cache = JpegCache.from_folder(args.data)  # built once per node, mapped by every rank
+    loader = GpuCachedLoader(cache, batch_size=args.batch_size, shuffle=True,
+                             num_workers=args.workers, multiprocessing_context=args.context,
+                             transform=T.Compose([T.RandomResizedCrop(32),
+                                                  T.RandomHorizontalFlip()]))
+    # ----
+    if args.resume is not None:
+        loader.load_state_dict(torch.load(args.resume))
+    rank, seen = dist.get_rank(), []
+    for epoch in range(args.epochs):
+        labels_seen = []
+        for b, (images, labels) in enumerate(loader):
+            labels_seen += labels.tolist()  # the checks' data sets have one image per class
+            if b == 0:
+                _first_batch(args, loader, rank)
+            if args.save_at == b + 1 and epoch == args.epochs - 1 and rank == 0:
+                torch.save(loader.state_dict(), args.record / "state.pt")  # a checkpoint
+        seen.append(labels_seen)
+    if args.record is not None:
+        (args.record / f"seen-{rank}.json").write_text(json.dumps(seen))
+        dist.barrier()  # every rank has finished its epochs, workers alive
+        if rank == 0:
+            from gpucache._memory import tree_pss
+
+            agent = os.getppid()  # torchrun's agent: every rank and worker of this node below it
+            (args.record / "pss.json").write_text(json.dumps(
+                {"pss": tree_pss(agent, without_libraries=True), "data": cache.nbytes}))
+        dist.barrier()
+    loader.close()
+    dist.destroy_process_group()
+
+
+def _first_batch(args, loader: GpuCachedLoader, rank: int) -> None:
+    if args.record is not None:
+        pids = [os.getpid(), *loader.worker_pids]
+        (args.record / f"pids-{rank}.json").write_text(json.dumps(pids))
+    if args.fail_rank == rank:
+        raise RuntimeError(f"rank {rank} fails on purpose (--fail-rank)")
+    if args.hang:
+        dist.barrier()
+        (args.record / f"hanging-{rank}").touch()
+        import time
+
+        time.sleep(600)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Real torchrun jobs (gloo, CPU) running the README's multi-GPU code: pipelines/ddp_example.py.
+
+Every data set here has one image per class folder, so a label names its sample and the ranks'
+recorded labels show exactly which samples each rank saw. Launches are few and shared between
+checks (torchrun start-up is slow):
+
+1. 3 ranks x 2 workers, 2 epochs, 80 photos: every sample once per epoch across the ranks; the
+   loader state saved after 2 batches of the last epoch; summed PSS of the node (small run).
+2. the same with 400 photos, 1 epoch: summed PSS (big run) -> copies held on the node = PSS slope.
+3. a rank that fails, 4. a job stopped with SIGTERM (what torchrun and Slurm send): no process,
+   /dev/shm file, lock or temporary file is left behind.
+5. the next run, 2 ranks, resumes run 1's checkpoint: the rest of that epoch, re-split, and
+   none of what was already consumed; the saved store is reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from gpucache.testing import make_jpeg_folder
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is measured on Linux"),
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed"),
+]
+REPO = Path(__file__).resolve().parent.parent
+BATCH, SAVE_AT = 8, 2
+MAX_COPIES = 1.05
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Photo-like JPEGs, each in its own class folder; a TMPDIR for the node-local store."""
+    base = tmp_path_factory.mktemp("ddp")
+    src = make_jpeg_folder(base / "src", 40, seed=5)
+    photos = sorted(src.rglob("*.jpg"))
+    sets = {}
+    for repeat in (2, 10):
+        root = base / f"data{repeat}"
+        for i, p in enumerate(photos * repeat):
+            (root / f"c{i:04d}").mkdir(parents=True)
+            shutil.copy(p, root / f"c{i:04d}" / "x.jpg")
+        sets[repeat] = root
+    tmp = base / "tmp"
+    tmp.mkdir()
+    return {"base": base, "sets": sets, "tmp": tmp}
+
+
+def _env(job) -> dict:
+    env = dict(os.environ)
+    env.update(TMPDIR=str(job["tmp"]), MALLOC_MMAP_THRESHOLD_="65536",
+               MALLOC_TRIM_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _cmd(nproc: int, data: Path, record: Path, *args: str) -> list[str]:
+    record.mkdir(parents=True, exist_ok=True)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", "-m", "pipelines.ddp_example", "--data", str(data),
+            "--batch-size", str(BATCH), "--record", str(record), *args]
+
+
+def _run(job, nproc, data, record, *args, ok=True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(_cmd(nproc, data, record, *args), env=_env(job), cwd=job["base"],
+                          capture_output=True, text=True, timeout=300)
+    if ok:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _seen(record: Path, nproc: int) -> list[list[list[int]]]:
+    return [json.loads((record / f"seen-{r}.json").read_text()) for r in range(nproc)]
+
+
+def _pids(record: Path) -> list[int]:
+    return [p for f in record.glob("pids-*.json") for p in json.loads(f.read_text())]
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _assert_nothing_left(job, pids: list[int], shm_before: set[str]) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.1)
+    alive = [p for p in pids if psutil.pid_exists(p) and
+             psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes of the job still alive: {alive}"
+    assert not {f for f in _shm() - shm_before if "gpucache" in f}
+    node = job["tmp"] / f"gpucache-{os.getuid()}"
+    leftovers = [f.name for f in node.iterdir() if f.suffix != ".gpucache"]
+    assert not leftovers, f"lock or temporary files left behind: {leftovers}"
+
+
+def test_readme_code_on_three_ranks(job):
+    small, big = job["base"] / "run-small", job["base"] / "run-big"
+    _run(job, 3, job["sets"][2], small, "--epochs", "2", "--save-at", str(SAVE_AT))
+    n = 80
+    for epoch in range(2):
+        per_rank = [s[epoch] for s in _seen(small, 3)]
+        assert len({len(s) for s in per_rank}) == 1  # lockstep: the same count on every rank
+        flat = sum(per_rank, [])
+        assert set(flat) == set(range(n)) and len(flat) - n == (-n) % 3  # padding only
+    assert _seen(small, 3)[0][0] != _seen(small, 3)[0][1]  # epochs differ
+    stores = list((job["tmp"] / f"gpucache-{os.getuid()}").glob("*.gpucache"))
+    assert len(stores) == 1  # built once for the node
+    _run(job, 3, job["sets"][10], big, "--epochs", "1")
+    a, b = (json.loads((d / "pss.json").read_text()) for d in (small, big))
+    copies = (b["pss"] - a["pss"]) / (b["data"] - a["data"])
+    assert b["data"] - a["data"] > 30e6
+    assert copies <= MAX_COPIES, (f"{copies:.3f} copies held on the node (PSS "
+                                  f"{a['pss'] / 1e6:.0f} -> {b['pss'] / 1e6:.0f} MB, data "
+                                  f"{a['data'] / 1e6:.0f} -> {b['data'] / 1e6:.0f} MB)")
+
+
+def test_failed_and_stopped_jobs_leave_nothing_and_the_next_run_resumes(job):
+    state = job["base"] / "run-small" / "state.pt"
+    if not state.exists():
+        pytest.skip("needs test_readme_code_on_three_ranks's checkpoint")
+    shm_before = _shm()
+    failed = job["base"] / "run-fail"
+    proc = _run(job, 2, job["sets"][2], failed, "--fail-rank", "1", ok=False)
+    assert proc.returncode != 0 and "fails on purpose" in proc.stderr
+    _assert_nothing_left(job, _pids(failed), shm_before)
+
+    stopped = job["base"] / "run-term"
+    proc = subprocess.Popen(_cmd(2, job["sets"][2], stopped, "--hang"),
+                            env=_env(job), cwd=job["base"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(stopped.glob("hanging-*"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it to every rank
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    _assert_nothing_left(job, _pids(stopped), shm_before)
+
+    resumed = job["base"] / "run-resume"  # the next run: 2 ranks, from the 3-rank checkpoint
+    _run(job, 2, job["sets"][2], resumed, "--resume", str(state))
+    last = [s[-1] for s in _seen(job["base"] / "run-small", 3)]
+    consumed = {i for s in last for i in s[: SAVE_AT * BATCH]}
+    rest = [s[0] for s in _seen(resumed, 2)]
+    flat = sum(rest, [])
+    assert len(consumed) == SAVE_AT * BATCH * 3
+    assert set(flat) == set(range(80)) - consumed  # the rest of the epoch, none consumed again
+    assert len(flat) - len(set(flat)) == -(80 - len(consumed)) % 2  # padding only
+    _assert_nothing_left(job, _pids(resumed), shm_before)
