@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 
-def batch_generator(seed: int, epoch: int, batch: int) -> torch.Generator:
-    """The CPU generator a batch's pixel and label transforms draw from."""
-    state = np.random.SeedSequence([seed, epoch, batch, 0x9E37]).generate_state(1, np.uint64)
+def batch_generator(*key: int) -> torch.Generator:
+    """The CPU generator a batch's pixel and label transforms draw from, seeded by ``key``
+    (the loader's seed, epoch, batch and, with several ranks, rank)."""
+    state = np.random.SeedSequence([*map(int, key), 0x9E37]).generate_state(1, np.uint64)
     return torch.Generator().manual_seed(int(state[0]) % 2**63)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -13,11 +14,13 @@ import torch
 
 from . import _dist
 from . import decode as _decode
+from ._sampling import Sampling
 from ._store import JpegCache
+from ._targets import kept_rows
 from ._workers import usable_cores
 from .decode._base import Backend
 from .decode.cpu import Decoded
-from .transforms import Transform, as_compose
+from .transforms import Transform, as_compose, batch_generator
 
 log = logging.getLogger("gpucache")
 
@@ -29,6 +32,7 @@ class BatchInfo(NamedTuple):
     paths: list[str]
     metadata: list[str] | None
     skipped: list[tuple[int, str]]  # (store index, reason) of samples left out of this batch
+    plans: np.ndarray | None = None  # (N, 11) geometric plan of each sample (transforms.map_boxes)
 
 
 class _Pass:
@@ -90,6 +94,10 @@ class GpuCachedLoader:
         return_metadata: bool = False,
         num_replicas: int | None = None,
         rank: int | None = None,
+        # subsets and sampling (gpucache._sampling)
+        indices: Sequence[int] | np.ndarray | None = None,
+        weights: Sequence[float] | np.ndarray | None = None,
+        num_samples: int | None = None,
     ) -> None:
         if not isinstance(cache, JpegCache):
             raise TypeError(f"cache must be a gpucache.JpegCache, got {type(cache).__name__}; "
@@ -112,6 +120,8 @@ class GpuCachedLoader:
             raise ValueError("multiprocessing_context must be None, 'fork', 'spawn' or "
                              f"'forkserver', got {multiprocessing_context!r}.")
         self.cache = cache
+        self.sampling = Sampling(len(cache), indices=indices, weights=weights,
+                                 num_samples=num_samples)
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
         if seed is not None and generator is not None:
             raise ValueError("give seed or generator, not both; the generator's initial_seed() "
@@ -147,16 +157,14 @@ class GpuCachedLoader:
     # ------------------------------------------------------------------ order and sharding
     def _global_size(self) -> int:
         """Samples in one epoch's global order (before sharding)."""
-        return len(self.cache)
+        return self.sampling.size
 
     def _global_order(self, epoch: int) -> np.ndarray:
         """The epoch's order over all ranks, as store indices, before sharding.
 
         Everything else (sharding, resume, batches) works on positions in this array, so a subset
         or a weighted draw only has to change this function and ``_global_size``."""
-        n = self._global_size()
-        return (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
-                else np.arange(n))
+        return self.sampling.order(self.seed, epoch, self.shuffle)
 
     def _shard(self, order: np.ndarray, start: int, replicas: int, rank: int) -> np.ndarray:
         """``rank``'s share of ``order[start:]``: DistributedSampler's rule (pad to a multiple of
@@ -260,14 +268,15 @@ class GpuCachedLoader:
         stack = self.transform.fixed_size
         ahead = (self.prefetch_factor * max(1, self.num_workers) if self.backend_name == "cpu"
                  else max(2, self.prefetch_factor))  # GPU backends: >= 2 batches in flight
-        submitted = 0
+        submitted, in_flight = 0, deque()
         for b in range(len(batches)):
             if self._passes != me:
                 raise RuntimeError("this GpuCachedLoader iterator was superseded: a newer "
                                    "iter(loader) started a fresh pass; iterate that one.")
             while submitted < len(batches) and submitted < b + ahead:
                 idx = batches[submitted]
-                backend.submit(idx, self.plans(epoch, first + submitted, idx), stack)
+                in_flight.append((idx, self.plans(epoch, first + submitted, idx)))
+                backend.submit(idx, in_flight[-1][1], stack)
                 submitted += 1
             try:
                 out = backend.get()
@@ -275,11 +284,12 @@ class GpuCachedLoader:
                 self.close()  # a failed backend is not reused; the next iteration starts afresh
                 raise
             pos.batches_done = b + 1
-            yield self._finish(out)
+            yield self._finish(out, epoch, first + b, *in_flight.popleft())
         if self._pass is pos:
             self._pass = None  # finished: state_dict() now points at the next epoch's start
 
-    def _finish(self, out: Decoded):
+    def _finish(self, out: Decoded, epoch: int, batch: int, submitted: np.ndarray,
+                plans: np.ndarray):
         s = self.stats
         s.batches += 1
         s.samples += len(out.indices)
@@ -294,14 +304,16 @@ class GpuCachedLoader:
             images = images.to(self.device, non_blocking=nb)
         else:
             images = [im.to(self.device, non_blocking=nb) for im in images]
-        images = self.transform(images)
         labels = torch.from_numpy(self.cache.labels[out.indices]).to(self.device,
                                                                     non_blocking=nb)
+        key = [self.seed, epoch, batch] + ([self.rank] if self.num_replicas > 1 else [])
+        images, labels = self.transform.apply(images, labels, generator=batch_generator(*key))
         if not self.return_metadata:
             return images, labels
         meta = self.cache.metadata
         info = BatchInfo(torch.from_numpy(out.indices), [self.cache.paths[i] for i in out.indices],
-                         None if meta is None else [meta[i] for i in out.indices], out.failed)
+                         None if meta is None else [meta[i] for i in out.indices], out.failed,
+                         plans[kept_rows(submitted, out.indices)])
         return images, labels, info
 
     # ------------------------------------------------------------------ shutdown
