@@ -1,14 +1,22 @@
-"""One-call GPU check: correctness, stream-ordering stress, throughput, GPU memory per epoch.
+"""One-call GPU check: correctness, stream-ordering stress, throughput, overlap, GPU memory per epoch.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py --json gpu_check.json [--images 1024]
+    PYTHONPATH=. python benchmarks/gpu_check.py --json gpu_check.json          # on a CUDA machine
+    PYTHONPATH=. python benchmarks/gpu_check.py --emulate --json emulated.json # CPU device, same code
 
-(a) each GPU backend against the CPU decode on the same samples and plans, within tolerance;
-(b) 200 iterations of stream-ordering stress (batch checksums vs a synchronized reference while
-    the consumer stream is kept busy);
-(c) images/s of the ImageNet-style train pipeline at batch 256: nvjpeg, dali (when installed),
-    torchvision's per-image GPU decode, and the cpu backend with all cores;
-(d) GPU memory after each of 20 epochs.
-Prints a table and writes JSON; exits 1 when a check fails, 2 without CUDA. Budget: < 8 min on one H200.
+Parts, each in its own try (an error is printed and recorded, the next part runs) and the JSON
+rewritten after each, so a crash still leaves figures; each part stops at its share of --budget-s:
+(env) versions, the decoder in use and whether it applies EXIF (measured, not assumed);
+(a) each backend against the CPU decode (gpucache.decode.cpu.decode_batch) on the batches and
+    plans *as drawn* (a skipped sample shifts nothing), within TOLERANCE, EXIF-rotated samples kept;
+(b) stream-ordering stress: batch checksums vs a synchronised reference while the backend's *side*
+    stream is kept busy, checksums kept on the device (no synchronisation per step);
+(c) images/s of the train pipeline: nvjpeg threaded and synchronous, dali, torchvision's
+    per-image GPU decode, the cpu backend with every core;
+(d) overlap: the nvjpeg epoch with a training step, threaded vs synchronous (benchmarks/overlap.py);
+(e) GPU memory after each epoch (CUDA only).
+``--emulate`` runs all of it on the CPU with torchvision's decoder, which ignores EXIF there as its
+CUDA decoder does. Exit 0 all passed, 1 a check failed or a part raised, 2 no CUDA (not emulating).
+Budget: < 8 min on one H200 at the defaults.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import json
 import os
 import sys
 import time
+import traceback
 import types
 from pathlib import Path
 
@@ -33,169 +42,270 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.overlap import measure as measure_overlap  # noqa: E402
 from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode import dali_available  # noqa: E402
+from gpucache.decode._batched import default_decoder, orient, torchvision_decoder  # noqa: E402
 from gpucache.decode.cpu import decode_batch  # noqa: E402
+from gpucache.decode.nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
 
 TOLERANCE = 3.0  # mean absolute difference in levels, decoder IDCT/upsampling differences
-TRAIN = [T.RandomResizedCrop(224), T.RandomHorizontalFlip()]
-VAL = [T.Resize(256), T.CenterCrop(224)]
+TRAIN = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])
+VAL = T.Compose([T.Resize(256), T.CenterCrop(224)])
+NORMALIZE = T.Normalize((0.5,) * 3, (0.25,) * 3)
 
 
-def check_correctness(cache, backend: str) -> dict:
-    worst = {}
-    for name, tf in (("val", VAL), ("train", TRAIN)):
-        loader = GpuCachedLoader(cache, batch_size=64, device="cuda", backend=backend, seed=0,
-                                 transform=tf, return_metadata=True)
-        diffs, maxes = [], []
-        for b, (images, _, info) in enumerate(loader):
-            idx = info.indices.numpy()
-            ref = decode_batch(cache, idx, loader.plans(0, b, idx), on_error="skip", stack=True)
-            d = (images.cpu().float() - ref.images.float()).abs()
+class Check:
+    """Settings, the device, the results dict and its JSON file."""
+
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device("cpu" if args.emulate else "cuda")
+        self.result: dict = {"emulated": args.emulate, "parts": {}, "errors": {}}
+        self.t0 = time.perf_counter()
+
+    def deadline(self, share: float) -> float:
+        return time.perf_counter() + share * self.args.budget_s
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def decoder(self):
+        return torchvision_decoder(self.device) if self.args.emulate else default_decoder(self.device)
+
+    def backend(self, name: str, *, threaded: bool = True, batch: int | None = None):
+        if name == "nvjpeg":
+            return NvjpegBackend(self.cache, device=self.device, on_error="skip",
+                                 decoder=self.decoder(), threaded=threaded)
+        from gpucache.decode.dali import DaliBackend
+
+        return DaliBackend(self.cache, device=self.device, batch_size=batch or self.args.batch,
+                           on_error="skip", seed=0, num_threads=4)
+
+    def batches(self, backend, transform, *, batch: int, seed: int, shuffle: bool = False):
+        """(indices as drawn, plans as drawn, Decoded) per batch, two batches in flight."""
+        order = (np.random.default_rng(seed).permutation(len(self.cache)) if shuffle
+                 else np.arange(len(self.cache)))
+        drawn = [order[k:k + batch] for k in range(0, len(order), batch)]
+        s = self.cache.samples
+        plans = [transform.plan(s["height"][b].astype(np.int64), s["width"][b].astype(np.int64),
+                                np.random.default_rng([seed, k])) for k, b in enumerate(drawn)]
+        submitted = 0
+        for k in range(len(drawn)):
+            while submitted < len(drawn) and submitted < k + 2:
+                backend.submit(drawn[submitted], plans[submitted], True)
+                submitted += 1
+            yield drawn[k], plans[k], backend.get()
+
+    def part(self, name: str, fn, *args) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.1f} s] {name} ...", flush=True)
+        try:
+            self.result["parts"][name] = fn(self, *args)
+            print(f"    {json.dumps(self.result['parts'][name], default=str)[:400]}", flush=True)
+        except Exception as err:  # noqa: BLE001 - recorded; the next part still runs
+            self.result["errors"][name] = "".join(traceback.format_exception(err))[-3000:]
+            print(f"    ERROR in {name}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        self.write()
+
+    def write(self) -> None:
+        self.result["seconds"] = time.perf_counter() - self.t0
+        parts = self.result["parts"].values()
+        self.result["ok"] = not self.result["errors"] and all(p.get("ok", True) for p in parts)
+        tmp = Path(self.args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.result, indent=2, default=str))
+        tmp.replace(self.args.json)
+
+
+def env(c: Check) -> dict:
+    import torchvision
+
+    d = c.decoder()
+    out = {"device": (torch.cuda.get_device_name(c.device) if c.device.type == "cuda" else "cpu"),
+           "torch": torch.__version__, "torchvision": torchvision.__version__,
+           "decoder": d.name, "decoder_applies_exif": d.applies_exif, "dali": dali_available(),
+           "images": len(c.cache), "rotated": int((c.cache.samples["orientation"] > 1).sum())}
+    try:
+        import torchcodec
+
+        out["torchcodec"] = torchcodec.__version__
+    except ImportError:
+        out["torchcodec"] = None
+    return out
+
+
+def correctness(c: Check, name: str) -> dict:
+    out, deadline = {}, c.deadline(0.05)
+    for label, tf in (("val", VAL), ("train", TRAIN)):
+        backend = c.backend(name)
+        diffs, maxes, lost = [], [], []
+        for k, (idx, plans, got) in enumerate(c.batches(backend, tf, batch=c.args.batch, seed=0)):
+            ref = decode_batch(c.cache, idx, plans, on_error="skip", stack=True)  # as drawn
+            lost += sorted(set(ref.indices.tolist()) - set(got.indices.tolist()))
+            pos = {i: p for p, i in enumerate(ref.indices.tolist())}
+            rows = [pos[i] for i in got.indices.tolist() if i in pos]
+            d = (got.images.cpu().float()[[p for p, i in enumerate(got.indices.tolist())
+                                           if i in pos]] - ref.images.float()[rows]).abs()
             diffs += d.mean(dim=(1, 2, 3)).tolist()
-            maxes.append(d.max().item())
-            if b == 3:
+            maxes.append(d.max().item() if d.numel() else 0.0)
+            if k + 1 == c.args.correctness_batches or time.perf_counter() > deadline:
                 break
-        loader.close()
-        worst[name] = {"mean_abs_diff_max": max(diffs), "mean_abs_diff_median":
-                       float(np.median(diffs)), "max_abs_diff": max(maxes)}
-    worst["ok"] = all(v["mean_abs_diff_max"] <= TOLERANCE for k, v in worst.items() if k != "ok")
-    return worst
+        backend.close()
+        out[label] = {"samples": len(diffs), "mean_abs_diff_max": max(diffs, default=0.0),
+                      "mean_abs_diff_median": float(np.median(diffs)) if diffs else 0.0,
+                      "max_abs_diff": max(maxes, default=0.0), "lost_vs_cpu": lost}
+    out["ok"] = all(v["mean_abs_diff_max"] <= TOLERANCE and not v["lost_vs_cpu"] and v["samples"]
+                    for v in out.values())
+    return out
 
 
-def check_ordering(cache, backend: str, iterations: int = 200) -> dict:
-    loader = GpuCachedLoader(cache, batch_size=32, device="cuda", backend=backend, seed=2,
-                             transform=TRAIN)
-    nb = min(len(loader), 8)
+def ordering(c: Check, name: str) -> dict:
+    tf, deadline = TRAIN, c.deadline(0.08)
+    ref_backend = c.backend(name, threaded=False)
     ref = []
-    for k, (x, _) in enumerate(loader):
-        torch.cuda.synchronize()
-        ref.append(x.to(torch.int64).sum().item())
-        if k + 1 == nb:
+    for k, (_, _, got) in enumerate(c.batches(ref_backend, tf, batch=c.args.batch, seed=2)):
+        c.sync()
+        ref.append(got.images.to(torch.int64).sum().item())
+        if k + 1 == 8:
             break
-    heavy = torch.randn(4096, 4096, device="cuda")
-    bad, done = 0, 0
-    while done < iterations:
-        loader.set_epoch(0)
-        for k, (x, _) in enumerate(loader):
-            for _ in range(3):
-                heavy = heavy @ heavy / 64  # busy consumer stream: exposes a missing wait
-            bad += x.to(torch.int64).sum().item() != ref[k]
+    ref_backend.close()
+    backend = c.backend(name)
+    side = getattr(getattr(backend, "_streams", None), "side", None)  # CUDA nvjpeg only
+    heavy = torch.randn(4096, 4096, device=c.device) if side is not None else None
+    sums, done = [], 0
+    while done < c.args.iterations and time.perf_counter() < deadline:
+        for k, (_, _, got) in enumerate(c.batches(backend, tf, batch=c.args.batch, seed=2)):
+            if side is not None:
+                with torch.cuda.stream(side):  # a busy side stream exposes an early reuse
+                    for _ in range(4):
+                        heavy = torch.tanh(heavy @ heavy)
+            sums.append((k, got.images.to(torch.int64).sum()))  # stays on the device
             done += 1
-            if k + 1 == nb or done == iterations:
+            if k + 1 == len(ref) or done == c.args.iterations:
                 break
-    loader.close()
-    return {"iterations": done, "mismatches": bad, "ok": bad == 0}
+    backend.close()
+    bad = sum(int(s.item()) != ref[k] for k, s in sums)  # one synchronisation, at the end
+    return {"iterations": done, "mismatches": bad, "busy_side_stream": side is not None,
+            "ok": bad == 0 and done > 0}
 
 
-def throughput(cache, backend: str, epochs: int = 2) -> float:
-    loader = GpuCachedLoader(cache, batch_size=256, shuffle=True, drop_last=True, seed=0,
-                             device="cuda" if backend != "cpu" else "cpu", backend=backend,
-                             transform=TRAIN + [T.Normalize((0.5,) * 3, (0.25,) * 3)])
-    for _ in loader:  # warm-up epoch: workers, pipelines, allocator
-        pass
-    rates = []
-    for _ in range(epochs):
+def _rate(c: Check, batches, share: float) -> float:
+    """Median images/s over epochs of ``batches()`` (a fresh iterator per epoch), warm-up first."""
+    deadline, rates = c.deadline(share), []
+    for epoch in range(1 + c.args.epochs):
+        c.sync()
         t0, n = time.perf_counter(), 0
-        for images, labels in loader:
-            assert images.shape == (256, 3, 224, 224)
-            n += len(labels)
-        torch.cuda.synchronize()
-        rates.append(n / (time.perf_counter() - t0))
-    loader.close()
+        for images in batches(epoch):
+            n += len(NORMALIZE(images.to(c.device)))
+        c.sync()
+        if epoch:
+            rates.append(n / (time.perf_counter() - t0))
+        if time.perf_counter() > deadline and rates:
+            break
     return float(np.median(rates))
 
 
-def torchvision_per_image(cache, epochs: int = 2) -> float:
-    """The usual GPU decode: torchvision decode_jpeg one image at a time, then resized_crop."""
-    import warnings
-
-    import torchvision.transforms.v2.functional as F
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    gpu = np.flatnonzero(cache.gpu_decodable())[: (len(cache) // 256) * 256]
-    rrc = T.RandomResizedCrop(224)
-    rng = np.random.default_rng(0)
-    rates = []
-    for _ in range(epochs + 1):
-        t0 = time.perf_counter()
-        for start in range(0, len(gpu), 256):
-            out = []
-            for i in gpu[start:start + 256].tolist():
-                img = decode_jpeg(cache._bytes_tensor(i), mode=ImageReadMode.RGB, device="cuda")
-                top, left, h, w = rrc.box(img.shape[1], img.shape[2], rng)
-                out.append(F.resized_crop(img, top, left, h, w, [224, 224], antialias=True))
-            torch.stack(out)
-        torch.cuda.synchronize()
-        rates.append(len(gpu) / (time.perf_counter() - t0))
-    return float(np.median(rates[1:]))
-
-
-def memory_per_epoch(cache, backend: str, epochs: int = 20) -> dict:
-    loader = GpuCachedLoader(cache, batch_size=256, device="cuda", backend=backend, seed=0,
-                             transform=TRAIN)
-    allocated, reserved = [], []
-    for _ in range(epochs):
-        for _ in loader:
-            pass
-        torch.cuda.synchronize()
-        allocated.append(torch.cuda.memory_allocated() / 2**20)
-        reserved.append(torch.cuda.memory_reserved() / 2**20)
+def throughput(c: Check) -> dict:
+    out, b = {}, c.args.batch
+    names = ["nvjpeg"] + (["dali"] if dali_available() else [])
+    for name in names:
+        for threaded in ((True, False) if name == "nvjpeg" else (True,)):
+            be = c.backend(name, threaded=threaded)
+            label = f"gpucache {name}" + ("" if name != "nvjpeg" else
+                                          " threaded" if threaded else " sync")
+            out[label] = _rate(c, lambda e: (d.images for _, _, d in c.batches(
+                be, TRAIN, batch=b, seed=e, shuffle=True)), 0.06)
+            be.close()
+    out["torchvision per-image decode"] = _rate(c, lambda e: _per_image(c, e), 0.06)
+    workers = os.cpu_count() if not c.args.emulate else 1
+    loader = GpuCachedLoader(c.cache, batch_size=b, shuffle=True, seed=0, device="cpu",
+                             backend="cpu", num_workers=workers, transform=TRAIN)
+    out[f"gpucache cpu ({workers} workers)"] = _rate(c, lambda e: (x for x, _ in loader), 0.08)
     loader.close()
-    growth = max(allocated[2:]) - allocated[2]
+    return {"img_s": out, "batch": b}
+
+
+def _per_image(c: Check, epoch: int):
+    """The usual GPU decode: torchvision decode_jpeg one image at a time, then resized_crop."""
+    import torchvision.transforms.v2.functional as F
+
+    decode = torchvision_decoder(c.device)
+    rrc = T.RandomResizedCrop(224)
+    rng = np.random.default_rng(epoch)
+    order = rng.permutation(np.flatnonzero(c.cache.gpu_decodable()))
+    for start in range(0, len(order), c.args.batch):
+        out = []
+        for i in order[start:start + c.args.batch].tolist():
+            try:
+                (img,) = decode.decode([c.cache._bytes_tensor(i)])
+            except RuntimeError:  # a corrupt sample: skipped, as a training loop would
+                continue
+            img = orient(img, c.cache.samples["orientation"][i])
+            top, left, h, w = rrc.box(img.shape[1], img.shape[2], rng)
+            out.append(F.resized_crop(img, top, left, h, w, [224, 224], antialias=True))
+        yield torch.stack(out)
+
+
+def overlap(c: Check) -> dict:
+    r = measure_overlap(c.cache, c.device, batch=c.args.batch, runs=c.args.overlap_runs,
+                        step_kind="matmul", deadline=c.deadline(0.1))
+    return {k: v for k, v in r.items() if k != "all_s"}
+
+
+def memory(c: Check, name: str) -> dict:
+    if c.device.type != "cuda":
+        return {"skipped": "GPU memory is measured on CUDA only"}
+    backend, deadline, allocated, reserved = c.backend(name), c.deadline(0.08), [], []
+    for epoch in range(c.args.memory_epochs):
+        for _ in c.batches(backend, TRAIN, batch=c.args.batch, seed=epoch, shuffle=True):
+            pass
+        c.sync()
+        allocated.append(torch.cuda.memory_allocated(c.device) / 2**20)
+        reserved.append(torch.cuda.memory_reserved(c.device) / 2**20)
+        if time.perf_counter() > deadline and epoch >= 4:
+            break
+    backend.close()
+    growth = max(allocated[2:]) - allocated[2] if len(allocated) > 2 else float("nan")
     return {"allocated_mib": allocated, "reserved_mib": reserved, "growth_mib": growth,
             "ok": growth <= 16}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--images", type=int, default=1024)
     ap.add_argument("--json", default="gpu_check.json")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_check: CUDA is not available here; nothing to check.", file=sys.stderr)
+    ap.add_argument("--emulate", action="store_true", help="CPU device, same code")
+    ap.add_argument("--images", type=int, default=1024)
+    ap.add_argument("--folder", help="an image folder instead of the synthetic photos")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--budget-s", type=float, default=420.0, help="time for all parts")
+    ap.add_argument("--correctness-batches", type=int, default=4)
+    ap.add_argument("--iterations", type=int, default=200, help="ordering-stress batches")
+    ap.add_argument("--epochs", type=int, default=2, help="timed epochs per contender")
+    ap.add_argument("--overlap-runs", type=int, default=3)
+    ap.add_argument("--memory-epochs", type=int, default=20)
+    args = ap.parse_args(argv)
+    if not args.emulate and not torch.cuda.is_available():
+        print("gpu_check: CUDA is not available here (use --emulate for the CPU run).",
+              file=sys.stderr)
         return 2
-    t_start = time.perf_counter()
-    cache = JpegCache.from_folder(cached_jpeg_folder(args.images, seed=0), progress=False)
-    backends = ["nvjpeg"] + (["dali"] if dali_available() else [])
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "images": len(cache), "checks": {},
-              "throughput_img_s": {}, "memory": {}}
-    import torchvision
-
-    result["torchvision"] = torchvision.__version__
-    for b in backends:
-        result["checks"][f"{b} vs cpu"] = check_correctness(cache, b)
-        result["checks"][f"{b} ordering"] = check_ordering(cache, b)
-    for b in backends:
-        result["throughput_img_s"][f"gpucache {b}"] = throughput(cache, b)
-    result["throughput_img_s"]["torchvision per-image GPU decode"] = torchvision_per_image(cache)
-    result["throughput_img_s"][f"gpucache cpu ({os.cpu_count()} workers)"] = throughput(cache, "cpu",
-                                                                                      epochs=1)
-    for b in backends:
-        result["memory"][b] = memory_per_epoch(cache, b)
-    result["seconds"] = time.perf_counter() - t_start
-    ok = all(c["ok"] for c in result["checks"].values()) and all(
-        m["ok"] for m in result["memory"].values())
-    result["ok"] = ok
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"{result['gpu']}, torch {result['torch']}, torchvision {result['torchvision']}, "
-          f"{result['date']}, {len(cache)} synthetic images")
-    print(f"{'check':32} {'result':>40}")
-    for name, c in result["checks"].items():
-        summary = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in c.items()}
-        print(f"{name:32} {json.dumps(summary)}")
-    print(f"\n{'pipeline (train, batch 256)':40} {'img/s':>10}")
-    for name, rate in result["throughput_img_s"].items():
-        print(f"{name:40} {rate:10.0f}")
-    for b, m in result["memory"].items():
-        print(f"\n{b} GPU memory allocated per epoch (MiB): "
-              + " ".join(f"{v:.0f}" for v in m["allocated_mib"]) + f"; growth {m['growth_mib']:.1f}")
-    print(f"\n{'PASS' if ok else 'FAIL'} in {result['seconds']:.0f} s; JSON in {args.json}")
-    return 0 if ok else 1
+    c = Check(args)
+    c.cache = JpegCache.from_folder(args.folder or cached_jpeg_folder(args.images, seed=0),
+                                    progress=False)
+    c.part("env", env)
+    names = ["nvjpeg"] + (["dali"] if dali_available() else [])
+    for name in names:
+        c.part(f"{name} vs cpu", correctness, name)
+        c.part(f"{name} ordering", ordering, name)
+    c.part("throughput", throughput)
+    c.part("overlap", overlap)
+    for name in names:
+        c.part(f"{name} memory", memory, name)
+    c.write()
+    print(f"{'PASS' if c.result['ok'] else 'FAIL'} in {c.result['seconds']:.0f} s "
+          f"({len(c.result['errors'])} part errors); JSON in {args.json}")
+    return 0 if c.result["ok"] else 1
 
 
 if __name__ == "__main__":

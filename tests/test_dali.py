@@ -225,3 +225,23 @@ def test_loader_with_dali_backend_on_cpu_matches_cpu_backend(bad):
         assert (xc - xd).abs().mean().item() * 0.25 * 255 <= 2.0  # back in uint8 levels
     assert runs["cpu_stats"].skipped == runs["dali_stats"].skipped == 1
     assert runs["dali_stats"].cpu_decoded < runs["cpu_stats"].cpu_decoded
+
+
+def test_pixel_budget_refuses_before_dali_and_the_cpu_fallback(jpeg_folder):
+    """A sample over max_pixels never reaches DALI, nor the CPU decoder after DALI refuses it."""
+    cache = JpegCache.from_folder(jpeg_folder, progress=False)
+    s = cache.samples
+    pixels = s["height"].astype(np.int64) * s["width"]
+    cache.max_pixels = int(pixels[s["components"] == 4].min()) - 1  # CMYK (a CPU sample) too
+    over = sorted(np.flatnonzero(pixels > cache.max_pixels).tolist())
+    idx = np.arange(len(cache))
+    plans = plans_for(cache, idx, TRANSFORMS["resize_center"])
+    be = backend(cache)
+    out = decode(be, idx, plans)
+    assert [i for i, _ in out.failed] == over and all("max_pixels" in r for _, r in out.failed)
+    assert out.cpu_decoded == 0 and out.indices.tolist() == [i for i in idx if i not in over]
+    ref = decode_batch(cache, out.indices, plans[out.indices], on_error="raise", stack=True)
+    assert_close(out.images, ref.images)
+    with pytest.raises(SampleError, match="max_pixels"):
+        decode(backend(cache, on_error="raise"), idx, plans)
+    be.close()
