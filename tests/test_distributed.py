@@ -161,3 +161,84 @@ def test_failed_and_stopped_jobs_leave_nothing_and_the_next_run_resumes(job):
     assert set(flat) == set(range(80)) - consumed  # the rest of the epoch, none consumed again
     assert len(flat) - len(set(flat)) == -(80 - len(consumed)) % 2  # padding only
     _assert_nothing_left(job, _pids(resumed), shm_before)
+
+
+# ------------------------------------------------------------------ one store per node, no torchrun
+def _child(code: str, env: dict | None = None) -> subprocess.Popen:
+    full = {**os.environ, **(env or {})}
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full.get("PYTHONPATH")) if p)
+    return subprocess.Popen([sys.executable, "-c", code], env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_ranks_started_apart_build_once_and_share_the_file(tmp_path):
+    root = make_jpeg_folder(tmp_path / "imgs", 12, seed=2)
+    code = ("import sys; from gpucache import JpegCache; "
+            f"c = JpegCache.from_folder({str(root)!r}, progress=False); "
+            "print(c.report is not None, c.path)")
+    procs = []
+    for r in range(3):  # ranks start a second apart; each finds the file or waits for the builder
+        procs.append(_child(code, {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3",
+                                   "TMPDIR": str(tmp_path)}))
+        time.sleep(1)
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    built, paths = zip(*(out.split() for out, _ in outs))
+    assert built.count("True") == 1 and len(set(paths)) == 1  # one builder, one file
+    folder = tmp_path / f"gpucache-{os.getuid()}"
+    assert [f.suffix for f in folder.iterdir()] == [".gpucache"]  # no lock or temp file left
+
+
+def test_cache_dir_reuses_an_unchanged_listing_and_rebuilds_a_changed_one(tmp_path):
+    from gpucache import JpegCache
+
+    root = make_jpeg_folder(tmp_path / "imgs", 9, seed=4)
+    first = JpegCache.from_folder(root, cache_dir=tmp_path / "c", progress=False)
+    assert first.path is not None and first.report is not None  # built, saved, mapped
+    again = JpegCache.from_folder(root, cache_dir=tmp_path / "c", progress=False)
+    assert again.path == first.path and again.report is None  # opened, not rebuilt
+    victim = sorted(root.rglob("*.jpg"))[0]
+    os.utime(victim, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched: rebuilt
+    touched = JpegCache.from_folder(root, cache_dir=tmp_path / "c", progress=False)
+    assert touched.path != first.path and touched.report is not None
+    victim.unlink()  # a file removed: rebuilt, one sample fewer
+    fewer = JpegCache.from_folder(root, cache_dir=tmp_path / "c", progress=False)
+    assert len(fewer) == len(first) - 1
+    plain = JpegCache.from_folder(root, progress=False)  # one process, no cache_dir: in memory
+    assert plain.path is None
+
+
+def test_a_killed_builder_blocks_no_one_and_a_stuck_one_times_out(tmp_path):
+    from gpucache import JpegCache, _node
+
+    root = make_jpeg_folder(tmp_path / "imgs", 6, seed=6)
+    cdir = tmp_path / "c"
+    # a builder that dies by SIGKILL mid-save, leaving its lock file and a half-written temp file
+    crash = _child(
+        "import os, signal; from pathlib import Path; from gpucache import JpegCache, _format\n"
+        "def dying(path, **arrays):\n"
+        "    Path(path.parent, f'.{path.name}.tmp-{os.getpid()}').write_bytes(b'half')\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "_format.save_atomic = dying\n"
+        f"JpegCache.from_folder({str(root)!r}, cache_dir={str(cdir)!r}, progress=False)\n")
+    crash.communicate(timeout=120)
+    assert crash.returncode == -signal.SIGKILL
+    assert {f.suffix for f in cdir.iterdir()} >= {".lock"}  # what the crash left
+    cache = JpegCache.from_folder(root, cache_dir=cdir, progress=False)  # not blocked
+    assert cache.path is not None and len(cache) == 6
+    assert [f.suffix for f in cdir.iterdir()] == [".gpucache"]  # lock and temp file gone
+    # a builder that holds the lock and never finishes: the others stop waiting with a clear error
+    lock = cdir / "stuck.lock"
+    stuck = _child(f"import fcntl, time; f = open({str(lock)!r}, 'w'); f.write('pid stuck'); "
+                   "f.flush(); fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); "
+                   "time.sleep(60)")
+    try:
+        assert stuck.stdout.readline().strip() == "locked"
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"waited 1 s for another process \(pid stuck\)"):
+            with _node._locked(lock, 1.0, cdir / "stuck.gpucache"):
+                pass
+        assert time.monotonic() - start < 10
+    finally:
+        stuck.kill()
+        stuck.wait()
