@@ -10,6 +10,7 @@ from ._loader import BatchInfo, GpuCachedLoader, LoaderStats
 from ._shm import SharedMemoryError
 from ._sniff import Kind
 from ._store import JpegCache
+from ._targets import with_targets
 from .dataset import JpegDataset
 from ._workers import WorkerError
 from .decode.cpu import SampleError
@@ -20,6 +21,7 @@ __all__ = [
     "JpegCache",
     "GpuCachedLoader",
     "JpegDataset",
+    "with_targets",
     "BatchInfo",
     "LoaderStats",
     "BuildReport",

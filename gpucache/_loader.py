@@ -16,7 +16,7 @@ from . import _dist
 from . import decode as _decode
 from ._sampling import Sampling
 from ._store import JpegCache
-from ._targets import kept_rows
+from ._targets import dense_targets, kept_rows, ragged_targets
 from ._workers import usable_cores
 from .decode._base import Backend
 from .decode.cpu import Decoded
@@ -33,6 +33,7 @@ class BatchInfo(NamedTuple):
     metadata: list[str] | None
     skipped: list[tuple[int, str]]  # (store index, reason) of samples left out of this batch
     plans: np.ndarray | None = None  # (N, 11) geometric plan of each sample (transforms.map_boxes)
+    targets: list[torch.Tensor] | None = None  # per-sample ragged targets (K_i, C), as stored
 
 
 class _Pass:
@@ -304,8 +305,9 @@ class GpuCachedLoader:
             images = images.to(self.device, non_blocking=nb)
         else:
             images = [im.to(self.device, non_blocking=nb) for im in images]
-        labels = torch.from_numpy(self.cache.labels[out.indices]).to(self.device,
-                                                                    non_blocking=nb)
+        dense = dense_targets(self.cache)  # float (N, C) targets replace int labels if stored
+        labels = torch.from_numpy((self.cache.labels if dense is None else dense)[out.indices]
+                                  ).to(self.device, non_blocking=nb)
         key = [self.seed, epoch, batch] + ([self.rank] if self.num_replicas > 1 else [])
         images, labels = self.transform.apply(images, labels, generator=batch_generator(*key))
         if not self.return_metadata:
@@ -313,7 +315,8 @@ class GpuCachedLoader:
         meta = self.cache.metadata
         info = BatchInfo(torch.from_numpy(out.indices), [self.cache.paths[i] for i in out.indices],
                          None if meta is None else [meta[i] for i in out.indices], out.failed,
-                         plans[kept_rows(submitted, out.indices)])
+                         plans[kept_rows(submitted, out.indices)],
+                         _ragged(self.cache, out.indices, self.device))
         return images, labels, info
 
     # ------------------------------------------------------------------ shutdown
@@ -337,6 +340,11 @@ class GpuCachedLoader:
         return (f"GpuCachedLoader({self.cache!r}, batch_size={self.batch_size}, "
                 f"backend={self.backend_name!r}, device={str(self.device)!r}, "
                 f"num_workers={self.num_workers})")
+
+
+def _ragged(cache: JpegCache, indices: np.ndarray, device: torch.device):
+    rows = ragged_targets(cache, indices)
+    return None if rows is None else [torch.from_numpy(r.copy()).to(device) for r in rows]
 
 
 def _check_int(name: str, value, low: int, fix: str) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ._store import JpegCache
+from ._targets import dense_targets, ragged_targets
 from .decode.cpu import check_size, decode_sample
 
 log = logging.getLogger("gpucache")
@@ -36,8 +37,9 @@ class JpegDataset(Dataset):
     ``"numpy"`` (RGB uint8 HWC contiguous ``ndarray``, for cv2 / albumentations; ``bgr=True`` gives
     cv2's channel order) or ``"pil"`` (a ``PIL.Image``, for torchvision v1 transforms).
     ``transform`` runs on each decoded image, ``target_transform`` on each target.
-    ``return_info=True`` adds a third element: ``{"index", "path", "metadata"}`` (the default
-    collate keeps the strings as lists).
+    ``return_info=True`` adds a third element: ``{"index", "path", "metadata", "targets"}``
+    (metadata and ragged targets where the store has them; the default collate keeps strings as
+    lists, ragged targets need your own ``collate_fn``).
     """
 
     def __init__(self, cache: JpegCache, *, output: Literal["tensor", "numpy", "pil"] = "tensor",
@@ -81,8 +83,10 @@ class JpegDataset(Dataset):
         return Image.fromarray(arr, mode="RGB")
 
     def target(self, i: int) -> Any:
-        """Sample ``i``'s target: the int label (``-1`` where unlabeled)."""
-        return int(self.cache.labels[i])
+        """Sample ``i``'s target: its row of float targets (C,) if the store has them, else the
+        int label (``-1`` where unlabeled)."""
+        dense = dense_targets(self.cache)
+        return int(self.cache.labels[i]) if dense is None else dense[i].copy()
 
     def __getitem__(self, i: int):
         i = range(len(self.cache))[i]
@@ -98,6 +102,9 @@ class JpegDataset(Dataset):
                 "metadata": None if meta is None else meta[i]}
         if info["metadata"] is None:
             del info["metadata"]  # the default collate cannot batch None
+        ragged = ragged_targets(self.cache, [i])
+        if ragged is not None:  # (K_i, C): batch these with your own collate_fn
+            info["targets"] = ragged[0].copy()
         return img, target, info
 
     def __getstate__(self) -> dict:

@@ -27,6 +27,7 @@ import torch
 
 from ._augment import (ColorJitter, CutMix, MixUp, PerSample, WithLabels, batch_generator,
                        seeded_global_rng)
+from ._targets import map_boxes, map_points
 
 PLAN_FIELDS = ("top1", "left1", "height1", "width1", "rh", "rw",
                "top2", "left2", "height2", "width2", "flip")
@@ -339,4 +340,4 @@ def as_compose(transform) -> Compose:
 
 __all__ = ["Compose", "RandomResizedCrop", "Resize", "CenterCrop", "RandomHorizontalFlip",
            "ToDtype", "Normalize", "Transform", "ColorJitter", "MixUp", "CutMix", "PerSample",
-           "WithLabels", "batch_generator"]
+           "WithLabels", "batch_generator", "map_boxes", "map_points"]
