@@ -1,10 +1,20 @@
-"""The CPU worker pool: persistent processes, seeded, shut down deterministically.
+"""The CPU worker pool: persistent processes, seeded, bounded in every wait, shut down in parallel.
 
-Each worker owns one duplex pipe. Tasks (store indices + plans, a few hundred bytes) go down as
-small pickles; a decoded batch comes back as a small header plus one raw buffer written with
-``send_bytes`` and read straight into the destination tensor (pinned when asked) with
-``recv_bytes_into`` -- no per-sample pickling, and no shared memory (so no ``/dev/shm`` limits).
-Tasks go round-robin and results are read in the same order, so batch order is deterministic.
+Protocol. Each worker owns one socket pair. Every message is an 8-byte length and a pickle; a
+decoded batch is a small header followed by one raw buffer, read straight into the destination
+tensor (pinned when asked) -- no per-sample pickling and no shared memory. Tasks go round-robin and
+results are read in the same order, so batch order is deterministic.
+
+Designed for failure:
+- No blocking send can meet a blocked peer. The parent's sockets are non-blocking: a task goes into
+  a per-worker outgoing buffer that is flushed whenever the socket takes more (in ``submit`` and
+  while ``get`` waits). A worker's reader thread drains tasks into a local queue at all times. The
+  data in flight is bounded by the loader's prefetch (tasks) and one batch per worker (results).
+- Every wait is bounded by ``timeout`` and by the worker's liveness (its process sentinel), and can
+  be woken by ``close()`` from another thread. Errors name the worker, its pid and the samples.
+- A worker never outlives the parent: see ``_worker_main``.
+- Shutdown is parallel: close every socket (workers exit on end-of-file), one shared deadline for
+  all, then terminate the rest, then kill.
 """
 
 from __future__ import annotations
@@ -12,95 +22,55 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import random
+import pickle
+import select
 import signal
-import traceback
+import socket
+import threading
+import time
 import weakref
 from collections import deque
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 import numpy as np
 import torch
 
-from .decode.cpu import Decoded, SampleError, decode_batch
+from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
+from .decode.cpu import Decoded, SampleError
 
 log = logging.getLogger("gpucache")
+_GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and again after SIGTERM
 
 
 class WorkerError(RuntimeError):
-    """A worker raised or died; the message names the worker, the sample and the cause."""
+    """A worker raised, died or hung; the message names the worker, its pid, the samples, the cause."""
 
 
-def _worker_main(wid: int, conn, cache, seed: int, worker_init_fn, on_error: str) -> None:
-    import warnings
+class _Link:
+    """The parent's end of one worker: process, non-blocking socket, unsent task bytes."""
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    torch.set_num_threads(1)
-    try:
-        import cv2
+    def __init__(self, wid: int, proc, sock: socket.socket):
+        self.wid, self.proc, self.sock, self.pid = wid, proc, sock, proc.pid
+        self.out: deque[memoryview] = deque()
+        self.ready = False
 
-        cv2.setNumThreads(0)
-    except ImportError:
-        pass
-    warnings.filterwarnings("ignore", message=r".*image decoding and encoding capabilities")
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if worker_init_fn is not None:
-        worker_init_fn(wid)
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):  # the main process went away
-            return
-        if msg is None:
-            return
-        task, indices, plans, stack = msg
-        try:
-            out = decode_batch(cache, indices, plans, on_error=on_error, stack=stack)
-        except BaseException as err:  # noqa: BLE001 - everything is reported to the parent
-            conn.send({"task": task, "error": f"{type(err).__name__}: {err}",
-                       "sample_error": isinstance(err, SampleError),
-                       "traceback": traceback.format_exc()})
-            continue
-        _send(conn, task, out)
-        del out  # an idle worker holds no decoded images
+    def __str__(self) -> str:
+        return f"worker {self.wid} (pid {self.pid})"
 
-
-def _send(conn, task: int, out: Decoded) -> None:
-    imgs = out.images
-    if isinstance(imgs, torch.Tensor):
-        shapes, flat = [tuple(imgs.shape)], imgs.contiguous().numpy()
-    else:
-        shapes = [tuple(t.shape) for t in imgs]
-        flat = (torch.cat([t.contiguous().reshape(-1) for t in imgs]) if imgs
-                else torch.empty(0, dtype=torch.uint8)).numpy()
-    conn.send({"task": task, "stacked": isinstance(imgs, torch.Tensor), "shapes": shapes,
-               "indices": out.indices, "failed": out.failed, "nbytes": flat.nbytes})
-    if flat.nbytes:
-        conn.send_bytes(memoryview(flat).cast("B"))
-
-
-def _stop(procs, conns) -> None:
-    """Ask, then terminate, then kill; close every pipe. Idempotent (finalizer)."""
-    for c in conns:
-        try:
-            c.send(None)
-        except (OSError, ValueError):
-            pass
-    for p in procs:
-        p.join(timeout=5)
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(timeout=2)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    for c in conns:
-        c.close()
-    for p in procs:
-        p.close()
+    def flush(self) -> None:
+        while self.out:
+            try:
+                n = self.sock.send(self.out[0])
+            except BlockingIOError:
+                return
+            except OSError:  # the worker is gone; get() reports it with the samples it had
+                self.out.clear()
+                return
+            if n == len(self.out[0]):
+                self.out.popleft()
+            else:
+                self.out[0] = self.out[0][n:]
 
 
 class WorkerPool:
@@ -109,89 +79,243 @@ class WorkerPool:
     def __init__(self, cache, *, num_workers: int, context: str | None, seed: int,
                  worker_init_fn, on_error: str, timeout: float | None, pin_memory: bool):
         ctx = mp.get_context(context)
+        self.method = ctx.get_start_method()
         self.cache, self.timeout, self.pin_memory = cache, timeout, pin_memory
-        if ctx.get_start_method() != "fork" and not cache.is_shared:
+        if self.method != "fork" and not cache.is_shared:
             cache.share()  # spawn/forkserver attach to shared pages; room checked first
         seeds = np.random.SeedSequence(seed).spawn(num_workers)
-        self.procs, self.conns = [], []
-        for wid in range(num_workers):
-            parent, child = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_worker_main, name=f"gpucache-worker-{wid}", daemon=True,
-                            args=(wid, child, cache, int(seeds[wid].generate_state(1)[0]),
-                                  worker_init_fn, on_error))
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
-        self._next = 0
+        armed = threading.current_thread() is threading.main_thread()
+        self._wake = socket.socketpair()  # close() from another thread wakes a waiting get()
+        for end in self._wake:
+            end.setblocking(False)
+            PARENT_ENDS[end.fileno()] = end
+        self._links: list[_Link] = []
+        try:
+            for wid in range(num_workers):
+                mine, theirs = socket.socketpair()
+                PARENT_ENDS[mine.fileno()] = mine
+                p = ctx.Process(target=worker_main, name=f"gpucache-worker-{wid}", daemon=True,
+                                args=(wid, theirs, cache, int(seeds[wid].generate_state(1)[0]),
+                                      worker_init_fn, on_error, os.getpid(), self.method, armed))
+                try:
+                    p.start()
+                except Exception as err:
+                    PARENT_ENDS.pop(mine.fileno(), None)
+                    mine.close()
+                    if self.method != "fork" and isinstance(err, (pickle.PicklingError,
+                                                                    AttributeError, TypeError)):
+                        err.add_note(f"gpucache: under {self.method}, worker_init_fn and the "
+                                     "store are pickled to each worker; define functions at "
+                                     "module top level (not lambdas or nested functions).")
+                    raise
+                finally:
+                    theirs.close()
+                mine.setblocking(False)
+                self._links.append(_Link(wid, p, mine))
+        except BaseException:
+            _stop(self._links, self._wake)
+            raise
+        self._finalizer = weakref.finalize(self, _stop, self._links, self._wake)
         self._pending: deque[tuple[int, int, np.ndarray]] = deque()  # (worker, task, indices)
-        self._task = 0
+        self._next = self._task = 0
+        self._cv = threading.Condition()
+        self._closed, self._active, self._active_thread = False, 0, None
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs] if self._finalizer.alive else []
-
-    def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
-        w = self._next
-        self._next = (w + 1) % len(self.procs)
-        self._task += 1
-        self.conns[w].send((self._task, indices, plans, stack))
-        self._pending.append((w, self._task, indices))
+        return [lk.pid for lk in self._links] if self._finalizer.alive else []
 
     def __len__(self) -> int:
         return len(self._pending)
 
+    # ------------------------------------------------------------------ feeding and reading
+    def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
+        """Queue a task for the next worker; never blocks (unsent bytes wait in a buffer)."""
+        with self._using():
+            w = self._next
+            self._next = (w + 1) % len(self._links)
+            self._task += 1
+            link = self._links[w]
+            link.out.append(memoryview(frame((self._task, indices, plans, stack))))
+            link.flush()
+            self._pending.append((w, self._task, indices))
+
     def get(self) -> Decoded:
-        w, task, indices = self._pending.popleft()
-        conn, proc = self.conns[w], self.procs[w]
-        pid = proc.pid
-        ready = wait([conn, proc.sentinel], self.timeout)
-        if not ready:
-            self.close()
-            raise WorkerError(f"worker {w} (pid {pid}) returned no batch within "
-                              f"timeout={self.timeout}s while decoding samples "
-                              f"{_span(indices)}; raise timeout= if images are very large.")
+        """The oldest batch; a failure closes the pool and raises ``WorkerError``."""
         try:
-            header = conn.recv() if conn in ready or conn.poll() else None
-        except (EOFError, OSError):
-            header = None
-        if header is None:
-            proc.join(1)
-            code = proc.exitcode
-            why = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
-                   else f"exited with code {code}")
+            with self._using():
+                return self._get()
+        except BaseException:
             self.close()
-            raise WorkerError(f"worker {w} (pid {pid}) {why} while decoding samples "
-                              f"{_span(indices)}. If it was killed by the OOM killer (SIGKILL), "
-                              "use fewer workers or a smaller batch_size.")
-        assert header["task"] == task, "worker results out of order"
-        if "error" in header:
-            self.close()
-            if header["sample_error"]:  # on_error="raise": the same error as without workers
-                raise SampleError(f"{header['error'].split(': ', 1)[1]} (in worker {w})")
-            raise WorkerError(f"worker {w} failed while decoding samples {_span(indices)}: "
-                              f"{header['error']}\n\nOriginal traceback in the worker:\n"
-                              f"{header['traceback']}")
-        buf = torch.empty(header["nbytes"], dtype=torch.uint8, pin_memory=self.pin_memory)
-        if header["nbytes"]:
-            conn.recv_bytes_into(buf.numpy())
-        shapes = header["shapes"]
-        if header["stacked"]:
-            images = buf.view(shapes[0])
-        else:
-            sizes = [int(np.prod(s)) for s in shapes]
-            images = [t.view(s) for t, s in zip(buf.split(sizes), shapes)]
-        return Decoded(images, header["indices"], header["failed"], len(header["indices"]))
+            raise
 
     def drain(self) -> None:
         """Read and drop the results of an abandoned epoch."""
         while self._pending:
             self.get()
 
+    def _get(self) -> Decoded:
+        w, task, indices = self._pending.popleft()
+        link = self._links[w]
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            msg = pickle.loads(self._recv(link, self._header(link, indices, deadline), indices,
+                                          deadline))
+            if msg["kind"] != "ready":
+                break
+            link.ready = True
+        if msg["kind"] == "init_error":
+            raise WorkerError(f"{link} failed {msg['where']}: {msg['error']}\n\nOriginal "
+                              f"traceback in the worker:\n{msg['traceback']}")
+        if msg.get("task") != task:
+            raise WorkerError(f"{link} sent the result of task {msg.get('task')} while task "
+                              f"{task} was expected (protocol error; please report it).")
+        if msg["kind"] == "error":
+            if msg["sample_error"]:  # on_error="raise": the same error as without workers
+                raise SampleError(f"{msg['error'].split(': ', 1)[1]} (in worker {w})")
+            raise WorkerError(f"{link} failed while decoding samples {_span(indices)}: "
+                              f"{msg['error']}\n\nOriginal traceback in the worker:\n"
+                              f"{msg['traceback']}")
+        buf = torch.empty(msg["nbytes"], dtype=torch.uint8, pin_memory=self.pin_memory)
+        if msg["nbytes"]:
+            self._recv(link, bytes_into=memoryview(buf.numpy()), indices=indices,
+                       deadline=deadline)
+        shapes = msg["shapes"]
+        if msg["stacked"]:
+            images = buf.view(shapes[0])
+        else:
+            sizes = [int(np.prod(s)) for s in shapes]
+            images = [t.view(s) for t, s in zip(buf.split(sizes), shapes)]
+        return Decoded(images, msg["indices"], msg["failed"], len(msg["indices"]))
+
+    def _header(self, link: _Link, indices, deadline) -> memoryview:
+        head = bytearray(LEN.size)
+        self._recv(link, memoryview(head), indices, deadline)
+        return memoryview(bytearray(LEN.unpack(head)[0]))
+
+    def _recv(self, link: _Link, bytes_into: memoryview, indices, deadline) -> memoryview:
+        """Fill ``bytes_into`` from ``link``, waiting at most until ``deadline``."""
+        got, exited = 0, False
+        while got < len(bytes_into):
+            try:
+                n = link.sock.recv_into(bytes_into[got:])
+            except BlockingIOError:
+                if exited:  # nothing left to read from a dead worker
+                    raise self._died(link, indices, got, len(bytes_into)) from None
+                exited = self._wait(link, indices, deadline, got, len(bytes_into))
+                continue
+            except OSError as err:  # ConnectionResetError: killed mid-send
+                raise self._died(link, indices, got, len(bytes_into)) from err
+            if n == 0:
+                raise self._died(link, indices, got, len(bytes_into))
+            got += n
+        return bytes_into
+
+    def _wait(self, link: _Link, indices, deadline, got: int, size: int) -> bool:
+        """Wait for data from ``link``, its exit, or close(); flush other workers' tasks meanwhile.
+
+        Returns True when the worker's process has exited."""
+        poller = select.poll()
+        flags = {lk.sock.fileno(): select.POLLOUT for lk in self._links if lk.out}
+        flags[link.sock.fileno()] = flags.get(link.sock.fileno(), 0) | select.POLLIN
+        for fd, ev in flags.items():
+            poller.register(fd, ev)
+        poller.register(link.proc.sentinel, select.POLLIN)
+        poller.register(self._wake[0], select.POLLIN)
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            part = f" (it stopped after {got} of {size} bytes)" if got else ""
+            raise WorkerError(f"{link} returned no batch within timeout={self.timeout}s while "
+                              f"decoding samples {_span(indices)}{part}; it is hung or stopped "
+                              "(SIGSTOP). Raise timeout= if images are very large.")
+        events = poller.poll(None if left is None else max(1, int(left * 1000) + 1))
+        if self._closed:
+            raise WorkerError(f"the worker pool was closed (close() from another thread) while "
+                              f"waiting for samples {_span(indices)} from {link}.")
+        for lk in self._links:
+            if lk.out:
+                lk.flush()
+        return any(fd == link.proc.sentinel for fd, _ in events)
+
+    def _died(self, link: _Link, indices, got: int, size: int) -> WorkerError:
+        link.proc.join(1)
+        code = link.proc.exitcode
+        if code is not None and code < 0:
+            why = f"was killed by signal {signal.Signals(-code).name}"
+        else:
+            why = "closed its connection" if code is None else f"exited with code {code}"
+        doing = (f"while sending its result for samples {_span(indices)} (after {got} of "
+                 f"{size} bytes)" if got else f"while decoding samples {_span(indices)}")
+        if not link.ready and self.method != "fork" and code is not None and code > 0:
+            return WorkerError(
+                f"{link} {why} before it started ({self.method} start method). Likely cause: the "
+                "script that creates the loader has no `if __name__ == \"__main__\":` guard, so "
+                "each worker re-runs it on import; or worker_init_fn / the store could not be "
+                "unpickled in the worker (define functions at module top level). The worker's "
+                "own traceback is on stderr above.")
+        hint = (" If it was killed by the OOM killer, use fewer workers or a smaller batch_size."
+                if code == -signal.SIGKILL else "")
+        return WorkerError(f"{link} {why} {doing}.{hint}")
+
+    # ------------------------------------------------------------------ shutdown
+    @contextmanager
+    def _using(self):
+        with self._cv:
+            if self._closed:
+                raise WorkerError("the worker pool is closed; iterate the loader again to start "
+                                  "new workers.")
+            self._active += 1
+            self._active_thread = threading.get_ident()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._active -= 1
+                self._cv.notify_all()
+
     def close(self) -> None:
-        self._pending.clear()
+        """Stop every worker (in parallel, well under a second). Idempotent and thread-safe: a
+        get() waiting in another thread is woken and raises ``WorkerError``."""
+        with self._cv:
+            self._closed = True
+            if self._active and self._active_thread != threading.get_ident():
+                try:
+                    self._wake[1].send(b"x")
+                except OSError:
+                    pass
+                self._cv.wait_for(lambda: self._active == 0, timeout=2)
+            self._pending.clear()
         self._finalizer()
+
+
+def _stop(links: list[_Link], wake) -> None:
+    """Close every socket (workers exit on end-of-file), then one shared deadline for all
+    workers, then SIGTERM the rest, then SIGKILL. Idempotent (finalizer)."""
+    for end in [lk.sock for lk in links] + list(wake):
+        PARENT_ENDS.pop(end.fileno(), None)
+        try:
+            end.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        end.close()
+    procs = [lk.proc for lk in links]
+    for step in (None, "terminate", "kill"):
+        alive = [p for p in procs if p.exitcode is None]
+        for p in alive:
+            if step:
+                getattr(p, step)()
+        deadline = time.monotonic() + _GRACE
+        while alive and (left := deadline - time.monotonic()) > 0:
+            wait([p.sentinel for p in alive], left)
+            alive = [p for p in alive if p.exitcode is None]
+        if not alive:
+            break
+    for p in procs:
+        p.join(5 if p.exitcode is None else None)
+        if p.exitcode is not None:
+            p.close()
+        else:
+            log.warning("gpucache: worker pid %s did not exit after SIGKILL", p.pid)
 
 
 def _span(indices: np.ndarray) -> str:

@@ -1,0 +1,153 @@
+"""The worker-process side of the CPU worker pool (the protocol is described in ``_workers.py``).
+
+A worker runs two threads: a reader that drains every task the parent sends into a local queue, so
+the parent's sends always make progress, and the main thread that decodes and sends results. The
+worker leaves as soon as the parent goes away: end-of-file on its socket (the parent closed the pool
+or died; under fork the child first closes the parent-side ends of every pool it inherited, so the
+kernel's close at the parent's death reaches it) and, on Linux, ``PR_SET_PDEATHSIG``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import queue
+import random
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+
+import numpy as np
+import torch
+
+from .decode.cpu import Decoded, SampleError, decode_batch
+
+LEN = struct.Struct("<Q")  # every message: 8-byte little-endian length, then a pickle
+_PR_SET_PDEATHSIG = 1
+
+# The parent-side sockets of every live pool in this process. A fork child closes all of them at
+# start, so that it holds no reference to another worker's (or its own) parent end.
+PARENT_ENDS: dict[int, socket.socket] = {}
+
+
+def frame(obj) -> bytes:
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return LEN.pack(len(payload)) + payload
+
+
+def worker_main(wid: int, sock: socket.socket, cache, seed: int, worker_init_fn, on_error: str,
+                parent_pid: int, start_method: str, pdeathsig: bool) -> None:
+    if start_method == "fork":
+        for end in list(PARENT_ENDS.values()):
+            end.close()
+        PARENT_ENDS.clear()
+    _die_with_parent(parent_pid, start_method, pdeathsig)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a handler inherited from the parent
+    sock.setblocking(True)
+    tasks: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read_tasks, args=(sock, tasks), name="gpucache-reader",
+                     daemon=True).start()
+    where = "while starting"
+    try:
+        _setup(seed)
+        if worker_init_fn is not None:
+            where = "in worker_init_fn"
+            worker_init_fn(wid)
+    except BaseException as err:  # noqa: BLE001 - reported to the parent with its traceback
+        _send(sock, {"kind": "init_error", "error": f"{type(err).__name__}: {err}",
+                     "where": where, "traceback": traceback.format_exc()})
+        os._exit(1)
+    _send(sock, {"kind": "ready"})
+    while True:
+        task, indices, plans, stack = tasks.get()
+        try:
+            out = decode_batch(cache, indices, plans, on_error=on_error, stack=stack)
+        except BaseException as err:  # noqa: BLE001 - everything is reported to the parent
+            _send(sock, {"kind": "error", "task": task, "error": f"{type(err).__name__}: {err}",
+                         "sample_error": isinstance(err, SampleError),
+                         "traceback": traceback.format_exc()})
+            continue
+        _send_result(sock, task, out)
+        del out  # an idle worker holds no decoded images
+
+
+def _setup(seed: int) -> None:
+    import warnings
+
+    torch.set_num_threads(1)
+    try:
+        import cv2
+
+        cv2.setNumThreads(0)
+    except ImportError:
+        pass
+    warnings.filterwarnings("ignore", message=r".*image decoding and encoding capabilities")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _die_with_parent(parent_pid: int, start_method: str, armed: bool) -> None:
+    """SIGKILL this worker when the thread that started it exits (Linux; armed only when that was
+    the main thread). Under forkserver the parent is the fork server, which exits with the real
+    parent; the socket's end-of-file covers that case and every other platform."""
+    if not (armed and sys.platform.startswith("linux")):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if start_method != "forkserver" and os.getppid() != parent_pid:
+        os._exit(0)  # the parent died before the signal was armed
+
+
+def _read_tasks(sock: socket.socket, tasks: queue.SimpleQueue) -> None:
+    """Drain tasks as they come; end-of-file means the pool was closed or the parent died."""
+    head = bytearray(LEN.size)
+    try:
+        while _recv_exact(sock, memoryview(head)):
+            payload = bytearray(LEN.unpack(head)[0])
+            if not _recv_exact(sock, memoryview(payload)):
+                break
+            tasks.put(pickle.loads(payload))
+    except BaseException:  # noqa: BLE001 - any failure here means the parent is gone
+        pass
+    os._exit(0)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def _send(sock: socket.socket, msg: dict, data: memoryview | None = None) -> None:
+    try:
+        sock.sendall(frame(msg))
+        if data is not None and data.nbytes:
+            sock.sendall(data)
+    except OSError:  # the parent closed the pool or died
+        os._exit(0)
+
+
+def _send_result(sock: socket.socket, task: int, out: Decoded) -> None:
+    imgs = out.images
+    if isinstance(imgs, torch.Tensor):
+        shapes, flat = [tuple(imgs.shape)], imgs.contiguous().numpy()
+    else:
+        shapes = [tuple(t.shape) for t in imgs]
+        flat = (torch.cat([t.contiguous().reshape(-1) for t in imgs]) if imgs
+                else torch.empty(0, dtype=torch.uint8)).numpy()
+    _send(sock, {"kind": "result", "task": task, "stacked": isinstance(imgs, torch.Tensor),
+                 "shapes": shapes, "indices": out.indices, "failed": out.failed,
+                 "nbytes": flat.nbytes}, memoryview(flat.reshape(-1)))
