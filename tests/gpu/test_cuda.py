@@ -1,8 +1,10 @@
 """CUDA-only checks of the GPU backends. Skipped (with the reason) where CUDA is absent.
 
-benchmarks/gpu_check.py runs the same checks plus throughput and memory on a GPU machine.
+None of these has run on a GPU yet (see README "GPU status"). benchmarks/gpu_check.py runs the
+same kinds of checks plus throughput, overlap and memory in one call on a GPU machine.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,14 +13,32 @@ if not torch.cuda.is_available():
 
 from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
+from gpucache.decode import dali_available  # noqa: E402
+from gpucache.decode._batched import default_decoder, make_decoder  # noqa: E402
 from gpucache.decode.cpu import decode_batch  # noqa: E402
+from gpucache.decode.nvjpeg import NvjpegBackend  # noqa: E402
+from gpucache.testing import make_jpeg_bytes  # noqa: E402
 
-BACKENDS = ["nvjpeg"] + (["dali"] if __import__("gpucache").decode.dali_available() else [])
+BACKENDS = ["nvjpeg"] + (["dali"] if dali_available() else [])
+CUDA = torch.device("cuda", torch.cuda.current_device())
+TOLERANCE = 3.0  # mean absolute difference per image, levels (IDCT/upsampling differ)
 
 
 @pytest.fixture(scope="module")
 def cache(jpeg_folder):
     return JpegCache.from_folder(jpeg_folder, progress=False)
+
+
+def _plans(cache, idx, tf, seed=0):
+    s = cache.samples
+    return tf.plan(s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
+                   np.random.default_rng(seed))
+
+
+def _assert_close(images, ref):
+    for a, b in zip(images, ref):
+        assert a.is_cuda and a.shape == b.shape
+        assert (a.cpu().float() - b.float()).abs().mean().item() <= TOLERANCE
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -27,24 +47,96 @@ def test_gpu_matches_cpu_decode(cache, backend):
     loader = GpuCachedLoader(cache, batch_size=8, device="cuda", backend=backend,
                              transform=tf, return_metadata=True, seed=0)
     for images, labels, info in loader:
-        assert images.is_cuda and images.dtype == torch.uint8
         idx = info.indices.numpy()
         ref = decode_batch(cache, idx, loader.plans(0, 0, idx), on_error="raise", stack=True)
-        diff = (images.cpu().float() - ref.images.float()).abs().mean().item()
-        assert diff <= 3.0, diff  # IDCT/upsampling differ by a few levels between decoders
+        assert images.dtype == torch.uint8
+        _assert_close(images, ref.images)
+    loader.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_stream_ordering_under_load(cache, backend):
-    loader = GpuCachedLoader(cache, batch_size=8, device="cuda", backend=backend, seed=1,
-                             transform=T.Compose([T.RandomResizedCrop(32)]))
-    ref = [x.sum().item() for x, _ in loader]
-    heavy = torch.randn(2048, 2048, device="cuda")
-    for _ in range(10):
-        loader.set_epoch(0)
-        for k, (x, _) in enumerate(loader):
-            heavy @ heavy  # keep the consumer stream busy while the next batch decodes
-            assert x.sum().item() == ref[k]
+def test_every_exif_orientation_on_the_gpu_decoder(tmp_path):
+    paths = []
+    for o in range(1, 9):
+        for w, h in ((56, 32), (40, 40)):
+            paths.append(tmp_path / f"o{o}_{w}x{h}.jpg")
+            paths[-1].write_bytes(make_jpeg_bytes(w, h, seed=o * w, exif_orientation=o))
+    rotated = JpegCache.from_files(paths, progress=False)
+    idx = np.arange(len(rotated))
+    plans = _plans(rotated, idx, T.Compose([T.RandomResizedCrop(24)]))
+    backend = NvjpegBackend(rotated, device=CUDA, on_error="raise")
+    backend.submit(idx, plans, stack=True)
+    out = backend.get()
+    backend.close()
+    assert out.failed == [] and out.cpu_decoded == 0
+    _assert_close(out.images, decode_batch(rotated, idx, plans, on_error="raise",
+                                           stack=True).images)
+
+
+def test_cpu_retry_joins_on_the_device(cache):
+    """nvJPEG rejecting a sample (emulated for progressive JPEGs) sends it to the CPU decoder;
+    its CPU tensor is moved to the device before record_stream."""
+    real = default_decoder(CUDA)
+
+    def picky(data):
+        if any(b"\xff\xc2" in bytes(d.numpy()) for d in data):
+            raise RuntimeError("emulated nvJPEG rejection")
+        return real.decode(data)
+
+    idx = np.arange(len(cache))
+    plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(32)]))
+    backend = NvjpegBackend(cache, device=CUDA, on_error="raise",
+                            decoder=make_decoder("picky", CUDA, picky))
+    backend.submit(idx, plans, stack=True)
+    out = backend.get()
+    backend.close()
+    assert out.images.is_cuda and out.failed == [] and out.cpu_decoded >= 2
+    _assert_close(out.images, decode_batch(cache, idx, plans, on_error="raise", stack=True).images)
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_busy_side_stream_never_lets_the_decoder_reuse_live_memory(cache, threaded):
+    """The side stream is kept busy (not the consumer) and nothing synchronises per step: a
+    decoder output allocated over memory the side stream still reads changes the checksums."""
+    tf = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip()])
+    batches = [np.arange(k, k + 8) for k in range(0, len(cache) - 7, 8)]
+    plans = [_plans(cache, b, tf, k) for k, b in enumerate(batches)]
+    ref_backend = NvjpegBackend(cache, device=CUDA, on_error="raise", threaded=False)
+    ref = []
+    for b, p in zip(batches, plans):
+        ref_backend.submit(b, p, True)
+        ref.append(ref_backend.get().images.to(torch.int64).sum().item())
+        torch.cuda.synchronize()
+    backend = NvjpegBackend(cache, device=CUDA, on_error="raise", threaded=threaded)
+    side = backend._streams.side
+    heavy = torch.randn(4096, 4096, device=CUDA)
+    sums = []
+    for _ in range(20):
+        for k, (b, p) in enumerate(zip(batches, plans)):
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    heavy = torch.tanh(heavy @ heavy)
+            backend.submit(b, p, True)
+            if len(backend) >= 2:
+                sums.append(backend.get().images.to(torch.int64).sum())
+        while len(backend):
+            sums.append(backend.get().images.to(torch.int64).sum())
+    backend.close()
+    got = [int(s.item()) for s in sums]  # one synchronisation, at the end
+    assert got == ref * 20
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_backend_on_another_device_than_the_current_one(cache):
+    idx = np.arange(8)
+    plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(32)]))
+    dev = torch.device("cuda", 1)
+    with torch.cuda.device(0):
+        backend = NvjpegBackend(cache, device=dev, on_error="raise")
+        backend.submit(idx, plans, True)
+        out = backend.get()
+        backend.close()
+    assert out.images.device == dev
+    _assert_close(out.images, decode_batch(cache, idx, plans, on_error="raise", stack=True).images)
 
 
 def test_gpu_memory_is_flat_across_epochs(cache):
