@@ -39,7 +39,7 @@ def proc_fd_usable() -> bool:
     return os.path.isdir(f"/proc/{os.getpid()}/fd")
 
 
-def _no_memory(name: str, size: int, err: OSError) -> OSError:
+def _no_memory(name: str, size: int, err: OSError) -> MemoryError:
     return MemoryError(
         f"{name}: cannot map the {size / 2**20:,.1f} MiB store into this process: "
         f"{err.strerror}. The address-space limit (ulimit -v / RLIMIT_AS) is probably lower than "

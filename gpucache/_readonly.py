@@ -51,7 +51,13 @@ def _protect(addr: int, size: int, prot: int) -> None:
 
 def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     """A shared anonymous mapping, read-only for Python and the kernel; its address."""
-    m = mmap.mmap(-1, max(nbytes, 1), access=mmap.ACCESS_READ)
+    try:
+        m = mmap.mmap(-1, max(nbytes, 1), access=mmap.ACCESS_READ)
+    except OSError as err:
+        raise MemoryError(
+            f"cannot allocate {nbytes / 2**20:,.1f} MiB for the store: {err.strerror}. The "
+            "address-space limit (ulimit -v / RLIMIT_AS) is probably too low; raise it "
+            "(ulimit -v unlimited).") from err
     return m, _address(m)
 
 

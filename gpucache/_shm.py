@@ -68,12 +68,16 @@ def _explain(err: OSError, nbytes: int, need: int, free: int, where: Path) -> Sh
             f"Make {where} writable for this user (docker: drop a read-only /dev/shm mount). "
             f"{_FIXES}.")
     if err.errno == errno.ENOMEM:
-        return SharedMemoryError(
-            f"cannot map the {_mib(nbytes)} shared-memory copy of the cache: {err.strerror}; the "
-            "address-space limit (ulimit -v / RLIMIT_AS) is probably too low. Raise it "
-            f"(ulimit -v unlimited). {_FIXES}.")
+        return no_address_space(nbytes, err)
     return SharedMemoryError(f"cannot place the {_mib(nbytes)} cache in shared memory ({where}): "
                              f"{err.strerror}. {_FIXES}.")
+
+
+def no_address_space(nbytes: int, err: BaseException) -> SharedMemoryError:
+    return SharedMemoryError(
+        f"cannot map the {_mib(nbytes)} shared-memory copy of the cache ({err}); the "
+        "address-space limit (ulimit -v / RLIMIT_AS) is probably too low. Raise it "
+        f"(ulimit -v unlimited), or use multiprocessing_context='fork' or num_workers=0.")
 
 
 def create(nbytes: int, write: Callable, *,

@@ -223,3 +223,212 @@ def test_a_torch_write_through_a_view_faults_instead_of_changing_the_store(jpeg_
     assert "WROTE" not in proc.stdout and proc.returncode == -signal.SIGSEGV, (
         proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert path.read_bytes() == before
+
+
+# ------------------------------------------------------------ item 9: concurrent saves to one path
+def _save_many(args) -> int:
+    path, src, n = args
+    cache = JpegCache.open(src)
+    for _ in range(n):
+        cache.save(path)
+    return n
+
+
+def test_concurrent_saves_to_one_path_all_succeed_and_leave_a_valid_file(jpeg_folder, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = JpegCache.from_folder(jpeg_folder, progress=False)
+    src = cache.save(tmp_path / "src.gpucache")
+    target = tmp_path / "out" / "same.gpucache"
+    target.parent.mkdir()
+    opened = []
+
+    def reader():  # every open while writers race sees a complete store
+        while len(opened) < 40:
+            if target.exists():
+                opened.append(len(JpegCache.open(target)))
+            time.sleep(0.005)
+
+    with ThreadPoolExecutor(9) as pool:
+        r = pool.submit(reader)
+        saves = [pool.submit(cache.save, target) for _ in range(60)]
+        for f in saves:
+            f.result()  # none fails (the old shared temp name failed 113 of 300)
+        r.result(timeout=60)
+    assert set(opened) == {len(cache)}
+    with mp.get_context("spawn").Pool(3) as pool:
+        assert sum(pool.map(_save_many, [(target, src, 5)] * 3)) == 15
+    assert _digests(JpegCache.open(target)) == _digests(cache)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["same.gpucache"]
+    with pytest.raises(FileNotFoundError, match="folder does not exist"):
+        cache.save(tmp_path / "missing" / "x.gpucache")
+
+
+# ------------------------------------------------------------ item 10: pixel budget on the store
+def test_max_pixels_is_set_at_build_and_open_and_reaches_workers(tmp_path, monkeypatch):
+    from conftest import sof_jpeg
+
+    from gpucache._limits import DEFAULT_MAX_PIXELS, check_pixels
+
+    monkeypatch.chdir(tmp_path)
+    Path("small.jpg").write_bytes(sof_jpeg(h=10, w=10))
+    Path("big.jpg").write_bytes(sof_jpeg(h=100, w=200))
+    strict = JpegCache.from_files(["small.jpg", "big.jpg"], max_pixels=1000, progress=False)
+    assert len(strict) == 1 and strict.max_pixels == 1000
+    assert "max_pixels" in strict.report.skipped[0].reason
+    loose = JpegCache.from_files(["small.jpg", "big.jpg"], max_pixels=None, progress=False)
+    assert len(loose) == 2 and loose.max_pixels is None
+    path = loose.save(tmp_path / "px.gpucache")
+    assert JpegCache.open(path).max_pixels == DEFAULT_MAX_PIXELS
+    opened = JpegCache.open(path, max_pixels=500)
+    with pytest.raises(ValueError, match="exceeds max_pixels=500"):
+        check_pixels(opened, 1)
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(getattr, (opened, "max_pixels")) == 500
+
+
+# ------------------------------------------------------------ item 10: hostile store files
+def rechecksum(b: bytearray) -> bytes:
+    """Recompute a v2 file's index, directory and header CRCs after an edit, so that the
+    validation behind the checksums is what gets tested."""
+    import zlib
+
+    from gpucache._format import CRC, ENTRY, HEAD_V2
+
+    f = list(HEAD_V2.unpack_from(b))
+    crc = 0
+    for k in range(6):
+        start, length = f[6 + 2 * k], f[7 + 2 * k]
+        crc = zlib.crc32(bytes(b[start:start + length]), crc)
+    f[21] = crc
+    f[24] = zlib.crc32(bytes(b[f[22]:f[22] + ENTRY.size * f[23]]))
+    HEAD_V2.pack_into(b, 0, *f)
+    CRC.pack_into(b, HEAD_V2.size, zlib.crc32(bytes(b[:HEAD_V2.size])))
+    return bytes(b)
+
+
+@pytest.fixture()
+def small_store(jpeg_folder, tmp_path) -> tuple[bytes, dict]:
+    from gpucache._format import HEAD_V2
+
+    cache = JpegCache.from_folder(jpeg_folder, progress=False)
+    cache = cache._replace(extra={"rst": np.arange(len(cache), dtype="<i4")})
+    raw = cache.save(tmp_path / "small.gpucache").read_bytes()
+    f = HEAD_V2.unpack_from(raw)
+    spans = {name: (f[6 + 2 * k], f[7 + 2 * k]) for k, name in
+             enumerate(["offsets", "labels", "samples", "classes", "paths", "metadata", "data"])}
+    return raw, spans
+
+
+def _write(tmp_path, data: bytes) -> Path:
+    p = tmp_path / "hostile.gpucache"
+    p.write_bytes(data)
+    return p
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("height", 0, "invalid record"), ("width", 0, "invalid record"),
+    ("kind", 99, "invalid record"), ("components", 9, "invalid record")])
+def test_invalid_sample_records_are_refused_at_open(small_store, tmp_path, field, value, match):
+    from gpucache._sniff import SAMPLE_DTYPE
+
+    raw, spans = small_store
+    b = bytearray(raw)
+    rec = spans["samples"][0] + 3 * SAMPLE_DTYPE.itemsize + SAMPLE_DTYPE.fields[field][1]
+    fmt = "<I" if field in ("height", "width") else "<B"
+    import struct
+
+    struct.pack_into(fmt, b, rec, value)
+    path = _write(tmp_path, rechecksum(b))
+    with pytest.raises(CacheFormatError, match=f"sample 3 has an {match}"):
+        JpegCache.open(path)
+    from gpucache.cli import main
+
+    assert main(["info", str(path)]) == 2  # a clear message, no traceback
+
+
+def test_invalid_utf8_in_a_string_table_is_a_format_error(small_store, tmp_path):
+    raw, spans = small_store
+    start, length = spans["paths"]
+    b = bytearray(raw)
+    b[start + length - 1] = 0xFF  # last byte of the last path
+    with pytest.raises(CacheFormatError, match="'paths' is not valid UTF-8"):
+        JpegCache.open(_write(tmp_path, rechecksum(b)))
+    b = bytearray(raw)
+    b[start + length - 2:start + length] = "\N{SNOWMAN}".encode()[:2]  # a cut character
+    with pytest.raises(CacheFormatError, match="UTF-8"):
+        JpegCache.open(_write(tmp_path, rechecksum(b)))
+
+
+_TRUNCATE = textwrap.dedent("""
+    import os, sys
+    from gpucache import CacheFormatError, JpegCache
+    from gpucache.decode.cpu import decode_sample
+
+    cache = JpegCache.open(sys.argv[1])
+    n = len(cache)
+    os.truncate(sys.argv[1], 8192)  # someone rewrites the file in place
+    for what in ("view", "decode"):
+        try:
+            cache[n - 1].sum() if what == "view" else decode_sample(cache, n - 1)
+        except CacheFormatError as err:
+            print("CAUGHT", what, "truncated" in str(err), flush=True)
+""")
+
+
+def test_truncating_an_open_store_file_is_an_error_not_sigbus(small_store, tmp_path):
+    raw, _ = small_store
+    path = _write(tmp_path, raw)
+    proc = subprocess.run([sys.executable, "-c", _TRUNCATE, str(path)], env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])  # -7 would be SIGBUS
+    assert proc.stdout.split("\n")[:2] == ["CAUGHT view True", "CAUGHT decode True"], proc.stdout
+    with pytest.raises(CacheFormatError, match="truncated"):
+        JpegCache.open(path)
+
+
+_LIMITS = textwrap.dedent("""
+    import os, resource, sys
+    from gpucache import JpegCache, SharedMemoryError
+
+    cache = JpegCache.from_folder(sys.argv[1], progress=False)
+    if sys.argv[2] == "fsize":
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+    elif sys.argv[2] == "as":
+        vm = int([l.split()[1] for l in open("/proc/self/status") if l.startswith("VmSize")][0])
+        resource.setrlimit(resource.RLIMIT_AS, (vm * 1024 + cache.nbytes // 2,
+                                                resource.RLIM_INFINITY))
+    try:
+        cache.share()
+    except SharedMemoryError as err:
+        print("ERROR", str(err).replace("\\n", " "), flush=True)
+    else:
+        print("SHARED", flush=True)
+    print("LEFT", sorted(f for f in os.listdir("/dev/shm")
+                         if f.startswith(f"gpucache-{os.getpid()}-")), flush=True)
+""")
+
+
+@pytest.mark.skipif(not (LINUX and os.path.isdir("/dev/shm")), reason="Linux rlimits, /dev/shm")
+@pytest.mark.parametrize("limit, match", [
+    ("fsize", "file-size limit of this process (ulimit -f / RLIMIT_FSIZE) is 1.0 MiB"),
+    ("as", "address-space limit (ulimit -v / RLIMIT_AS)"),
+    ("rofs", "Read-only file system"),
+])
+def test_constrained_share_gives_a_clear_error(jpeg_folder, tmp_path, limit, match):
+    cmd = [sys.executable, "-c", _LIMITS, str(jpeg_folder), limit]
+    if limit == "rofs":
+        import shutil
+
+        if os.geteuid() != 0 or shutil.which("unshare") is None:
+            pytest.skip("mounting a read-only /dev/shm needs root and unshare")
+        cmd = ["unshare", "-m", "sh", "-c",
+               'mount -t tmpfs -o ro,size=16m tmpfs /dev/shm || exit 77; exec "$0" "$@"', *cmd]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    if proc.returncode == 77:
+        pytest.skip(f"cannot mount a read-only /dev/shm: {proc.stderr.strip()}")
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    got = dict(line.partition(" ")[::2] for line in proc.stdout.splitlines())
+    assert "SHARED" not in got and match in got.get("ERROR", ""), proc.stdout
+    assert "cache.save" in got["ERROR"] or "num_workers=0" in got["ERROR"]
+    assert got["LEFT"] == "[]"
