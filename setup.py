@@ -1,8 +1,9 @@
-"""Optional compiled part: the lossless restart-marker transcoder (gpucache/decode/_roi_rst.c).
+"""Optional compiled part (gpucache/decode/_roi_c.c): region decode and the restart-marker transcoder.
 
 Built when a C compiler and the libjpeg headers are there (Debian: ``apt-get install gcc
 libjpeg-dev``); otherwise the package installs without it, everything else works, and only
-``restart_markers=True`` at build time reports what is missing. Everything else is in pyproject.toml.
+``restart_markers=True`` at build time reports what is missing (crops then decode through
+nvImageCodec when installed, else in full; same output). Everything else is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
@@ -14,8 +15,8 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as err:  # noqa: BLE001 - no compiler: install without the extension
-            self.warn(f"gpucache: the restart-marker transcoder was not built ({err}); "
-                      "restart_markers=True will be unavailable")
+            self.warn(f"gpucache: the region decoder and restart-marker transcoder were not "
+                      f"built ({err}); restart_markers=True will be unavailable")
 
     def build_extension(self, ext):
         try:
@@ -26,7 +27,7 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("gpucache.decode._roi_rst_c", ["gpucache/decode/_roi_rst.c"],
+    ext_modules=[Extension("gpucache.decode._roi_c", ["gpucache/decode/_roi_c.c"],
                            libraries=["jpeg"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -1,22 +1,31 @@
 """Region-of-interest JPEG decode on the CPU: decode only the box a plan's first crop keeps.
 
-The decoder is nvImageCodec's CPU-only backend (libjpeg-turbo 3 underneath, the same IDCT and fancy
-upsampling as TorchCodec's ``decode_jpeg``), asked for a code stream's sub-stream with a region: it
-skips the rows below the box, skips the iMCU columns outside it (with the context the chroma
-upsampling needs), and its output is bit-identical to the full decode cropped to the box
+Two decoders, both libjpeg-turbo underneath with the IDCT (islow) and fancy upsampling of
+TorchCodec's ``decode_jpeg``, so the box comes out bit-identical to a full decode cropped to it
 (``tests/test_roi.py`` checks it per chroma subsampling, progressive, gray, CMYK and all eight EXIF
-orientations). The box is given on the oriented image; it is mapped to the coded image here, and the
-decoded region is oriented afterwards.
+orientations, and on real photos):
 
-nvImageCodec is optional (``pip install gpucache[roi]``; DALI brings it too). Without it every sample
-is fully decoded, and a one-time log line says so. ``ENABLED`` is the switch (tests turn it off).
+1. ``libjpeg-turbo``: gpucache's own compiled function (``_roi_c.c``, built at install when a C
+   compiler and libjpeg-turbo's headers exist), called through ctypes in the calling thread:
+   ``jpeg_crop_scanline`` to the box's iMCU columns, ``jpeg_skip_scanlines`` to its first row, and it
+   stops after the last. Checked against ``decode_jpeg`` once per process before it is trusted.
+2. ``nvimgcodec``: nvImageCodec's CPU-only backend (``pip install 'gpucache[roi]'``; DALI brings it),
+   a code stream's sub-stream with a region. Used when (1) is missing, and for CMYK.
+
+Both get a 1-pixel margin around the box (chroma upsampling's context; measured necessary). Without
+either, every sample is fully decoded, and a one-time log line says so. The box is given on the
+oriented image; it is mapped to the coded image here, and the region is oriented afterwards.
+``ENABLED`` (all ROI decode) and ``USE_C`` (route 1) are the switches; tests turn them off.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -28,49 +37,80 @@ except Exception:  # pragma: no cover - depends on what is installed
 
 log = logging.getLogger("gpucache")
 
-#: ROI decode is used when True and nvImageCodec imports; set False to force full decodes.
+#: ROI decode is used when True and a region decoder is there; set False to force full decodes.
 ENABLED = True
+#: gpucache's compiled libjpeg-turbo region decoder is preferred when True and built.
+USE_C = True
 
 # orientation -> (transpose, flip width, flip height), applied in that order to the coded image
 _OPS = {1: (False, False, False), 2: (False, True, False), 3: (False, True, True),
         4: (False, False, True), 5: (True, False, False), 6: (True, True, False),
         7: (True, True, True), 8: (True, False, True)}
 
-_state: dict[str, object] = {}  # per process: the one-time notice
+_state: dict[str, object] = {}  # per process: the compiled library, its self-check, the notice
+_lock = threading.Lock()
 _local = threading.local()  # per thread (a decoder is not thread-safe): pid, decoder, params
+Region = Callable[..., torch.Tensor]
 
 
-def available() -> bool:
-    """Whether ROI decode runs in this process (switched on and nvImageCodec importable)."""
-    return ENABLED and _nvimgcodec is not None
+def clib():
+    """gpucache's compiled helpers (ctypes), or None when they were not built at install."""
+    with _lock:
+        if "lib" not in _state:
+            spec = importlib.util.find_spec("gpucache.decode._roi_c")
+            lib = ctypes.CDLL(spec.origin) if spec is not None and spec.origin else None
+            if lib is not None and hasattr(lib, "gc_decode_region"):
+                lib.gc_decode_region.argtypes = [ctypes.c_char_p, ctypes.c_ulong] + [
+                    ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+            _state["lib"] = lib
+    return _state["lib"]
 
 
-def unavailable_reason() -> str | None:
+def _c_ok() -> bool:
+    """Whether the compiled region decoder is there and gives ``decode_jpeg``'s pixels here."""
+    if "c_ok" not in _state:
+        lib = clib()
+        ok = lib is not None and hasattr(lib, "gc_decode_region")
+        if ok:  # once per process: a 4:2:0 JPEG with partial MCUs, an inner box
+            from ..testing import make_jpeg_bytes
+            from .cpu import decode_jpeg
+
+            data = make_jpeg_bytes(53, 37, seed=1)
+            full = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            ok = torch.equal(_c_region(data, 9, 17, 20, 30, height=37, width=53),
+                             full[:, 9:29, 17:47])
+            if not ok:
+                log.warning("gpucache: the compiled region decoder's output differs from "
+                            "decode_jpeg's here (another libjpeg build?); not using it")
+        _state["c_ok"] = ok
+    return bool(_state["c_ok"])
+
+
+def region_decoder(components: int) -> Region | None:
+    """The function that decodes a region of a JPEG with ``components`` channels, or None."""
     if not ENABLED:
-        return "ROI decode is switched off (gpucache.decode._roi.ENABLED = False)"
-    if _nvimgcodec is None:
-        return ("nvImageCodec is not installed, so JPEGs are decoded at full size before cropping "
-                "(slower, same output); pip install 'gpucache[roi]' to decode only the crop")
-    return None
+        return None
+    if USE_C and components in (1, 3) and _c_ok():
+        return _c_region
+    return _nv_region if _nvimgcodec is not None else None
+
+
+def route() -> str | None:
+    """Name of the region decoder used for RGB/gray JPEGs in this process, or None."""
+    dec = region_decoder(3)
+    return None if dec is None else "libjpeg-turbo" if dec is _c_region else "nvimgcodec"
 
 
 def notice_once() -> None:
     """Log, once per process, that crops are fully decoded because ROI decode is unavailable."""
-    why = unavailable_reason()
-    if why is not None and not _state.get("noticed"):
+    if route() is None and not _state.get("noticed"):
         _state["noticed"] = True
+        why = ("ROI decode is switched off (gpucache.decode._roi.ENABLED = False)" if not ENABLED
+               else "neither gpucache's compiled region decoder (built at install with a C "
+               "compiler and libjpeg-turbo headers) nor nvImageCodec is available, so JPEGs are "
+               "decoded at full size before cropping (slower, same output); pip install "
+               "'gpucache[roi]' to decode only the crop")
         log.info("gpucache: %s", why)
-
-
-def _decoder():
-    pid = os.getpid()
-    if getattr(_local, "pid", None) != pid:  # one decoder per thread, never inherited by fork
-        n = _nvimgcodec
-        _local.decoder = n.Decoder(device_id=n.NVIMGCODEC_DEVICE_CPU_ONLY,
-                                   max_num_cpu_threads=1, backends=[n.Backend(n.CPU_ONLY)])
-        _local.params = n.DecodeParams(apply_exif_orientation=False, color_spec=n.SRGB)
-        _local.pid = pid
-    return _local.decoder, _local.params
 
 
 def coded_box(top: int, left: int, h: int, w: int, orientation: int, height: int,
@@ -96,16 +136,38 @@ def orient(x: torch.Tensor, orientation: int) -> torch.Tensor:
     return x
 
 
-def decode_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *,
-                  height: int, width: int) -> torch.Tensor:
-    """Rows ``top:top+h``, columns ``left:left+w`` of a ``height`` x ``width`` coded JPEG image.
+def _c_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *, height: int,
+              width: int) -> torch.Tensor:
+    """Rows ``top:top+h``, columns ``left:left+w`` of the coded image (compiled decoder; the
+    margin is taken inside it). RGB uint8 CHW, a view of HWC like ``decode_jpeg``'s."""
+    out = np.empty((h, w, 3), dtype=np.uint8)
+    err = ctypes.create_string_buffer(200)
+    arr = data if isinstance(data, bytes) else np.ascontiguousarray(data)
+    buf = arr if isinstance(arr, bytes) else arr.ctypes.data_as(ctypes.c_char_p)
+    if _state["lib"].gc_decode_region(buf, len(arr), top, left, h, w, out.ctypes.data, err, 200):
+        raise ValueError(f"region decode failed: {err.value.decode(errors='replace')}")
+    return torch.from_numpy(out).permute(2, 0, 1)
 
-    The region asked of the decoder has a 1-pixel margin on each side (within the image): without
-    it, a 1-pixel-wide region at column 0 of a 4:2:0 image comes out different from a full decode
-    (measured; tests/test_roi.py keeps it covered). Returns RGB uint8 CHW (a view of HWC)."""
+
+def _nv_decoder():
+    pid = os.getpid()
+    if getattr(_local, "pid", None) != pid:  # one decoder per thread, never inherited by fork
+        n = _nvimgcodec
+        _local.decoder = n.Decoder(device_id=n.NVIMGCODEC_DEVICE_CPU_ONLY,
+                                   max_num_cpu_threads=1, backends=[n.Backend(n.CPU_ONLY)])
+        _local.params = n.DecodeParams(apply_exif_orientation=False, color_spec=n.SRGB)
+        _local.pid = pid
+    return _local.decoder, _local.params
+
+
+def _nv_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *, height: int,
+               width: int) -> torch.Tensor:
+    """The same through nvImageCodec. The region asked has a 1-pixel margin on each side (within
+    the image): without it, a 1-pixel-wide region at column 0 of a 4:2:0 image differs from a
+    full decode (measured; tests/test_roi.py keeps it covered)."""
     t0, l0 = max(top - 1, 0), max(left - 1, 0)
     b0, r0 = min(top + h + 1, height), min(left + w + 1, width)
-    dec, params = _decoder()
+    dec, params = _nv_decoder()
     n = _nvimgcodec
     sub = n.CodeStream(data).get_sub_code_stream(region=n.Region(t0, l0, b0, r0))
     img = np.asarray(dec.decode(sub, params=params).cpu())
@@ -115,8 +177,9 @@ def decode_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int,
 
 
 def decode_crop(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *,
-                orientation: int, height: int, width: int) -> torch.Tensor:
-    """The box (top, left, h, w) of the oriented image, decoded from the JPEG ``data`` alone."""
+                orientation: int, height: int, width: int, region: Region) -> torch.Tensor:
+    """The box (top, left, h, w) of the oriented image, decoded with ``region`` from the JPEG
+    ``data`` alone (``region`` from :func:`region_decoder`)."""
     t, l, hh, ww = coded_box(top, left, h, w, orientation, height, width)
     ch, cw = (width, height) if _OPS.get(orientation, _OPS[1])[0] else (height, width)
-    return orient(decode_region(data, t, l, hh, ww, height=ch, width=cw), orientation)
+    return orient(region(data, t, l, hh, ww, height=ch, width=cw), orientation)

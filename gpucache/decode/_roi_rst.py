@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import importlib.util
-import threading
 
 import numpy as np
 import torch
@@ -23,30 +21,23 @@ import torch
 from . import _roi
 
 SECTION = "rst"  # the store's optional section: int32 restart interval per sample
-_lock = threading.Lock()
-_lib: list = []  # [ctypes.CDLL | None], loaded once
-
-
-def _load():
-    with _lock:
-        if not _lib:
-            spec = importlib.util.find_spec("gpucache.decode._roi_rst_c")
-            lib = None
-            if spec is not None and spec.origin:
-                lib = ctypes.CDLL(spec.origin)
-                lib.gc_transcode_restart.argtypes = [
-                    ctypes.c_char_p, ctypes.c_ulong, ctypes.POINTER(ctypes.c_void_p),
-                    ctypes.POINTER(ctypes.c_ulong), ctypes.POINTER(ctypes.c_int),
-                    ctypes.c_char_p, ctypes.c_int]
-                lib.gc_free.argtypes = [ctypes.c_void_p]
-            _lib.append(lib)
-    return _lib[0]
-
-
 MISSING = ("restart_markers=True needs gpucache's compiled transcoder, which was not built when "
            "gpucache was installed (no C compiler or libjpeg headers). Install them (Debian: "
            "apt-get install gcc libjpeg-dev) and reinstall gpucache, or build without "
            "restart_markers.")
+_sig: list = []  # argtypes set once
+
+
+def _load():
+    lib = _roi.clib()
+    if lib is not None and not _sig:
+        lib.gc_transcode_restart.argtypes = [
+            ctypes.c_char_p, ctypes.c_ulong, ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_ulong), ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
+            ctypes.c_int]
+        lib.gc_free.argtypes = [ctypes.c_void_p]
+        _sig.append(True)
+    return lib
 
 
 def transcoder_available() -> bool:
@@ -154,13 +145,14 @@ def segment_jpeg(data: np.ndarray, lay: Layout, top: int, left: int, h: int, w: 
 
 
 def decode_crop(data: np.ndarray, k: int, top: int, left: int, h: int, w: int, *,
-                orientation: int, height: int, width: int) -> torch.Tensor:
-    """The box (top, left, h, w) of the oriented image, from a restart-marker JPEG's segments."""
+                orientation: int, height: int, width: int, region: _roi.Region) -> torch.Tensor:
+    """The box (top, left, h, w) of the oriented image, from a restart-marker JPEG's segments
+    (decoded with ``region``, from :func:`._roi.region_decoder`)."""
     lay = Layout(data, k)
     t, l, hh, ww = _roi.coded_box(top, left, h, w, orientation, height, width)
     sub, y0, x0, sub_h, sub_w = segment_jpeg(data, lay, t, l, hh, ww)
-    region = _roi.decode_region(sub, t - y0, l - x0, hh, ww, height=sub_h, width=sub_w)
-    return _roi.orient(region, orientation)
+    box = region(sub, t - y0, l - x0, hh, ww, height=sub_h, width=sub_w)
+    return _roi.orient(box, orientation)
 
 
 def transcode_samples(cache, *, num_threads: int | None = None) -> tuple[list, np.ndarray]:

@@ -129,16 +129,20 @@ def out_size(plans: np.ndarray) -> tuple[int, int]:
     return (int(plans[0, 8]), int(plans[0, 9])) if len(plans) else (0, 0)
 
 
-def _decode_box(cache, i: int, box: list[int], kind: int, precision: int, orientation: int,
-                height: int, width: int, restart: int, roi_ok: bool) -> tuple[torch.Tensor, bool]:
+def _decode_box(cache, i: int, box: list[int], kind: int, components: int, precision: int,
+                orientation: int, height: int, width: int, restart: int,
+                regions: dict) -> tuple[torch.Tensor, bool]:
     """Sample ``i`` cropped to ``box`` (the plan's first crop); True if only the box was decoded."""
     t1, l1, h1, w1 = box
-    if (roi_ok and kind in _ROI_KINDS and precision == 8 and (h1, w1) != (height, width)
+    region = regions.get(components)
+    if (region is not None and kind in _ROI_KINDS and precision == 8
+            and (h1, w1) != (height, width)
             and 0 <= t1 and 0 <= l1 and t1 + h1 <= height and l1 + w1 <= width):
-        roi = _roi_rst.decode_crop if restart else _roi.decode_crop
-        args = (restart,) if restart else ()
-        return roi(cache[i], *args, t1, l1, h1, w1, orientation=orientation, height=height,
-                   width=width), True
+        if restart:
+            return _roi_rst.decode_crop(cache[i], restart, t1, l1, h1, w1, orientation=orientation,
+                                        height=height, width=width, region=region), True
+        return _roi.decode_crop(cache[i], t1, l1, h1, w1, orientation=orientation, height=height,
+                                width=width, region=region), True
     img = decode_jpeg(cache._bytes_tensor(i)) if kind in JPEG_KINDS else decode_pil(cache[i])
     if tuple(img.shape[1:]) != (height, width):
         raise ValueError(f"decoded size {tuple(img.shape[1:])} differs from the header's "
@@ -158,17 +162,17 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
     rec = cache.samples[indices]  # one gather per batch, not numpy scalars per sample
     intervals = _roi_rst.intervals(cache)
     restart = intervals[indices].tolist() if intervals is not None else [0] * len(indices)
-    roi_ok = _roi.available()
-    if not roi_ok:
+    regions = {c: _roi.region_decoder(c) for c in (1, 3, 4)}  # by component count
+    if regions[3] is None:
         _roi.notice_once()
     rows = zip(indices.tolist(), np.asarray(plans).tolist(), rec["kind"].tolist(),
-               rec["precision"].tolist(), rec["orientation"].tolist(), rec["height"].tolist(),
-               rec["width"].tolist(), restart)
-    for i, plan, kind, precision, orientation, height, width, k in rows:
+               rec["components"].tolist(), rec["precision"].tolist(), rec["orientation"].tolist(),
+               rec["height"].tolist(), rec["width"].tolist(), restart)
+    for i, plan, kind, components, precision, orientation, height, width, k in rows:
         try:
             check_pixels(cache, i)
-            x, used_roi = _decode_box(cache, i, plan[:4], kind, precision, orientation, height,
-                                      width, k, roi_ok)
+            x, used_roi = _decode_box(cache, i, plan[:4], kind, components, precision,
+                                      orientation, height, width, k, regions)
             images.append(finish_plan(x, *plan[4:]))
             kept.append(i)
             roi += used_roi

@@ -1,0 +1,167 @@
+/* gpucache's optional compiled part: plain C against the libjpeg API, called through ctypes
+ * (gpucache/decode/_roi.py, _roi_rst.py), so no Python headers are needed.
+ *
+ * gc_decode_region: decode only a box of a JPEG (libjpeg-turbo's jpeg_crop_scanline and
+ * jpeg_skip_scanlines; stops after the box's last row), with a 1-pixel margin so that chroma
+ * upsampling sees the same neighbours as in a full decode. Only with libjpeg-turbo (the same IDCT
+ * and fancy upsampling as TorchCodec's decoder; _roi.py checks the output once per process).
+ *
+ * gc_transcode_restart: lossless transcode to baseline with a restart marker every k MCUs
+ * (restart-marker stores). The DCT coefficients, quantisation tables and sampling factors are
+ * kept, so any decoder gives the same pixels as for the original; only the entropy coding is redone
+ * (optimised Huffman tables), with k <= 4 MCUs dividing the MCUs per row, so every MCU row is a
+ * whole number of independently decodable segments. */
+#include <setjmp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jpeglib.h>
+
+struct gc_err {
+  struct jpeg_error_mgr pub;
+  jmp_buf jump;
+  char msg[JMSG_LENGTH_MAX];
+};
+
+static void gc_error_exit(j_common_ptr cinfo) {
+  struct gc_err *e = (struct gc_err *)cinfo->err;
+  (*cinfo->err->format_message)(cinfo, e->msg);
+  longjmp(e->jump, 1);
+}
+
+static void gc_quiet(j_common_ptr cinfo) { (void)cinfo; } /* warnings: no stderr output */
+
+#ifdef LIBJPEG_TURBO_VERSION
+/* Rows top..top+h, columns left..left+w of the coded image, as RGB, into out (h * w * 3 bytes).
+ * Returns 0, or 1 with the reason in errbuf. */
+int gc_decode_region(const unsigned char *in, unsigned long n, int top, int left, int h, int w,
+                     unsigned char *out, char *errbuf, int errlen) {
+  struct jpeg_decompress_struct d;
+  struct gc_err err;
+  JSAMPROW volatile row = NULL;
+  JSAMPROW r;
+  JDIMENSION xoff, cw, right;
+  int y, y0;
+
+  memset(&d, 0, sizeof(d));
+  d.err = jpeg_std_error(&err.pub);
+  err.pub.error_exit = gc_error_exit;
+  err.pub.output_message = gc_quiet;
+  if (setjmp(err.jump)) {
+    snprintf(errbuf, (size_t)errlen, "%s", err.msg);
+    free(row);
+    jpeg_destroy_decompress(&d);
+    return 1;
+  }
+  jpeg_create_decompress(&d);
+  jpeg_mem_src(&d, (unsigned char *)in, n);
+  jpeg_read_header(&d, TRUE);
+  d.out_color_space = JCS_RGB; /* gray is replicated; CMYK is refused (error) */
+  d.dct_method = JDCT_ISLOW;
+  d.do_fancy_upsampling = TRUE;
+  jpeg_start_decompress(&d);
+  if (top < 0 || left < 0 || h <= 0 || w <= 0 || (JDIMENSION)(top + h) > d.output_height ||
+      (JDIMENSION)(left + w) > d.output_width) {
+    snprintf(errbuf, (size_t)errlen, "region outside the %ux%u image", d.output_width,
+             d.output_height);
+    jpeg_destroy_decompress(&d);
+    return 1;
+  }
+  xoff = left > 0 ? (JDIMENSION)left - 1 : 0;
+  right = (JDIMENSION)(left + w + 1) < d.output_width ? (JDIMENSION)(left + w + 1)
+                                                       : d.output_width;
+  if (right - xoff < 4) /* a 2-pixel crop at column 0 upsamples chroma differently (measured) */
+    right = xoff + 4 < d.output_width ? xoff + 4 : d.output_width;
+  cw = right - xoff;
+  if (xoff > 0 || cw < d.output_width) jpeg_crop_scanline(&d, &xoff, &cw); /* iMCU-aligned */
+  row = r = (JSAMPROW)malloc((size_t)d.output_width * 3);
+  if (r == NULL) {
+    snprintf(errbuf, (size_t)errlen, "out of memory");
+    jpeg_destroy_decompress(&d);
+    return 1;
+  }
+  y0 = top > 0 ? top - 1 : 0;
+  if (y0 > 0) jpeg_skip_scanlines(&d, (JDIMENSION)y0);
+  for (y = y0; y < top + h; y++) {
+    jpeg_read_scanlines(&d, &r, 1);
+    if (y >= top)
+      memcpy(out + (size_t)(y - top) * (size_t)w * 3, r + (size_t)(left - (int)xoff) * 3,
+             (size_t)w * 3);
+  }
+  free(r);
+  jpeg_abort_decompress(&d); /* the rows below the box are never decoded */
+  jpeg_destroy_decompress(&d);
+  return 0;
+}
+#endif
+
+static int gc_restart_mcus(const struct jpeg_decompress_struct *d) {
+  int mcu_w = d->num_components == 1 ? DCTSIZE : d->max_h_samp_factor * DCTSIZE;
+  int per_row = (int)((d->image_width + mcu_w - 1) / mcu_w);
+  int k;
+  for (k = 4; k > 1; k--)
+    if (per_row % k == 0) return k;
+  return 1;
+}
+
+static int gc_is(const jpeg_saved_marker_ptr m, int marker, const char *tag, unsigned n) {
+  return m->marker == marker && m->data_length >= n && memcmp(m->data, tag, n) == 0;
+}
+
+/* Transcode in[0:n]. On success returns 0, *out (free with gc_free) holds *out_n bytes and *k the
+ * restart interval in MCUs. On failure returns 1 with the libjpeg message in errbuf. */
+int gc_transcode_restart(const unsigned char *in, unsigned long n, unsigned char **out,
+                         unsigned long *out_n, int *k, char *errbuf, int errlen) {
+  struct jpeg_decompress_struct d;
+  struct jpeg_compress_struct c;
+  struct gc_err err;
+  volatile int have_c = 0;
+  jvirt_barray_ptr *coefs;
+  jpeg_saved_marker_ptr m;
+  int i;
+
+  *out = NULL;
+  *out_n = 0;
+  *k = 0;
+  memset(&d, 0, sizeof(d));
+  memset(&c, 0, sizeof(c));
+  d.err = jpeg_std_error(&err.pub);
+  c.err = &err.pub;
+  err.pub.error_exit = gc_error_exit;
+  err.pub.output_message = gc_quiet;
+  if (setjmp(err.jump)) {
+    snprintf(errbuf, (size_t)errlen, "%s", err.msg);
+    if (have_c) jpeg_destroy_compress(&c);
+    jpeg_destroy_decompress(&d);
+    free(*out);
+    *out = NULL;
+    return 1;
+  }
+  jpeg_create_decompress(&d);
+  jpeg_mem_src(&d, (unsigned char *)in, n);
+  jpeg_save_markers(&d, JPEG_COM, 0xFFFF);
+  for (i = 0; i < 16; i++) jpeg_save_markers(&d, JPEG_APP0 + i, 0xFFFF);
+  jpeg_read_header(&d, TRUE);
+  coefs = jpeg_read_coefficients(&d);
+
+  jpeg_create_compress(&c);
+  have_c = 1;
+  jpeg_mem_dest(&c, out, out_n);
+  jpeg_copy_critical_parameters(&d, &c);
+  c.optimize_coding = TRUE;
+  c.restart_interval = (unsigned int)(*k = gc_restart_mcus(&d));
+  jpeg_write_coefficients(&c, coefs);
+  for (m = d.marker_list; m != NULL; m = m->next) { /* EXIF (orientation), ICC, comments... */
+    if (c.write_JFIF_header && gc_is(m, JPEG_APP0, "JFIF", 5)) continue; /* written already */
+    if (c.write_Adobe_marker && gc_is(m, JPEG_APP0 + 14, "Adobe", 5)) continue;
+    jpeg_write_marker(&c, m->marker, m->data, m->data_length);
+  }
+  jpeg_finish_compress(&c);
+  jpeg_destroy_compress(&c);
+  jpeg_finish_decompress(&d);
+  jpeg_destroy_decompress(&d);
+  return 0;
+}
+
+void gc_free(void *p) { free(p); }
