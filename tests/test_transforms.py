@@ -192,3 +192,18 @@ def test_loader_takes_torchvision_transforms_and_functions(cache):
         batches = list(loader)
         assert sum(len(y) for _, y in batches) == len(cache)
     assert batches[0][0].shape == (8, 3, 32, 32) and batches[0][0].dtype == torch.float32
+
+
+def test_loader_augmentation_is_seeded_per_batch_for_any_worker_count(cache):
+    """(seed, epoch, batch) decide the pixel augmentation: 0 or 2 workers, same batches."""
+    transform = [T.RandomResizedCrop(48), T.ColorJitter(0.4, 0.4, 0.4),
+                 v2.RandomGrayscale(p=0.5), T.PerSample(v2.RandomRotation(20))]
+    runs = []
+    for workers in (0, 2):
+        with GpuCachedLoader(cache, batch_size=8, device="cpu", num_workers=workers, seed=9,
+                             transform=transform, multiprocessing_context="fork") as loader:
+            runs.append([x for x, _ in loader])
+            runs.append([x for x, _ in loader])  # the next epoch
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[2]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[1], runs[3]))
+    assert not torch.equal(runs[0][0], runs[1][0])  # epochs differ
