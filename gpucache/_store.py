@@ -87,17 +87,21 @@ class JpegCache:
     def from_folder(cls, root: str | os.PathLike, *, on_error: Literal["skip", "raise"] = "skip",
                     num_threads: int | None = None, progress: bool = True,
                     max_pixels: int | None = DEFAULT_MAX_PIXELS,
-                    cache_dir: str | os.PathLike | None = None) -> JpegCache:
+                    cache_dir: str | os.PathLike | None = None,
+                    restart_markers: bool = False) -> JpegCache:
         """Pack an ImageFolder tree (``root/<class>/<image>``); labels as torchvision assigns.
         ``max_pixels``: images whose header claims more pixels are refused (None: no bound).
-        Several ranks or ``cache_dir``: built once per node and mapped (README "Multi-GPU")."""
+        Several ranks or ``cache_dir``: built once per node and mapped (README "Multi-GPU").
+        ``restart_markers``: JPEGs transcoded losslessly so crops decode faster (README "Backends")."""
         from ._build import build, scan_folder
         from ._node import built_once
+        from .decode._roi_rst import built_with
 
         paths, labels, classes = scan_folder(Path(root))
-        cache = built_once(cls, lambda: build(cls, paths, labels, classes, None, on_error=on_error,
-                           num_threads=num_threads, progress=progress, max_pixels=max_pixels),
-                           paths, (labels, classes, on_error, max_pixels), cache_dir=cache_dir)
+        cache = built_once(cls, lambda: built_with(build(
+            cls, paths, labels, classes, None, on_error=on_error, num_threads=num_threads,
+            progress=progress, max_pixels=max_pixels), restart_markers, num_threads=num_threads),
+            paths, (labels, classes, on_error, max_pixels, restart_markers), cache_dir=cache_dir)
         cache.max_pixels = max_pixels
         return cache
 
@@ -106,16 +110,19 @@ class JpegCache:
                    metadata: Sequence[str] | None = None, *, classes: Sequence[str] | None = None,
                    on_error: Literal["skip", "raise"] = "skip", num_threads: int | None = None,
                    progress: bool = True, max_pixels: int | None = DEFAULT_MAX_PIXELS,
-                   cache_dir: str | os.PathLike | None = None) -> JpegCache:
+                   cache_dir: str | os.PathLike | None = None,
+                   restart_markers: bool = False) -> JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
-        ``labels`` are ints (``-1`` or None for unlabeled); ``max_pixels`` as in from_folder."""
+        ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder."""
         from . import _sources
         from ._node import built_once
+        from .decode._roi_rst import built_with
 
-        cache = built_once(cls, lambda: _sources.from_files(
+        cache = built_once(cls, lambda: built_with(_sources.from_files(
             cls, paths, labels, metadata, classes=classes, on_error=on_error,
-            num_threads=num_threads, progress=progress, max_pixels=max_pixels), paths,
-            (labels, metadata, classes, on_error, max_pixels), cache_dir=cache_dir)
+            num_threads=num_threads, progress=progress, max_pixels=max_pixels), restart_markers,
+            num_threads=num_threads), paths,
+            (labels, metadata, classes, on_error, max_pixels, restart_markers), cache_dir=cache_dir)
         cache.max_pixels = max_pixels
         return cache
 

@@ -236,7 +236,7 @@ def test_restart_marker_store_gives_the_plain_stores_output(cache, tmp_path):
     png = tmp_path / "x.png"
     Image.fromarray(natural_image(64, 48, seed=2)).save(png)
     plain = JpegCache.from_files([*cache.paths, png], progress=False)
-    rst = _roi_rst.restart_store(plain)
+    rst = JpegCache.from_files([*cache.paths, png], progress=False, restart_markers=True)
     ks = _roi_rst.intervals(rst)
     assert ks is not None and (ks[:-1] > 0).all() and ks[-1] == 0  # the PNG stays as it was
     reopened = JpegCache.open(rst.save(tmp_path / "rst.gpucache"))

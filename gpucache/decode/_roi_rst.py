@@ -208,3 +208,9 @@ def restart_store(cache, *, num_threads: int | None = None):
     samples["kind"][ks > 0] = Kind.JPEG
     return cache._replace(data=data, offsets=offsets, samples=samples,
                           extra={**cache.extra, SECTION: ks})
+
+
+def built_with(cache, restart_markers: bool, *, num_threads: int | None = None):
+    """``cache`` itself, or with ``restart_markers`` its restart-marker transcode (the builders'
+    ``restart_markers=`` option)."""
+    return restart_store(cache, num_threads=num_threads) if restart_markers else cache
