@@ -104,12 +104,16 @@ def test_bad_subsets_and_weights_are_clear_errors(cache):
 @pytest.mark.skipif(not HYMENOPTERA.is_dir(), reason=f"real photos not at {HYMENOPTERA}")
 def test_class_balanced_sampling_on_real_photos():
     cache = JpegCache.from_folder(HYMENOPTERA / "train", progress=False)
-    counts = np.bincount(cache.labels)
-    weights = 1.0 / counts[cache.labels]  # class-balanced
+    ants, bees = np.flatnonzero(cache.labels == 0), np.flatnonzero(cache.labels == 1)
+    subset = np.concatenate([ants, bees[:20]])  # an imbalanced split of one store
+    counts = np.bincount(cache.labels[subset])
+    weights = 1.0 / counts[cache.labels[subset]]  # class-balanced within the split
     loader = GpuCachedLoader(cache, batch_size=8, device="cpu", num_workers=0, seed=1,
-                             weights=weights, num_samples=4000)
-    drawn = np.bincount(cache.labels[loader.epoch_indices(0)], minlength=len(counts))
-    assert np.abs(drawn / drawn.sum() - 0.5).max() < 0.03, drawn
+                             indices=subset, weights=weights, num_samples=4000)
+    order = loader.epoch_indices(0)
+    assert set(order.tolist()) <= set(subset.tolist())
+    drawn = np.bincount(cache.labels[order], minlength=2)
+    assert np.abs(drawn / drawn.sum() - 0.5).max() < 0.03, (counts, drawn)
     val = np.flatnonzero(cache.labels == 1)[:12]  # a split of real photos, decoded
     sub = GpuCachedLoader(cache, batch_size=6, device="cpu", num_workers=0, indices=val)
     labels = torch.cat([y for _, y in sub])
