@@ -159,8 +159,11 @@ class _HFImage:
         self.name, self.nbytes = name, nbytes
 
     def readinto(self, slot: memoryview) -> None:
-        cell = self._table[self._row].column(self._column)[0]["bytes"]
-        slot[:] = memoryview(cell.as_buffer()).cast("B")  # Arrow's buffer, copied once
+        try:
+            cell = self._table[self._row].column(self._column)[0]["bytes"]
+            slot[:] = memoryview(cell.as_buffer()).cast("B")  # Arrow's buffer, copied once
+        except Exception as err:  # the build reports OSError as this sample's skip reason
+            raise OSError(f"cannot read row {self._row} of the dataset: {err}") from err
 
 
 def from_hf(cls, dataset, *, image_column: str = "image", label_column: str | None = "label",
