@@ -105,13 +105,37 @@ def measure(cache, device: torch.device, *, batch: int, runs: int, train_ratio: 
             break
     for be in backends.values():
         be.close()
+    control = _parallel_control(step, len(batches), device) if step_kind == "matmul" else None
     med = {k: statistics.median(v) for k, v in times.items()}
     bound = max(med["decode"], med["train"])
     return {"runs": len(times["sync"]), "batches": len(batches), "batch": batch, "step": step_kind,
             "median_s": med, "all_s": times,
             "threaded_over_max": med["threaded"] / bound,
             "sync_over_sum": med["sync"] / (med["decode"] + med["train"]),
-            "speedup_threaded_vs_sync": med["sync"] / med["threaded"]}
+            "speedup_threaded_vs_sync": med["sync"] / med["threaded"],
+            "parallel_control": control}
+
+
+def _parallel_control(step, n: int, device: torch.device) -> float:
+    """Time of ``n`` steps in each of two threads / ``n`` steps in one: 1.0 when this process
+    gets a second core, 2.0 when it does not (then CPU work cannot overlap, whatever the code)."""
+    import threading
+
+    def steps() -> None:
+        for _ in range(n):
+            step()
+        sync(device)
+
+    t0 = time.perf_counter()
+    steps()
+    one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=steps) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return (time.perf_counter() - t0) / one
 
 
 def main() -> int:
@@ -143,6 +167,9 @@ def main() -> int:
     print(f"sync / (decode + train)      {r['sync_over_sum']:8.2f}")
     print(f"threaded / max(decode, train) {r['threaded_over_max']:7.2f}")
     print(f"speedup threaded vs sync     {r['speedup_threaded_vs_sync']:8.2f}x")
+    if r["parallel_control"] is not None:
+        print(f"control: 2 threads of steps / 1 {r['parallel_control']:7.2f} (1.0: a free core for "
+              "the decode thread; 2.0: none, so CPU work cannot overlap)")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Decode backends behind one interface (:class:`~gpucache.decode._base.Backend`).
 
 - ``cpu``: worker processes decoding with libjpeg-turbo (``cpu_backend``)
-- ``nvjpeg``: batched nvJPEG on a side CUDA stream (``nvjpeg``)
+- ``nvjpeg``: batched nvJPEG in a background thread with its own CUDA streams (``nvjpeg``)
 - ``dali``: an NVIDIA DALI pipeline; CPU-only mode on a CPU device (``dali``)
 
 ``auto`` picks dali when it is importable and the device is CUDA, else nvjpeg on CUDA, else cpu.
