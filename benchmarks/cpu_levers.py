@@ -6,7 +6,8 @@ Single-threaded, interleaved rounds, medians; every variant is checked (output s
 alternative decoders give the same pixels or the stated difference). Rows:
 - pil: what DataLoader + ImageFolder + PIL + torchvision v2 RandomResizedCrop runs per image;
 - gpucache full: libjpeg-turbo decode (torchcodec) + the plan (crop, uint8 antialiased resize, flip);
-- gpucache ROI: decode_batch, which decodes only the crop box (nvImageCodec CPU, when installed);
+- gpucache ROI: decode_batch, which decodes only the crop box (gpucache's compiled libjpeg-turbo
+  region decoder; nvImageCodec's CPU backend as well when both are there);
 - gpucache restart-marker ROI: the same on a restart-marker store (only the crop's segments decoded);
 - decode only: the share of the full path's time that is full-frame JPEG decoding;
 - simplejpeg, simplejpeg fast: another libjpeg-turbo binding, accurate and fast-DCT/fast-upsample;
@@ -61,6 +62,15 @@ def main() -> None:
         for i in idx:
             decode_sample(cache, i)
 
+    def no_c(run):
+        def wrapped():
+            _roi.USE_C = False
+            try:
+                run()
+            finally:
+                _roi.USE_C = True
+        return wrapped
+
     def batch(store):
         def run():
             out = decode_batch(store, idx, plans, on_error="raise", stack=True)
@@ -69,12 +79,15 @@ def main() -> None:
 
     rows = {"pil (DataLoader+PIL per-image work)": pil, "gpucache full decode + plan": ours}
     ref = torch.stack([apply_plan(decode_sample(cache, i), p) for i, p in zip(idx, plans)])
-    if _roi.available():  # checked: ROI output is the full path's, bit for bit
+    if _roi.route() is not None:  # checked: ROI output is the full path's, bit for bit
         got = decode_batch(cache, idx, plans, on_error="raise", stack=True)
         assert torch.equal(got.images, ref) and got.roi_decoded > 0
-        rows["gpucache ROI decode + plan"] = batch(cache)
+        rows[f"gpucache ROI decode + plan ({_roi.route()})"] = batch(cache)
+        if _roi.route() == "libjpeg-turbo" and _roi._nvimgcodec is not None:
+            rows["gpucache ROI decode + plan (nvimgcodec)"] = no_c(batch(cache))
         if _roi_rst.transcoder_available():
             rst = _roi_rst.restart_store(cache)
+            print(f"restart-marker store: {rst.nbytes / cache.nbytes - 1:+.1%} bytes")
             got = decode_batch(rst, idx, plans, on_error="raise", stack=True)
             assert torch.equal(got.images, ref) and got.roi_decoded > 0
             rows["gpucache restart-marker ROI + plan"] = batch(rst)

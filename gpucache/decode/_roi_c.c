@@ -165,3 +165,25 @@ int gc_transcode_restart(const unsigned char *in, unsigned long n, unsigned char
 }
 
 void gc_free(void *p) { free(p); }
+
+/* Offsets of the 0xFF of every RSTn marker in in[start:n] (at most cap, into pos) and of the
+ * first EOI (into *eoi, n if none). Returns the number of RSTn markers, or -1 past cap. In entropy-
+ * coded data 0xFF is followed by 0x00 (stuffing), so any other pair is a marker. */
+long gc_find_restarts(const unsigned char *in, unsigned long n, unsigned long start,
+                      long long *pos, long cap, long long *eoi) {
+  const unsigned char *p = in + start, *end = in + n;
+  long count = 0;
+  *eoi = (long long)n;
+  while (p + 1 < end && (p = memchr(p, 0xFF, (size_t)(end - p - 1))) != NULL) {
+    unsigned char m = p[1];
+    if (m >= 0xD0 && m <= 0xD7) {
+      if (count == cap) return -1;
+      pos[count++] = (long long)(p - in);
+    } else if (m == 0xD9) {
+      *eoi = (long long)(p - in);
+      break;
+    }
+    p += 2;
+  }
+  return count;
+}

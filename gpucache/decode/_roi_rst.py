@@ -36,6 +36,10 @@ def _load():
             ctypes.POINTER(ctypes.c_ulong), ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
             ctypes.c_int]
         lib.gc_free.argtypes = [ctypes.c_void_p]
+        lib.gc_find_restarts.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong,
+                                         ctypes.c_void_p, ctypes.c_long,
+                                         ctypes.POINTER(ctypes.c_longlong)]
+        lib.gc_find_restarts.restype = ctypes.c_long
         _sig.append(True)
     return lib
 
@@ -100,17 +104,32 @@ class Layout:
         if per_row % k:
             raise ValueError("restart interval does not divide the MCU row")
         self.segs_per_row, self.seg_w = per_row // k, k * self.mcu_w
-        ent = data[sos_end:]
-        ff = np.flatnonzero(ent[:-1] == 0xFF)
-        nxt = ent[ff + 1]
-        self.rst = ff[(nxt >= 0xD0) & (nxt <= 0xD7)] + sos_end  # the FF of each RSTn
-        eoi = ff[nxt == 0xD9]
-        end = int(eoi[-1]) + sos_end if len(eoi) else len(data)
+        self.rst, end = _restarts(data, sos_end, rows * self.segs_per_row - 1)
         if len(self.rst) + 1 != rows * self.segs_per_row:
             raise ValueError(f"{len(self.rst) + 1} restart segments, expected "
                              f"{rows * self.segs_per_row}")
         self.starts = np.concatenate(([sos_end], self.rst + 2))
         self.ends = np.concatenate((self.rst, [end]))
+
+
+def _restarts(data: np.ndarray, start: int, expected: int) -> tuple[np.ndarray, int]:
+    """Offsets of the FF of each RSTn marker after ``start``, and of the EOI marker."""
+    lib = _load()
+    if lib is not None:  # one memchr pass in C
+        pos = np.empty(max(expected, 0) + 1, dtype=np.int64)
+        eoi = ctypes.c_longlong()
+        arr = np.ascontiguousarray(data)
+        count = lib.gc_find_restarts(arr.ctypes.data, len(arr), start, pos.ctypes.data,
+                                     len(pos), ctypes.byref(eoi))
+        if count >= 0:
+            return pos[:count], eoi.value
+    ent = data[start:]
+    ff = np.flatnonzero(ent[:-1] == 0xFF)
+    nxt = ent[ff + 1]
+    eoi = ff[nxt == 0xD9]
+    end = int(eoi[0]) + start if len(eoi) else len(data)
+    rst = ff[(nxt >= 0xD0) & (nxt <= 0xD7)] + start
+    return rst[rst < end], end
 
 
 def segment_jpeg(data: np.ndarray, lay: Layout, top: int, left: int, h: int, w: int
