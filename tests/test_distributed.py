@@ -33,6 +33,7 @@ from gpucache.testing import make_jpeg_folder
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is measured on Linux"),
     pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed"),
+    pytest.mark.timeout(900),  # torchrun launches; slow on a loaded 2-core machine
 ]
 REPO = Path(__file__).resolve().parent.parent
 BATCH, SAVE_AT = 8, 2
