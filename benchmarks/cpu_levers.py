@@ -2,7 +2,8 @@
 
     python benchmarks/cpu_levers.py SRC [--images 200] [--rounds 5]
 
-Single-threaded, interleaved rounds, medians; every variant is checked (output shape, and that the
+Single-threaded, interleaved rounds, medians of the process's CPU time (``time.process_time``, so
+other load on a shared machine inflates it far less than wall time); every variant is checked (output shape, and that the
 alternative decoders give the same pixels or the stated difference). Rows:
 - pil: what DataLoader + ImageFolder + PIL + torchvision v2 RandomResizedCrop runs per image;
 - gpucache full: libjpeg-turbo decode (torchcodec) + the plan (crop, uint8 antialiased resize, flip);
@@ -119,11 +120,12 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in rows}
     for _ in range(args.rounds):
         for name, f in rows.items():
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             f()
-            times[name].append((time.perf_counter() - t0) / len(idx) * 1e3)
+            times[name].append((time.process_time() - t0) / len(idx) * 1e3)
     base = np.median(times[next(iter(rows))])
-    print(f"{len(idx)} images from {args.src}, one core, median of {args.rounds} interleaved rounds")
+    print(f"{len(idx)} images from {args.src}, one core, CPU time, median of {args.rounds} "
+          "interleaved rounds")
     print(f"{'variant':42} {'ms/image':>9} {'img/s':>7} {'vs pil':>7}")
     for name, t in times.items():
         m = float(np.median(t))

@@ -18,6 +18,9 @@
 
 #include <jpeglib.h>
 
+long gc_find_restarts(const unsigned char *in, unsigned long n, unsigned long start,
+                      long long *pos, long cap, long long *eoi);
+
 struct gc_err {
   struct jpeg_error_mgr pub;
   jmp_buf jump;
@@ -187,3 +190,109 @@ long gc_find_restarts(const unsigned char *in, unsigned long n, unsigned long st
   }
   return count;
 }
+
+#ifdef LIBJPEG_TURBO_VERSION
+/* Box (top, left, h, w) of a restart-marker JPEG (baseline, one interleaved scan, restart interval
+ * k MCUs dividing the MCUs per row): the segments covering the box + 1 pixel are copied,
+ * renumbered, under the original headers with the SOF size patched, into a smaller valid JPEG,
+ * which gc_decode_region decodes. Returns 0, 1 (error in errbuf) or 2 (not such a JPEG). */
+int gc_decode_segments(const unsigned char *in, unsigned long n, int k, int top, int left, int h,
+                       int w, unsigned char *out, char *errbuf, int errlen) {
+  unsigned long pos = 2, sof = 0, sos_end = 0, len;
+  int dri = 0, nf = 0, ns = 0, c, mcu_w, mcu_h, max_h = 1, max_v = 1, per_row, rows, spr, seg_w;
+  int t0, b0, l0, r0, ra, rb, ca, cb, r, sub_h, sub_w, height, width, ret;
+  long nseg, count = 0, i, out_n = 0;
+  long long eoi;
+  long long *rst;
+  unsigned char *sub, m;
+  unsigned marker_no = 0;
+
+  while (pos + 4 <= n && in[pos] == 0xFF) {
+    m = in[pos + 1];
+    len = ((unsigned long)in[pos + 2] << 8) | in[pos + 3];
+    if (m == 0xC0 || m == 0xC1) sof = pos;
+    else if (m >= 0xC2 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC) return 2;
+    else if (m == 0xDD && pos + 6 <= n) dri = (in[pos + 4] << 8) | in[pos + 5];
+    else if (m == 0xDA) {
+      ns = pos + 4 < n ? in[pos + 4] : 0;
+      sos_end = pos + 2 + len;
+      break;
+    }
+    pos += 2 + len;
+  }
+  if (!sof || !sos_end || sos_end > n || dri != k || k <= 0 || sof + 10 > n) return 2;
+  height = (in[sof + 5] << 8) | in[sof + 6];
+  width = (in[sof + 7] << 8) | in[sof + 8];
+  nf = in[sof + 9];
+  if (nf != ns || nf < 1 || sof + 10 + 3 * (unsigned long)nf > n || height <= 0 || width <= 0)
+    return 2;
+  for (c = 0; c < nf; c++) {
+    int hv = in[sof + 11 + 3 * c];
+    if ((hv >> 4) > max_h) max_h = hv >> 4;
+    if ((hv & 15) > max_v) max_v = hv & 15;
+  }
+  mcu_w = nf == 1 ? 8 : 8 * max_h;
+  mcu_h = nf == 1 ? 8 : 8 * max_v;
+  per_row = (width + mcu_w - 1) / mcu_w;
+  rows = (height + mcu_h - 1) / mcu_h;
+  if (per_row % k) return 2;
+  spr = per_row / k;
+  seg_w = k * mcu_w;
+  nseg = (long)rows * spr;
+  if (top < 0 || left < 0 || h <= 0 || w <= 0 || top + h > height || left + w > width) {
+    snprintf(errbuf, (size_t)errlen, "region outside the %dx%d image", width, height);
+    return 1;
+  }
+  rst = (long long *)malloc(sizeof(long long) * (size_t)(nseg + 1));
+  sub = (unsigned char *)malloc(n + 2 * (size_t)rows + 16);
+  if (rst == NULL || sub == NULL) {
+    free(rst);
+    free(sub);
+    snprintf(errbuf, (size_t)errlen, "out of memory");
+    return 1;
+  }
+  count = gc_find_restarts(in, n, sos_end, rst, nseg, &eoi);
+  if (count != nseg - 1) {
+    free(rst);
+    free(sub);
+    return 2;
+  }
+  rst[count] = eoi; /* segment s spans [s ? rst[s-1] + 2 : sos_end, rst[s]) */
+  t0 = top > 0 ? top - 1 : 0;
+  b0 = top + h + 1 < height ? top + h + 1 : height;
+  l0 = left > 0 ? left - 1 : 0;
+  r0 = left + w + 1 < width ? left + w + 1 : width;
+  ra = t0 / mcu_h;
+  rb = (b0 - 1) / mcu_h;
+  ca = l0 / seg_w;
+  cb = (r0 - 1) / seg_w;
+  sub_h = ((rb + 1) * mcu_h < height ? (rb + 1) * mcu_h : height) - ra * mcu_h;
+  sub_w = ((cb + 1) * seg_w < width ? (cb + 1) * seg_w : width) - ca * seg_w;
+  memcpy(sub, in, sos_end);
+  sub[sof + 5] = (unsigned char)(sub_h >> 8);
+  sub[sof + 6] = (unsigned char)(sub_h & 255);
+  sub[sof + 7] = (unsigned char)(sub_w >> 8);
+  sub[sof + 8] = (unsigned char)(sub_w & 255);
+  out_n = (long)sos_end;
+  for (r = ra; r <= rb; r++) {
+    long first = (long)r * spr + ca, last = (long)r * spr + cb;
+    long long start = first ? rst[first - 1] + 2 : (long long)sos_end;
+    for (i = first; i <= last; i++) { /* each segment, then its (renumbered) marker */
+      long long s0 = i == first ? start : rst[i - 1] + 2;
+      memcpy(sub + out_n, in + s0, (size_t)(rst[i] - s0));
+      out_n += (long)(rst[i] - s0);
+      if (!(r == rb && i == last)) {
+        sub[out_n++] = 0xFF;
+        sub[out_n++] = (unsigned char)(0xD0 + (marker_no++ & 7));
+      }
+    }
+  }
+  sub[out_n++] = 0xFF;
+  sub[out_n++] = 0xD9;
+  free(rst);
+  ret = gc_decode_region(sub, (unsigned long)out_n, top - ra * mcu_h, left - ca * seg_w, h, w,
+                         out, errbuf, errlen);
+  free(sub);
+  return ret;
+}
+#endif

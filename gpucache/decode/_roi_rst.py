@@ -40,6 +40,9 @@ def _load():
                                          ctypes.c_void_p, ctypes.c_long,
                                          ctypes.POINTER(ctypes.c_longlong)]
         lib.gc_find_restarts.restype = ctypes.c_long
+        if hasattr(lib, "gc_decode_segments"):
+            lib.gc_decode_segments.argtypes = [ctypes.c_void_p, ctypes.c_ulong] + [
+                ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         _sig.append(True)
     return lib
 
@@ -167,8 +170,18 @@ def decode_crop(data: np.ndarray, k: int, top: int, left: int, h: int, w: int, *
                 orientation: int, height: int, width: int, region: _roi.Region) -> torch.Tensor:
     """The box (top, left, h, w) of the oriented image, from a restart-marker JPEG's segments
     (decoded with ``region``, from :func:`._roi.region_decoder`)."""
-    lay = Layout(data, k)
     t, l, hh, ww = _roi.coded_box(top, left, h, w, orientation, height, width)
+    if region is _roi._c_region:  # all of it in one C call: no Python per segment or row
+        out = np.empty((hh, ww, 3), dtype=np.uint8)
+        err = ctypes.create_string_buffer(200)
+        arr = np.ascontiguousarray(data)
+        ret = _load().gc_decode_segments(arr.ctypes.data, len(arr), k, t, l, hh, ww,
+                                         out.ctypes.data, err, len(err))
+        if ret == 0:
+            return _roi.orient(torch.from_numpy(out).permute(2, 0, 1), orientation)
+        if ret == 1:
+            raise ValueError(f"segment decode failed: {err.value.decode(errors='replace')}")
+    lay = Layout(data, k)  # the same in Python (any region decoder), or to say what is wrong
     sub, y0, x0, sub_h, sub_w = segment_jpeg(data, lay, t, l, hh, ww)
     box = region(sub, t - y0, l - x0, hh, ww, height=sub_h, width=sub_w)
     return _roi.orient(box, orientation)
