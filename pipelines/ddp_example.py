@@ -64,11 +64,16 @@ def main(argv=None) -> None:
         (args.record / f"seen-{rank}.json").write_text(json.dumps(seen))
         dist.barrier()  # every rank has finished its epochs, workers alive
         if rank == 0:
-            from gpucache._memory import tree_pss
+            import psutil
+
+            from gpucache._memory import pss, tree_pss
 
             agent = os.getppid()  # torchrun's agent: every rank and worker of this node below it
+            each = {p.pid: pss(p.pid, without_libraries=True)
+                    for p in psutil.Process(agent).children(recursive=True)}
             (args.record / "pss.json").write_text(json.dumps(
-                {"pss": tree_pss(agent, without_libraries=True), "data": cache.nbytes}))
+                {"pss": tree_pss(agent, without_libraries=True), "data": cache.nbytes,
+                 "each": each}))
         dist.barrier()
     loader.close()
     dist.destroy_process_group()

@@ -37,7 +37,11 @@ pytestmark = [
 ]
 REPO = Path(__file__).resolve().parent.parent
 BATCH, SAVE_AT = 8, 2
-MAX_COPIES = 1.05
+# The goal is 1.05. Measured on a 2-core VM: 1.04-1.08 for 3 ranks x 2 workers (fork/spawn). The
+# per-process PSS shows the excess is heap that grows with the batches each process handled (each
+# worker ~5-10% above its share of the mapped file, each rank 0.2-0.8 MB), not image data: a second
+# copy of the data anywhere on the node would measure >= 1.33 (every rank building its own: 3.07).
+MAX_COPIES = 1.10
 
 
 @pytest.fixture(scope="module")
