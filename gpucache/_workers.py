@@ -224,6 +224,10 @@ class WorkerPool:
         poller.register(self._wake[0], select.POLLIN)
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
+            if not link.ready:
+                raise WorkerError(f"{link} did not start within timeout={self.timeout}s "
+                                  f"({self.method} start method; a new worker imports torch "
+                                  "first, slow on a busy machine). Raise timeout=.")
             part = f" (it stopped after {got} of {size} bytes)" if got else ""
             raise WorkerError(f"{link} returned no batch within timeout={self.timeout}s while "
                               f"decoding samples {_span(indices)}{part}; it is hung or stopped "

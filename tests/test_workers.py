@@ -1,0 +1,253 @@
+"""The CPU worker protocol under failure: big batches, stopped, killed and dying processes, shutdown.
+
+Real worker processes under fork, spawn and forkserver, real JPEGs. Cases where a parent dies run in
+child processes (forked from one helper so torch is imported once).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from gpucache import GpuCachedLoader, JpegCache, WorkerError
+from gpucache import transforms as T
+from gpucache.testing import make_jpeg_bytes
+
+SIZE = T.Resize((16, 16))  # fixed size: a batch is one stacked tensor of 768 bytes per image
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    """3000 samples of 16x16 JPEGs, saved: a batch of 500 is 384 KB, more than a socket buffer."""
+    root = tmp_path_factory.mktemp("tiny")
+    files = []
+    for i in range(12):
+        files.append(root / f"{i}.jpg")
+        files[-1].write_bytes(make_jpeg_bytes(16, 16, seed=i))
+    cache = JpegCache.from_files([files[i % 12] for i in range(3000)],
+                                 [i % 3 for i in range(3000)], progress=False)
+    return str(cache.save(root / "tiny.gpuc"))
+
+
+@pytest.fixture(scope="module")
+def cache(store_path):
+    return JpegCache.open(store_path)
+
+
+def _gone(pids, within: float) -> list[int]:
+    """The pids still running (zombies count as gone) after waiting up to ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("batch_size, workers, prefetch", [(3000, 1, 2), (3000, 1, 4),
+                                                          (1000, 1, 8), (512, 2, 8)])
+def test_big_batches_never_deadlock(cache, batch_size, workers, prefetch):
+    # A task of 3000 samples is 288 KB of plans, a socket takes ~300 KB: with more than one task
+    # queued behind the one being decoded, the old protocol blocked in send while the worker
+    # blocked sending its (2.3 MB) result.
+    with GpuCachedLoader(cache, batch_size=batch_size, num_workers=workers, device="cpu",
+                         prefetch_factor=prefetch, transform=SIZE, timeout=60,
+                         multiprocessing_context="fork") as loader:
+        seen = [len(labels) for _, labels in loader]
+    assert sum(seen) == len(cache) and seen[0] == batch_size
+
+
+def _blocked_mid_send(cache, *, timeout):
+    """A loader whose single worker is blocked sending a 384 KB result nobody reads yet."""
+    loader = GpuCachedLoader(cache, batch_size=500, num_workers=1, device="cpu", transform=SIZE,
+                             timeout=timeout, multiprocessing_context="fork")
+    it = iter(loader)
+    next(it)
+    time.sleep(1.0)  # the worker decodes the next batch and fills the socket
+    return loader, it
+
+
+@pytest.mark.timeout(60)
+def test_stopped_worker_is_an_error_within_the_timeout(cache):
+    loader, it = _blocked_mid_send(cache, timeout=2)
+    pid = loader.worker_pids[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=rf"worker 0 \(pid {pid}\) returned no batch within "
+                                              r"timeout=2s while decoding samples \["):
+            next(it)
+        assert time.monotonic() - start < 3
+        assert loader.worker_pids == [] and _gone([pid], 2) == []  # a stopped worker is killed
+    finally:
+        loader.close()
+
+
+@pytest.mark.timeout(60)
+def test_worker_killed_mid_send_names_worker_pid_and_samples(cache):
+    loader, it = _blocked_mid_send(cache, timeout=20)
+    pid = loader.worker_pids[0]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerError, match=rf"worker 0 \(pid {pid}\) was killed by signal SIGKILL "
+                                          r"while sending its result for samples \[.*\(500\)"):
+        next(it)
+    assert loader.worker_pids == []
+
+
+@pytest.mark.timeout(60)
+def test_close_mid_epoch_stops_four_busy_workers_in_under_a_second(cache):
+    loader = GpuCachedLoader(cache, batch_size=500, num_workers=4, device="cpu", transform=SIZE,
+                             prefetch_factor=2, multiprocessing_context="fork")
+    it = iter(loader)
+    next(it)
+    time.sleep(0.5)  # every worker is decoding or blocked sending a result
+    pids = loader.worker_pids
+    start = time.monotonic()
+    loader.close()
+    assert time.monotonic() - start < 1.0
+    assert _gone(pids, 0) == []
+
+
+@pytest.mark.timeout(60)
+def test_close_from_another_thread_is_a_clean_error(cache):
+    loader = GpuCachedLoader(cache, batch_size=50, num_workers=2, device="cpu", transform=SIZE,
+                             multiprocessing_context="fork")
+    next(iter(loader))
+    pids = loader.worker_pids
+    closer = threading.Timer(0.3, loader.close)
+    closer.start()
+    got = 0
+    with pytest.raises(WorkerError, match="closed"):
+        for _ in loader:
+            got += 1
+            time.sleep(0.02)
+    closer.join()
+    assert 0 < got < 60 and _gone(pids, 1) == []
+    assert len(list(loader)) == 60  # iterating again starts new workers
+
+
+def _raise_in_worker(worker_id):
+    if worker_id == 1:
+        raise RuntimeError("boom from worker_init_fn")
+
+
+@pytest.mark.timeout(60)
+def test_raising_worker_init_fn_reports_its_traceback(cache):
+    loader = GpuCachedLoader(cache, batch_size=50, num_workers=2, device="cpu",
+                             worker_init_fn=_raise_in_worker, multiprocessing_context="fork")
+    with pytest.raises(WorkerError) as err:
+        for _ in loader:
+            pass
+    msg = str(err.value)
+    assert "worker 1" in msg and "failed in worker_init_fn: RuntimeError: boom" in msg
+    assert "Traceback" in msg and "_raise_in_worker" in msg and "OOM" not in msg
+
+
+NO_MAIN_GUARD = """
+import sys
+from gpucache import GpuCachedLoader, JpegCache
+loader = GpuCachedLoader(JpegCache.open(sys.argv[1]), batch_size=4, num_workers=1,
+                         device="cpu", multiprocessing_context="spawn")
+next(iter(loader))
+"""
+
+
+@pytest.mark.timeout(300)  # the script and its worker each import torch: slow on a busy machine
+def test_spawn_worker_dying_at_start_up_names_the_missing_main_guard(store_path, tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_MAIN_GUARD)
+    out = subprocess.run([sys.executable, str(script), store_path], capture_output=True,
+                         text=True, timeout=280, cwd=tmp_path)
+    err = out.stderr.rsplit("Traceback (most recent call last)", 1)[-1]  # the parent's, last
+    assert "WorkerError: worker 0" in err and "before it started (spawn start method)" in err
+    assert 'if __name__ == "__main__":' in err and "OOM" not in err
+
+
+# One helper imports torch once and forks one parent per case; each parent starts a loader,
+# reads one batch (its workers keep decoding or sit blocked sending) and reports its pids.
+PARENTS = textwrap.dedent("""
+    import json, os, signal, sys, time
+    from gpucache import GpuCachedLoader, JpegCache
+    from gpucache import transforms as T
+
+
+    def parent(cache, method, sig, workers):
+        loader = GpuCachedLoader(cache, batch_size=500, num_workers=workers, device="cpu",
+                                 transform=T.Resize((16, 16)), multiprocessing_context=method)
+        next(iter(loader))
+        print(json.dumps({"case": [method, sig, workers], "pid": os.getpid(),
+                          "workers": loader.worker_pids}), flush=True)
+        # Ctrl-C arrives mid-epoch, in the loader or in the loop body (Python's own handler, even
+        # when this test runs where SIGINT is ignored)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        while sig == "SIGINT":
+            for _ in loader:
+                time.sleep(0.01)
+        time.sleep(300)
+
+
+    if __name__ == "__main__":
+        cache = JpegCache.open(sys.argv[1])
+        kids = []
+        for case in json.loads(sys.argv[2]):
+            kids.append(os.fork())
+            if kids[-1] == 0:
+                parent(cache, *case)
+                os._exit(0)
+        for pid in kids:
+            os.waitpid(pid, 0)
+""")
+
+CASES = [(m, s, 4 if m == "fork" else 1) for m in ("fork", "spawn", "forkserver")
+         for s in ("SIGKILL", "SIGTERM")] + [("fork", "SIGINT", 4)]
+
+
+@pytest.fixture(scope="module")
+def parents_killed(store_path, tmp_path_factory):
+    """Signal each parent; seconds until its workers (and every other descendant) are gone."""
+    script = tmp_path_factory.mktemp("parents") / "parents.py"
+    script.write_text(PARENTS)
+    helper = subprocess.Popen([sys.executable, str(script), store_path, json.dumps(CASES)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        reports = [json.loads(helper.stdout.readline()) for _ in CASES]
+        results = {}
+        for rep in reports:
+            case = tuple(rep["case"])
+            family = [p.pid for p in psutil.Process(rep["pid"]).children(recursive=True)]
+            assert set(rep["workers"]) <= set(family)
+            start = time.monotonic()
+            os.kill(rep["pid"], getattr(signal, case[1]))
+            left = _gone(family, 10)
+            took = time.monotonic() - start
+            # the parent's own exit after Ctrl-C is interpreter teardown: slow on a busy machine
+            results[case] = (took, rep["workers"], left + _gone([rep["pid"]], 60))
+        helper.wait(timeout=20)
+        return results
+    finally:
+        helper.kill()
+        helper.wait()
+
+
+@pytest.mark.timeout(300)  # spawn workers import torch: slow on a loaded machine
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_no_worker_survives_its_parent(parents_killed, case):
+    took, workers, left = parents_killed[case]
+    assert left == [], f"still running {took:.1f} s after {case[1]}: {left}"
+    assert took < 3, f"{case}: the workers took {took:.2f} s to go"
+    assert len(workers) == case[2]
