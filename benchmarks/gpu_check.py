@@ -175,7 +175,7 @@ def ordering(c: Check, name: str) -> dict:
     side = getattr(getattr(backend, "_streams", None), "side", None)  # CUDA nvjpeg only
     heavy = torch.randn(4096, 4096, device=c.device) if side is not None else None
     sums, done = [], 0
-    while done < c.args.iterations and time.perf_counter() < deadline:
+    while done < c.args.iterations and (not done or time.perf_counter() < deadline):
         for k, (_, _, got) in enumerate(c.batches(backend, tf, batch=c.args.batch, seed=2)):
             if side is not None:
                 with torch.cuda.stream(side):  # a busy side stream exposes an early reuse
@@ -209,8 +209,7 @@ def _rate(c: Check, batches, share: float) -> float:
 
 def throughput(c: Check) -> dict:
     out, b = {}, c.args.batch
-    names = ["nvjpeg"] + (["dali"] if dali_available() else [])
-    for name in names:
+    for name in c.names:
         for threaded in ((True, False) if name == "nvjpeg" else (True,)):
             be = c.backend(name, threaded=threaded)
             label = f"gpucache {name}" + ("" if name != "nvjpeg" else
@@ -279,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=1024)
     ap.add_argument("--folder", help="an image folder instead of the synthetic photos")
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--backends", default="nvjpeg,dali",
+                    help="GPU backends to check (dali only when importable)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="time for all parts")
     ap.add_argument("--correctness-batches", type=int, default=4)
     ap.add_argument("--iterations", type=int, default=200, help="ordering-stress batches")
@@ -294,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     c.cache = JpegCache.from_folder(args.folder or cached_jpeg_folder(args.images, seed=0),
                                     progress=False)
     c.part("env", env)
-    names = ["nvjpeg"] + (["dali"] if dali_available() else [])
+    names = [n for n in args.backends.split(",") if n == "nvjpeg" or dali_available()]
+    c.names = names
     for name in names:
         c.part(f"{name} vs cpu", correctness, name)
         c.part(f"{name} ordering", ordering, name)
