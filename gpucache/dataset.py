@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset
 
 from ._store import JpegCache

@@ -11,9 +11,10 @@ The plan is drawn in the main process, so the same seed gives the same crops wha
 count or backend; each backend then executes it (per sample on the CPU, batched on the GPU).
 
 Batch steps follow the geometry and run on the whole batch, on the output device: pixel ops
-(:class:`ToDtype`, :class:`Normalize`, :class:`ColorJitter`, :class:`PerSample`, or any callable such
-as a torchvision v2 transform) and ops that also change the labels (:class:`MixUp`, :class:`CutMix`,
-:class:`WithLabels`). Random ones draw per sample from a generator seeded by (seed, epoch, batch).
+(:class:`ToDtype`, :class:`Normalize`, :class:`ColorJitter`, :class:`PerSample`, or any callable
+such as a torchvision v2 transform) and ops that also change the labels (:class:`MixUp`,
+:class:`CutMix`, :class:`WithLabels`). Random ones draw per sample from a generator seeded by
+(seed, epoch, batch).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""JpegDataset: the store behind a plain torch DataLoader, with real workers under each start method.
+"""JpegDataset: the store behind a plain torch DataLoader, real workers under each start method.
 
 Copies held are measured like tests/test_memory.py does: a fresh child process runs one DataLoader
 epoch (2 persistent workers, alive when measured) over the same 40 JPEGs repeated SMALL and BIG

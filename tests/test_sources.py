@@ -1,4 +1,4 @@
-"""Sources: bytes and file objects, CSV lists, WebDataset tar shards, Hugging Face datasets, the CLI.
+"""Sources: bytes and file objects, CSV lists, WebDataset shards, Hugging Face datasets, the CLI.
 
 Every source is checked byte for byte: the store must hold exactly the encoded bytes it was given
 (no decode, no re-encode), in order, with the right labels and names. Real components: tar shards
@@ -167,8 +167,8 @@ def test_real_photos_through_every_source(tmp_path):
     files = photos(24)
     raw = [f.read_bytes() for f in files]
     labels = [int(f.parent.name == "bees") for f in files]
-    shard = write_shard(tmp_path / "photos.tar", [
-        (f"p{k:04d}", {"jpg": b, "cls": str(y).encode()}) for k, (b, y) in enumerate(zip(raw, labels))])
+    shard = write_shard(tmp_path / "photos.tar", [(f"p{k:04d}", {"jpg": b, "cls": str(y).encode()})
+                                                  for k, (b, y) in enumerate(zip(raw, labels))])
     (tmp_path / "list.csv").write_text("".join(f"{f},{f.parent.name}\n" for f in files))
     caches = {"webdataset": JpegCache.from_webdataset(shard, progress=False),
               "csv": JpegCache.from_csv(tmp_path / "list.csv", progress=False),
