@@ -6,7 +6,7 @@
 ``bytes-spawn``         the same under spawn (every worker unpickles its own copy)
 ``cpu-mem-fork``        GpuCachedLoader, cpu backend, store built in memory, fork workers
 ``cpu-mem-spawn``       the same under spawn (the store is moved to shared memory once)
-``cpu-file-fork``       GpuCachedLoader, cpu backend, store opened from a saved file, fork
+``cpu-file-fork``       GpuCachedLoader, cpu backend, store opened from a saved file, fork (ROI)
 ``cpu-file-spawn``      the same under spawn
 ``cpu-full-fork``       cpu-file-fork with ROI decode off: every JPEG decoded in full, then cropped
 ``cpu-rst-fork``        GpuCachedLoader cpu, the store transcoded with restart markers, fork
@@ -50,8 +50,8 @@ CONTENDERS = {c.name: c for c in (
               "memory", "cpu"),
     Contender("cpu-mem-spawn", "gpucache", "GpuCachedLoader cpu, in-memory store, spawn", "spawn",
               "memory", "cpu"),
-    Contender("cpu-file-fork", "gpucache", "GpuCachedLoader cpu, store opened from file, fork",
-              "fork", "file", "cpu"),
+    Contender("cpu-file-fork", "gpucache", "GpuCachedLoader cpu, store opened from file, fork "
+              "(crops decoded region-only)", "fork", "file", "cpu"),
     Contender("cpu-file-spawn", "gpucache", "GpuCachedLoader cpu, store opened from file, spawn",
               "spawn", "file", "cpu"),
     Contender("cpu-full-fork", "gpucache", "GpuCachedLoader cpu, file store, fork, ROI decode off "
