@@ -1,7 +1,7 @@
-"""One-call GPU check: correctness, stream-ordering stress, throughput, overlap, GPU memory per epoch.
+"""One-call GPU check: correctness, stream-ordering stress, throughput, overlap, GPU memory.
 
     PYTHONPATH=. python benchmarks/gpu_check.py --json gpu_check.json          # on a CUDA machine
-    PYTHONPATH=. python benchmarks/gpu_check.py --emulate --json emulated.json # CPU device, same code
+    PYTHONPATH=. python benchmarks/gpu_check.py --emulate --json emulated.json # CPU, same code
 
 Parts, each in its own try (an error is printed and recorded, the next part runs) and the JSON
 rewritten after each, so a crash still leaves figures; each part stops at its share of --budget-s:
@@ -74,7 +74,9 @@ class Check:
             torch.cuda.synchronize(self.device)
 
     def decoder(self):
-        return torchvision_decoder(self.device) if self.args.emulate else default_decoder(self.device)
+        if self.args.emulate:  # torchvision's, which ignores EXIF on CUDA and here alike
+            return torchvision_decoder(self.device)
+        return default_decoder(self.device)
 
     def backend(self, name: str, *, threaded: bool = True, batch: int | None = None):
         if name == "nvjpeg":

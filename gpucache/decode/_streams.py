@@ -22,7 +22,7 @@ import torch
 
 
 def check_on_device(tensors: Iterable[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The tensors, after checking that every one is on ``device`` (what ``record_stream`` needs)."""
+    """The tensors, after checking each is on ``device`` (what ``record_stream`` needs)."""
     tensors = list(tensors)
     stray = sorted({str(t.device) for t in tensors if t.device != device})
     if stray:

@@ -7,9 +7,9 @@ flight. Per batch, in that thread:
 
 1. the pixel budget refuses oversized samples; the rest split into what the batched decoder takes
    and what the CPU decodes (:func:`~gpucache.decode._fallback.split`);
-2. one batched ``decode_jpeg(list, device=...)`` call (:mod:`._batched`: TorchCodec's when installed,
-   else torchvision's) reads zero-copy views of the store; its outputs are allocated on a dedicated
-   stream (:mod:`._streams`); EXIF orientation is applied when the decoder does not apply it;
+2. one batched ``decode_jpeg(list, device=...)`` call (:mod:`._batched`: TorchCodec's when
+   installed, else torchvision's) reads zero-copy views of the store; its outputs are allocated
+   on a dedicated stream (:mod:`._streams`); EXIF orientation is applied if the decoder skips it;
 3. each image runs its plan (:func:`~gpucache.decode.cpu.apply_plan`, the CPU backend's function);
    if the batched call fails (one corrupt JPEG fails it all) the batch is decoded one sample at a
    time, and what the decoder still rejects is retried on the CPU before it is reported;
@@ -89,7 +89,7 @@ class NvjpegBackend(Backend):
     def _decode_all(self, data: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         try:
             return list(self.decoder.decode(data))
-        except Exception:  # noqa: BLE001  # one bad JPEG fails the batched call: find it sample by sample
+        except Exception:  # noqa: BLE001 - one bad JPEG fails the batched call: find it
             out: list[torch.Tensor | Exception] = []
             for d in data:
                 try:
@@ -100,7 +100,7 @@ class NvjpegBackend(Backend):
 
     def _decode_gpu(self, indices: np.ndarray, plans: np.ndarray,
                     positions: np.ndarray) -> list[Part]:
-        """Batched decode of ``indices[positions]``; what the decoder rejects is tried on the CPU."""
+        """Batched decode of ``indices[positions]``; what the decoder rejects tries the CPU."""
         if not len(positions):
             return []
         data = [self.cache._bytes_tensor(int(i)) for i in indices[positions].tolist()]
