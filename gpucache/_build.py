@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ._format import pack_strings
 from ._limits import DEFAULT_MAX_PIXELS, over_budget
+from ._readonly import writable_buffer
 from ._sniff import SAMPLE_DTYPE, Kind, SniffError, sniff
 
 log = logging.getLogger("gpucache")
@@ -269,7 +270,7 @@ def build(cls, inputs: Sequence[Input], labels: np.ndarray, classes: list[str],
         list(pool.map(size, range(n)))  # raises the TypeError of an input of the wrong type
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])
-        data = np.empty(int(offsets[-1]), dtype=np.uint8)
+        data = writable_buffer(int(offsets[-1]))  # made read-only in place by the store: no 2x
         samples = np.zeros(n, dtype=SAMPLE_DTYPE)
         view = memoryview(data)
 
@@ -311,7 +312,10 @@ def build(cls, inputs: Sequence[Input], labels: np.ndarray, classes: list[str],
             data[dst:dst + b - a] = data[a:b]
             dst += b - a
         view.release()
-        data.resize(dst, refcheck=False)  # shrinks in place (no copy, no view of a larger array)
+        if data.flags.owndata:
+            data.resize(dst, refcheck=False)  # shrinks in place (no copy, no view of a larger array)
+        else:  # a _readonly.writable_buffer: the store freezes this view of it in place
+            data = data[:dst]
         log.warning("gpucache: skipped %d of %d files (see cache.report):\n%s", len(errors), n,
                     "\n".join(f"  #{s.index} {s.path}: {s.reason}" for s in report.skipped[:20]))
     kept_sizes = sizes[keep]
