@@ -58,6 +58,9 @@ def _info(args) -> int:
               f", CMYK {int((s['components'] == 4).sum())}; GPU-decodable "
               f"{int(cache.gpu_decodable().sum())}")
     print(f"metadata: {'yes' if cache.metadata is not None else 'no'}")
+    if cache.extra:
+        print("sections: " + ", ".join(f"{name} {arr.dtype.str} {arr.shape}"
+                                       for name, arr in cache.extra.items()))
     return 0
 
 

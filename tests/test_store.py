@@ -143,7 +143,7 @@ def test_golden_v1_file_still_opens():
     assert dict(opened.extra) == {}
 
 
-def test_golden_v2_bytes_with_optional_sections(tmp_path, monkeypatch):
+def test_golden_v2_bytes_with_optional_sections(tmp_path, monkeypatch, capsys):
     """Format v2 stays byte-for-byte stable, optional sections included."""
     from gpucache._format import ENTRY, HEAD_V2
 
@@ -167,6 +167,10 @@ def test_golden_v2_bytes_with_optional_sections(tmp_path, monkeypatch):
     for name, arr in extra.items():
         got = opened.extra[name]
         assert got.dtype == arr.dtype and np.array_equal(got, arr) and not got.flags.writeable
+    from gpucache.cli import main
+
+    assert main(["info", str(golden)]) == 0
+    assert "sections: rst <i4 (2,), targets <f4 (2, 2)" in capsys.readouterr().out
     shared = opened._replace().share()  # in memory, then shared memory: sections carried along
     assert np.array_equal(pickle.loads(pickle.dumps(shared)).extra["targets"], extra["targets"])
     shared.close()
