@@ -1,4 +1,5 @@
-"""CPU decoding: libjpeg-turbo ``decode_jpeg`` for JPEG, PIL for the other formats.
+"""CPU decoding: libjpeg-turbo ``decode_jpeg`` for JPEG, PIL for the other formats; a JPEG whose plan
+crops is decoded only inside the crop box (:mod:`._roi`, :mod:`._roi_rst`; same pixels).
 
 Also the per-sample executor of a geometric plan (crop, antialiased bilinear resize on uint8, crop,
 flip), and :func:`decode_batch`, which the worker processes and the GPU backends' CPU fallback share.
