@@ -318,7 +318,7 @@ class JpegCache:
             if kept is not None:
                 _shm.unlink(kept)
             if isinstance(err, MemoryError):  # mapping it failed: ulimit -v
-                raise _shm.no_address_space(size, err) from err
+                raise _shm.no_address_space(size, err.__cause__ or err) from err
             raise
         if kept is not None:  # no /proc: the name stays until close(), gc or exit
             self._shm_finalizer = weakref.finalize(self, _shm.unlink, kept)
