@@ -30,6 +30,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ._batched import orient  # the one EXIF transform (shared with the nvjpeg backend)
+
 try:
     from nvidia import nvimgcodec as _nvimgcodec
 except Exception:  # pragma: no cover - depends on what is installed
@@ -122,18 +124,6 @@ def coded_box(top: int, left: int, h: int, w: int, orientation: int, height: int
     if flip_w:
         left = width - left - w
     return (left, top, w, h) if transpose else (top, left, h, w)
-
-
-def orient(x: torch.Tensor, orientation: int) -> torch.Tensor:
-    """Apply EXIF ``orientation`` to a coded CHW image (as the full decoders do)."""
-    transpose, flip_w, flip_h = _OPS.get(orientation, _OPS[1])
-    if transpose:
-        x = x.transpose(-1, -2)
-    if flip_w:
-        x = x.flip(-1)
-    if flip_h:
-        x = x.flip(-2)
-    return x
 
 
 def _c_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *, height: int,
