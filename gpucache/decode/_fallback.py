@@ -49,15 +49,10 @@ def decode_on_cpu(cache, indices: np.ndarray, plans: np.ndarray, positions: Iter
                   on_error: str) -> list[Result]:
     """Decode and transform ``indices[positions]`` on the CPU, one result per position.
 
-    Raises :class:`.cpu.SampleError` for a bad sample when ``on_error="raise"``. The pixel budget is
-    checked again here, so no path into this fallback decodes a sample the budget refuses."""
+    Raises :class:`.cpu.SampleError` for a bad sample when ``on_error="raise"``. ``decode_batch``
+    checks the pixel budget itself, so no path into this fallback decodes a sample it refuses."""
     out: list[Result] = []
     for p in positions:
-        try:
-            check_pixels(cache, int(indices[p]))
-        except ValueError as err:
-            out.append(failure(cache, int(indices[p]), err, on_error))
-            continue
         d = decode_batch(cache, indices[p:p + 1], plans[p:p + 1], on_error=on_error, stack=False)
         out.append(d.images[0] if d.images else d.failed[0][1])
     return out

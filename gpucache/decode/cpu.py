@@ -56,7 +56,12 @@ def decode_pil(data: np.ndarray) -> torch.Tensor:
 def decode_sample(cache, i: int) -> torch.Tensor:
     """Sample ``i`` of ``cache`` as RGB uint8 CHW (refused before decoding if over the pixel budget)."""
     check_pixels(cache, i)
-    if cache.samples["kind"][i] in JPEG_KINDS:
+    return _decode_full(cache, i, cache.samples["kind"][i])
+
+
+def _decode_full(cache, i: int, kind: int) -> torch.Tensor:
+    """Sample ``i`` decoded in full (libjpeg-turbo for JPEG, PIL otherwise); budget not checked."""
+    if kind in JPEG_KINDS:
         return decode_jpeg(cache._bytes_tensor(i))
     return decode_pil(cache[i])
 
@@ -144,10 +149,7 @@ def _decode_box(cache, i: int, box: list[int], kind: int, components: int, preci
                                         height=height, width=width, region=region), True
         return _roi.decode_crop(cache[i], t1, l1, h1, w1, orientation=orientation, height=height,
                                 width=width, region=region), True
-    img = decode_jpeg(cache._bytes_tensor(i)) if kind in JPEG_KINDS else decode_pil(cache[i])
-    if tuple(img.shape[1:]) != (height, width):
-        raise ValueError(f"decoded size {tuple(img.shape[1:])} differs from the header's "
-                         f"{(height, width)}")
+    img = check_size(cache, i, _decode_full(cache, i, kind))
     return img[:, t1:t1 + h1, l1:l1 + w1], False
 
 
