@@ -135,9 +135,7 @@ class GpuCachedLoader:
             warnings.warn("persistent_workers=False is ignored: GpuCachedLoader always keeps its "
                           "workers for the next epoch (call close() to stop them).", stacklevel=2)
         self.transform = as_compose(transform)
-        self.device = _decode.resolve_device(device)
-        if self.device.type == "cuda" and self.device.index is None:  # this rank's GPU (set_device)
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _decode.resolve_device(device)  # normalised: cuda -> cuda:<current>
         self.backend_name = _decode.resolve(backend, self.device)
         self.num_workers = usable_cores() if num_workers is None else num_workers
         self.prefetch_factor = prefetch_factor

@@ -1,11 +1,13 @@
 """Batched JPEG decoders for the nvjpeg backend, and the EXIF orientation some of them skip.
 
 A :class:`BatchDecoder` turns a list of CPU byte tensors into RGB uint8 CHW tensors on its device.
-Whether it applies the EXIF Orientation tag is *measured* once (:func:`applies_exif`) by decoding
-a tiny JPEG tagged "rotate 90", never assumed: torchvision's CUDA ``decode_jpeg`` ignores EXIF
-(its ``apply_exif_orientation`` is CPU-only; gpucache passes ``False`` on every device so CPU and
-CUDA run the same code), while TorchCodec's applies it on the CPU and on CUDA. For a decoder that
-does not, :func:`orient` applies the tag afterwards, the same transform the CPU decode applies.
+Whether it applies the EXIF Orientation tag is known for torchvision's decoder, which never does
+(its CUDA ``decode_jpeg`` has no EXIF support, and gpucache passes ``apply_exif_orientation=False``
+on the CPU too, so both run the same code). For any other decoder (TorchCodec's applies the tag on
+the CPU and on CUDA, a custom one may or may not) it is *measured* once by decoding a tiny JPEG
+tagged "rotate 90" (:func:`applies_exif`); the nvjpeg backend runs that probe under its own
+allocation stream, never on the caller's current stream. For a decoder that does not apply it,
+:func:`orient` applies the tag afterwards, the same transform the CPU decode applies.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from . import normalize_device
 
 #: EXIF Orientation (1-8) -> (transpose H and W first, then flip H, then flip W), which takes the
 #: stored pixels to the displayed image (TIFF 6.0 / EXIF 2.3 definitions of the tag's values).
@@ -36,12 +40,14 @@ def orient(img: torch.Tensor, orientation: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class BatchDecoder:
-    """``decode(list of 1-D uint8 CPU tensors) -> list of RGB uint8 CHW tensors on device``."""
+    """``decode(list of 1-D uint8 CPU tensors) -> list of RGB uint8 CHW tensors on device``.
+
+    ``applies_exif`` is None when unknown: the backend measures it (:func:`applies_exif`)."""
 
     name: str
     device: torch.device
     decode: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-    applies_exif: bool
+    applies_exif: bool | None = None
 
 
 def _probe_jpeg() -> torch.Tensor:
@@ -55,21 +61,29 @@ def _probe_jpeg() -> torch.Tensor:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-def applies_exif(decode: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> bool:
-    """Whether ``decode`` applies EXIF orientation, by decoding a tagged probe image."""
+def applies_exif(decode: Callable[[list[torch.Tensor]], list[torch.Tensor]], *,
+                 adopt: Callable[[list[torch.Tensor]], None] | None = None) -> bool:
+    """Whether ``decode`` applies EXIF orientation, by decoding a tagged probe image. The nvjpeg
+    backend calls it under its allocation stream and passes ``adopt`` for the output (``_streams``)."""
     (img,) = decode([_probe_jpeg()])
+    if adopt is not None:
+        adopt([img])
     return tuple(img.shape[1:]) == (16, 8)
 
 
-def make_decoder(name: str, device: torch.device,
-                 decode: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> BatchDecoder:
-    return BatchDecoder(name, torch.device(device), decode, applies_exif(decode))
+def make_decoder(name: str, device: torch.device | str,
+                 decode: Callable[[list[torch.Tensor]], list[torch.Tensor]], *,
+                 applies_exif: bool | None = None) -> BatchDecoder:
+    """A decoder for ``device`` (normalised: ``cuda`` -> ``cuda:<current>``)."""
+    return BatchDecoder(name, normalize_device(device), decode, applies_exif)
 
 
 def torchvision_decoder(device: torch.device) -> BatchDecoder:
     """torchvision's ``decode_jpeg`` (batched nvJPEG on CUDA, libjpeg-turbo on the CPU), no EXIF."""
     from torchvision.io import ImageReadMode
     from torchvision.io import decode_jpeg
+
+    device = normalize_device(device)
 
     def decode(data: list[torch.Tensor]) -> list[torch.Tensor]:
         with warnings.catch_warnings():  # torchvision >= 0.29 points to TorchCodec on every call
@@ -78,24 +92,38 @@ def torchvision_decoder(device: torch.device) -> BatchDecoder:
             return decode_jpeg(data, mode=ImageReadMode.RGB, device=device,
                                apply_exif_orientation=False)
 
-    return make_decoder("torchvision", device, decode)
+    return make_decoder("torchvision", device, decode, applies_exif=False)
 
 
 def torchcodec_decoder(device: torch.device) -> BatchDecoder:
-    """TorchCodec's ``decode_jpeg`` (batched nvJPEG on CUDA); raises ImportError without it."""
+    """TorchCodec's ``decode_jpeg`` (batched nvJPEG on CUDA); raises ImportError without it, or
+    the error TorchCodec raises when it is installed but cannot load (RuntimeError, OSError)."""
     from torchcodec.decoders import decode_jpeg
 
+    device = normalize_device(device)
     return make_decoder("torchcodec", device,
                         lambda data: decode_jpeg(data, mode="RGB", device=str(device)))
 
 
 def default_decoder(device: torch.device, *,
                     prefer: Literal["auto", "torchcodec", "torchvision"] = "auto") -> BatchDecoder:
-    """TorchCodec's decoder when installed (``prefer="auto"``), else torchvision's."""
+    """TorchCodec's decoder when it is installed and loads (``prefer="auto"``), else
+    torchvision's. A TorchCodec that is installed but fails to load (e.g. its FFmpeg libraries
+    are missing: RuntimeError) is reported with a warning, and torchvision's is used."""
     if prefer in ("auto", "torchcodec"):
         try:
             return torchcodec_decoder(device)
         except ImportError:
             if prefer == "torchcodec":
                 raise
+        except (RuntimeError, OSError) as err:
+            if prefer == "torchcodec":
+                raise RuntimeError(f"TorchCodec is installed but failed to load ({err}); fix its "
+                                   "install (it needs FFmpeg's libraries) or use "
+                                   "prefer='torchvision'.") from err
+            warnings.warn(f"gpucache: TorchCodec is installed but failed to load "
+                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''});"
+                          " decoding with torchvision's decode_jpeg instead. Fix TorchCodec's "
+                          "install (it needs FFmpeg's libraries) or uninstall it to silence "
+                          "this.", RuntimeWarning, stacklevel=2)
     return torchvision_decoder(device)

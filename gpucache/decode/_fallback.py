@@ -58,6 +58,15 @@ def decode_on_cpu(cache, indices: np.ndarray, plans: np.ndarray, positions: Iter
     return out
 
 
+def out_of_memory(err: BaseException, what: str, device: torch.device,
+                  advice: str) -> torch.OutOfMemoryError:
+    """Out-of-memory is no bad sample: an error that says where and what to change (the caller
+    raises it ``from err``), never a per-sample retry or a CPU fallback that hides it."""
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return torch.OutOfMemoryError(f"gpucache: {what} ran out of memory on {device}; {advice}. "
+                                  f"The allocator said: {first}")
+
+
 def join(n: int, parts: Iterable[Part], *, indices: np.ndarray, stack: bool,
          device: torch.device, out_hw: tuple[int, int] = (0, 0)) -> Decoded:
     """Reassemble the parts of an ``n``-sample batch into one :class:`Decoded`, in batch order.

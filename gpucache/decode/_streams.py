@@ -1,4 +1,4 @@
-"""Stream handling of the nvjpeg backend: the only CUDA-only lines of that backend.
+"""Stream handling of the GPU backends: the only CUDA stream and event lines of gpucache.
 
 The backend calls the same five methods on every device; :class:`HostStreams` (CPU, or any
 device without streams) runs everything in order and checks the hand-over rule that CUDA's
@@ -11,6 +11,10 @@ The decoder's outputs are allocated on a dedicated *allocation stream*: torchvis
 stream that waits for nothing but itself, so memory freed by kernels still queued on the side
 stream must never be handed to it. Blocks of the allocation stream are only reused once the side
 stream's work on them is done (``record_stream``), and the side stream waits for that stream.
+
+The DALI backend takes its outputs bound to :func:`consumer_stream`, the stream its copies run on.
+Under :class:`~gpucache.decode._emulated_cuda.EmulatedCuda` a stream call from any other gpucache
+module fails, so CI keeps them here.
 """
 
 from __future__ import annotations
@@ -20,11 +24,21 @@ from collections.abc import Iterable
 
 import torch
 
+from . import normalize_device
+
+
+def consumer_stream(device: torch.device):
+    """The calling thread's current stream *of ``device``* (not of the current device), where
+    torch queues work on that device's tensors; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device)
+
 
 def check_on_device(tensors: Iterable[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """The tensors, after checking each is on ``device`` (what ``record_stream`` needs)."""
-    tensors = list(tensors)
-    stray = sorted({str(t.device) for t in tensors if t.device != device})
+    tensors, device = list(tensors), normalize_device(device)
+    stray = sorted({str(t.device) for t in tensors if normalize_device(t.device) != device})
     if stray:
         raise RuntimeError(f"hand-over of tensors on {stray} by a backend on {device}: every "
                            "result (CPU fallback included) must be moved to the device first.")
@@ -35,7 +49,7 @@ class HostStreams:
     """No streams: work runs in order on the calling thread; hand-over only checks devices."""
 
     def __init__(self, device: torch.device):
-        self.device = device
+        self.device = normalize_device(device)
 
     def on_side(self):
         return contextlib.nullcontext()
@@ -58,8 +72,8 @@ class CudaStreams(HostStreams):
 
     def __init__(self, device: torch.device):
         super().__init__(device)
-        self.side = torch.cuda.Stream(device)
-        self.alloc = torch.cuda.Stream(device)
+        self.side = torch.cuda.Stream(self.device)
+        self.alloc = torch.cuda.Stream(self.device)
 
     def on_side(self):
         stack = contextlib.ExitStack()
@@ -81,7 +95,7 @@ class CudaStreams(HostStreams):
         return event
 
     def hand_over(self, event, tensors: Iterable[torch.Tensor]) -> None:
-        consumer = torch.cuda.current_stream(self.device)  # the backend's device, not the current
+        consumer = consumer_stream(self.device)  # the backend's device, not the current one
         consumer.wait_event(event)
         for t in check_on_device(tensors, self.device):
             t.record_stream(consumer)

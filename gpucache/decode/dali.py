@@ -7,7 +7,10 @@ pixel transforms, which every backend shares.
 
 The encoded bytes go in as zero-copy views of the store (``external_source(no_copy=True)``), kept
 alive until that batch's outputs are back; the plan goes in as one int32 row per sample. Outputs
-reach torch through DLPack and are copied out of DALI's buffers at once. Samples the GPU decoder
+reach torch through DLPack and are copied out of DALI's buffers at once; on CUDA they are taken
+bound to the stream that copy runs on (``pipe.outputs(cuda_stream=...)``, the current stream of the
+backend's device, :func:`~gpucache.decode._streams.consumer_stream`), so DALI reuses a buffer only
+after the copy is done, not merely after it was queued. Samples the GPU decoder
 does not take (PNG, GIF, WebP, CMYK, arithmetic JPEG) are decoded on the CPU and joined back in;
 samples over the pixel budget are refused before DALI or the CPU fallback sees them.
 
@@ -31,8 +34,10 @@ except ImportError as err:  # pragma: no cover - depends on what is installed
     raise ImportError("backend='dali' needs NVIDIA DALI: pip install nvidia-dali-cuda120 (or "
                       "gpucache[dali]), or use backend='nvjpeg' or 'cpu'.") from err
 
+from . import normalize_device
 from ._base import Backend
-from ._fallback import Part, decode_on_cpu, join, split
+from ._fallback import Part, decode_on_cpu, join, out_of_memory, split
+from ._streams import consumer_stream
 from .cpu import Decoded, out_size
 
 log = logging.getLogger("gpucache")
@@ -68,16 +73,19 @@ class DaliBackend(Backend):
         self.cache, self.on_error, self.seed = cache, on_error, int(seed) % 2**31
         self.batch_size, self.num_threads, self.prefetch = batch_size, num_threads, prefetch
         self.hw_decoder_load = hw_decoder_load
-        self.device = torch.device("cuda", device.index or 0) if device.type == "cuda" else device
+        self.device = normalize_device(device)  # cuda -> cuda:<current>, as for every backend
         self._queue: deque[_Batch] = deque()
         self._pipe: Pipeline | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ the DALI graph
+    def _graph_on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
     def _pipeline(self) -> Pipeline:
         if self._pipe is not None:
             return self._pipe
-        gpu = self.device.type == "cuda"  # the only CUDA-specific lines of this backend
+        gpu = self._graph_on_gpu()  # the only CUDA-specific lines of this backend
         decoder = (dict(device="mixed", hw_decoder_load=self.hw_decoder_load,
                         jpeg_fancy_upsampling=True) if gpu else dict(device="cpu"))
         pipe = Pipeline(batch_size=self.batch_size, num_threads=self.num_threads,
@@ -114,9 +122,13 @@ class DaliBackend(Backend):
         return views
 
     def _outputs(self) -> torch.Tensor | list[torch.Tensor]:
-        """The oldest scheduled batch, copied out of DALI's buffers (raises RuntimeError)."""
+        """The oldest scheduled batch, copied out of DALI's buffers (raises RuntimeError).
+
+        On CUDA the outputs are bound to the stream the ``clone()`` below is queued on, so DALI
+        frees them in that stream's order (``exec_dynamic=True`` allows it)."""
         assert self._pipe is not None
-        (out,) = self._pipe.outputs()
+        stream = consumer_stream(self.device)
+        (out,) = self._pipe.outputs() if stream is None else self._pipe.outputs(cuda_stream=stream)
         if out.is_dense_tensor():
             return torch.from_dlpack(out.as_tensor()).clone()
         return [torch.from_dlpack(out[k]).clone() for k in range(len(out))]
@@ -160,7 +172,11 @@ class DaliBackend(Backend):
                     self._pump()
                 try:
                     parts.append((b.gpu_pos, self._outputs(), False))
+                except (MemoryError, torch.OutOfMemoryError) as err:
+                    raise self._oom(err, len(b.gpu_pos)) from err
                 except RuntimeError as err:  # DALI fails the whole batch: find the bad sample(s)
+                    if "out of memory" in str(err) or "allocation failed" in str(err):
+                        raise self._oom(err, len(b.gpu_pos)) from err
                     self._queue.popleft()
                     self._reset()
                     parts += self._isolate(b, err)
@@ -180,6 +196,12 @@ class DaliBackend(Backend):
             raise
         return join(len(b.indices), parts, indices=b.indices, stack=b.stack, device=self.device,
                     out_hw=out_size(b.plans))
+
+    def _oom(self, err: BaseException, n: int) -> torch.OutOfMemoryError:
+        return out_of_memory(err, f"the DALI backend decoding a batch of {n} samples",
+                             self.device, f"lower batch_size, hw_decoder_load (now "
+                             f"{self.hw_decoder_load}) or prefetch_factor (now {self.prefetch} "
+                             "batches in flight), or free memory held elsewhere")
 
     def _isolate(self, b: _Batch, err: RuntimeError) -> list[Part]:
         """Run a failed batch's DALI samples one at a time; what DALI rejects tries the CPU."""

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import normalize_device
 from ._base import Backend
-from ._batched import BatchDecoder, default_decoder, orient
-from ._fallback import Part, decode_on_cpu, join, split
+from ._batched import BatchDecoder, applies_exif, default_decoder, orient
+from ._fallback import Part, decode_on_cpu, join, out_of_memory, split
 from ._streams import CudaStreams, HostStreams
 from .cpu import Decoded, apply_plan, check_size, failure, out_size
 
@@ -55,15 +56,15 @@ class NvjpegBackend(Backend):
 
     def __init__(self, cache, *, device: torch.device, on_error: str,
                  decoder: BatchDecoder | None = None, threaded: bool = True):
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = normalize_device(device)
         self.cache, self.device, self.on_error = cache, device, on_error
         self.decoder = decoder if decoder is not None else default_decoder(device)
-        if self.decoder.device != device:
+        if normalize_device(self.decoder.device) != device:
             raise ValueError(f"decoder {self.decoder.name!r} decodes to {self.decoder.device}, "
                              f"but the backend's device is {device}; make it for {device}.")
         self._streams = CudaStreams(device) if device.type == "cuda" else HostStreams(device)
+        self.applies_exif = (self.decoder.applies_exif if self.decoder.applies_exif is not None
+                             else self.measure_applies_exif())
         self._pending: list[Future | _Done] = []
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="gpucache-nvjpeg") if threaded
                       else None)
@@ -72,8 +73,24 @@ class NvjpegBackend(Backend):
         # garbage collection may happen on the pool's own thread: stop it without joining there
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, wait=False)
 
+    def measure_applies_exif(self) -> bool:
+        """Whether the decoder applies EXIF orientation, by decoding a tagged probe image under
+        the backend's own streams (never on the caller's current stream)."""
+        with self._streams.on_side():
+            with self._streams.decoding():
+                return applies_exif(self.decoder.decode, adopt=self._streams.adopt)
+
     # ------------------------------------------------------------------ one batch (any thread)
     def _decode_batch(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> _Done:
+        try:
+            return self._decode_batch_on(indices, plans, stack)
+        except torch.OutOfMemoryError as err:
+            raise out_of_memory(err, f"the nvjpeg backend ({self.decoder.name}'s decoder) "
+                                f"decoding a batch of {len(indices)} samples", self.device,
+                                "at least 2 batches are decoded ahead: lower batch_size or "
+                                "prefetch_factor, or free memory held elsewhere") from err
+
+    def _decode_batch_on(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> _Done:
         if self._pool is not None:
             self._thread = threading.current_thread()
         gpu_pos, cpu_pos, refused = split(self.cache, indices, on_error=self.on_error)
@@ -89,11 +106,15 @@ class NvjpegBackend(Backend):
     def _decode_all(self, data: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         try:
             return list(self.decoder.decode(data))
+        except torch.OutOfMemoryError:
+            raise  # not a bad sample: retrying one by one, then on the CPU, would hide it
         except Exception:  # noqa: BLE001 - one bad JPEG fails the batched call: find it
             out: list[torch.Tensor | Exception] = []
             for d in data:
                 try:
                     out.append(self.decoder.decode([d])[0])
+                except torch.OutOfMemoryError:
+                    raise
                 except Exception as err:  # noqa: BLE001 - retried on the CPU, then reported
                     out.append(err)
             return out
@@ -114,9 +135,11 @@ class NvjpegBackend(Backend):
                 retry.append(p)
                 continue
             try:
-                if not self.decoder.applies_exif:
+                if not self.applies_exif:
                     img = orient(img, self.cache.samples["orientation"][i])
                 results.append(apply_plan(check_size(self.cache, i, img), plans[p]))
+            except torch.OutOfMemoryError:
+                raise
             except Exception as err:  # noqa: BLE001 - reported like any bad sample
                 results.append(failure(self.cache, i, err, self.on_error))
             done.append(p)
