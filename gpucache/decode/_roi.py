@@ -63,7 +63,8 @@ def clib():
             lib = ctypes.CDLL(spec.origin) if spec is not None and spec.origin else None
             if lib is not None and hasattr(lib, "gc_decode_region"):
                 lib.gc_decode_region.argtypes = [ctypes.c_char_p, ctypes.c_ulong] + [
-                    ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+                    ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
+                                         ctypes.c_char_p, ctypes.c_int]
             _state["lib"] = lib
     return _state["lib"]
 
@@ -134,7 +135,9 @@ def _c_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *, 
     err = ctypes.create_string_buffer(200)
     arr = data if isinstance(data, bytes) else np.ascontiguousarray(data)
     buf = arr if isinstance(arr, bytes) else arr.ctypes.data_as(ctypes.c_char_p)
-    if _state["lib"].gc_decode_region(buf, len(arr), top, left, h, w, out.ctypes.data, err, 200):
+    warned = ctypes.c_int()
+    if _state["lib"].gc_decode_region(buf, len(arr), 1, top, left, h, w, out.ctypes.data,
+                                      ctypes.byref(warned), err, 200):
         raise ValueError(f"region decode failed: {err.value.decode(errors='replace')}")
     return torch.from_numpy(out).permute(2, 0, 1)
 

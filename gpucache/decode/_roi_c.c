@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include <jpeglib.h>
+#include <jerror.h>
 
 long gc_find_restarts(const unsigned char *in, unsigned long n, unsigned long start,
                       long long *pos, long cap, long long *eoi);
@@ -35,18 +36,42 @@ static void gc_error_exit(j_common_ptr cinfo) {
 
 static void gc_quiet(j_common_ptr cinfo) { (void)cinfo; } /* warnings: no stderr output */
 
+/* The narrowest decoded width (output pixels) at which every subsampled component keeps >= 3
+ * samples across: libjpeg-turbo uses fancy (triangle) upsampling only for a component with more
+ * than 2 samples across, so a narrower crop or sub-image would be upsampled differently from the
+ * full image. */
+static JDIMENSION gc_min_width(const struct jpeg_decompress_struct *d) {
+  JDIMENSION need = 1;
+  int c;
+  for (c = 0; c < d->num_components; c++) {
+    int hs = d->comp_info[c].h_samp_factor;
+    if (hs > 0 && hs < d->max_h_samp_factor) {
+      JDIMENSION n = (JDIMENSION)(2 * d->max_h_samp_factor / hs + 1);
+      if (n > need) need = n;
+    }
+  }
+  return need;
+}
+
 #ifdef LIBJPEG_TURBO_VERSION
-/* Rows top..top+h, columns left..left+w of the coded image, as RGB, into out (h * w * 3 bytes).
- * Returns 0, or 1 with the reason in errbuf. */
-int gc_decode_region(const unsigned char *in, unsigned long n, int top, int left, int h, int w,
-                     unsigned char *out, char *errbuf, int errlen) {
+/* Rows top..top+h, columns left..left+w of the coded image decoded at scale 1/denom (denom 1, 2, 4
+ * or 8: libjpeg-turbo's DCT scaling; the box is in scaled pixels), as RGB, into out (h * w * 3
+ * bytes). Returns 0, or 1 with the reason in errbuf. Warnings (corrupt data that libjpeg decodes
+ * anyway) are counted into *warnings when it is not NULL. */
+int gc_decode_region(const unsigned char *in, unsigned long n, int denom, int top, int left, int h,
+                     int w, unsigned char *out, int *warnings, char *errbuf, int errlen) {
   struct jpeg_decompress_struct d;
   struct gc_err err;
   JSAMPROW volatile row = NULL;
   JSAMPROW r;
-  JDIMENSION xoff, cw, right;
+  JDIMENSION xoff, cw, right, need;
   int y, y0;
 
+  if (warnings) *warnings = 0;
+  if (denom != 1 && denom != 2 && denom != 4 && denom != 8) {
+    snprintf(errbuf, (size_t)errlen, "scale 1/%d is not one of 1, 1/2, 1/4, 1/8", denom);
+    return 1;
+  }
   memset(&d, 0, sizeof(d));
   d.err = jpeg_std_error(&err.pub);
   err.pub.error_exit = gc_error_exit;
@@ -63,19 +88,25 @@ int gc_decode_region(const unsigned char *in, unsigned long n, int top, int left
   d.out_color_space = JCS_RGB; /* gray is replicated; CMYK is refused (error) */
   d.dct_method = JDCT_ISLOW;
   d.do_fancy_upsampling = TRUE;
+  d.scale_num = 1;
+  d.scale_denom = (unsigned int)denom;
   jpeg_start_decompress(&d);
-  if (top < 0 || left < 0 || h <= 0 || w <= 0 || (JDIMENSION)(top + h) > d.output_height ||
-      (JDIMENSION)(left + w) > d.output_width) {
+  if (top < 0 || left < 0 || h <= 0 || w <= 0 ||
+      (long long)top + h > (long long)d.output_height ||
+      (long long)left + w > (long long)d.output_width) {
     snprintf(errbuf, (size_t)errlen, "region outside the %ux%u image", d.output_width,
              d.output_height);
     jpeg_destroy_decompress(&d);
     return 1;
   }
+  /* 1 pixel of margin each side (upsampling's context), widened to gc_min_width, right first */
   xoff = left > 0 ? (JDIMENSION)left - 1 : 0;
-  right = (JDIMENSION)(left + w + 1) < d.output_width ? (JDIMENSION)(left + w + 1)
-                                                       : d.output_width;
-  if (right - xoff < 4) /* a 2-pixel crop at column 0 upsamples chroma differently (measured) */
-    right = xoff + 4 < d.output_width ? xoff + 4 : d.output_width;
+  right = (JDIMENSION)left + (JDIMENSION)w + 1 < d.output_width
+              ? (JDIMENSION)left + (JDIMENSION)w + 1 : d.output_width;
+  need = gc_min_width(&d);
+  if (need < 4) need = 4; /* a 2-pixel crop at column 0 upsamples chroma differently (measured) */
+  if (right - xoff < need) right = xoff + need < d.output_width ? xoff + need : d.output_width;
+  if (right - xoff < need) xoff = right > need ? right - need : 0;
   cw = right - xoff;
   if (xoff > 0 || cw < d.output_width) jpeg_crop_scanline(&d, &xoff, &cw); /* iMCU-aligned */
   row = r = (JSAMPROW)malloc((size_t)d.output_width * 3);
@@ -93,6 +124,8 @@ int gc_decode_region(const unsigned char *in, unsigned long n, int top, int left
              (size_t)w * 3);
   }
   free(r);
+  row = NULL;
+  if (warnings) *warnings = (int)err.pub.num_warnings;
   jpeg_abort_decompress(&d); /* the rows below the box are never decoded */
   jpeg_destroy_decompress(&d);
   return 0;
@@ -112,13 +145,42 @@ static int gc_is(const jpeg_saved_marker_ptr m, int marker, const char *tag, uns
   return m->marker == marker && m->data_length >= n && memcmp(m->data, tag, n) == 0;
 }
 
+/* A growing memory destination whose live buffer is always known here (jpeg_mem_dest frees and
+ * replaces its buffer when it grows, so an error path cannot tell which pointer is live). */
+struct gc_dest {
+  struct jpeg_destination_mgr pub;
+  unsigned char *buf;
+  size_t size;
+};
+
+static void gc_dest_init(j_compress_ptr c) {
+  struct gc_dest *d = (struct gc_dest *)c->dest;
+  d->pub.next_output_byte = d->buf;
+  d->pub.free_in_buffer = d->size;
+}
+
+static boolean gc_dest_grow(j_compress_ptr c) {
+  struct gc_dest *d = (struct gc_dest *)c->dest;
+  unsigned char *p = (unsigned char *)realloc(d->buf, d->size * 2);
+  if (p == NULL) ERREXIT1(c, JERR_OUT_OF_MEMORY, 10);
+  d->pub.next_output_byte = p + d->size;
+  d->pub.free_in_buffer = d->size;
+  d->buf = p;
+  d->size *= 2;
+  return TRUE;
+}
+
+static void gc_dest_term(j_compress_ptr c) { (void)c; }
+
 /* Transcode in[0:n]. On success returns 0, *out (free with gc_free) holds *out_n bytes and *k the
- * restart interval in MCUs. On failure returns 1 with the libjpeg message in errbuf. */
+ * restart interval in MCUs. On failure returns 1 with the libjpeg message in errbuf, and nothing
+ * is left allocated. */
 int gc_transcode_restart(const unsigned char *in, unsigned long n, unsigned char **out,
                          unsigned long *out_n, int *k, char *errbuf, int errlen) {
   struct jpeg_decompress_struct d;
   struct jpeg_compress_struct c;
   struct gc_err err;
+  struct gc_dest *dest;
   volatile int have_c = 0;
   jvirt_barray_ptr *coefs;
   jpeg_saved_marker_ptr m;
@@ -127,6 +189,20 @@ int gc_transcode_restart(const unsigned char *in, unsigned long n, unsigned char
   *out = NULL;
   *out_n = 0;
   *k = 0;
+  /* the manager and its buffer live on the heap, not in this frame, so longjmp keeps them */
+  dest = (struct gc_dest *)malloc(sizeof(*dest));
+  if (dest != NULL) {
+    dest->size = n + 4096;
+    dest->buf = (unsigned char *)malloc(dest->size);
+  }
+  if (dest == NULL || dest->buf == NULL) {
+    free(dest);
+    snprintf(errbuf, (size_t)errlen, "out of memory");
+    return 1;
+  }
+  dest->pub.init_destination = gc_dest_init;
+  dest->pub.empty_output_buffer = gc_dest_grow;
+  dest->pub.term_destination = gc_dest_term;
   memset(&d, 0, sizeof(d));
   memset(&c, 0, sizeof(c));
   d.err = jpeg_std_error(&err.pub);
@@ -137,8 +213,8 @@ int gc_transcode_restart(const unsigned char *in, unsigned long n, unsigned char
     snprintf(errbuf, (size_t)errlen, "%s", err.msg);
     if (have_c) jpeg_destroy_compress(&c);
     jpeg_destroy_decompress(&d);
-    free(*out);
-    *out = NULL;
+    free(dest->buf);
+    free(dest);
     return 1;
   }
   jpeg_create_decompress(&d);
@@ -150,7 +226,7 @@ int gc_transcode_restart(const unsigned char *in, unsigned long n, unsigned char
 
   jpeg_create_compress(&c);
   have_c = 1;
-  jpeg_mem_dest(&c, out, out_n);
+  c.dest = &dest->pub;
   jpeg_copy_critical_parameters(&d, &c);
   c.optimize_coding = TRUE;
   c.restart_interval = (unsigned int)(*k = gc_restart_mcus(&d));
@@ -164,6 +240,9 @@ int gc_transcode_restart(const unsigned char *in, unsigned long n, unsigned char
   jpeg_destroy_compress(&c);
   jpeg_finish_decompress(&d);
   jpeg_destroy_decompress(&d);
+  *out = dest->buf;
+  *out_n = (unsigned long)(dest->size - dest->pub.free_in_buffer);
+  free(dest);
   return 0;
 }
 
@@ -192,21 +271,24 @@ long gc_find_restarts(const unsigned char *in, unsigned long n, unsigned long st
 }
 
 #ifdef LIBJPEG_TURBO_VERSION
-/* Box (top, left, h, w) of a restart-marker JPEG (baseline, one interleaved scan, restart interval
- * k MCUs dividing the MCUs per row): the segments covering the box + 1 pixel are copied,
- * renumbered, under the original headers with the SOF size patched, into a smaller valid JPEG,
- * which gc_decode_region decodes. Returns 0, 1 (error in errbuf) or 2 (not such a JPEG). */
-int gc_decode_segments(const unsigned char *in, unsigned long n, int k, int top, int left, int h,
-                       int w, unsigned char *out, char *errbuf, int errlen) {
+/* Box (top, left, h, w), in pixels at scale 1/denom, of a restart-marker JPEG (baseline, one
+ * interleaved scan, restart interval k MCUs dividing the MCUs per row): the segments covering the
+ * box + 1 pixel are copied, renumbered, under the original headers with the SOF size patched, into
+ * a smaller valid JPEG, which gc_decode_region decodes. Returns 0, 1 (error in errbuf) or 2 (not
+ * such a JPEG). */
+int gc_decode_segments(const unsigned char *in, unsigned long n, int k, int denom, int top,
+                       int left, int h, int w, unsigned char *out, int *warnings, char *errbuf,
+                       int errlen) {
   unsigned long pos = 2, sof = 0, sos_end = 0, len;
-  int dri = 0, nf = 0, ns = 0, c, mcu_w, mcu_h, max_h = 1, max_v = 1, per_row, rows, spr, seg_w;
-  int t0, b0, l0, r0, ra, rb, ca, cb, r, sub_h, sub_w, height, width, ret;
+  int dri = 0, nf = 0, ns = 0, c, mcu_w, mcu_h, max_h = 1, max_v = 1, min_h = 4, per_row, rows;
+  int spr, seg_w, t0, b0, l0, r0, ra, rb, ca, cb, r, sub_h, sub_w, height, width, sh, sw, ret;
   long nseg, count = 0, i, out_n = 0;
   long long eoi;
   long long *rst;
   unsigned char *sub, m;
   unsigned marker_no = 0;
 
+  if (warnings) *warnings = 0;
   while (pos + 4 <= n && in[pos] == 0xFF) {
     m = in[pos + 1];
     len = ((unsigned long)in[pos + 2] << 8) | in[pos + 3];
@@ -221,6 +303,7 @@ int gc_decode_segments(const unsigned char *in, unsigned long n, int k, int top,
     pos += 2 + len;
   }
   if (!sof || !sos_end || sos_end > n || dri != k || k <= 0 || sof + 10 > n) return 2;
+  if (denom != 1 && denom != 2 && denom != 4 && denom != 8) return 2;
   height = (in[sof + 5] << 8) | in[sof + 6];
   width = (in[sof + 7] << 8) | in[sof + 8];
   nf = in[sof + 9];
@@ -228,7 +311,9 @@ int gc_decode_segments(const unsigned char *in, unsigned long n, int k, int top,
     return 2;
   for (c = 0; c < nf; c++) {
     int hv = in[sof + 11 + 3 * c];
+    if ((hv >> 4) < 1 || (hv >> 4) > 4 || (hv & 15) < 1 || (hv & 15) > 4) return 2;
     if ((hv >> 4) > max_h) max_h = hv >> 4;
+    if ((hv >> 4) < min_h) min_h = hv >> 4;
     if ((hv & 15) > max_v) max_v = hv & 15;
   }
   mcu_w = nf == 1 ? 8 : 8 * max_h;
@@ -239,8 +324,32 @@ int gc_decode_segments(const unsigned char *in, unsigned long n, int k, int top,
   spr = per_row / k;
   seg_w = k * mcu_w;
   nseg = (long)rows * spr;
-  if (top < 0 || left < 0 || h <= 0 || w <= 0 || top + h > height || left + w > width) {
-    snprintf(errbuf, (size_t)errlen, "region outside the %dx%d image", width, height);
+  sh = (height + denom - 1) / denom; /* the scaled image, as libjpeg sizes it */
+  sw = (width + denom - 1) / denom;
+  if (top < 0 || left < 0 || h <= 0 || w <= 0 || (long long)top + h > sh ||
+      (long long)left + w > sw) {
+    snprintf(errbuf, (size_t)errlen, "region outside the %dx%d image", sw, sh);
+    return 1;
+  }
+  /* the box + 1 scaled pixel, in full-size pixels (all of it now < 65536: no overflow) */
+  t0 = (top > 0 ? top - 1 : 0) * denom;
+  b0 = (top + h + 1) * denom < height ? (top + h + 1) * denom : height;
+  l0 = (left > 0 ? left - 1 : 0) * denom;
+  r0 = (left + w + 1) * denom < width ? (left + w + 1) * denom : width;
+  ra = t0 / mcu_h;
+  rb = (b0 - 1) / mcu_h;
+  ca = l0 / seg_w;
+  cb = (r0 - 1) / seg_w;
+  sub_w = ((cb + 1) * seg_w < width ? (cb + 1) * seg_w : width) - ca * seg_w;
+  /* a sub-image too narrow for fancy upsampling of every component (see gc_min_width) takes the
+   * previous segment column too */
+  if (nf > 1 && min_h < max_h && sub_w <= 2 * max_h / min_h * denom + denom && ca > 0) {
+    ca--;
+    sub_w += seg_w;
+  }
+  sub_h = ((rb + 1) * mcu_h < height ? (rb + 1) * mcu_h : height) - ra * mcu_h;
+  if (ra < 0 || rb >= rows || ra > rb || ca < 0 || cb >= spr || ca > cb) {
+    snprintf(errbuf, (size_t)errlen, "segment range outside the image");
     return 1;
   }
   rst = (long long *)malloc(sizeof(long long) * (size_t)(nseg + 1));
@@ -258,16 +367,6 @@ int gc_decode_segments(const unsigned char *in, unsigned long n, int k, int top,
     return 2;
   }
   rst[count] = eoi; /* segment s spans [s ? rst[s-1] + 2 : sos_end, rst[s]) */
-  t0 = top > 0 ? top - 1 : 0;
-  b0 = top + h + 1 < height ? top + h + 1 : height;
-  l0 = left > 0 ? left - 1 : 0;
-  r0 = left + w + 1 < width ? left + w + 1 : width;
-  ra = t0 / mcu_h;
-  rb = (b0 - 1) / mcu_h;
-  ca = l0 / seg_w;
-  cb = (r0 - 1) / seg_w;
-  sub_h = ((rb + 1) * mcu_h < height ? (rb + 1) * mcu_h : height) - ra * mcu_h;
-  sub_w = ((cb + 1) * seg_w < width ? (cb + 1) * seg_w : width) - ca * seg_w;
   memcpy(sub, in, sos_end);
   sub[sof + 5] = (unsigned char)(sub_h >> 8);
   sub[sof + 6] = (unsigned char)(sub_h & 255);
@@ -290,8 +389,9 @@ int gc_decode_segments(const unsigned char *in, unsigned long n, int k, int top,
   sub[out_n++] = 0xFF;
   sub[out_n++] = 0xD9;
   free(rst);
-  ret = gc_decode_region(sub, (unsigned long)out_n, top - ra * mcu_h, left - ca * seg_w, h, w,
-                         out, errbuf, errlen);
+  /* mcu_h and seg_w are multiples of 8, so the sub-image starts on a scaled pixel */
+  ret = gc_decode_region(sub, (unsigned long)out_n, denom, top - ra * mcu_h / denom,
+                         left - ca * seg_w / denom, h, w, out, warnings, errbuf, errlen);
   free(sub);
   return ret;
 }

@@ -43,7 +43,8 @@ def _load():
         lib.gc_find_restarts.restype = ctypes.c_long
         if hasattr(lib, "gc_decode_segments"):
             lib.gc_decode_segments.argtypes = [ctypes.c_void_p, ctypes.c_ulong] + [
-                ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+                ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
+                                     ctypes.c_char_p, ctypes.c_int]
         _sig.append(True)
     return lib
 
@@ -176,8 +177,9 @@ def decode_crop(data: np.ndarray, k: int, top: int, left: int, h: int, w: int, *
         out = np.empty((hh, ww, 3), dtype=np.uint8)
         err = ctypes.create_string_buffer(200)
         arr = np.ascontiguousarray(data)
-        ret = _load().gc_decode_segments(arr.ctypes.data, len(arr), k, t, l, hh, ww,
-                                         out.ctypes.data, err, len(err))
+        warned = ctypes.c_int()
+        ret = _load().gc_decode_segments(arr.ctypes.data, len(arr), k, 1, t, l, hh, ww,
+                                         out.ctypes.data, ctypes.byref(warned), err, len(err))
         if ret == 0:
             return _roi.orient(torch.from_numpy(out).permute(2, 0, 1), orientation)
         if ret == 1:

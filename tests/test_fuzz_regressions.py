@@ -1,0 +1,105 @@
+"""Inputs that once crashed or misled the compiled decoder (gpucache/decode/_roi_c.c).
+
+Each runs in a subprocess, so a crash (double free, out-of-bounds read) shows as a failed test with
+the signal, not a dead pytest. The inputs are real JPEGs made here (or kept under tests/data/).
+"""
+
+import io
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from PIL import Image
+
+from gpucache.decode import _roi, _roi_rst
+from gpucache.testing import natural_image
+
+needs_c = pytest.mark.skipif(not _roi._c_ok(), reason="compiled region decoder not built")
+
+
+def corrupt_luma_dc(data: bytes) -> bytes:
+    """``data`` with every luma DC Huffman symbol set to category 11: headers stay valid, the
+    scan decodes (with warnings) to DC values the baseline encoder cannot code again."""
+    b, pos = bytearray(data), 2
+    while pos + 4 <= len(b) and b[pos + 1] != 0xDA:
+        length = (b[pos + 2] << 8) | b[pos + 3]
+        if b[pos + 1] == 0xC4:  # DHT: class/id, 16 counts, symbols; maybe several tables
+            q = pos + 4
+            while q < pos + 2 + length:
+                n = sum(b[q + 1:q + 17])
+                if b[q] == 0x00:
+                    b[q + 17:q + 17 + n] = bytes([11]) * n
+                q += 17 + n
+        pos += 2 + length
+    return bytes(b)
+
+
+def big_metadata_jpeg(seed: int = 3) -> bytes:
+    """A 160 x 120 JPEG with 9 KB of EXIF (real photos carry EXIF, ICC and XMP of this size)."""
+    buf = io.BytesIO()
+    Image.fromarray(natural_image(160, 120, seed=seed)).save(
+        buf, "JPEG", quality=90, exif=b"Exif\x00\x00" + bytes(9000))
+    return buf.getvalue()
+
+
+def _run(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+BUILD = """
+    import sys
+    from pathlib import Path
+    from gpucache import JpegCache
+    from gpucache.decode import _roi_rst
+    try:
+        _roi_rst.transcode(Path(sys.argv[1]).read_bytes())
+        raise SystemExit("transcoded a corrupt scan")
+    except ValueError as err:
+        assert "DCT coefficient out of range" in str(err), err
+    store = JpegCache.from_files(sys.argv[1:], progress=False, restart_markers=True)
+    print(len(store), *_roi_rst.intervals(store).tolist())
+"""
+
+
+@needs_c
+def test_transcode_error_after_the_output_grew_is_a_bad_input_not_a_crash(tmp_path):
+    """libjpeg fails in the transcoder after > 4 KiB of output (the metadata) was written."""
+    bad, good = tmp_path / "bad.jpg", tmp_path / "good.jpg"
+    bad.write_bytes(corrupt_luma_dc(big_metadata_jpeg()))
+    good.write_bytes(big_metadata_jpeg(seed=4))
+    r = _run(BUILD, str(bad), str(good))
+    assert r.returncode == 0, f"build died (signal {-r.returncode}): {r.stderr[-2000:]}"
+    n, k_bad, k_good = map(int, r.stdout.split())
+    assert (n, k_bad) == (2, 0) and k_good > 0  # the bad one is kept as it was, not transcoded
+
+
+HUGE = """
+    import sys
+    import numpy as np
+    from gpucache.decode import _roi, _roi_rst
+    data = np.fromfile(sys.argv[1], dtype=np.uint8)
+    k = int(sys.argv[2])
+    big = 2**31 - 5
+    for box in [(big, 0, 10, 8), (0, big, 8, 10), (big, big, 8, 8), (-1, 0, 4, 4), (0, 0, 0, 4)]:
+        for name, call in [
+            ("segments", lambda b: _roi_rst.decode_crop(data, k, *b, orientation=1, height=120,
+                                                       width=160, region=_roi._c_region)),
+            ("region", lambda b: _roi._c_region(data, *b, height=120, width=160))]:
+            try:
+                call(box)
+                raise SystemExit(f"{name} {box}: no error")
+            except ValueError as err:
+                assert "outside" in str(err), (name, box, err)
+    print("ok")
+"""
+
+
+@needs_c
+def test_boxes_near_int_max_are_refused_not_read_out_of_bounds(tmp_path):
+    data, k = _roi_rst.transcode(big_metadata_jpeg())
+    (tmp_path / "r.jpg").write_bytes(data)
+    r = _run(HUGE, str(tmp_path / "r.jpg"), str(k))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (
+        f"rc {r.returncode}: {r.stdout[-500:]} {r.stderr[-2000:]}")
