@@ -2,41 +2,39 @@
 
     PYTHONPATH=. python benchmarks/gpu_check.py --json gpu_check.json          # on a CUDA machine
     PYTHONPATH=. python benchmarks/gpu_check.py --emulate --json emulated.json # CPU, same code
+    PYTHONPATH=. python benchmarks/gpu_check.py --emulate --device cuda:1 ...  # a non-current GPU
 
-Parts, each in its own try (an error is printed and recorded, the next part runs) and the JSON
-rewritten after each, so a crash still leaves figures; each part stops at its share of --budget-s:
+The JSON is written at start and rewritten after every part, so a crash (even before the first
+part) still leaves a file; each part runs in its own try (an error is printed and recorded, the
+next part runs) and stops at its share of --budget-s:
 (env) versions, the decoder in use and whether it applies EXIF (measured, not assumed);
 (a) each backend against the CPU decode (gpucache.decode.cpu.decode_batch) on the batches and
     plans *as drawn* (a skipped sample shifts nothing), within TOLERANCE, EXIF-rotated samples kept;
+    samples the backend lost that the CPU decoded fail the check, and samples it kept that the
+    CPU refused (corrupt scans nvJPEG decodes anyway) are counted;
 (b) stream-ordering stress: batch checksums vs a synchronised reference while the backend's *side*
     stream is kept busy, checksums kept on the device (no synchronisation per step);
 (c) images/s of the train pipeline: nvjpeg threaded and synchronous, dali, torchvision's
     per-image GPU decode, the cpu backend with every core;
 (d) overlap: the nvjpeg epoch with a training step, threaded vs synchronous (benchmarks/overlap.py);
-(e) GPU memory after each epoch (CUDA only).
-``--emulate`` runs all of it on the CPU with torchvision's decoder, which ignores EXIF there as its
-CUDA decoder does. Exit 0 all passed, 1 a check failed or a part raised, 2 no CUDA (not emulating).
-Budget: < 8 min on one H200 at the defaults.
+(e) GPU memory, allocated and reserved (each stream keeps its own pool), after each epoch.
+``--emulate`` runs all of it on the CPU under :class:`~gpucache.decode._emulated_cuda.EmulatedCuda`
+(two emulated GPUs): the same ``device="cuda"`` code paths, streams and device indices, with
+torchvision's decoder, which ignores EXIF there as on CUDA; DALI, which cannot run its GPU graph
+without a GPU, runs its CPU mode, and the overlap part a CPU device. Exit 0 all passed, 1 a check
+failed or a part raised, 2 no CUDA (not emulating). Budget: < 8 min on one H200 at the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 import traceback
-import types
 from pathlib import Path
-
-try:  # the GPU machine may lack tqdm; the library only uses it for a progress bar
-    import tqdm.auto  # noqa: F401
-except ImportError:
-    stub = types.ModuleType("tqdm.auto")
-    stub.tqdm = lambda it=None, **kw: it
-    sys.modules["tqdm"] = types.ModuleType("tqdm")
-    sys.modules["tqdm.auto"] = stub
 
 import numpy as np
 import torch
@@ -47,6 +45,7 @@ from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode import dali_available  # noqa: E402
 from gpucache.decode._batched import default_decoder, orient, torchvision_decoder  # noqa: E402
+from gpucache.decode._emulated_cuda import EmulatedCuda  # noqa: E402
 from gpucache.decode.cpu import decode_batch  # noqa: E402
 from gpucache.decode.nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
@@ -62,8 +61,9 @@ class Check:
 
     def __init__(self, args):
         self.args = args
-        self.device = torch.device("cpu" if args.emulate else "cuda")
-        self.result: dict = {"emulated": args.emulate, "parts": {}, "errors": {}}
+        self.device = torch.device(args.device)  # as given: the library normalises it
+        self.result: dict = {"emulated": args.emulate, "device": args.device, "parts": {},
+                             "errors": {}, "finished": False}
         self.t0 = time.perf_counter()
 
     def deadline(self, share: float) -> float:
@@ -84,8 +84,13 @@ class Check:
                                  decoder=self.decoder(), threaded=threaded)
         from gpucache.decode.dali import DaliBackend
 
-        return DaliBackend(self.cache, device=self.device, batch_size=batch or self.args.batch,
-                           on_error="skip", seed=0, num_threads=4)
+        return DaliBackend(self.cache, device=self.device_for(name),
+                           batch_size=batch or self.args.batch, on_error="skip", seed=0,
+                           num_threads=4)
+
+    def device_for(self, name: str) -> torch.device:
+        """DALI cannot run its GPU graph on emulated CUDA: it runs its CPU mode there."""
+        return torch.device("cpu") if self.args.emulate and name == "dali" else self.device
 
     def batches(self, backend, transform, *, batch: int, seed: int, shuffle: bool = False):
         """(indices as drawn, plans as drawn, Decoded) per batch, two batches in flight."""
@@ -112,8 +117,9 @@ class Check:
             print(f"    ERROR in {name}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         self.write()
 
-    def write(self) -> None:
+    def write(self, *, finished: bool = False) -> None:
         self.result["seconds"] = time.perf_counter() - self.t0
+        self.result["finished"] = finished
         parts = self.result["parts"].values()
         self.result["ok"] = not self.result["errors"] and all(p.get("ok", True) for p in parts)
         tmp = Path(self.args.json).with_suffix(".tmp")
@@ -124,11 +130,17 @@ class Check:
 def env(c: Check) -> dict:
     import torchvision
 
-    d = c.decoder()
+    backend = c.backend("nvjpeg", threaded=False)
+    measured = backend.measure_applies_exif()  # under the backend's streams
     out = {"device": (torch.cuda.get_device_name(c.device) if c.device.type == "cuda" else "cpu"),
+           "backend_device": str(backend.device), "current_device": (
+               torch.cuda.current_device() if c.device.type == "cuda" else None),
            "torch": torch.__version__, "torchvision": torchvision.__version__,
-           "decoder": d.name, "decoder_applies_exif": d.applies_exif, "dali": dali_available(),
-           "images": len(c.cache), "rotated": int((c.cache.samples["orientation"] > 1).sum())}
+           "decoder": backend.decoder.name, "decoder_applies_exif": measured,
+           "documented_applies_exif": backend.decoder.applies_exif, "dali": dali_available(),
+           "images": len(c.cache), "rotated": int((c.cache.samples["orientation"] > 1).sum()),
+           "ok": backend.decoder.applies_exif in (None, measured)}
+    backend.close()
     try:
         import torchcodec
 
@@ -142,25 +154,50 @@ def correctness(c: Check, name: str) -> dict:
     out, deadline = {}, c.deadline(0.05)
     for label, tf in (("val", VAL), ("train", TRAIN)):
         backend = c.backend(name)
-        diffs, maxes, lost = [], [], []
+        diffs, maxes, lost, kept, wrong = [], [], [], [], set()
         for k, (idx, plans, got) in enumerate(c.batches(backend, tf, batch=c.args.batch, seed=0)):
             ref = decode_batch(c.cache, idx, plans, on_error="skip", stack=True)  # as drawn
-            lost += sorted(set(ref.indices.tolist()) - set(got.indices.tolist()))
-            pos = {i: p for p, i in enumerate(ref.indices.tolist())}
-            rows = [pos[i] for i in got.indices.tolist() if i in pos]
-            d = (got.images.cpu().float()[[p for p, i in enumerate(got.indices.tolist())
-                                           if i in pos]] - ref.images.float()[rows]).abs()
-            diffs += d.mean(dim=(1, 2, 3)).tolist()
-            maxes.append(d.max().item() if d.numel() else 0.0)
+            wrong |= _off_device(got.images, c.device_for(name))
+            r = compare(ref, got)
+            diffs += r["mean_abs_diff"]
+            maxes.append(r["max_abs_diff"])
+            lost += r["lost_vs_cpu"]
+            kept += r["kept_not_cpu"]
             if k + 1 == c.args.correctness_batches or time.perf_counter() > deadline:
                 break
         backend.close()
         out[label] = {"samples": len(diffs), "mean_abs_diff_max": max(diffs, default=0.0),
                       "mean_abs_diff_median": float(np.median(diffs)) if diffs else 0.0,
-                      "max_abs_diff": max(maxes, default=0.0), "lost_vs_cpu": lost}
+                      "max_abs_diff": max(maxes, default=0.0), "lost_vs_cpu": lost,
+                      "kept_not_cpu": kept, "kept_not_cpu_count": len(kept),
+                      "off_device": sorted(wrong)}
     out["ok"] = all(v["mean_abs_diff_max"] <= TOLERANCE and not v["lost_vs_cpu"] and v["samples"]
-                    for v in out.values())
+                    and not v["off_device"] for v in out.values())
     return out
+
+
+def _off_device(images, device: torch.device) -> set[str]:
+    """Devices other than the backend's (normalised) that the images are on."""
+    from gpucache.decode import normalize_device
+
+    want = normalize_device(device)
+    ims = [images] if isinstance(images, torch.Tensor) else images
+    return {str(t.device) for t in ims if normalize_device(t.device) != want}
+
+
+def compare(ref, got) -> dict:
+    """One batch of a backend (``got``) against the CPU decode (``ref``) of the same indices and
+    plans: per-image mean absolute difference on the samples both decoded, the samples the
+    backend lost (the CPU decoded them) and those it kept that the CPU refused."""
+    ref_idx, got_idx = ref.indices.tolist(), got.indices.tolist()
+    pos = {i: p for p, i in enumerate(ref_idx)}
+    mine = [p for p, i in enumerate(got_idx) if i in pos]
+    rows = [pos[got_idx[p]] for p in mine]
+    d = (got.images.cpu().float()[mine] - ref.images.float()[rows]).abs() if mine else None
+    return {"mean_abs_diff": d.mean(dim=(1, 2, 3)).tolist() if d is not None else [],
+            "max_abs_diff": d.max().item() if d is not None and d.numel() else 0.0,
+            "lost_vs_cpu": sorted(set(ref_idx) - set(got_idx)),
+            "kept_not_cpu": sorted(set(got_idx) - set(ref_idx))}
 
 
 def ordering(c: Check, name: str) -> dict:
@@ -175,7 +212,8 @@ def ordering(c: Check, name: str) -> dict:
     ref_backend.close()
     backend = c.backend(name)
     side = getattr(getattr(backend, "_streams", None), "side", None)  # CUDA nvjpeg only
-    heavy = torch.randn(4096, 4096, device=c.device) if side is not None else None
+    n = 64 if c.args.emulate else 4096  # emulated: the same calls, a CPU-sized matrix
+    heavy = torch.randn(n, n, device=backend.device) if side is not None else None
     sums, done = [], 0
     while done < c.args.iterations and (not done or time.perf_counter() < deadline):
         for k, (_, _, got) in enumerate(c.batches(backend, tf, batch=c.args.batch, seed=2)):
@@ -229,10 +267,11 @@ def throughput(c: Check) -> dict:
 
 
 def _per_image(c: Check, epoch: int):
-    """The usual GPU decode: torchvision decode_jpeg one image at a time, then resized_crop."""
+    """The usual GPU decode: torchvision decode_jpeg one image at a time on the current stream,
+    then resized_crop."""
+    import torchvision.io
     import torchvision.transforms.v2.functional as F
 
-    decode = torchvision_decoder(c.device)
     rrc = T.RandomResizedCrop(224)
     rng = np.random.default_rng(epoch)
     order = rng.permutation(np.flatnonzero(c.cache.gpu_decodable()))
@@ -240,7 +279,8 @@ def _per_image(c: Check, epoch: int):
         out = []
         for i in order[start:start + c.args.batch].tolist():
             try:
-                (img,) = decode.decode([c.cache._bytes_tensor(i)])
+                img = torchvision.io.decode_jpeg(c.cache._bytes_tensor(i), device=c.device,
+                                                 mode=torchvision.io.ImageReadMode.RGB)
             except RuntimeError:  # a corrupt sample: skipped, as a training loop would
                 continue
             img = orient(img, c.cache.samples["orientation"][i])
@@ -250,33 +290,54 @@ def _per_image(c: Check, epoch: int):
 
 
 def overlap(c: Check) -> dict:
-    r = measure_overlap(c.cache, c.device, batch=c.args.batch, runs=c.args.overlap_runs,
+    device = torch.device("cpu") if c.args.emulate else c.device  # CPU-sized matmul steps
+    r = measure_overlap(c.cache, device, batch=c.args.batch, runs=c.args.overlap_runs,
                         step_kind="matmul", deadline=c.deadline(0.1))
     return {k: v for k, v in r.items() if k != "all_s"}
 
 
 def memory(c: Check, name: str) -> dict:
-    if c.device.type != "cuda":
+    """Allocated and reserved GPU memory after each epoch; after two warm-up epochs neither may
+    grow by more than MEMORY_GROWTH_MIB (a leak, or a stream pool that never gives back)."""
+    device = c.device_for(name)
+    if device.type != "cuda":
         return {"skipped": "GPU memory is measured on CUDA only"}
     backend, deadline, allocated, reserved = c.backend(name), c.deadline(0.08), [], []
     for epoch in range(c.args.memory_epochs):
         for _ in c.batches(backend, TRAIN, batch=c.args.batch, seed=epoch, shuffle=True):
             pass
         c.sync()
-        allocated.append(torch.cuda.memory_allocated(c.device) / 2**20)
-        reserved.append(torch.cuda.memory_reserved(c.device) / 2**20)
+        allocated.append(torch.cuda.memory_allocated(backend.device) / 2**20)
+        reserved.append(torch.cuda.memory_reserved(backend.device) / 2**20)
         if time.perf_counter() > deadline and epoch >= 4:
             break
     backend.close()
-    growth = max(allocated[2:]) - allocated[2] if len(allocated) > 2 else float("nan")
-    return {"allocated_mib": allocated, "reserved_mib": reserved, "growth_mib": growth,
-            "ok": growth <= 16}
+    return {"allocated_mib": allocated, "reserved_mib": reserved, **memory_growth(allocated,
+                                                                                 reserved)}
+
+
+MEMORY_GROWTH_MIB = {"allocated": 16.0, "reserved": 64.0}
+
+
+def memory_growth(allocated: list[float], reserved: list[float]) -> dict:
+    """Growth after the two warm-up epochs, allocated and reserved; ok within the bounds."""
+    if len(allocated) < 3:
+        return {"growth_mib": None, "reserved_growth_mib": None, "ok": False,
+                "why": f"{len(allocated)} epochs measured; need 3 or more"}
+    growth = max(allocated[2:]) - allocated[2]
+    r_growth = max(reserved[2:]) - reserved[2]
+    return {"growth_mib": growth, "reserved_growth_mib": r_growth,
+            "ok": growth <= MEMORY_GROWTH_MIB["allocated"]
+            and r_growth <= MEMORY_GROWTH_MIB["reserved"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="gpu_check.json")
-    ap.add_argument("--emulate", action="store_true", help="CPU device, same code")
+    ap.add_argument("--emulate", action="store_true",
+                    help="CPU only: the CUDA code paths on two emulated GPUs (EmulatedCuda)")
+    ap.add_argument("--device", default="cuda",
+                    help="the device as a user passes it: cuda (the current GPU) or cuda:N")
     ap.add_argument("--images", type=int, default=1024)
     ap.add_argument("--folder", help="an image folder instead of the synthetic photos")
     ap.add_argument("--batch", type=int, default=256)
@@ -289,13 +350,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap-runs", type=int, default=3)
     ap.add_argument("--memory-epochs", type=int, default=20)
     args = ap.parse_args(argv)
+    c = Check(args)
+    c.write()  # a file exists from the start, whatever happens next
     if not args.emulate and not torch.cuda.is_available():
+        c.result["errors"]["start"] = "CUDA is not available here"
+        c.write(finished=True)
         print("gpu_check: CUDA is not available here (use --emulate for the CPU run).",
               file=sys.stderr)
         return 2
-    c = Check(args)
-    c.cache = JpegCache.from_folder(args.folder or cached_jpeg_folder(args.images, seed=0),
-                                    progress=False)
+    with EmulatedCuda(devices=2) if args.emulate else contextlib.nullcontext():
+        return _run(c)
+
+
+def _run(c: Check) -> int:
+    args = c.args
+    try:
+        c.cache = JpegCache.from_folder(args.folder or cached_jpeg_folder(args.images, seed=0),
+                                        progress=False)
+    except Exception as err:  # noqa: BLE001 - recorded in the JSON, then the run stops
+        c.result["errors"]["start"] = "".join(traceback.format_exception(err))[-3000:]
+        c.write(finished=True)
+        raise
     c.part("env", env)
     names = [n for n in args.backends.split(",") if n == "nvjpeg" or dali_available()]
     c.names = names
@@ -306,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     c.part("overlap", overlap)
     for name in names:
         c.part(f"{name} memory", memory, name)
-    c.write()
+    c.write(finished=True)
     print(f"{'PASS' if c.result['ok'] else 'FAIL'} in {c.result['seconds']:.0f} s "
           f"({len(c.result['errors'])} part errors); JSON in {args.json}")
     return 0 if c.result["ok"] else 1

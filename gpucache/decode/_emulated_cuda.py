@@ -17,7 +17,7 @@ what CUDA does differently from the CPU, not only what it computes:
   EXIF ignored as on CUDA) and puts the images on the device; called on a device's *default*
   stream it raises, because torchvision's CUDA decoder allocates its outputs on the current
   stream and writes them from its own (pytorch/vision PR 9606): gpucache must decode under its
-  allocation stream.
+  allocation stream (code outside gpucache, a plain training script, may decode anywhere).
 
 Tensors "on" an emulated GPU are CPU tensors of a subclass that carries the index; a
 ``TorchFunctionMode`` (entered in every thread started inside the block) applies the rules.
@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 #: Modules allowed to call stream and event APIs (besides code outside the gpucache package).
 STREAM_HELPER = "gpucache.decode._streams"
 _MIX_OK = {"copy_", "__setitem__", "__getitem__", "index_put_", "__get__", "__set__", "to",
-           "cpu", "cuda", "record_stream", "numpy", "pin_memory", "is_pinned", "get_device"}
+           "cpu", "cuda", "numpy", "pin_memory", "is_pinned", "get_device"}
 
 
 class _OnGpu(torch.Tensor):
@@ -144,8 +144,9 @@ class EmulatedCuda:
 
     _active: EmulatedCuda | None = None
 
-    def __init__(self, devices: int = 2):
+    def __init__(self, devices: int = 2, *, default_stream_decode: str = "raise"):
         self.devices = devices
+        self.default_stream_decode = default_stream_decode  # "allow": isolate the other rules
         self._mode = _Mode(self)
         self._local = threading.local()
         self._defaults: dict[int, Stream] = {}
@@ -190,9 +191,12 @@ class EmulatedCuda:
         finally:
             self._local.device = prev
 
-    @contextlib.contextmanager
     def stream_context(self, stream: Stream | None):
-        _check_stream_caller("torch.cuda.stream")
+        _check_stream_caller("torch.cuda.stream")  # where the context is made, not entered
+        return self._stream_context(stream)
+
+    @contextlib.contextmanager
+    def _stream_context(self, stream: Stream | None):
         if stream is None:
             yield
             return
@@ -279,8 +283,6 @@ class EmulatedCuda:
         if name == "numpy" and on:
             raise TypeError(f"can't convert cuda:{index} device type tensor to numpy. Use "
                             "Tensor.cpu() to copy the tensor to host memory first.")
-        if name == "record_stream":
-            return self._record_stream(args[0], args[1])
         if name in ("pin_memory", "is_pinned"):
             return plain_args[0] if name == "pin_memory" else False
         if name == "get_device":
@@ -344,6 +346,8 @@ class EmulatedCuda:
             "get_device_name": lambda device=None: f"emulated CUDA ({self.devices} devices)",
         }.items():
             self._patch(c, name, value)
+        self._patch(torch.Tensor, "record_stream",  # torch's parser takes only real streams
+                    lambda tensor, stream: self._record_stream(tensor, stream))
         import torchvision.io
 
         self._patch(torchvision.io, "decode_jpeg", _decode_jpeg(torchvision.io.decode_jpeg))
@@ -394,7 +398,8 @@ def _decode_jpeg(cpu_decode):
         dev = emu.index_device(dev)  # un-indexed: the calling thread's current device
         with emu.device_context(dev):
             stream = emu.current_stream(dev)
-        if stream.default:
+        if (stream.default and emu.default_stream_decode == "raise"
+                and _caller().startswith("gpucache")):
             raise RuntimeError(f"emulated CUDA: nvJPEG decode called on the default stream of "
                                f"{dev}; torchvision allocates its outputs on the current stream "
                                "and writes them from its own, so gpucache must decode under its "
