@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, Protocol, Union, runtime_checkable
 
 import numpy as np
-from tqdm.auto import tqdm
+from ._progress import tqdm
 
 from ._format import pack_strings
 from ._limits import DEFAULT_MAX_PIXELS, over_budget
