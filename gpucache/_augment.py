@@ -132,6 +132,24 @@ class PerSample:
         return f"PerSample({self.transform!r})"
 
 
+class PerBatch:
+    """Run ``transform`` once on the whole batch: one random draw shared by every sample of the
+    batch, seeded from (seed, epoch, batch). Saying so silences the warning a random torchvision
+    op gets when it would run on a whole batch unwrapped; for a draw per sample use
+    :class:`PerSample`."""
+
+    def __init__(self, transform: Callable[[torch.Tensor], torch.Tensor]):
+        if not callable(transform):
+            raise TypeError(f"PerBatch takes a callable on a batch, got {transform!r}")
+        self.transform = transform
+
+    def __call__(self, x):
+        return self.transform(x)
+
+    def __repr__(self) -> str:
+        return f"PerBatch({self.transform!r})"
+
+
 class WithLabels:
     """Mark a callable ``(images, labels) -> (images, labels)`` (torchvision's ``v2.MixUp``,
     ``v2.CutMix``, ``v2.RandomChoice([...])`` of them, a user function) as a batch transform that

@@ -26,8 +26,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ._augment import (ColorJitter, CutMix, MixUp, PerSample, WithLabels, batch_generator,
-                       seeded_global_rng)
+from . import _tvcompat
+from ._augment import (ColorJitter, CutMix, MixUp, PerBatch, PerSample, WithLabels,
+                       batch_generator, seeded_global_rng)
 from ._targets import map_boxes, map_points
 
 PLAN_FIELDS = ("top1", "left1", "height1", "width1", "rh", "rw",
@@ -223,11 +224,11 @@ class Normalize(Transform):
 
 
 _ACCEPTED = ("gpucache.transforms geometric ops (RandomResizedCrop, Resize, CenterCrop, "
-             "RandomHorizontalFlip) first, then batch steps: gpucache.transforms pixel ops "
-             "(ColorJitter, Normalize, ToDtype, PerSample(...)), label-changing ops (MixUp, "
-             "CutMix, WithLabels(...), torchvision's v2.MixUp/v2.CutMix) or any callable on the "
-             "batch (a torchvision v2 transform or Compose, a function)")
-_TV_GEOMETRIC = ("Resize", "RandomResizedCrop", "CenterCrop", "RandomHorizontalFlip")
+             "RandomHorizontalFlip, or torchvision's, which are translated to them) first, then "
+             "batch steps: gpucache.transforms pixel ops (ColorJitter, Normalize, ToDtype, "
+             "PerSample(...), PerBatch(...)), label-changing ops (MixUp, CutMix, WithLabels(...), "
+             "torchvision's v2.MixUp/v2.CutMix) or any callable on the batch (a torchvision v2 "
+             "transform or Compose, a function)")
 
 
 def _kind(t) -> str:
@@ -239,10 +240,6 @@ def _kind(t) -> str:
         return "labels"
     if not callable(t):
         raise TypeError(f"{t!r} ({type(t).__name__}) is not a transform; accepted: {_ACCEPTED}.")
-    if type(t).__module__.startswith("torchvision") and type(t).__name__ in _TV_GEOMETRIC:
-        raise TypeError(f"use gpucache.transforms.{type(t).__name__} instead of torchvision's "
-                        f"{t!r}: gpucache's draws each sample's crop/flip from the seed and runs "
-                        "it while decoding; torchvision's would crop the whole batch alike.")
     return "pixel"
 
 
@@ -263,10 +260,17 @@ class Compose(Transform):
 
     Batch steps run on the output device after decoding. Random ones draw from the generator the
     loader seeds per (seed, epoch, batch); callables that use torch's global RNG (torchvision's)
-    run with the global RNG seeded from it and restored afterwards."""
+    run with the global RNG seeded from it and restored afterwards.
+
+    torchvision pipelines are taken apart first: a torchvision ``Compose`` (v1 or v2, nested too)
+    is flattened and its ``RandomResizedCrop``, ``Resize``, ``CenterCrop``,
+    ``RandomHorizontalFlip``, ``Normalize`` and ``ToDtype`` become gpucache's own, with a plan per
+    sample; options gpucache cannot reproduce are a ``TypeError`` with the fix, and another random
+    torchvision op left to run on a whole batch tensor warns (wrap it in :class:`PerSample` or
+    :class:`PerBatch`)."""
 
     def __init__(self, transforms: Sequence):
-        self.transforms = list(transforms)
+        self.transforms = _tvcompat.translate(list(transforms))
         kinds = [_kind(t) for t in self.transforms]
         for t, k, before in zip(self.transforms, kinds, [None] + kinds[:-1]):
             if k == "geometric" and before not in (None, "geometric"):
@@ -276,6 +280,8 @@ class Compose(Transform):
         self.geometric = [t for t, k in zip(self.transforms, kinds) if k == "geometric"]
         self.steps = [(k, t) for t, k in zip(self.transforms, kinds) if k != "geometric"]
         self.pixel = [t for k, t in self.steps if k == "pixel"]
+        if self.fixed_size:  # a variable-size batch runs each pixel step per image
+            _tvcompat.warn_batch_draws(self.steps)
 
     def plan(self, heights: np.ndarray, widths: np.ndarray,
              rng: np.random.Generator) -> np.ndarray:
@@ -341,4 +347,4 @@ def as_compose(transform) -> Compose:
 
 __all__ = ["Compose", "RandomResizedCrop", "Resize", "CenterCrop", "RandomHorizontalFlip",
            "ToDtype", "Normalize", "Transform", "ColorJitter", "MixUp", "CutMix", "PerSample",
-           "WithLabels", "batch_generator", "map_boxes", "map_points"]
+           "PerBatch", "WithLabels", "batch_generator", "map_boxes", "map_points"]

@@ -86,8 +86,9 @@ def test_normalize_and_layouts_match_torchvision():
 def test_pixel_before_geometry_is_rejected():
     with pytest.raises(ValueError, match="before ToDtype/Normalize"):
         T.Compose([T.ToDtype(), T.Resize(10)])
-    with pytest.raises(TypeError, match="gpucache.transforms"):
-        T.Compose([v2.Resize(10)])
+    with pytest.raises(ValueError, match="before ToDtype/Normalize"):  # translated, then ordered
+        T.Compose([T.ToDtype(), v2.Resize(10)])
+    assert isinstance(T.Compose([v2.Resize(10)]).geometric[0], T.Resize)
 
 
 # ------------------------------------------------------------------ open transforms (issue 11)
