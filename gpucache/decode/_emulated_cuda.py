@@ -14,7 +14,8 @@ what CUDA does differently from the CPU, not only what it computes:
   ``Stream``, ``Event``, ``current_stream`` and ``record_stream`` called from any ``gpucache``
   module but :mod:`gpucache.decode._streams` raise (the stream helper is the one place for them);
 - **nvJPEG**: ``torchvision.io.decode_jpeg(..., device=cuda)`` decodes on the CPU (libjpeg-turbo,
-  EXIF ignored as on CUDA) and puts the images on the device; called on a device's *default*
+  EXIF ignored as on CUDA) and puts the images on the device (TorchCodec's ``decode_jpeg``
+  likewise, EXIF applied as TorchCodec does); called on a device's *default*
   stream it raises, because torchvision's CUDA decoder allocates its outputs on the current
   stream and writes them from its own (pytorch/vision PR 9606): gpucache must decode under its
   allocation stream (code outside gpucache, a plain training script, may decode anywhere).
@@ -351,6 +352,13 @@ class EmulatedCuda:
         import torchvision.io
 
         self._patch(torchvision.io, "decode_jpeg", _decode_jpeg(torchvision.io.decode_jpeg))
+        try:
+            import torchcodec.decoders
+        except Exception:  # noqa: BLE001 - not installed, or does not load: nothing to emulate
+            pass
+        else:
+            self._patch(torchcodec.decoders, "decode_jpeg",
+                        _decode_jpeg(torchcodec.decoders.decode_jpeg, exif=True))
         run, mode = threading.Thread.run, self._mode
 
         def run_in_mode(thread):  # every thread started inside the block follows the rules
@@ -386,14 +394,15 @@ def _emu() -> EmulatedCuda:
     return EmulatedCuda._active
 
 
-def _decode_jpeg(cpu_decode):
-    """torchvision.io.decode_jpeg with its CUDA path emulated (see the module doc)."""
+def _decode_jpeg(cpu_decode, *, exif: bool = False):
+    """torchvision's (or, ``exif=True``, TorchCodec's: it applies EXIF on CUDA too)
+    ``decode_jpeg`` with the CUDA path emulated (see the module doc)."""
 
-    def decode_jpeg(input, mode=None, device="cpu", apply_exif_orientation=False):
+    def decode_jpeg(input, mode=None, device="cpu", **kwargs):
         dev = torch.device(device)
         if dev.type != "cuda":
-            return cpu_decode(input, mode=mode, device=device,
-                              apply_exif_orientation=apply_exif_orientation)
+            kw = {} if mode is None else {"mode": mode}
+            return cpu_decode(input, device=device, **kw, **kwargs)
         emu = _emu()
         dev = emu.index_device(dev)  # un-indexed: the calling thread's current device
         with emu.device_context(dev):
@@ -405,8 +414,10 @@ def _decode_jpeg(cpu_decode):
                                "and writes them from its own, so gpucache must decode under its "
                                "allocation stream (decode/_streams.py).")
         kw = {} if mode is None else {"mode": mode}
+        if not exif:
+            kw["apply_exif_orientation"] = False  # torchvision's CUDA decoder ignores EXIF
         batch = isinstance(input, list)
-        out = cpu_decode(input if batch else [input], apply_exif_orientation=False, **kw)
+        out = cpu_decode(input if batch else [input], **kw)
         out = [emu._wrap(x, dev.index) for x in out]
         return out if batch else out[0]
 
