@@ -146,7 +146,7 @@ def write(f: BinaryIO | None, *, data: np.ndarray, offsets: np.ndarray, labels: 
     return size
 
 
-def save_atomic(path: Path, **arrays) -> None:
+def save_atomic(path: Path, *, mode: int | None = None, **arrays) -> None:
     """Write to a unique temporary name beside ``path``, fsync, rename, fsync the folder.
 
     The temporary name comes from ``mkstemp``, so concurrent saves to one path (threads or
@@ -159,7 +159,7 @@ def save_atomic(path: Path, **arrays) -> None:
             write(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~_umask() if mode is None else mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

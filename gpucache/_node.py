@@ -1,44 +1,49 @@
-"""One copy per node: the ranks of a node build a store once and all map the same file.
+"""One copy per node: the ranks of a node scan once, build a store once and all map the same file.
 
 ``JpegCache.from_folder(root)`` run in every rank of a node (torchrun, Slurm, Lightning DDP) would
 build one in-memory copy per rank. Instead, when this process is one of several ranks (LOCAL_WORLD_SIZE
 or WORLD_SIZE > 1, or an initialised process group) or a ``cache_dir`` is given:
 
-- the store file's name is a hash of the source listing (every path with its size and mtime, the
-  labels, classes and build options), in ``cache_dir`` or, by default for several ranks,
-  ``<tempfile.gettempdir()>/gpucache-<uid>`` (node-local on clusters; set TMPDIR or pass cache_dir);
-- a rank that finds the file opens it (milliseconds: nothing is read until decoded);
-- otherwise it takes an exclusive ``flock`` on ``<hash>.lock``: the first rank to get it builds,
-  saves atomically and opens the file; the others wait for the lock, then find the file and open it.
-  The kernel drops a flock when its holder dies, so a crashed builder never blocks anyone: the next
-  rank to get the lock removes the crashed builder's temporary file and builds. The holder removes
-  the lock file before releasing it; a waiter that then holds a removed file's lock tries again.
+- the store file's name (its key) is a hash of the source listing (every path with its size and
+  mtime, the labels, classes and build options), in a private folder (see ``_nodedir``);
+- scanning once per node: the first rank to take ``<request>.scan.lock`` (request: the root or
+  file names and the options, no file system access) lists and stats the files and writes the key
+  to ``<request>.scan``; the other ranks wait for that lock and take the key from the file. A rank
+  takes a key only if it was written after that rank's process started, so a later job always
+  scans again (a changed folder is never missed across jobs);
+- a rank that finds the store opens it (milliseconds: nothing is read until decoded);
+- otherwise it takes ``<key>.lock`` (``_nodelock``): the first rank to get it builds, saves
+  atomically (0600) and opens the file, publishing its progress; the others wait while progress
+  moves, then open it. A crashed builder's lock goes with its process: the next rank builds.
 
-A changed folder (a file added, removed, resized or touched) hashes differently and is rebuilt; the
-old file stays until removed by hand. A single process with no ``cache_dir`` builds in memory and
-writes nothing, as before.
+A changed folder hashes differently and is rebuilt; old stores stay until ``gpucache cache clean``
+or the ``cache_max_bytes`` cap removes them (least recently opened first, never one in use). A
+single process with no ``cache_dir`` builds in memory and writes nothing.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
+import json
 import logging
 import os
-import socket
-import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
 from . import _dist
 from ._format import CacheFormatError
+from ._nodedir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private
+from ._nodelock import NodeLock
 
 log = logging.getLogger("gpucache")
 
-LOCK_TIMEOUT_S = 3600.0  # how long a rank waits for another one building the store
+STALL_TIMEOUT_S = 900.0  # waiters give up when the builder reports no progress for this long
 _KEY_VERSION = b"gpucache-node-1"
+__all__ = ["built_once", "default_dir", "listing_key", "several_ranks"]
+
+Listing = tuple[Sequence, Sequence]  # (inputs, extra: labels, classes, options)
 
 
 def several_ranks() -> bool:
@@ -47,110 +52,146 @@ def several_ranks() -> bool:
     return _dist.local()[0] > 1 or _dist.world()[0] > 1 or launched > 1
 
 
-def default_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"gpucache-{os.getuid()}"
-
-
-def listing_key(paths: Sequence[str], extra: Sequence) -> str:
-    """A hash of every path with its size and mtime, plus ``extra`` (labels, classes, options)."""
-    h = hashlib.blake2b(_KEY_VERSION, digest_size=16)
-    for p in paths:
-        st = os.stat(p)
-        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+def _hash(h, extra: Sequence) -> None:
     for item in extra:  # an array's repr elides its middle: hash its bytes
         h.update(item.tobytes() if hasattr(item, "tobytes") else repr(item).encode())
         h.update(b"\1")
+
+
+def listing_key(paths: Sequence[str], extra: Sequence,
+                on_progress: Callable[..., None] | None = None) -> str:
+    """A hash of every path with its size and mtime, plus ``extra`` (labels, classes, options)."""
+    h = hashlib.blake2b(_KEY_VERSION, digest_size=16)
+    for i, p in enumerate(paths):
+        st = os.stat(p)
+        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+        if on_progress is not None and i % 4096 == 4095:
+            on_progress("stat", i + 1, len(paths))
+    _hash(h, extra)
     return h.hexdigest()
 
 
-def built_once(cls, build: Callable[[], object], inputs: Sequence, extra: Sequence, *,
-               cache_dir: str | os.PathLike | None, timeout: float = LOCK_TIMEOUT_S):
-    """``build()`` once per node (or reuse the saved file of an unchanged listing); else in memory."""
+def built_once(cls, scan: Callable[[], Listing], build: Callable[..., object], request: Sequence,
+               *, cache_dir: str | os.PathLike | None, max_bytes: int | None = None,
+               stall_timeout: float | None = None):
+    """``build(inputs, extra, on_progress)`` once per node, or open the saved store of an unchanged
+    listing; in memory for one process without ``cache_dir``. ``request`` names what ``scan()``
+    lists without touching the file system (a root, or the paths, plus the options)."""
+    stall = STALL_TIMEOUT_S if stall_timeout is None else stall_timeout
     if cache_dir is None and not several_ranks():
-        return build()
-    if not all(isinstance(x, (str, os.PathLike)) for x in inputs):
+        return build(*scan(), None)
+    listing, named = None, request[0]
+    if not isinstance(named, (str, os.PathLike)) and not all(
+            isinstance(x, (str, os.PathLike)) for x in named):
         if cache_dir is not None:
             raise ValueError("cache_dir= needs file paths to key the saved store on (their names, "
                              "sizes and mtimes); bytes or file objects cannot be keyed. Build "
                              "without cache_dir and save it yourself (cache.save(path)).")
         log.warning("gpucache: every rank builds its own copy of a store made from bytes or file "
                     "objects; build it once, cache.save(path), and JpegCache.open(path) in each rank.")
-        return build()
-    paths = [os.fspath(x) for x in inputs]
-    folder = Path(cache_dir) if cache_dir is not None else default_dir()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    key = listing_key(paths, extra)
-    store = folder / f"{key}.gpucache"
-    cache = _open(cls, store)
-    if cache is not None:
-        return cache
-    with _locked(folder / f"{key}.lock", timeout, store):
-        cache = _open(cls, store)  # built by another rank while this one waited
+        return build(*scan(), None)
+    folder = checked_dir(cache_dir)
+    if several_ranks():
+        key, listing = _scan_once(folder, scan, request, stall)
+    else:
+        listing = scan()
+        key = listing_key(*listing)
+    while True:
+        store = folder / f"{key}.gpucache"
+        cache = _open(cls, store)
         if cache is not None:
             return cache
-        for tmp in folder.glob(f".{store.name}.tmp*"):  # left by a builder that was killed
-            tmp.unlink(missing_ok=True)
-        built = build()
-        built.save(store)
-        cache = cls.open(store)
-        cache.report = built.report
-        log.info("gpucache: built %s once for the ranks of this node", store)
+        with NodeLock(folder / f"{key}.lock", store, stall) as lock:
+            cache = _open(cls, store)  # built by another rank while this one waited
+            if cache is not None:
+                return cache
+            if listing is None:  # the key came from another rank, which did not build: scan
+                listing = scan()
+                new = listing_key(*listing)
+                if new != key:
+                    key = new
+                    continue
+            for tmp in folder.glob(f".{store.name}.*"):  # left by a builder that was killed
+                tmp.unlink(missing_ok=True)
+            lock.phase("building", len(listing[0]))
+            built = build(*listing, lock.progress)
+            lock.phase("saving", len(built))
+            built.save(store, mode=0o600)
+            write_private(folder / f"{key}.info", json.dumps(
+                {"source": _source(request), "samples": len(built), "created": time.time()}).encode())
+            cache = _open(cls, store)
+            if cache is None:
+                raise CacheFormatError(f"{store}: the store just saved does not open again")
+            cache.report = built.report
+            log.info("gpucache: built %s once for the ranks of this node", store)
+        if max_bytes is not None:
+            from ._nodeclean import clean
+
+            clean(folder, max_bytes=max_bytes)
         return cache
+
+
+def _source(request: Sequence) -> str:
+    first = request[0]
+    if isinstance(first, (str, os.PathLike)):
+        return os.fspath(first)
+    return f"{len(first)} files" + (f", first {os.fspath(first[0])}" if len(first) else "")
+
+
+def _scan_once(folder: Path, scan: Callable[[], Listing], request: Sequence,
+               stall: float) -> tuple[str, Listing | None]:
+    """The listing key, scanned by the first rank of the node (then ``(key, listing)``) or taken
+    from the file it wrote (then ``(key, None)``)."""
+    h = hashlib.blake2b(_KEY_VERSION + b"-request", digest_size=16)
+    first = request[0]
+    h.update(os.fsencode(first) if isinstance(first, (str, os.PathLike)) else
+             b"\0".join(os.fsencode(p) for p in first))
+    _hash(h, request[1:])
+    name = h.hexdigest()
+    result = folder / f"{name}.scan"
+    with NodeLock(folder / f"{name}.scan.lock", result, stall) as lock:
+        record = read_json(result)
+        if record is not None and record.get("written", 0) >= _started() and "key" in record:
+            return str(record["key"]), None
+        lock.phase("scanning")
+        listing = scan()
+        key = listing_key(*listing, on_progress=lock.progress)
+        write_private(result, json.dumps({"key": key, "written": time.time()}).encode())
+        return key, listing
+
+
+def _started() -> float:
+    """When this process started (seconds since the epoch, to the kernel's clock tick)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        import psutil
+
+        return psutil.Process().create_time()
 
 
 def _open(cls, store: Path):
-    if not store.exists():
+    """The saved store mapped and held (shared flock, so it counts as in use), or None."""
+    fd, why = open_own(store)
+    if fd is None:
+        if why != "missing":
+            log.warning("gpucache: rebuilding %s, which %s", store, why)
         return None
     try:
-        return cls.open(store)
+        if not hold_shared(fd):
+            os.close(fd)
+            return None
+        os.utime(fd)  # the last use, for `gpucache cache list` and the size cap
+        cache = cls.open(store)
     except CacheFormatError as err:
+        os.close(fd)
         log.warning("gpucache: rebuilding %s, which does not open: %s", store, err)
         return None
-
-
-@contextmanager
-def _locked(path: Path, timeout: float, store: Path):
-    """An exclusive flock on ``path``; the lock file is removed before it is released."""
-    deadline = time.monotonic() + timeout
-    next_note = time.monotonic() + 30
-    while True:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read(fd)
-            os.close(fd)
-            now = time.monotonic()
-            if now > deadline:
-                raise TimeoutError(
-                    f"waited {timeout:.0f} s for another process ({holder or 'unknown'}) building "
-                    f"{store}; it holds {path}. If that build is stuck, stop it (the lock goes "
-                    "with its process), or pass another cache_dir.") from None
-            if now > next_note:
-                log.info("gpucache: waiting for %s to finish building %s", holder, store)
-                next_note = now + 30
-            time.sleep(0.1)
-            continue
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)  # the holder removed this lock file while we waited: take the new one
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
-        yield
-    finally:
-        try:
-            os.unlink(path)
-        finally:
-            os.close(fd)
-
-
-def _read(fd: int) -> str:
-    try:
-        return os.pread(fd, 200, 0).decode(errors="replace")
-    except OSError:
-        return ""
+    except BaseException:
+        os.close(fd)
+        raise
+    weakref.finalize(cache, os.close, fd)
+    return cache

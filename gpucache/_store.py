@@ -88,20 +88,26 @@ class JpegCache:
                     num_threads: int | None = None, progress: bool = True,
                     max_pixels: int | None = DEFAULT_MAX_PIXELS,
                     cache_dir: str | os.PathLike | None = None,
+                    cache_max_bytes: int | None = None,
                     restart_markers: bool = False) -> JpegCache:
         """Pack an ImageFolder tree (``root/<class>/<image>``); labels as torchvision assigns.
         ``max_pixels``: images whose header claims more pixels are refused (None: no bound).
-        Several ranks or ``cache_dir``: built once per node and mapped (README "Multi-GPU").
+        Several ranks or ``cache_dir``: built once per node and mapped (docs/guides/multi-gpu.md);
+        ``cache_max_bytes``: then the least recently used stores there are removed to fit.
         ``restart_markers``: JPEGs transcoded losslessly so crops decode faster (README "Backends")."""
         from ._build import build, scan_folder
         from ._node import built_once
         from .decode._roi_rst import built_with
 
-        paths, labels, classes = scan_folder(Path(root))
-        cache = built_once(cls, lambda: built_with(build(
-            cls, paths, labels, classes, None, on_error=on_error, num_threads=num_threads,
+        def scan():
+            paths, labels, classes = scan_folder(Path(root))
+            return paths, (labels, classes, on_error, max_pixels, restart_markers)
+
+        cache = built_once(cls, scan, lambda paths, extra, on_progress: built_with(build(
+            cls, paths, extra[0], extra[1], None, on_error=on_error, num_threads=num_threads,
             progress=progress, max_pixels=max_pixels), restart_markers, num_threads=num_threads),
-            paths, (labels, classes, on_error, max_pixels, restart_markers), cache_dir=cache_dir)
+            (os.path.abspath(root), on_error, max_pixels, restart_markers), cache_dir=cache_dir,
+            max_bytes=cache_max_bytes)
         cache.max_pixels = max_pixels
         return cache
 
@@ -111,6 +117,7 @@ class JpegCache:
                    on_error: Literal["skip", "raise"] = "skip", num_threads: int | None = None,
                    progress: bool = True, max_pixels: int | None = DEFAULT_MAX_PIXELS,
                    cache_dir: str | os.PathLike | None = None,
+                   cache_max_bytes: int | None = None,
                    restart_markers: bool = False) -> JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
         ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder."""
@@ -118,11 +125,12 @@ class JpegCache:
         from ._node import built_once
         from .decode._roi_rst import built_with
 
-        cache = built_once(cls, lambda: built_with(_sources.from_files(
-            cls, paths, labels, metadata, classes=classes, on_error=on_error,
-            num_threads=num_threads, progress=progress, max_pixels=max_pixels), restart_markers,
-            num_threads=num_threads), paths,
-            (labels, metadata, classes, on_error, max_pixels, restart_markers), cache_dir=cache_dir)
+        extra = (labels, metadata, classes, on_error, max_pixels, restart_markers)
+        cache = built_once(cls, lambda: (paths, extra), lambda paths, _, on_progress: built_with(
+            _sources.from_files(cls, paths, labels, metadata, classes=classes, on_error=on_error,
+                                num_threads=num_threads, progress=progress, max_pixels=max_pixels),
+            restart_markers, num_threads=num_threads), (paths, *extra), cache_dir=cache_dir,
+            max_bytes=cache_max_bytes)
         cache.max_pixels = max_pixels
         return cache
 
@@ -278,11 +286,12 @@ class JpegCache:
                     samples=self._samples, classes=self._classes, paths=self._paths,
                     metadata=self._metadata_table, extra=self._extra)
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the store to one file, atomically (temp name, fsync, rename)."""
+    def save(self, path: str | os.PathLike, *, mode: int | None = None) -> Path:
+        """Write the store to one file, atomically (temp name, fsync, rename); ``mode``: its
+        permission bits (default: 0666 less the umask, as ``open`` does)."""
         path = Path(path)
         try:
-            _format.save_atomic(path, **self._arrays())
+            _format.save_atomic(path, mode=mode, **self._arrays())
         except OSError as err:
             import errno
 

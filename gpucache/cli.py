@@ -10,7 +10,7 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
-from . import bench
+from . import _cache_cli, bench
 from ._build import BuildError
 from ._format import CacheFormatError
 from ._sniff import Kind
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("file")
     p.set_defaults(func=_verify)
     bench.add_parser(sub)
+    _cache_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

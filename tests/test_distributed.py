@@ -111,7 +111,7 @@ def _assert_nothing_left(job, pids: list[int], shm_before: set[str]) -> None:
     assert not alive, f"processes of the job still alive: {alive}"
     assert not {f for f in _shm() - shm_before if "gpucache" in f}
     node = job["tmp"] / f"gpucache-{os.getuid()}"
-    leftovers = [f.name for f in node.iterdir() if f.suffix != ".gpucache"]
+    leftovers = [f.name for f in node.iterdir() if f.suffix in (".lock", ".tmp")]
     assert not leftovers, f"lock or temporary files left behind: {leftovers}"
 
 
@@ -183,9 +183,8 @@ def _child(code: str, env: dict | None = None) -> subprocess.Popen:
 
 def test_ranks_started_apart_build_once_and_share_the_file(tmp_path):
     root = make_jpeg_folder(tmp_path / "imgs", 12, seed=2)
-    code = ("import sys; from gpucache import JpegCache; "
-            f"c = JpegCache.from_folder({str(root)!r}, progress=False); "
-            "print(c.report is not None, c.path)")
+    code = ("import logging; from gpucache import JpegCache; logging.basicConfig(level='INFO'); "
+            f"c = JpegCache.from_folder({str(root)!r}, progress=False); print(c.path)")
     procs = []
     for r in range(3):  # ranks start a second apart; each finds the file or waits for the builder
         procs.append(_child(code, {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3",
@@ -193,10 +192,11 @@ def test_ranks_started_apart_build_once_and_share_the_file(tmp_path):
         time.sleep(1)
     outs = [p.communicate(timeout=400) for p in procs]  # torch import: slow on a loaded machine
     assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
-    built, paths = zip(*(out.split() for out, _ in outs))
-    assert built.count("True") == 1 and len(set(paths)) == 1  # one builder, one file
+    built = sum(err.count("once for the ranks of this node") for _, err in outs)
+    assert built == 1 and len({out for out, _ in outs}) == 1  # one builder, one file
     folder = tmp_path / f"gpucache-{os.getuid()}"
-    assert [f.suffix for f in folder.iterdir()] == [".gpucache"]  # no lock or temp file left
+    # the store, what it was built from, the scan's result; no lock or temp file left
+    assert sorted(f.suffix for f in folder.iterdir()) == [".gpucache", ".info", ".scan"]
 
 
 def test_cache_dir_reuses_an_unchanged_listing_and_rebuilds_a_changed_one(tmp_path):
@@ -205,8 +205,9 @@ def test_cache_dir_reuses_an_unchanged_listing_and_rebuilds_a_changed_one(tmp_pa
     root = make_jpeg_folder(tmp_path / "imgs", 9, seed=4)
     first = JpegCache.from_folder(root, cache_dir=tmp_path / "c", progress=False)
     assert first.path is not None and first.report is not None  # built, saved, mapped
+    inode = os.stat(first.path).st_ino  # a save replaces the file (a new inode)
     again = JpegCache.from_folder(root, cache_dir=tmp_path / "c", progress=False)
-    assert again.path == first.path and again.report is None  # opened, not rebuilt
+    assert again.path == first.path and os.stat(again.path).st_ino == inode  # opened, not rebuilt
     victim = sorted(root.rglob("*.jpg"))[0]
     os.utime(victim, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched: rebuilt
     touched = JpegCache.from_folder(root, cache_dir=tmp_path / "c", progress=False)
@@ -219,7 +220,8 @@ def test_cache_dir_reuses_an_unchanged_listing_and_rebuilds_a_changed_one(tmp_pa
 
 
 def test_a_killed_builder_blocks_no_one_and_a_stuck_one_times_out(tmp_path):
-    from gpucache import JpegCache, _node
+    from gpucache import JpegCache
+    from gpucache._nodelock import NodeLock
 
     root = make_jpeg_folder(tmp_path / "imgs", 6, seed=6)
     cdir = tmp_path / "c"
@@ -236,17 +238,19 @@ def test_a_killed_builder_blocks_no_one_and_a_stuck_one_times_out(tmp_path):
     assert {f.suffix for f in cdir.iterdir()} >= {".lock"}  # what the crash left
     cache = JpegCache.from_folder(root, cache_dir=cdir, progress=False)  # not blocked
     assert cache.path is not None and len(cache) == 6
-    assert [f.suffix for f in cdir.iterdir()] == [".gpucache"]  # lock and temp file gone
-    # a builder that holds the lock and never finishes: the others stop waiting with a clear error
+    assert sorted(f.suffix for f in cdir.iterdir()) == [".gpucache", ".info"]  # lock, temp gone
+    # a builder that holds the lock and never reports progress: the others stop waiting after the
+    # stall timeout with a clear error naming it
     lock = cdir / "stuck.lock"
-    stuck = _child(f"import fcntl, time; f = open({str(lock)!r}, 'w'); f.write('pid stuck'); "
+    stuck = _child(f"import fcntl, signal; f = open({str(lock)!r}, 'w'); f.write('pid stuck'); "
                    "f.flush(); fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); "
-                   "time.sleep(60)")
+                   "signal.pause()")
     try:
         assert stuck.stdout.readline().strip() == "locked"
         start = time.monotonic()
-        with pytest.raises(TimeoutError, match=r"waited 1 s for another process \(pid stuck\)"):
-            with _node._locked(lock, 1.0, cdir / "stuck.gpucache"):
+        with pytest.raises(TimeoutError, match=r"no progress for 1 s from another process "
+                                               r"\(pid stuck\), which holds .*stuck.lock"):
+            with NodeLock(lock, cdir / "stuck.gpucache", 1.0):
                 pass
         assert time.monotonic() - start < 10
     finally:
