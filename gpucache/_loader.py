@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections import deque
@@ -12,7 +13,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
-from . import _dist
+from . import _dist, _state
 from . import decode as _decode
 from ._sampling import Sampling
 from ._store import JpegCache
@@ -211,33 +212,39 @@ class GpuCachedLoader:
 
     def state_dict(self) -> dict:
         """Where the epoch stands, independent of world size: the seed, the epoch and how many
-        samples of the epoch's global order all ranks together have been handed."""
+        samples of the epoch's global order all ranks together have been handed, with
+        fingerprints of the store and of ``indices=``/``weights=`` (see ``gpucache._state``)."""
         if self._resume is not None:
             epoch, position = self._resume
         elif self._pass is not None:
             epoch, position = self._pass.epoch, self._pass.position
         else:
             epoch, position = self._next_epoch, 0
-        return {"version": 2, "seed": self.seed, "epoch": epoch, "position": position,
-                "samples": self._global_size(), "shuffle": self.shuffle,
-                "batch_size": self.batch_size, "num_replicas": self.num_replicas}
+        store, sampling = self._fingerprints
+        return {"version": _state.VERSION, "seed": self.seed, "epoch": epoch,
+                "position": position, "samples": self._global_size(), "shuffle": self.shuffle,
+                "batch_size": self.batch_size, "num_replicas": self.num_replicas,
+                "store": store, "sampling": sampling}
 
     def load_state_dict(self, state: dict) -> None:
         """The next ``iter()`` continues the saved epoch after its last batch handed out.
 
         Any world size and batch size: the rest of the epoch's global order is split among this
-        loader's ``num_replicas`` ranks (every remaining sample once, apart from padding)."""
-        if "position" not in state:  # version 1: batches_done per rank, world size unchanged
-            state = {**state, "shuffle": self.shuffle, "position": min(
-                state["samples"], state["batches_done"] * state["batch_size"] * state["num_replicas"])}
-        for key, mine in (("samples", self._global_size()), ("shuffle", self.shuffle)):
-            if state[key] != mine:
-                raise ValueError(f"state_dict was saved with {key}={state[key]}, this loader has "
-                                 f"{mine}; resume with the same store and shuffle setting.")
-        if int(state["seed"]) != self.seed:
-            self.close()  # workers are seeded from the loader's seed: restart them with the saved one
-            self.seed = int(state["seed"])
-        self._resume, self._pass = (int(state["epoch"]), int(state["position"])), None
+        loader's ``num_replicas`` ranks (every remaining sample once, apart from padding). A state
+        of another store, subset, sample count or shuffle setting, or one with values out of range,
+        is refused (``ValueError``/``TypeError``) and changes nothing."""
+        store, sampling = self._fingerprints
+        seed, epoch, position = _state.parse(state, samples=self._global_size(),
+                                             shuffle=self.shuffle, store=store, sampling=sampling)
+        if seed != self.seed:
+            self.close()  # workers are seeded from the loader's seed: restart them with it
+            self.seed = seed
+        self._resume, self._pass = (epoch, position), None
+
+    @functools.cached_property
+    def _fingerprints(self) -> tuple[str, str]:
+        """(store, sampling) fingerprints for the state: computed once, the same on every rank."""
+        return _state.store_fingerprint(self.cache), _state.sampling_fingerprint(self.sampling)
 
     def plans(self, epoch: int, batch: int, indices: np.ndarray) -> np.ndarray:
         """The geometric plan of each sample of one batch (seeded by seed, epoch, batch, rank)."""
