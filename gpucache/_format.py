@@ -1,17 +1,27 @@
-"""Writing the single-file store format (version 2; version 1 files still open). The README's
-"File format" section specifies it; ``_parse`` reads and validates it.
+"""Writing the single-file store format (version 2; version 1 files still open).
+``docs/reference/format.md`` specifies it; ``_parse`` reads and validates it.
 
 Layout: a 256-byte little-endian header; six index sections (offsets, labels, samples, classes,
 paths, metadata) on 64-byte boundaries; the section directory (one 80-byte entry per named optional
 section) and those sections, each on a 64-byte boundary; the data section on a 4096-byte boundary.
 Named optional sections let features add per-store arrays (per-sample flags, targets) without a
 new layout: a reader checks every section's bounds and CRC and ignores names it does not use.
+gpucache itself writes ``sample.crc32`` (one CRC-32 per sample, for ``gpucache verify``) and the
+``report.*`` sections (the build report); names under ``sample.`` and ``report.`` are reserved.
+
+Strings (class names, paths, metadata, report text) are stored as UTF-8 with ``surrogateescape``:
+a file name that is not UTF-8 keeps its exact bytes and reads back as the same ``str``.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import glob
+import logging
 import os
 import re
+import stat
 import struct
 import tempfile
 import threading
@@ -22,10 +32,13 @@ from typing import BinaryIO
 
 import numpy as np
 
+from . import _checksum
 from ._mapped import CacheFormatError
 from ._sniff import SAMPLE_DTYPE
 
 __all__ = ["CacheFormatError", "write", "save_atomic", "pack_strings", "check_extra"]
+
+log = logging.getLogger("gpucache")
 
 MAGIC = b"GPUCACHE"
 VERSION = 2
@@ -41,15 +54,33 @@ CRC = struct.Struct("<I")
 ENTRY = struct.Struct("<32s8sQQQQII")
 NAME = re.compile(r"[a-z][a-z0-9_.]{0,31}\Z")
 KINDS = "biuf"  # bool, signed, unsigned, float: no objects, no pointers
+RESERVED = ("sample.", "report.")  # sections gpucache writes itself
+SAMPLE_CRC = "sample.crc32"
 
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def encode(s: str) -> bytes:
+    """A string's stored bytes: UTF-8, with the undecodable bytes of an OS name restored."""
+    try:
+        return s.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{s!r} cannot be stored: it holds a lone surrogate "
+                         f"({s[err.start]!r}) that is neither text nor a byte of an OS file name; "
+                         "fix the string (paths from os.listdir/os.fsdecode are always fine)."
+                         ) from err
+
+
+def decode(b: bytes) -> str:
+    """The ``str`` a stored string was made from (the inverse of :func:`encode`)."""
+    return b.decode("utf-8", "surrogateescape")
+
+
 def pack_strings(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """UTF-8 blob + uint64 offsets (len+1): strings without one Python object per string kept."""
-    encoded = [s.encode("utf-8") for s in strings]
+    """String blob + uint64 offsets (len+1): strings without one Python object per string kept."""
+    encoded = [encode(s) for s in strings]
     offsets = np.zeros(len(encoded) + 1, dtype="<u8")
     np.cumsum([len(e) for e in encoded], out=offsets[1:])
     return offsets, np.frombuffer(b"".join(encoded), dtype=np.uint8)
@@ -64,17 +95,59 @@ def _string_section(table: tuple[np.ndarray, np.ndarray] | None) -> list[memoryv
             memoryview(np.ascontiguousarray(blob)).cast("B")]
 
 
-def check_extra(name: str, array) -> np.ndarray:
+def check_extra(name: str, array, *, reserved_ok: bool = False) -> np.ndarray:
     """An optional section as it will be stored: a 1-D or 2-D little-endian numeric array."""
     if not isinstance(name, str) or not NAME.match(name):
         raise ValueError(f"section name {name!r} is not allowed: use 1-32 characters of a-z, 0-9, "
                          "'_' and '.', starting with a letter (e.g. 'rst', 'targets').")
+    if not reserved_ok and name.startswith(RESERVED):
+        raise ValueError(f"section name {name!r} is reserved: gpucache writes the 'sample.' and "
+                         "'report.' sections itself; choose another name.")
     arr = np.asarray(array)
     if arr.dtype.kind not in KINDS or arr.ndim not in (1, 2):
         raise ValueError(f"section {name!r}: a 1-D or 2-D array of bool, integers or floats is "
                          f"stored, got {arr.ndim}-D {arr.dtype}; split ragged data into values "
                          "and offsets sections.")
     return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+
+
+def report_sections(report) -> dict[str, np.ndarray]:
+    """A build report as the ``report.*`` sections (numbers and a string table; no pickle)."""
+    from ._sniff import Kind
+
+    kinds = [(int(Kind[k]), v) for k, v in sorted(report.counts.items())]
+    texts = [t for s in report.skipped for t in (s.path, s.reason)]
+    offsets, blob = pack_strings(texts)
+    return {"report.totals": np.array([report.total, report.kept], dtype="<i8"),
+            "report.kinds": np.array(kinds, dtype="<i8").reshape(len(kinds), 2),
+            "report.skipped": np.array([s.index for s in report.skipped], dtype="<i8"),
+            "report.offsets": offsets, "report.text": blob}
+
+
+def read_report(extra: Mapping[str, np.ndarray], where: str):
+    """The build report kept in ``extra`` (see :func:`report_sections`), or None if there is none."""
+    from ._build import BuildReport, Skipped
+    from ._sniff import Kind
+
+    if "report.totals" not in extra:
+        return None
+    try:
+        (total, kept), kinds = extra["report.totals"].tolist(), extra["report.kinds"]
+        index, offsets, blob = (extra["report.skipped"], extra["report.offsets"],
+                                extra["report.text"])
+        ends = offsets.tolist()
+        if (kinds.ndim != 2 or len(ends) != 2 * len(index) + 1 or ends[0] != 0
+                or ends != sorted(ends) or ends[-1] != len(blob) or total != kept + len(index)):
+            raise ValueError("the sections disagree")
+        texts = [decode(bytes(blob[a:b])) for a, b in zip(ends, ends[1:])]
+        counts = {Kind(k).name: int(v) for k, v in kinds.tolist()}
+    except (KeyError, ValueError, TypeError) as err:
+        raise CacheFormatError(f"{where}: the build report sections (report.*) are inconsistent "
+                               f"({err}); rebuild it with `gpucache build` or copy it again."
+                               ) from err
+    return BuildReport(total=total, kept=kept, counts=counts,
+                       skipped=[Skipped(int(i), texts[2 * k], texts[2 * k + 1])
+                                for k, i in enumerate(index.tolist())])
 
 
 def _plan(parts: dict[str, list[memoryview]], extra: dict[str, np.ndarray]):
@@ -99,11 +172,18 @@ def _plan(parts: dict[str, list[memoryview]], extra: dict[str, np.ndarray]):
 def write(f: BinaryIO | None, *, data: np.ndarray, offsets: np.ndarray, labels: np.ndarray,
           samples: np.ndarray, classes: Sequence[str], paths: tuple[np.ndarray, np.ndarray],
           metadata: tuple[np.ndarray, np.ndarray] | None,
-          extra: Mapping[str, np.ndarray] | None = None) -> int:
+          extra: Mapping[str, np.ndarray] | None = None, checksums: bool = False,
+          threads: int | None = None) -> int:
     """Write a complete store to the binary file ``f`` (positioned at 0); returns its size.
 
-    ``extra``: named optional sections ({name: 1-D or 2-D numeric array}), in the given order."""
-    extra = {k: check_extra(k, v) for k, v in (extra or {}).items()}
+    ``extra``: named optional sections ({name: 1-D or 2-D numeric array}), in the given order.
+    ``checksums``: add the ``sample.crc32`` section (one CRC-32 per sample, on every core)."""
+    extra = {k: check_extra(k, v, reserved_ok=True) for k, v in (extra or {}).items()
+             if k != SAMPLE_CRC}
+    if checksums:
+        crcs = np.zeros(len(labels), "<u4") if f is None else _checksum.sample_crcs(
+            data, offsets, threads=threads)
+        extra[SAMPLE_CRC] = crcs
     parts = {
         "offsets": [memoryview(offsets.astype("<i8", copy=False)).cast("B")],
         "labels": [memoryview(labels.astype("<i8", copy=False)).cast("B")],
@@ -138,7 +218,8 @@ def write(f: BinaryIO | None, *, data: np.ndarray, offsets: np.ndarray, labels: 
     f.truncate(size)
     table = [x for name in CORE for x in spans[name]]
     header = HEAD_V2.pack(MAGIC, VERSION, HEADER_SIZE, len(labels), len(classes), size, *table,
-                          zlib.crc32(parts["data"][0]), index_crc, directory[0], len(extra),
+                          _checksum.crc32(parts["data"][0], threads=threads), index_crc,
+                          directory[0], len(extra),
                           zlib.crc32(entries))
     f.seek(0)
     f.write(header + CRC.pack(zlib.crc32(header)))
@@ -146,21 +227,26 @@ def write(f: BinaryIO | None, *, data: np.ndarray, offsets: np.ndarray, labels: 
     return size
 
 
-def save_atomic(path: Path, *, mode: int | None = None, **arrays) -> None:
+def save_atomic(path: Path, *, mode: int | None = None, threads: int | None = None,
+                **arrays) -> None:
     """Write to a unique temporary name beside ``path``, fsync, rename, fsync the folder.
 
     The temporary name comes from ``mkstemp``, so concurrent saves to one path (threads or
-    processes) never share it: the last rename wins and every result is a complete store."""
+    processes) never share it: the last rename wins and every result is a complete store. The
+    writer holds an exclusive ``flock`` on its temporary file until the rename, so the
+    temporary files that a killed writer left (``.<name>.<random>.tmp``) are told apart from a
+    live writer's and removed by the next save (:func:`remove_stale_temps`)."""
     if not path.parent.is_dir():
         raise FileNotFoundError(2, "No such file or directory", str(path.parent))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temps(path)
+    fd, tmp = _locked_temp(path)
     try:
         with open(fd, "wb") as f:
-            write(f, **arrays)
+            write(f, checksums=True, threads=threads, **arrays)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask() if mode is None else mode)
-        os.replace(tmp, path)
+            os.chmod(tmp, 0o666 & ~_umask() if mode is None else mode)
+            os.replace(tmp, path)  # still locked: nothing takes it for a dead writer's file
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -169,6 +255,51 @@ def save_atomic(path: Path, *, mode: int | None = None, **arrays) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _locked_temp(path: Path) -> tuple[int, str]:
+    """A new temporary file beside ``path``, exclusively flocked, still under its name."""
+    for _ in range(100):
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(fd), os.lstat(tmp)):
+                return fd, tmp
+        except OSError as err:  # removed in between by a clean-up: take another name
+            if err.errno not in (errno.ENOENT, errno.EWOULDBLOCK):
+                os.close(fd)
+                raise
+        os.close(fd)
+    raise FileExistsError(f"could not create a temporary file beside {path}")
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove the temporary files of writers to ``path`` that died before their rename.
+
+    A file counts as stale only when it is a regular file of this user whose ``flock`` can be
+    taken (a live writer holds its own until the rename); it is removed while locked, after
+    checking that the name still points to the file that was locked. Returns what was removed."""
+    removed = []
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue  # a link, gone already, or not ours to read
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(st, os.lstat(tmp)):
+                os.unlink(tmp)
+                removed.append(tmp)
+                log.info("gpucache: removed %s, left by a writer that was killed (%d bytes)",
+                         tmp, st.st_size)
+        except OSError:
+            pass  # held by a live writer (EWOULDBLOCK), renamed or removed meanwhile
+        finally:
+            os.close(fd)
+    return removed
 
 
 _UMASK_LOCK = threading.Lock()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 import weakref
 import zlib
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class Handle:
 
     def __init__(self, fd: int, name: str, path: Path | None):
         self.name, self.path, self.pid = name, path, os.getpid()
+        self.trusted = False  # True once attached to a file another process validated
         self._close = weakref.finalize(self, os.close, fd)
         self.fd: int | None = fd
         st = os.fstat(fd)
@@ -88,12 +90,57 @@ class Handle:
                          self.fd, self.identity))
 
 
-def open_path(path: Path) -> Handle:
+_NOT_REGULAR = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
+                stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def _directory_error(path: Path) -> IsADirectoryError:
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        stores = sorted(p.name for p in path.glob("*.gpucache"))[:5]
+    except OSError:
+        stores = []
+    hint = (f"it holds {', '.join(stores)}: pass one of those, e.g. {path / stores[0]}" if stores
+            else "pass the store file itself (e.g. DIR/train.gpucache), or build one with "
+                 "`gpucache build SRC -o FILE`")
+    return IsADirectoryError(errno.EISDIR, f"{path} is a directory, not a gpucache store file; "
+                             f"{hint}", str(path))
+
+
+def _not_a_file(path: Path, mode: int) -> OSError | CacheFormatError:
+    if stat.S_ISDIR(mode):
+        return _directory_error(path)
+    what = _NOT_REGULAR.get(stat.S_IFMT(mode), "not a regular file")
+    return CacheFormatError(f"{path} is {what}, not a gpucache store file; a store is a regular "
+                            "file written by JpegCache.save() or `gpucache build`: pass its path")
+
+
+def open_path(path: Path) -> Handle:
+    """Open a store file read-only. A path that is not a regular file (a directory, FIFO, device,
+    socket), a missing, unreadable or empty file is a clear error naming it; nothing but a
+    regular file is opened (checked before and after the open: a FIFO never blocks it)."""
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_a_file(path, mode)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) |
+                     getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError as err:
-        raise FileNotFoundError(f"{path}: no such gpucache store; build one with "
-                                "`gpucache build SRC -o FILE` or JpegCache.save()") from err
+        raise FileNotFoundError(errno.ENOENT, f"{path}: no such gpucache store; build one with "
+                                "`gpucache build SRC -o FILE` or JpegCache.save()", str(path)
+                                ) from err
+    except PermissionError as err:
+        raise PermissionError(err.errno, f"{path}: no permission to read this gpucache store "
+                              f"({err.strerror}); ask its owner to make it readable "
+                              "(chmod a+r) or copy it", str(path)) from err
+    except (IsADirectoryError, CacheFormatError):
+        raise
+    except OSError as err:
+        raise OSError(err.errno, f"{path}: cannot open this gpucache store: {err.strerror}; "
+                      "check the path", str(path)) from err
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # replaced between the stat and the open
+        os.close(fd)
+        raise _not_a_file(path, mode)
     return Handle(fd, str(path), path)
 
 
@@ -107,6 +154,7 @@ def attach(name: str, path: str | None, pid: int, fd: int, identity: Identity) -
         if new is not None:
             h = Handle(new, name, None if path is None else Path(path))
             if h.identity == identity:
+                h.trusted = True  # the very file the parent validated
                 return h
             h.close()  # the pid or descriptor number was reused by something else
     if path is None:
@@ -128,4 +176,5 @@ def attach(name: str, path: str | None, pid: int, fd: int, identity: Identity) -
             f"{pid}); opening it here would pair the new file's images with the old labels. Do "
             "not overwrite a store file while loaders use it: save to a new name and open that, "
             "or reopen the store (JpegCache.open) and start a new loader.")
+    h.trusted = True
     return h

@@ -30,7 +30,8 @@ from ._sniff import Kind
 
 
 class _Strings(Sequence[str]):
-    """A read-only list of strings over a UTF-8 blob and its offsets."""
+    """A read-only list of strings over a blob and its offsets; each string comes back as the
+    ``str`` it was made from (UTF-8, non-UTF-8 bytes of OS names kept by ``surrogateescape``)."""
 
     def __init__(self, table: tuple[np.ndarray, np.ndarray]):
         self._offsets, self._blob = table
@@ -42,7 +43,7 @@ class _Strings(Sequence[str]):
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         i = range(len(self))[i]
-        return bytes(self._blob[self._offsets[i]:self._offsets[i + 1]]).decode("utf-8")
+        return _format.decode(bytes(self._blob[self._offsets[i]:self._offsets[i + 1]]))
 
     def __repr__(self) -> str:
         return f"<{len(self)} strings>"
@@ -180,7 +181,8 @@ class JpegCache:
     def _from_parsed(cls, parsed: _parse.Parsed, max_pixels: int | None) -> JpegCache:
         return cls(data=parsed.data, offsets=parsed.offsets, labels=parsed.labels,
                    samples=parsed.samples, classes=parsed.classes, paths=parsed.paths,
-                   metadata=parsed.metadata, extra=parsed.extra, max_pixels=max_pixels,
+                   metadata=parsed.metadata, extra=_user_sections(parsed.extra),
+                   report=_format.read_report(parsed.extra, parsed._name), max_pixels=max_pixels,
                    _file=parsed)
 
     def _replace(self, **changes) -> JpegCache:
@@ -247,7 +249,8 @@ class JpegCache:
 
     @property
     def extra(self) -> Mapping[str, np.ndarray]:
-        """Named optional sections of the store (README "File format"), as read-only arrays."""
+        """Named optional sections of the store (docs/reference/format.md), as read-only arrays;
+        gpucache's own sections (``sample.*``, ``report.*``) are not listed."""
         return MappingProxyType(self._extra)
 
     @property
@@ -286,12 +289,17 @@ class JpegCache:
                     samples=self._samples, classes=self._classes, paths=self._paths,
                     metadata=self._metadata_table, extra=self._extra)
 
+    def _stored(self) -> dict:
+        """What a saved or shared copy holds: the arrays, plus the build report's sections."""
+        report = {} if self.report is None else _format.report_sections(self.report)
+        return {**self._arrays(), "extra": {**self._extra, **report}}
+
     def save(self, path: str | os.PathLike, *, mode: int | None = None) -> Path:
         """Write the store to one file, atomically (temp name, fsync, rename); ``mode``: its
         permission bits (default: 0666 less the umask, as ``open`` does)."""
         path = Path(path)
         try:
-            _format.save_atomic(path, mode=mode, **self._arrays())
+            _format.save_atomic(path, mode=mode, **self._stored())
         except OSError as err:
             import errno
 
@@ -317,7 +325,7 @@ class JpegCache:
         attach through it) hold it, so it cannot outlive them, however they exit."""
         if self.is_shared:
             return self
-        arrays = self._arrays()
+        arrays = self._stored()
         size = _format.write(None, **arrays)
         fd, kept = _shm.create(size, lambda f: _format.write(f, **arrays))
         try:
@@ -338,7 +346,7 @@ class JpegCache:
         self._data, self._offsets, self._labels = parsed.data, parsed.offsets, parsed.labels
         self._samples, self._paths, self._metadata_table = (parsed.samples, parsed.paths,
                                                              parsed.metadata)
-        self._extra = dict(parsed.extra)
+        self._extra = _user_sections(parsed.extra)
         self._file, self._tensor = parsed, None
 
     def close(self) -> None:
@@ -367,6 +375,13 @@ class JpegCache:
         return (_reopen, (self._file.handle, self.max_pixels))
 
 
+def _user_sections(extra: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The optional sections a user sees in ``cache.extra``: not gpucache's own (checksums,
+    build report), which are rewritten from the store itself on every save."""
+    return {k: v for k, v in extra.items() if not k.startswith(_format.RESERVED)}
+
+
 def _reopen(handle: Handle, max_pixels: int | None) -> JpegCache:
-    """In a worker: the very file the pickling process had open (see ``_mapped``)."""
-    return JpegCache._from_parsed(_parse.Parsed(handle), max_pixels)
+    """In a worker: the very file the pickling process had open and validated (see ``_mapped``),
+    so only its O(1) checks run again here."""
+    return JpegCache._from_parsed(_parse.Parsed(handle, trusted=handle.trusted), max_pixels)

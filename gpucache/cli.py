@@ -6,12 +6,11 @@ import argparse
 import logging
 import sys
 import time
-import zlib
-from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
 from . import _cache_cli, bench
-from ._build import BuildError
 from ._format import CacheFormatError
 from ._sniff import Kind
 from ._store import JpegCache
@@ -29,16 +28,18 @@ def _build(args) -> int:
             return 2
         if cache is None:
             cache = JpegCache.from_folder(Path(args.src), on_error=args.on_error,
-                                          num_threads=args.threads)
-        if args.restart_markers:
-            from .decode._roi_rst import restart_store
-
-            cache = restart_store(cache, num_threads=args.threads)
-    except (BuildError, RuntimeError) as err:  # RuntimeError: no transcoder (says the fix)
+                                          num_threads=args.threads, max_side=args.max_side,
+                                          restart_markers=args.restart_markers)
+    except (ValueError, RuntimeError, MemoryError) as err:  # BuildError; no transcoder (the fix)
         print(err, file=sys.stderr)
         return 1
     cache.save(args.output)
-    print(cache.report)
+    report = cache.report
+    if report is not None:  # the skipped files were logged as the build went (first 20)
+        print(str(report).splitlines()[0])
+        if len(report.skipped) > 20:
+            print(f"all {len(report.skipped)} skipped files: gpucache info --skipped "
+                  f"{args.output}")
     print(f"wrote {args.output}: {len(cache)} samples, {cache.nbytes / 2**20:,.1f} MiB of images, "
           f"{len(cache.classes)} classes in {time.perf_counter() - t0:.1f} s")
     return 0
@@ -46,7 +47,8 @@ def _build(args) -> int:
 
 def _info(args) -> int:
     cache = JpegCache.open(args.file)
-    kinds = Counter(Kind(k).name for k in cache.samples["kind"])
+    values, counts = np.unique(cache.samples["kind"], return_counts=True)
+    kinds = {Kind(int(v)).name: int(c) for v, c in zip(values, counts)}
     s = cache.samples
     print(f"{args.file}: {len(cache)} samples, {cache.nbytes / 2**20:,.1f} MiB of images")
     print(f"classes ({len(cache.classes)}): {', '.join(cache.classes[:20])}"
@@ -58,6 +60,13 @@ def _info(args) -> int:
               f", CMYK {int((s['components'] == 4).sum())}; GPU-decodable "
               f"{int(cache.gpu_decodable().sum())}")
     print(f"metadata: {'yes' if cache.metadata is not None else 'no'}")
+    if cache.report is None:
+        print("build report: none stored")
+    else:
+        lines = str(cache.report).splitlines()
+        print(f"build report: {lines[0]}")
+        if args.skipped:
+            print("\n".join(lines[1:]))
     if cache.extra:
         print("sections: " + ", ".join(f"{name} {arr.dtype.str} {arr.shape}"
                                        for name, arr in cache.extra.items()))
@@ -65,28 +74,30 @@ def _info(args) -> int:
 
 
 def _verify(args) -> int:
-    from tqdm.auto import tqdm
+    from . import _verify as verify
 
-    from .decode.cpu import check_size, decode_sample
-
+    t0 = time.perf_counter()
     cache = JpegCache.open(args.file)
-    crc = zlib.crc32(memoryview(cache._data))
-    if crc != cache._file.data_crc:
-        print(f"{args.file}: data checksum mismatch (stored {cache._file.data_crc:08x}, computed "
-              f"{crc:08x}); the image data is corrupt: rebuild it.", file=sys.stderr)
-        return 1
-    bad = 0
-    for i in tqdm(range(len(cache)), desc="decode", unit="img", disable=None, leave=False):
-        try:
-            check_size(cache, i, decode_sample(cache, i))
-        except Exception as err:  # report every sample, keep going
-            bad += 1
-            print(f"sample {i} ({cache.paths[i]}): {type(err).__name__}: {err}", file=sys.stderr)
-    print(f"{args.file}: checksum ok; {len(cache) - bad} of {len(cache)} samples decode")
-    return 1 if bad else 0
+    problems = verify.check_checksums(cache, threads=args.threads)
+    checked = "checksums ok" if not problems else f"{len(problems)} checksum problem(s)"
+    decoded = ""
+    if args.decode:
+        failed = verify.check_decodes(cache, threads=args.threads)
+        problems += failed
+        decoded = f"; {len(cache) - len(failed)} of {len(cache)} samples decode"
+    for p in sorted(problems, key=lambda p: -1 if p.index is None else p.index):
+        print(f"{args.file}: {p}", file=sys.stderr)
+    print(f"{args.file}: {checked}{decoded} ({time.perf_counter() - t0:.1f} s)")
+    if problems:
+        print("rebuild the store (`gpucache build`) or copy it again from a good copy",
+              file=sys.stderr)
+    return 1 if problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # names that are not UTF-8 print escaped (\udcXX)
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     logging.basicConfig(format="%(message)s", level=logging.WARNING)
     parser = argparse.ArgumentParser(prog="gpucache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,19 +115,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-markers", action="store_true",
                    help="transcode JPEGs losslessly with restart markers: random crops decode "
                         "only their segments (faster CPU crops, about +3%% size; same pixels)")
+    p.add_argument("--max-side", type=int, default=None, metavar="PX",
+                   help="re-encode images whose long side exceeds PX to that long side (JPEG, "
+                        "quality 90, recorded in the store); the rest keep their bytes")
     p.set_defaults(func=_build)
     p = sub.add_parser("info", help="summarize a store file (reads no image data)")
     p.add_argument("file")
+    p.add_argument("--skipped", action="store_true",
+                   help="list every file the build skipped, with the reason")
     p.set_defaults(func=_info)
-    p = sub.add_parser("verify", help="check a store's checksum and decode every sample")
+    p = sub.add_parser("verify", help="check every sample's checksum and decode it, on every core")
     p.add_argument("file")
+    p.add_argument("-j", "--threads", type=int, default=None,
+                   help="threads to check with (default: every core)")
+    p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode every sample too (default; --no-decode: checksums only)")
     p.set_defaults(func=_verify)
     bench.add_parser(sub)
     _cache_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (CacheFormatError, FileNotFoundError) as err:
+    except (CacheFormatError, OSError) as err:  # says what, where and the fix
         print(f"gpucache {args.command}: {err}", file=sys.stderr)
         return 2
 

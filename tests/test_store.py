@@ -143,11 +143,18 @@ def test_golden_v1_file_still_opens():
     assert dict(opened.extra) == {}
 
 
+def test_golden_v2_file_without_checksums_or_report_still_opens():
+    """A v2 file written before the ``sample.crc32`` and ``report.*`` sections existed."""
+    opened = JpegCache.open(DATA / "tiny-v2.gpucache")
+    _check_tiny(opened)
+    assert sorted(opened.extra) == ["rst", "targets"] and opened.report is None
+
+
 def test_golden_v2_bytes_with_optional_sections(tmp_path, monkeypatch, capsys):
     """Format v2 stays byte-for-byte stable, optional sections included."""
     from gpucache._format import ENTRY, HEAD_V2
 
-    golden = DATA / "tiny-v2.gpucache"
+    golden = DATA / "tiny-v2-report.gpucache"
     extra = {"rst": np.array([0, 4], dtype="<i4"),
              "targets": np.array([[0.5, 0.25], [1.0, 0.0]], dtype="<f4")}
     cache = _tiny(tmp_path, monkeypatch)._replace(extra=extra)
@@ -156,14 +163,21 @@ def test_golden_v2_bytes_with_optional_sections(tmp_path, monkeypatch, capsys):
     head = HEAD_V2.unpack_from(out)
     assert head[:6] == (b"GPUCACHE", 2, 256, 2, 2, len(out))
     directory, count = head[22], head[23]
-    assert directory % 64 == 0 and count == 2
+    assert directory % 64 == 0 and count == 8
     names = [ENTRY.unpack_from(out, directory + k * ENTRY.size)[:2] for k in range(count)]
-    assert names == [(b"rst".ljust(32, b"\0"), b"<i4".ljust(8, b"\0")),
-                     (b"targets".ljust(32, b"\0"), b"<f4".ljust(8, b"\0"))]
+    assert [(n.rstrip(b"\0").decode(), t.rstrip(b"\0").decode()) for n, t in names] == [
+        ("rst", "<i4"), ("targets", "<f4"), ("report.totals", "<i8"), ("report.kinds", "<i8"),
+        ("report.skipped", "<i8"), ("report.offsets", "<u8"), ("report.text", "|u1"),
+        ("sample.crc32", "<u4")]
     assert out[4096:4096 + 2] == b"\xff\xd8"  # data section on a page boundary
     opened = JpegCache.open(golden)
     _check_tiny(opened)
-    assert sorted(opened.extra) == ["rst", "targets"]
+    assert sorted(opened.extra) == ["rst", "targets"]  # gpucache's own sections are not listed
+    assert str(opened.report) == str(cache.report) == "2 files: 2 kept (JPEG: 2), 0 skipped"
+    import zlib
+
+    crcs = opened._file.extra["sample.crc32"]
+    assert crcs.tolist() == [zlib.crc32(opened[i]) for i in range(2)]
     for name, arr in extra.items():
         got = opened.extra[name]
         assert got.dtype == arr.dtype and np.array_equal(got, arr) and not got.flags.writeable
@@ -172,7 +186,9 @@ def test_golden_v2_bytes_with_optional_sections(tmp_path, monkeypatch, capsys):
     assert main(["info", str(golden)]) == 0
     assert "sections: rst <i4 (2,), targets <f4 (2, 2)" in capsys.readouterr().out
     shared = opened._replace().share()  # in memory, then shared memory: sections carried along
-    assert np.array_equal(pickle.loads(pickle.dumps(shared)).extra["targets"], extra["targets"])
+    again = pickle.loads(pickle.dumps(shared))
+    assert np.array_equal(again.extra["targets"], extra["targets"])
+    assert str(again.report) == str(cache.report)
     shared.close()
 
 
@@ -275,7 +291,7 @@ def test_cli_build_info_verify(jpeg_folder, tmp_path, capsys):
     data[-10] ^= 0xFF  # flip bits inside the image data: only the data checksum sees it
     out.write_bytes(bytes(data))
     assert main(["verify", str(out)]) == 1
-    assert "data checksum mismatch" in capsys.readouterr().err
+    assert "sample 23 (" in capsys.readouterr().err  # the last sample: its checksum
     assert main(["info", str(tmp_path / "nope.gpucache")]) == 2
 
 

@@ -1,0 +1,92 @@
+"""``gpucache verify``: every sample's checksum and (optionally) decode, on every core.
+
+Stores saved by this version hold one CRC-32 per sample (section ``sample.crc32``), so a corrupt
+sample is found by index and path, even when its bytes still decode (a flipped bit in the
+entropy-coded data decodes to wrong pixels without an error). Older stores have only the whole
+data CRC: a mismatch there says the data is corrupt, not where.
+
+Both passes run on a thread pool over chunks of samples (``zlib.crc32`` and torchvision's
+``decode_jpeg`` release the GIL), with at most two chunks per thread in flight, so memory stays
+O(threads x chunk) at any N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from ._progress import tqdm
+
+from . import _checksum
+from ._format import SAMPLE_CRC
+
+DECODE_CHUNK = 64  # samples per decode task
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A sample that failed a check (``index`` None: the whole data section)."""
+
+    index: int | None
+    path: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        where = "data section" if self.index is None else f"sample {self.index} ({self.path})"
+        return f"{where}: {self.reason}"
+
+
+def _bar(total: int, desc: str, unit: str, progress: bool, **kw):
+    return tqdm(total=total, desc=desc, unit=unit, disable=None if progress else True,
+                leave=False, **kw)
+
+
+def check_checksums(cache, *, threads: int | None = None, progress: bool = True
+                    ) -> list[Problem]:
+    """Problems found by the stored checksums: per sample where the store has them."""
+    parsed = cache._file
+    stored = parsed.extra.get(SAMPLE_CRC)
+    if stored is None:
+        with _bar(cache.nbytes, "checksum", "B", progress, unit_scale=True) as bar:
+            crc = _checksum.crc32(cache._data, threads=threads, on_bytes=bar.update)
+        if crc == parsed.data_crc:
+            return []
+        return [Problem(None, None, f"data checksum mismatch (stored {parsed.data_crc:08x}, "
+                        f"computed {crc:08x}): the image data is corrupt; this store has no "
+                        "per-sample checksums to say where (save it again with this version "
+                        "to add them, or rebuild it)")]
+    with _bar(len(cache), "checksum", "img", progress) as bar:
+        computed = _checksum.sample_crcs(cache._data, cache._offsets, threads=threads,
+                                         on_samples=bar.update)
+    bad = np.flatnonzero(computed != stored)
+    paths = cache.paths
+    return [Problem(int(i), paths[int(i)], f"checksum mismatch (stored {int(stored[i]):08x}, "
+                    f"computed {int(computed[i]):08x}): its bytes are corrupt") for i in bad]
+
+
+def check_decodes(cache, *, threads: int | None = None, progress: bool = True
+                  ) -> list[Problem]:
+    """Problems found by decoding every sample in full (and checking its size)."""
+    from .decode.cpu import check_size, decode_sample
+
+    n = len(cache)
+    paths = cache.paths
+
+    def one(first: int) -> list[Problem]:
+        found = []
+        for i in range(first, min(first + DECODE_CHUNK, n)):
+            try:
+                check_size(cache, i, decode_sample(cache, i))
+            except Exception as err:  # report every sample, keep going
+                found.append(Problem(i, paths[i], f"{type(err).__name__}: {err}"))
+        return found
+
+    found: list[Problem] = []
+    starts: Iterator[int] = iter(range(0, n, DECODE_CHUNK))
+    with _bar(n, "decode", "img", progress) as bar:
+        for first, part in zip(range(0, n, DECODE_CHUNK), _checksum.ordered_map(
+                one, starts, threads or _checksum.default_threads(), None)):
+            found += part
+            bar.update(min(DECODE_CHUNK, n - first))
+    return found
