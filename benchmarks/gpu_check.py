@@ -108,6 +108,8 @@ class Check:
             yield drawn[k], plans[k], backend.get()
 
     def part(self, name: str, fn, *args) -> None:
+        if name in self.args.skip.split(","):
+            return
         print(f"[{time.perf_counter() - self.t0:6.1f} s] {name} ...", flush=True)
         try:
             self.result["parts"][name] = fn(self, *args)
@@ -349,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=2, help="timed epochs per contender")
     ap.add_argument("--overlap-runs", type=int, default=3)
     ap.add_argument("--memory-epochs", type=int, default=20)
+    ap.add_argument("--skip", default="", help="parts to leave out, e.g. throughput,overlap")
     args = ap.parse_args(argv)
     c = Check(args)
     c.write()  # a file exists from the start, whatever happens next
