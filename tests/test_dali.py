@@ -245,3 +245,40 @@ def test_pixel_budget_refuses_before_dali_and_the_cpu_fallback(jpeg_folder):
     with pytest.raises(SampleError, match="max_pixels"):
         decode(backend(cache, on_error="raise"), idx, plans)
     be.close()
+
+
+def test_cuda_outputs_are_bound_to_the_consumer_stream(jpegs):
+    """On CUDA, DALI's outputs are taken bound to the current stream of the backend's device (the
+    stream their copy runs on), so DALI cannot reuse a buffer before the copy has run. No GPU
+    here: DALI runs its CPU graph, torch's side is EmulatedCuda, and the stream DALI is handed
+    is recorded (DALI's CPU graph cannot take one)."""
+    from gpucache.decode._emulated_cuda import EmulatedCuda
+
+    class CpuGraph(DaliBackend):
+        def _graph_on_gpu(self):
+            return False
+
+        def _pipeline(self):
+            pipe = super()._pipeline()
+            if not hasattr(pipe, "handed"):
+                real, pipe.handed = pipe.outputs, []
+
+                def outputs(cuda_stream=None):
+                    pipe.handed.append(cuda_stream)
+                    return real()
+
+                pipe.outputs = outputs
+            return pipe
+
+    idx = np.arange(8)
+    plans = plans_for(jpegs, idx, TRANSFORMS["rrc_flip"])
+    ref = decode_batch(jpegs, idx, plans, on_error="skip", stack=True)
+    with EmulatedCuda(devices=2):  # cuda:0 is current; the backend is on cuda:1
+        be = CpuGraph(jpegs, device=torch.device("cuda", 1), batch_size=8, on_error="skip",
+                      seed=0, num_threads=2)
+        out = decode(be, idx, plans)
+        assert out.images.device == torch.device("cuda", 1)
+        assert be._pipe.handed == [torch.cuda.current_stream(1)]
+        assert be._pipe.handed[0] is not torch.cuda.current_stream(0)
+        assert_close(out.images.cpu(), ref.images)
+        be.close()
