@@ -4,7 +4,8 @@ The public surface is exactly ``__all__``; modules starting with ``_`` are priva
 """
 
 from . import testing, transforms
-from ._build import BuildError, BuildReport, Skipped
+from ._build import (BuildError, BuildReport, BytesSource, FileObjSource, FileRangeSource,
+                     Skipped)
 from ._format import CacheFormatError
 from ._loader import BatchInfo, GpuCachedLoader, LoaderStats
 from ._shm import SharedMemoryError
@@ -22,6 +23,9 @@ __all__ = [
     "GpuCachedLoader",
     "JpegDataset",
     "with_targets",
+    "BytesSource",
+    "FileObjSource",
+    "FileRangeSource",
     "BatchInfo",
     "LoaderStats",
     "BuildReport",
