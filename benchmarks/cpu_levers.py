@@ -38,6 +38,7 @@ def main() -> None:
 
     from gpucache import JpegCache
     from gpucache import transforms as T
+    from gpucache._restart_build import restart_store
     from gpucache.decode import _roi, _roi_rst
     from gpucache.decode.cpu import apply_plan, decode_batch, decode_sample
 
@@ -87,7 +88,7 @@ def main() -> None:
         if _roi.route() == "libjpeg-turbo" and _roi._nvimgcodec is not None:
             rows["gpucache ROI decode + plan (nvimgcodec)"] = no_c(batch(cache))
         if _roi_rst.transcoder_available():
-            rst = _roi_rst.restart_store(cache)
+            rst = restart_store(cache)
             print(f"restart-marker store: {rst.nbytes / cache.nbytes - 1:+.1%} bytes")
             got = decode_batch(rst, idx, plans, on_error="raise", stack=True)
             assert torch.equal(got.images, ref) and got.roi_decoded > 0

@@ -1,168 +1,38 @@
-"""Build a store: size every input first, read each straight into its slot, sniff it.
+"""Build a store: size every input, then read and sniff them in chunks into one buffer.
 
 An input is a path or a :class:`Source` (a name, a size known before reading, and ``readinto``).
-No list of bytes and no concatenation: the buffer is allocated once at the summed size and each
-input is read into its slice by a thread pool, so peak memory is the data size.
+No list of bytes and no object per input: the buffer is reserved once at the summed size and the
+kept bytes are appended to it chunk by chunk (``_pipeline``), so the build peaks at the data plus
+the store's index arrays plus the chunks in flight (O(threads x chunk)). Optional rewriters
+re-encode images over a size cap (``max_side``) or transcode JPEGs with restart markers on the
+way, each sample once, into the same buffer.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import stat
-import threading
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import IO, Protocol, Union, runtime_checkable
 
 import numpy as np
 from ._progress import tqdm
 
-from ._format import pack_strings
-from ._limits import DEFAULT_MAX_PIXELS, over_budget
-from ._readonly import writable_buffer
-from ._sniff import SAMPLE_DTYPE, Kind, SniffError, sniff
+from . import _pipeline
+from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Source, name_of
+from ._limits import DEFAULT_MAX_PIXELS
+from ._sniff import Kind
+
+__all__ = ["BytesSource", "FileObjSource", "FileRangeSource", "Input", "Source", "Skipped",
+           "BuildReport", "BuildError", "scan_folder", "check_labels", "build"]
 
 log = logging.getLogger("gpucache")
 
 #: The extensions torchvision's ImageFolder accepts (same filter, same order of classes/files).
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
-@runtime_checkable
-class Source(Protocol):
-    """One encoded image that is not a file of its own (bytes, a file-like, a tar member...).
-
-    ``name`` is what reports and ``cache.paths`` show; ``nbytes`` is its size, known before
-    reading; ``readinto(slot)`` fills exactly ``len(slot) == nbytes`` bytes or raises ``OSError``
-    (or :class:`SniffError`). It is called once, from a build thread."""
-
-    name: str
-    nbytes: int
-
-    def readinto(self, slot: memoryview) -> None: ...
-
-
-@dataclass(frozen=True)
-class BytesSource:
-    """Bytes in memory (bytes, bytearray, memoryview, uint8 array): copied once, into the slot."""
-
-    name: str
-    data: bytes | bytearray | memoryview | np.ndarray
-
-    @property
-    def nbytes(self) -> int:
-        return memoryview(self.data).nbytes
-
-    def readinto(self, slot: memoryview) -> None:
-        slot[:] = memoryview(self.data).cast("B")
-
-
-class FileObjSource:
-    """A seekable binary file-like object, from its current position to its end (or ``nbytes``).
-
-    Sources that share one file object must share one ``lock`` (reads seek, then read)."""
-
-    def __init__(self, name: str, file: IO[bytes], *, nbytes: int | None = None,
-                 lock: threading.Lock | None = None) -> None:
-        self.name, self.file, self._lock = name, file, lock or threading.Lock()
-        self._start = file.tell()
-        if nbytes is None:
-            nbytes = file.seek(0, os.SEEK_END) - self._start
-            file.seek(self._start)
-        self.nbytes = int(nbytes)
-
-    def readinto(self, slot: memoryview) -> None:
-        with self._lock:
-            self.file.seek(self._start)
-            _fill(self.file, slot)
-
-
-@dataclass(frozen=True)
-class FileRangeSource:
-    """``nbytes`` bytes at ``offset`` of the file at ``path`` (a tar member, a packed shard...).
-
-    Read with ``os.pread``, so many ranges of one file are read in parallel without a lock."""
-
-    name: str
-    path: str | os.PathLike
-    offset: int
-    nbytes: int
-
-    def readinto(self, slot: memoryview) -> None:
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            done = 0
-            while done < len(slot):
-                got = os.preadv(fd, [slot[done:]], self.offset + done)
-                if got == 0:
-                    raise SniffError(f"file ends {len(slot) - done} bytes before the end of the "
-                                     f"range [{self.offset}, {self.offset + len(slot)})")
-                done += got
-        finally:
-            os.close(fd)
-
-
-Input = Union[str, os.PathLike, Source]
-
-
-def _fill(f, slot: memoryview) -> None:
-    """Read exactly ``len(slot)`` bytes from ``f`` (short reads retried), then expect its end."""
-    done = 0
-    while done < len(slot):
-        got = f.readinto(slot[done:])
-        if not got:
-            break
-        done += got
-    if done != len(slot) or f.read(1):
-        raise SniffError("the input changed size while it was being read; rebuild the cache")
-
-
-class _PathSource:
-    """A path, sized by ``stat`` and refused unless a regular file (a FIFO would block the read)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.name = os.fspath(path)
-        st = os.stat(self.name)
-        if not stat.S_ISREG(st.st_mode):
-            raise SniffError(f"not a regular file ({_file_type(st.st_mode)}), left unopened")
-        self.nbytes = st.st_size
-
-    def readinto(self, slot: memoryview) -> None:
-        # O_NONBLOCK: if the path became a FIFO since stat, opening it still cannot block.
-        fd = os.open(self.name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with open(fd, "rb", buffering=0) as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise SniffError(f"not a regular file ({_file_type(st.st_mode)})")
-            _fill(f, slot)
-
-
-def _file_type(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISDIR, "a folder")):
-        if test(mode):
-            return name
-    return "not a plain file"
-
-
-def _as_source(x: Input) -> Source:
-    if isinstance(x, (str, os.PathLike)):
-        return _PathSource(x)
-    if isinstance(x, Source):
-        return x
-    raise TypeError(f"expected a path (str or os.PathLike) or a source with name, nbytes and "
-                    f"readinto (e.g. gpucache._build.BytesSource), got {type(x).__name__}")
-
-
-def _name(x) -> str:
-    if isinstance(x, (str, os.PathLike)):
-        return os.fspath(x)
-    return str(getattr(x, "name", f"<{type(x).__name__}>"))
 
 
 @dataclass(frozen=True)
@@ -189,30 +59,54 @@ class BuildReport:
 
 
 class BuildError(ValueError):
-    """Raised by ``on_error="raise"``; ``.report`` lists every bad file with its reason."""
+    """Raised by ``on_error="raise"``, and by any build that would keep no sample; ``.report``
+    lists every bad file with its reason."""
 
     def __init__(self, report: BuildReport):
         self.report = report
-        super().__init__(f"{len(report.skipped)} of {report.total} files cannot be used "
-                         f"(pass on_error='skip' to leave them out):\n{report}")
+        if report.total == 0:
+            msg = ("nothing to build: no input was given (an empty file list, or shards without "
+                   "an image member); a store needs at least one image")
+        elif report.kept == 0:
+            msg = (f"none of the {report.total} files can be used, so the store would be empty "
+                   "(a training loop over it would run zero steps); the reasons are below: fix "
+                   "the inputs or point at the right files")
+        else:
+            msg = (f"{len(report.skipped)} of {report.total} files cannot be used (pass "
+                   "on_error='skip' to leave them out)")
+        super().__init__(f"{msg}:\n{report}" if report.total else msg)
 
 
 def scan_folder(root: Path) -> tuple[list[str], np.ndarray, list[str]]:
-    """Files, labels and class names exactly as ``torchvision.datasets.ImageFolder`` finds them."""
+    """Files, labels and class names exactly as ``torchvision.datasets.ImageFolder`` finds them.
+
+    Raises ``FileNotFoundError`` when there is no image at all (as torchvision's "Found no valid
+    file"); class folders without an image keep their label and are named in a warning."""
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a folder; from_folder expects root/<class>/<img>")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     if not classes:
         raise FileNotFoundError(f"no class folders in {root}; from_folder expects the ImageFolder "
                                 "layout root/<class>/<image>")
-    paths, labels = [], []
+    paths: list[str] = []
+    counts = np.zeros(len(classes), dtype=np.int64)
     for label, name in enumerate(classes):
+        before = len(paths)
         for folder, _, files in sorted(os.walk(root / name, followlinks=True)):
-            for f in sorted(files):
-                if f.lower().endswith(IMG_EXTENSIONS):
-                    paths.append(os.path.join(folder, f))
-                    labels.append(label)
-    return paths, np.asarray(labels, dtype=np.int64), classes
+            paths += [os.path.join(folder, f) for f in sorted(files)
+                      if f.lower().endswith(IMG_EXTENSIONS)]
+        counts[label] = len(paths) - before
+    empty = [c for c, k in zip(classes, counts) if k == 0]
+    if len(empty) == len(classes):
+        raise FileNotFoundError(
+            f"found no image in {root}: none of its {len(classes)} class folders ("
+            f"{', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''}) holds a file ending "
+            f"in {', '.join(IMG_EXTENSIONS)}; from_folder expects root/<class>/<image> (put the "
+            "images one level down, in a folder per class)")
+    if empty:
+        log.warning("gpucache: %d class folders of %s hold no image and keep their label with no "
+                    "sample: %s", len(empty), root, ", ".join(empty[:10]))
+    return paths, np.repeat(np.arange(len(classes), dtype=np.int64), counts), classes
 
 
 def check_labels(n: int, labels, classes) -> tuple[np.ndarray, list[str]]:
@@ -232,96 +126,89 @@ def check_labels(n: int, labels, classes) -> tuple[np.ndarray, list[str]]:
 
 
 def build(cls, inputs: Sequence[Input], labels: np.ndarray, classes: list[str],
-          metadata: list[str] | None, *, on_error: str, num_threads: int | None,
-          progress: bool, max_pixels: int | None = DEFAULT_MAX_PIXELS):
+          metadata: Sequence[str] | None, *, on_error: str, num_threads: int | None,
+          progress: bool, max_pixels: int | None = DEFAULT_MAX_PIXELS,
+          restart_markers: bool = False, max_side: int | None = None,
+          on_progress: Callable[[int, int, int], None] | None = None, extra: dict | None = None):
     """Pack ``inputs`` (paths or :class:`Source` objects) into ``cls(...)``.
 
-    Every input is sniffed (headers only); one whose header claims more than ``max_pixels``
-    pixels (None: no bound) is refused like a corrupt one: skipped with the reason, or a
-    :class:`BuildError` under ``on_error="raise"``."""
+    Every input is sized (capped under ``max_pixels``, see ``_limits.too_big``) and sniffed
+    (headers only); one whose header claims more than ``max_pixels`` pixels (None: no bound) is
+    refused like a corrupt one: skipped with the reason, or a :class:`BuildError` under
+    ``on_error="raise"``. A build that keeps no sample raises :class:`BuildError` either way.
+    ``max_side``: images whose long side is larger are re-encoded once, to that long side
+    (``_resize``); ``restart_markers``: JPEGs are transcoded with restart markers
+    (``_restart_build``). ``on_progress(done, total, bytes_read)`` is called after each chunk.
+    ``extra``: optional sections to store as they are (one row per input if per-sample)."""
+    from ._restart_build import rewriters
+
     if on_error not in ("skip", "raise"):
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}.")
     if max_pixels is not None and max_pixels < 1:
         raise ValueError(f"max_pixels must be a positive number of pixels or None (no bound), "
                          f"got {max_pixels!r}.")
     n = len(inputs)
-    names = [_name(x) for x in inputs]
-    sources: list[Source | None] = [None] * n
-    sizes = np.zeros(n, dtype=np.int64)
-    errors: dict[int, str] = {}
+    steps = rewriters(restart_markers=restart_markers, max_side=max_side)
+    threads = num_threads or _pipeline.default_threads()
+    window = 2 * threads
+    bar = tqdm(total=n, desc="gpucache build", unit="file", disable=not progress or None,
+               leave=False)
+    done = [0, 0]
 
-    def size(i: int) -> None:
-        try:
-            src = _as_source(inputs[i])
-            nbytes = int(src.nbytes)
-        except SniffError as err:
-            errors[i] = str(err)
-            return
-        except (OSError, ValueError) as err:  # ValueError: a path with a NUL byte
-            errors[i] = f"cannot stat: {getattr(err, 'strerror', None) or err}"
-            return
-        if nbytes < 0:
-            errors[i] = f"the source reports a negative size ({nbytes} bytes)"
-            return
-        sources[i], sizes[i] = src, nbytes
+    def tick(files: int, nbytes: int) -> None:
+        done[0] += files
+        done[1] += nbytes
+        bar.update(files)
+        if on_progress is not None:
+            on_progress(done[0], n, done[1])
 
-    threads = num_threads or min(16, 4 * (os.cpu_count() or 1))
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(size, range(n)))  # raises the TypeError of an input of the wrong type
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        data = writable_buffer(int(offsets[-1]))  # made read-only in place by the store: no 2x
-        samples = np.zeros(n, dtype=SAMPLE_DTYPE)
-        view = memoryview(data)
-
-        def load(i: int) -> None:
-            src = sources[i]
-            if src is None:
-                return
-            slot = view[offsets[i]:offsets[i + 1]]
-            try:
-                src.readinto(slot)
-                info = sniff(slot)
-            except SniffError as err:
-                errors[i] = str(err)
-                return
-            except OSError as err:
-                errors[i] = f"cannot read: {err.strerror or err}"
-                return
-            why = over_budget(info.height, info.width, max_pixels)
-            if why is not None:
-                errors[i] = f"header claims {why}"
-                return
-            samples[i] = (info.kind, info.components, info.orientation, info.precision,
-                          info.height, info.width)
-
-        for _ in tqdm(pool.map(load, range(n)), total=n, desc="gpucache build", unit="file",
-                      disable=not progress or None, leave=False):
-            pass
-    keep = np.ones(n, dtype=bool)
-    keep[list(errors)] = False
-    report = BuildReport(total=n, kept=int(keep.sum()),
-                         counts=dict(Counter(Kind(k).name for k in samples["kind"][keep])),
-                         skipped=[Skipped(i, names[i], errors[i]) for i in sorted(errors)])
-    if errors and on_error == "raise":
+    with bar, ThreadPoolExecutor(threads, thread_name_prefix="gpucache-build") as pool:
+        cum, refused = _pipeline.size_all(pool, inputs, max_pixels, window, tick)
+        total = int(cum[-1])
+        if total > _memory() > 0:
+            raise MemoryError(
+                f"the {n - len(refused):,} inputs add up to {total / 2**30:,.1f} GiB, more than "
+                f"this machine's {_memory() / 2**30:,.1f} GiB of memory; a store is built in "
+                "memory: build it from a part of the inputs per store, or on a larger machine")
+        reserve = total if not steps else min(2 * total + 4096 * n, max(total, _memory()))
+        columns = {k: dt for rw in steps for k, dt in rw.columns.items()}
+        out = _pipeline.Assembler(n, reserve, columns, labels, metadata)
+        chunk_bytes = max(_pipeline.MIN_CHUNK_BYTES,
+                          min(64 << 20, max(256 << 10, total // 64)) // window)
+        scratch = _pipeline.Scratch(chunk_bytes)
+        read = partial(_pipeline.read_chunk, inputs=inputs, metadata=metadata, cum=cum,
+                       refused=refused, max_pixels=max_pixels, rewriters=steps, scratch=scratch)
+        errors = dict(refused)
+        tick(len(refused), 0)
+        for chunk in _pipeline.ordered(pool, read, _pipeline.chunks(cum, chunk_bytes), window):
+            out.add(chunk)
+            scratch.put(chunk.raw)
+            errors.update(chunk.errors)
+            skipped = sum(1 for i in range(chunk.a, chunk.b) if i in refused) if refused else 0
+            tick(chunk.b - chunk.a - skipped, chunk.nbytes)
+    k = out.count
+    kinds = np.bincount(out.samples["kind"][:k], minlength=max(Kind) + 1)
+    report = BuildReport(
+        total=n, kept=k, counts={Kind(v).name: int(c) for v, c in enumerate(kinds) if c},
+        skipped=[Skipped(i, name_of(inputs[i]), errors[i]) for i in sorted(errors)])
+    if errors and on_error == "raise" or k == 0:
         raise BuildError(report)
-    if errors:  # compact in place: bad inputs' bytes are squeezed out, order kept
-        dst = 0
-        for i in np.flatnonzero(keep):
-            a, b = offsets[i], offsets[i + 1]
-            data[dst:dst + b - a] = data[a:b]
-            dst += b - a
-        view.release()
-        if data.flags.owndata:
-            data.resize(dst, refcheck=False)  # shrinks in place (no copy, no view of a larger array)
-        else:  # a _readonly.writable_buffer: the store freezes this view of it in place
-            data = data[:dst]
+    if errors:
         log.warning("gpucache: skipped %d of %d files (see cache.report):\n%s", len(errors), n,
                     "\n".join(f"  #{s.index} {s.path}: {s.reason}" for s in report.skipped[:20]))
-    kept_sizes = sizes[keep]
-    offsets = np.zeros(len(kept_sizes) + 1, dtype=np.int64)
-    np.cumsum(kept_sizes, out=offsets[1:])
-    kept_names = [p for p, k in zip(names, keep) if k]
-    meta = None if metadata is None else pack_strings([m for m, k in zip(metadata, keep) if k])
-    return cls(data=data, offsets=offsets, labels=labels[keep].copy(), samples=samples[keep],
-               classes=classes, paths=pack_strings(kept_names), metadata=meta, report=report)
+    paths = out.strings(out.name_ends, lambda i: name_of(inputs[i]))
+    meta = None if metadata is None else out.strings(out.meta_ends, lambda i: str(metadata[i]))
+    sections = {**(extra or {}), **{name: col[:k] for name, col in out.columns.items()}}
+    for rw in steps:
+        sections.update(rw.sections(out.columns, k))
+    return cls(data=out.data[:out.cursor], offsets=out.offsets[:k + 1],
+               labels=out.labels[:k], samples=out.samples[:k], classes=classes, paths=paths,
+               metadata=meta, extra=sections, report=report)
+
+
+def _memory() -> int:
+    """Physical memory in bytes (0 if unknown)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -13,6 +13,30 @@ import struct
 DEFAULT_MAX_PIXELS = 89_478_485
 
 
+#: An encoded image takes at most this many bytes per pixel (16-bit RGBA stored raw, as in an
+#: uncompressed PNG or TIFF) plus :data:`METADATA_BYTES` of headers, EXIF, ICC and thumbnails.
+BYTES_PER_PIXEL = 8
+METADATA_BYTES = 16 << 20
+
+
+def max_input_bytes(max_pixels: int | None) -> int | None:
+    """The size cap on one build input under ``max_pixels`` (None: no cap). An input larger than
+    any image within the pixel budget can be (a sparse file, a tar header or ``stat`` that lies)
+    is refused before room is reserved for it."""
+    return None if max_pixels is None else METADATA_BYTES + BYTES_PER_PIXEL * int(max_pixels)
+
+
+def too_big(nbytes: int, max_pixels: int | None) -> str | None:
+    """The reason an ``nbytes`` input is refused under ``max_pixels``, or None if it may be read."""
+    cap = max_input_bytes(max_pixels)
+    if cap is None or nbytes <= cap:
+        return None
+    return (f"{nbytes:,} bytes, more than the {cap:,} any image within max_pixels="
+            f"{max_pixels:,} can take ({BYTES_PER_PIXEL} bytes per pixel + 16 MiB): a sparse or "
+            "mislabelled file, or a size that lies; if it is a genuine image, raise max_pixels= "
+            "(or pass None)")
+
+
 def pixel_budget(cache) -> int | None:
     """The store's bound on decoded pixels per sample (None = unbounded)."""
     return getattr(cache, "max_pixels", DEFAULT_MAX_PIXELS)

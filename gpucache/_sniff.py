@@ -254,22 +254,29 @@ def _sniff_pil(b: memoryview, kind: Kind) -> Info:
 _PIL_MAGIC = (b"BM", b"II*\x00", b"MM\x00*", b"P5", b"P6", b"P2", b"P3")
 
 
-def sniff(b: memoryview) -> Info:
-    """Classify encoded bytes; raises :class:`SniffError` with the reason when unusable."""
-    head = bytes(b[:16])
-    if len(b) == 0:
+def check_signature(head: bytes, nbytes: int) -> Kind:
+    """The format the first bytes of an ``nbytes``-byte input announce (``Kind.JPEG`` for any
+    JPEG); raises :class:`SniffError` for bytes no decoder reads. Lets a build refuse a
+    non-image (a sparse file of zeros, a text file) after reading 64 bytes of it."""
+    if nbytes == 0:
         raise SniffError("empty file")
     if head.startswith(b"\xff\xd8\xff"):
-        return _sniff_jpeg(b)
+        return Kind.JPEG
     if head.startswith(b"\x89PNG\r\n\x1a\n"):
-        return _sniff_pil(b, Kind.PNG)
+        return Kind.PNG
     if head[:6] in (b"GIF87a", b"GIF89a"):
-        return _sniff_pil(b, Kind.GIF)
+        return Kind.GIF
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return _sniff_pil(b, Kind.WEBP)
+        return Kind.WEBP
     if head.startswith(_PIL_MAGIC):
-        return _sniff_pil(b, Kind.OTHER)
+        return Kind.OTHER
     if head.startswith(b"\xff\xd8"):
         raise SniffError("truncated or corrupt JPEG: start-of-image marker without a header")
     raise SniffError("not an image: unknown format (no JPEG, PNG, GIF, WebP, BMP, TIFF or PNM "
                      "signature)")
+
+
+def sniff(b: memoryview) -> Info:
+    """Classify encoded bytes; raises :class:`SniffError` with the reason when unusable."""
+    kind = check_signature(bytes(b[:16]), len(b))
+    return _sniff_jpeg(b) if kind == Kind.JPEG else _sniff_pil(b, kind)

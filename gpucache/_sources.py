@@ -223,7 +223,9 @@ def from_files(cls, items: Sequence, labels, metadata, *, classes, **build_kw):
 
 def cli_build(args, cls):
     """The store for ``gpucache build --csv/--webdataset/--hf`` (None for an ImageFolder root)."""
-    kw = dict(on_error=args.on_error, num_threads=args.threads)
+    kw = dict(on_error=args.on_error, num_threads=args.threads,
+              restart_markers=getattr(args, "restart_markers", False),
+              max_side=getattr(args, "max_side", None))
     if getattr(args, "csv", None):
         return from_csv(cls, args.csv, progress=True, **kw)
     if getattr(args, "webdataset", None):

@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from gpucache import JpegCache
+from gpucache._restart_build import restart_store
 from gpucache.decode import _roi, _roi_rst
 from gpucache.decode.cpu import apply_plan, decode_batch, decode_jpeg, decode_sample
 from gpucache.testing import natural_image
@@ -259,12 +260,13 @@ NO_TRANSCODER = textwrap.dedent("""
     import numpy as np
     sys.modules["nvidia.nvimgcodec"] = None  # neither optional decoder part is here
     from gpucache import JpegCache
+    from gpucache._restart_build import restart_store
     from gpucache.decode import _roi, _roi_rst
     from gpucache.decode.cpu import decode_batch
     _roi._state["lib"] = None  # the compiled part was not built
     plain = JpegCache.open(sys.argv[1])
     try:
-        _roi_rst.restart_store(plain)
+        restart_store(plain)
         raise SystemExit("no error")
     except RuntimeError as err:
         assert "C compiler" in str(err) and "reinstall" in str(err), err
@@ -281,7 +283,7 @@ NO_TRANSCODER = textwrap.dedent("""
 def test_restart_markers_without_the_optional_parts(cache, tmp_path):
     plain = JpegCache.from_files(cache.paths[:3], progress=False)
     plain.save(tmp_path / "plain.gpucache")
-    _roi_rst.restart_store(plain).save(tmp_path / "rst.gpucache")
+    restart_store(plain).save(tmp_path / "rst.gpucache")
     h, w = int(plain.samples["height"].min()), int(plain.samples["width"].min())
     plans = _plans(h, w, np.random.default_rng(9), 3)
     plans[:, 4:6] = plans[:, 8:10] = 16

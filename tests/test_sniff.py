@@ -116,14 +116,16 @@ def test_fifo_does_not_hang_the_build(tmp_path):
 def test_max_pixels_at_build(tmp_path):
     bomb = CASES["bomb_30000.jpg"][0]
     (tmp_path / "bomb.jpg").write_bytes(bomb)
-    args = ([str(tmp_path / "bomb.jpg")], np.zeros(1, np.int64), ["a"], None)
+    (tmp_path / "ok.jpg").write_bytes(make_jpeg_bytes(16, 16, seed=1))
+    args = ([str(tmp_path / "ok.jpg"), str(tmp_path / "bomb.jpg")], np.zeros(2, np.int64), ["a"],
+            None)
     kw = dict(on_error="skip", num_threads=1, progress=False)
-    assert len(build(JpegCache, *args, **kw)) == 0
-    assert len(build(JpegCache, *args, **kw, max_pixels=30000 * 30000)) == 1
+    assert len(build(JpegCache, *args, **kw)) == 1
+    assert len(build(JpegCache, *args, **kw, max_pixels=30000 * 30000)) == 2
     cache = build(JpegCache, *args, **kw, max_pixels=None)
-    assert len(cache) == 1
+    assert len(cache) == 2
     with pytest.raises(ValueError, match="30000x30000"):  # the decode-side guard
-        check_pixels(cache, 0)
+        check_pixels(cache, 1)
     with pytest.raises(Exception, match="max_pixels=1,000"):
         build(JpegCache, *args, on_error="raise", num_threads=1, progress=False, max_pixels=1000)
 

@@ -1,0 +1,250 @@
+"""The build's two passes, in chunks, with a bounded number of chunks in flight.
+
+1. Size: every input is stat'ed (or asked its ``nbytes``) and capped, 1,024 inputs a task.
+2. Read: consecutive inputs form a chunk of at most 256 inputs or a few MiB; a thread reads the
+   chunk into its own scratch buffer, sniffs each input (and re-encodes or transcodes it when a
+   rewriter asks), and hands back the kept bytes packed end to end; the calling thread appends
+   them, in input order, to the store's buffer, which was reserved at the summed size and is
+   touched only where bytes land.
+
+At most ``2 x threads`` tasks are in flight (:func:`ordered`), so temporary memory is
+O(threads x chunk), not O(N): the store's arrays, the inputs' names and the chunks being read.
+The store's buffer and index arrays are ``_readonly.writable_buffer`` mappings, which the store
+then makes read-only in place (no copy).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._format import pack_strings
+from ._inputs import name_of, read_into, size_of
+from ._limits import over_budget
+from ._readonly import writable_buffer
+from ._sniff import SAMPLE_DTYPE, SniffError, sniff
+
+SIZE_CHUNK = 1024  # inputs sized per task
+READ_CHUNK = 256  # at most this many inputs read per task...
+MIN_CHUNK_BYTES = 16 << 10  # ...and about this many bytes or more (or one larger input)
+
+
+def ordered(pool: Executor, fn: Callable, tasks: Iterable, window: int) -> Iterator:
+    """``fn(task)`` for each task, results in task order, with at most ``window`` in flight."""
+    pending: deque = deque()
+    for task in tasks:
+        pending.append(pool.submit(fn, task))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def size_all(pool: Executor, inputs, max_pixels: int | None, window: int,
+             tick: Callable[[int, int], None]) -> tuple[np.ndarray, dict[int, str]]:
+    """Cumulative sizes (``cum[i+1] - cum[i]`` is input ``i``'s size; 0 for one refused) and the
+    reasons inputs were refused."""
+    n = len(inputs)
+    cum = np.zeros(n + 1, dtype=np.int64)
+    errors: dict[int, str] = {}
+
+    def task(a: int):
+        sizes, errs = np.zeros(min(n, a + SIZE_CHUNK) - a, dtype=np.int64), []
+        for k in range(len(sizes)):
+            try:
+                sizes[k] = size_of(inputs[a + k], max_pixels)
+            except SniffError as err:
+                errs.append((a + k, str(err)))
+            except (OSError, ValueError) as err:  # ValueError: a path with a NUL byte
+                errs.append((a + k, f"cannot stat: {getattr(err, 'strerror', None) or err}"))
+        return a, sizes, errs
+
+    for a, sizes, errs in ordered(pool, task, range(0, n, SIZE_CHUNK), window):
+        cum[a + 1:a + 1 + len(sizes)] = sizes
+        errors.update(errs)
+        tick(0, 0)
+    np.cumsum(cum, out=cum)
+    return cum, errors
+
+
+def chunks(cum: np.ndarray, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    """Consecutive ``[a, b)`` input ranges of at most READ_CHUNK inputs and ``chunk_bytes``."""
+    n, a = len(cum) - 1, 0
+    while a < n:
+        b = int(np.searchsorted(cum, cum[a] + chunk_bytes, side="right")) - 1
+        b = min(max(b, a + 1), a + READ_CHUNK, n)
+        yield a, b
+        a = b
+
+
+@dataclass
+class Chunk:
+    """What one read task hands back: the kept inputs of ``[a, b)`` and their bytes, packed."""
+
+    a: int
+    b: int
+    data: np.ndarray  # the kept (possibly rewritten) bytes, end to end
+    kept: list[int] = field(default_factory=list)
+    lens: list[int] = field(default_factory=list)
+    recs: list[tuple] = field(default_factory=list)
+    name_lens: np.ndarray | None = None
+    meta_lens: np.ndarray | None = None
+    columns: dict[str, list] = field(default_factory=dict)
+    errors: list[tuple[int, str]] = field(default_factory=list)
+    nbytes: int = 0  # input bytes consumed
+    raw: np.ndarray | None = None  # the scratch buffer ``data`` lies in, to give back
+
+
+class Scratch:
+    """Reusable read buffers for the chunks in flight (at most ``window`` exist at once).
+
+    Each is its own anonymous mapping, so it goes back to the system when dropped; reusing them
+    spares the page faults of a fresh buffer per chunk, and keeps the threads' malloc arenas from
+    growing by a chunk each (glibc keeps freed heap memory per thread)."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.size, self._free = chunk_bytes, queue.SimpleQueue()
+
+    def get(self, nbytes: int) -> np.ndarray:
+        try:
+            buf = self._free.get_nowait()
+        except queue.Empty:
+            buf = None
+        if buf is None or len(buf) < nbytes:
+            m = mmap.mmap(-1, max(nbytes, self.size, 1), flags=mmap.MAP_PRIVATE)
+            buf = np.frombuffer(m, dtype=np.uint8)
+        return buf
+
+    def put(self, buf: np.ndarray) -> None:
+        if buf.base is not None and len(buf) <= 4 * self.size:  # an oversized one is let go
+            self._free.put(buf)
+
+
+def read_chunk(span: tuple[int, int], *, inputs, metadata, cum: np.ndarray, refused: dict,
+               max_pixels: int | None, rewriters: list, scratch: Scratch) -> Chunk:
+    a, b = span
+    raw = scratch.get(int(cum[b] - cum[a]))
+    view, pos = memoryview(raw), 0
+    out = Chunk(a, b, raw, nbytes=int(cum[b] - cum[a]))
+    pieces: list = []  # with rewriters: each kept sample's final bytes
+    for rw in rewriters:
+        for name in rw.columns:
+            out.columns[name] = []
+    for i in range(a, b):
+        if refused and i in refused:
+            continue
+        size = int(cum[i + 1] - cum[i])
+        slot = view[pos:pos + size]
+        try:
+            read_into(inputs[i], slot)
+            info = sniff(slot)
+        except SniffError as err:
+            out.errors.append((i, str(err)))
+            continue
+        except OSError as err:
+            out.errors.append((i, f"cannot read: {err.strerror or err}"))
+            continue
+        why = over_budget(info.height, info.width, max_pixels)
+        if why is not None:
+            out.errors.append((i, f"header claims {why}"))
+            continue
+        pos += size
+        if rewriters:
+            data = slot
+            for rw in rewriters:
+                data, info, values = rw(data, info)
+                for name, v in values.items():
+                    out.columns[name].append(v)
+            pieces.append(data)
+            size = len(data)
+        out.kept.append(i)
+        out.lens.append(size)
+        out.recs.append((info.kind, info.components, info.orientation, info.precision,
+                         info.height, info.width))
+    if rewriters:  # the final bytes, packed into a buffer of their own; the reads' one is freed
+        out.data = scratch.get(sum(out.lens))
+        at = 0
+        for piece, size in zip(pieces, out.lens):
+            out.data[at:at + size] = np.frombuffer(piece, np.uint8)
+            at += size
+        del pieces, view
+        scratch.put(raw)
+    out.raw, out.data = out.data, out.data[:sum(out.lens)]
+    out.name_lens = _lengths([name_of(inputs[i]) for i in out.kept])
+    if metadata is not None:
+        out.meta_lens = _lengths([str(metadata[i]) for i in out.kept])
+    return out
+
+
+def _lengths(strings: list[str]) -> np.ndarray:
+    return np.diff(pack_strings(strings)[0]).astype(np.int64)
+
+
+def _buffer(count: int, dtype) -> np.ndarray:
+    """A writable array of ``count`` items that the store freezes in place (no copy)."""
+    dtype = np.dtype(dtype)
+    return writable_buffer(count * dtype.itemsize).view(dtype)
+
+
+class Assembler:
+    """The store's arrays, filled chunk by chunk in input order. ``columns``: the rewriters'
+    per-sample sections, ``{name: (dtype, width)}`` (width 0: one value per sample)."""
+
+    def __init__(self, n: int, reserve: int, columns: dict[str, tuple[str, int]],
+                 labels: np.ndarray, metadata) -> None:
+        self.data = writable_buffer(reserve)
+        self.cursor = self.count = 0
+        self.offsets = _buffer(n + 1, "<i8")
+        self.offsets[0] = 0
+        self.labels_in, self.labels = labels, _buffer(n, "<i8")
+        self.samples = _buffer(n, SAMPLE_DTYPE)
+        self.keep = np.zeros(n, dtype=bool)
+        self.name_ends = _buffer(n + 1, "<u8")
+        self.name_ends[0] = 0
+        self.meta_ends = None if metadata is None else _buffer(n + 1, "<u8")
+        if self.meta_ends is not None:
+            self.meta_ends[0] = 0
+        self.columns = {k: _buffer(n * max(w, 1), dt).reshape((n, w) if w else (n,))
+                        for k, (dt, w) in columns.items()}
+
+    def add(self, c: Chunk) -> None:
+        k, m, end = self.count, len(c.kept), self.cursor + len(c.data)
+        if end > len(self.data):  # rewritten bytes outgrew the reservation: rare, one copy
+            grown = writable_buffer(max(end, len(self.data) + len(self.data) // 2))
+            grown[:self.cursor] = self.data[:self.cursor]
+            self.data = grown
+        self.data[self.cursor:end] = c.data
+        if m:
+            self.offsets[k + 1:k + 1 + m] = self.cursor + np.cumsum(c.lens)
+            self.samples[k:k + m] = np.array(c.recs, dtype=SAMPLE_DTYPE)
+            self.labels[k:k + m] = self.labels_in[c.kept]
+            self.keep[c.kept] = True
+            self.name_ends[k + 1:k + 1 + m] = self.name_ends[k] + np.cumsum(c.name_lens)
+            if self.meta_ends is not None:
+                self.meta_ends[k + 1:k + 1 + m] = self.meta_ends[k] + np.cumsum(c.meta_lens)
+            for name, values in c.columns.items():
+                self.columns[name][k:k + m] = values
+        self.count, self.cursor = k + m, end
+
+    def strings(self, ends: np.ndarray, texts: Callable[[int], str]) -> tuple[np.ndarray,
+                                                                              np.ndarray]:
+        """The string table (offsets, blob) of the kept inputs' ``texts(i)``, packed in chunks."""
+        ends = ends[:self.count + 1]
+        blob = writable_buffer(int(ends[-1]))
+        kept = np.flatnonzero(self.keep)
+        for s in range(0, len(kept), 4096):
+            part = kept[s:s + 4096]
+            _, chunk = pack_strings([texts(int(i)) for i in part])
+            blob[int(ends[s]):int(ends[s + len(part)])] = chunk
+        return ends, blob
+
+
+def default_threads() -> int:
+    return min(16, 4 * (os.cpu_count() or 1))

@@ -1,0 +1,87 @@
+"""Building restart-marker stores (``restart_markers=True``): the transcode, at build time.
+
+Each 8-bit Huffman JPEG (baseline or progressive) is transcoded losslessly to baseline with a
+restart marker every few MCUs (``decode._roi_rst.transcode``, C through ctypes, which releases the
+GIL), as the build reads it: the build's threads transcode their chunk and the transcoded bytes
+go straight into the store's buffer, so the build peaks near one copy of the (transcoded) data,
+not four. Other samples (PNG, arithmetic-coded, one libjpeg would not transcode) keep their bytes
+and get interval 0. The interval per sample goes to the store's ``rst`` section, which the
+decoders read (``decode._roi_rst.intervals``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from ._sniff import Info, Kind
+
+
+class RestartMarkers:
+    """A build rewriter (see ``_pipeline.read_chunk``): the lossless restart-marker transcode."""
+
+    def __init__(self) -> None:
+        from .decode import _roi_rst
+
+        if not _roi_rst.transcoder_available():
+            raise RuntimeError(_roi_rst.MISSING)
+        self._transcode, self.section = _roi_rst.transcode, _roi_rst.SECTION
+        self.columns = {self.section: ("<i4", 0)}
+
+    def __call__(self, data, info: Info):
+        if info.kind not in (Kind.JPEG, Kind.JPEG_PROGRESSIVE) or info.precision != 8:
+            return data, info, {self.section: 0}
+        try:
+            out, k = self._transcode(data)
+        except ValueError:  # libjpeg refused it: the sample stays as it was (full/ROI decode)
+            return data, info, {self.section: 0}
+        return out, replace(info, kind=Kind.JPEG), {self.section: k}
+
+    def sections(self, columns: dict, k: int) -> dict[str, np.ndarray]:
+        return {}
+
+
+def rewriters(*, restart_markers: bool, max_side: int | None) -> list:
+    """The build's per-sample rewriters, in the order they apply: the size cap, then the
+    transcode (so a re-encoded image gets restart markers too)."""
+    from ._resize import MaxSide
+
+    steps: list = []
+    if max_side is not None:
+        steps.append(MaxSide(max_side))
+    if restart_markers:
+        steps.append(RestartMarkers())
+    return steps
+
+
+class _Samples(Sequence):
+    """A store's samples as build inputs (views of its buffer, made on demand: O(1) memory)."""
+
+    def __init__(self, cache) -> None:
+        self._cache, self._paths = cache, cache.paths
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def __getitem__(self, i):
+        from ._inputs import BytesSource
+
+        return BytesSource(self._paths[i], self._cache[i])
+
+
+def restart_store(cache, *, num_threads: int | None = None, progress: bool = False):
+    """A new in-memory store of ``cache``'s samples, transcoded with restart markers (same pixels).
+
+    Labels, paths, metadata, the build report and other sections are kept; transcoded samples
+    become baseline (``Kind.JPEG``) and their interval goes to the ``rst`` section. Peaks at
+    ``cache`` plus its transcoded copy; to build from files at about one copy, pass
+    ``restart_markers=True`` to the builder instead."""
+    from ._build import build
+
+    out = build(type(cache), _Samples(cache), np.asarray(cache.labels), cache.classes,
+                cache.metadata, on_error="raise", num_threads=num_threads, progress=progress,
+                max_pixels=None, restart_markers=True, extra=dict(cache.extra))
+    out.report, out.max_pixels = cache.report, cache.max_pixels
+    return out
