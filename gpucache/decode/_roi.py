@@ -139,7 +139,21 @@ def _c_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *, 
     if _state["lib"].gc_decode_region(buf, len(arr), 1, top, left, h, w, out.ctypes.data,
                                       ctypes.byref(warned), err, 200):
         raise ValueError(f"region decode failed: {err.value.decode(errors='replace')}")
+    note_warning(warned.value, err.value)
     return torch.from_numpy(out).permute(2, 0, 1)
+
+
+def note_warning(count: int, text: bytes) -> None:
+    """Keep libjpeg's first warning of the last decode in this thread (see :func:`take_warning`)."""
+    _local.warning = text.decode(errors="replace") or "libjpeg warning" if count else None
+
+
+def take_warning() -> str | None:
+    """libjpeg's warning (corrupt data decoded anyway, e.g. "Corrupt JPEG data: premature end of
+    data segment") from this thread's last compiled decode, or None; cleared once read. Decodes
+    that are not gpucache's compiled ones (nvImageCodec, TorchCodec) report none here."""
+    text, _local.warning = getattr(_local, "warning", None), None
+    return text
 
 
 def _nv_decoder():

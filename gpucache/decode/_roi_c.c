@@ -26,6 +26,7 @@ struct gc_err {
   struct jpeg_error_mgr pub;
   jmp_buf jump;
   char msg[JMSG_LENGTH_MAX];
+  char warning[JMSG_LENGTH_MAX]; /* the first warning's text, "" if none */
 };
 
 static void gc_error_exit(j_common_ptr cinfo) {
@@ -34,7 +35,11 @@ static void gc_error_exit(j_common_ptr cinfo) {
   longjmp(e->jump, 1);
 }
 
-static void gc_quiet(j_common_ptr cinfo) { (void)cinfo; } /* warnings: no stderr output */
+/* Warnings (corrupt data decoded anyway): never to stderr; the first one's text is kept. */
+static void gc_quiet(j_common_ptr cinfo) {
+  struct gc_err *e = (struct gc_err *)cinfo->err;
+  if (e->warning[0] == 0) (*cinfo->err->format_message)(cinfo, e->warning);
+}
 
 /* The narrowest decoded width (output pixels) at which every subsampled component keeps >= 3
  * samples across: libjpeg-turbo uses fancy (triangle) upsampling only for a component with more
@@ -53,11 +58,29 @@ static JDIMENSION gc_min_width(const struct jpeg_decompress_struct *d) {
   return need;
 }
 
+/* Whether a crop of a DCT-scaled decode equals the same crop of the whole scaled decode for these
+ * sampling factors: measured true at 1/8 for all, but at 1/2 and 1/4 not when a component is
+ * subsampled 4:1 one way and 2:1 the other (or 2:1 and 4:1), so only ratios of 1 or 2 each way,
+ * and 4:1 one way with 1:1 the other, are taken. */
+static int gc_scale_ok(const struct jpeg_decompress_struct *d) {
+  int c;
+  for (c = 0; c < d->num_components; c++) {
+    int h = d->comp_info[c].h_samp_factor, v = d->comp_info[c].v_samp_factor, rh, rv;
+    if (h <= 0 || v <= 0) return 0;
+    rh = d->max_h_samp_factor / h;
+    rv = d->max_v_samp_factor / v;
+    if (rh * h != d->max_h_samp_factor || rv * v != d->max_v_samp_factor) return 0;
+    if (!((rh <= 2 && rv <= 2) || (rh == 4 && rv == 1) || (rh == 1 && rv == 4))) return 0;
+  }
+  return 1;
+}
+
 #ifdef LIBJPEG_TURBO_VERSION
 /* Rows top..top+h, columns left..left+w of the coded image decoded at scale 1/denom (denom 1, 2, 4
  * or 8: libjpeg-turbo's DCT scaling; the box is in scaled pixels), as RGB, into out (h * w * 3
- * bytes). Returns 0, or 1 with the reason in errbuf. Warnings (corrupt data that libjpeg decodes
- * anyway) are counted into *warnings when it is not NULL. */
+ * bytes). Returns 0; 1 with the reason in errbuf; or 3 when denom > 1 and the sampling factors are
+ * not ones gc_scale_ok accepts. Warnings (corrupt data that libjpeg decodes anyway) are counted
+ * into *warnings when it is not NULL, and the first one's text goes to errbuf on success. */
 int gc_decode_region(const unsigned char *in, unsigned long n, int denom, int top, int left, int h,
                      int w, unsigned char *out, int *warnings, char *errbuf, int errlen) {
   struct jpeg_decompress_struct d;
@@ -73,6 +96,7 @@ int gc_decode_region(const unsigned char *in, unsigned long n, int denom, int to
     return 1;
   }
   memset(&d, 0, sizeof(d));
+  err.warning[0] = 0;
   d.err = jpeg_std_error(&err.pub);
   err.pub.error_exit = gc_error_exit;
   err.pub.output_message = gc_quiet;
@@ -85,6 +109,11 @@ int gc_decode_region(const unsigned char *in, unsigned long n, int denom, int to
   jpeg_create_decompress(&d);
   jpeg_mem_src(&d, (unsigned char *)in, n);
   jpeg_read_header(&d, TRUE);
+  if (denom > 1 && !gc_scale_ok(&d)) {
+    snprintf(errbuf, (size_t)errlen, "no scaled decode for these sampling factors");
+    jpeg_destroy_decompress(&d);
+    return 3;
+  }
   d.out_color_space = JCS_RGB; /* gray is replicated; CMYK is refused (error) */
   d.dct_method = JDCT_ISLOW;
   d.do_fancy_upsampling = TRUE;
@@ -126,6 +155,7 @@ int gc_decode_region(const unsigned char *in, unsigned long n, int denom, int to
   free(r);
   row = NULL;
   if (warnings) *warnings = (int)err.pub.num_warnings;
+  if (err.pub.num_warnings) snprintf(errbuf, (size_t)errlen, "%s", err.warning);
   jpeg_abort_decompress(&d); /* the rows below the box are never decoded */
   jpeg_destroy_decompress(&d);
   return 0;
@@ -205,6 +235,7 @@ int gc_transcode_restart(const unsigned char *in, unsigned long n, unsigned char
   dest->pub.term_destination = gc_dest_term;
   memset(&d, 0, sizeof(d));
   memset(&c, 0, sizeof(c));
+  err.warning[0] = 0;
   d.err = jpeg_std_error(&err.pub);
   c.err = &err.pub;
   err.pub.error_exit = gc_error_exit;
@@ -274,8 +305,8 @@ long gc_find_restarts(const unsigned char *in, unsigned long n, unsigned long st
 /* Box (top, left, h, w), in pixels at scale 1/denom, of a restart-marker JPEG (baseline, one
  * interleaved scan, restart interval k MCUs dividing the MCUs per row): the segments covering the
  * box + 1 pixel are copied, renumbered, under the original headers with the SOF size patched, into
- * a smaller valid JPEG, which gc_decode_region decodes. Returns 0, 1 (error in errbuf) or 2 (not
- * such a JPEG). */
+ * a smaller valid JPEG, which gc_decode_region decodes. Returns 0, 1 (error in errbuf), 2 (not
+ * such a JPEG) or 3 (no scaled decode for its sampling factors, as gc_decode_region). */
 int gc_decode_segments(const unsigned char *in, unsigned long n, int k, int denom, int top,
                        int left, int h, int w, unsigned char *out, int *warnings, char *errbuf,
                        int errlen) {
@@ -340,12 +371,14 @@ int gc_decode_segments(const unsigned char *in, unsigned long n, int k, int deno
   rb = (b0 - 1) / mcu_h;
   ca = l0 / seg_w;
   cb = (r0 - 1) / seg_w;
-  sub_w = ((cb + 1) * seg_w < width ? (cb + 1) * seg_w : width) - ca * seg_w;
-  /* a sub-image too narrow for fancy upsampling of every component (see gc_min_width) takes the
-   * previous segment column too */
-  if (nf > 1 && min_h < max_h && sub_w <= 2 * max_h / min_h * denom + denom && ca > 0) {
-    ca--;
-    sub_w += seg_w;
+  /* a sub-image too narrow for fancy upsampling of every component (see gc_min_width; in scaled
+   * pixels) takes the previous segment column too, or the next one at the image's left edge */
+  for (;;) {
+    sub_w = ((cb + 1) * seg_w < width ? (cb + 1) * seg_w : width) - ca * seg_w;
+    if (nf == 1 || min_h == max_h || sub_w >= (2 * max_h / min_h + 1) * denom) break;
+    if (ca > 0) ca--;
+    else if (cb < spr - 1) cb++;
+    else break;
   }
   sub_h = ((rb + 1) * mcu_h < height ? (rb + 1) * mcu_h : height) - ra * mcu_h;
   if (ra < 0 || rb >= rows || ra > rb || ca < 0 || cb >= spr || ca > cb) {

@@ -101,6 +101,9 @@ class Layout:
             raise ValueError("not a single interleaved scan")
         hs = [view[sof + 11 + 3 * c] >> 4 for c in range(nf)]
         vs = [view[sof + 11 + 3 * c] & 15 for c in range(nf)]
+        # narrowest sub-image (px) whose every component keeps > 2 samples across, the least
+        # libjpeg upsamples as in the full image (the C decoder's gc_min_width)
+        self.min_w = 1 if nf == 1 else 2 * max(hs) // max(min(hs), 1) + 1
         self.mcu_w = 8 if nf == 1 else 8 * max(hs)
         self.mcu_h = 8 if nf == 1 else 8 * max(vs)
         self.sof, self.sos_end, self.k = sof, sos_end, k
@@ -146,6 +149,13 @@ def segment_jpeg(data: np.ndarray, lay: Layout, top: int, left: int, h: int, w: 
     l0, r0 = max(left - 1, 0), min(left + w + 1, lay.width)
     ra, rb = t0 // lay.mcu_h, (b0 - 1) // lay.mcu_h
     ca, cb = l0 // lay.seg_w, (r0 - 1) // lay.seg_w
+    while min(lay.width, (cb + 1) * lay.seg_w) - ca * lay.seg_w < lay.min_w:
+        if ca > 0:  # too narrow a sub-image: the previous segment column too (else the next)
+            ca -= 1
+        elif cb < lay.segs_per_row - 1:
+            cb += 1
+        else:
+            break
     y0, x0 = ra * lay.mcu_h, ca * lay.seg_w
     sub_h = min(lay.height, (rb + 1) * lay.mcu_h) - y0
     sub_w = min(lay.width, (cb + 1) * lay.seg_w) - x0
@@ -181,6 +191,7 @@ def decode_crop(data: np.ndarray, k: int, top: int, left: int, h: int, w: int, *
         ret = _load().gc_decode_segments(arr.ctypes.data, len(arr), k, 1, t, l, hh, ww,
                                          out.ctypes.data, ctypes.byref(warned), err, len(err))
         if ret == 0:
+            _roi.note_warning(warned.value, err.value)
             return _roi.orient(torch.from_numpy(out).permute(2, 0, 1), orientation)
         if ret == 1:
             raise ValueError(f"segment decode failed: {err.value.decode(errors='replace')}")

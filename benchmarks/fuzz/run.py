@@ -1,0 +1,117 @@
+"""Fuzz gpucache's compiled decoder (gpucache/decode/_roi_c.c) under AddressSanitizer + UBSan.
+
+    python benchmarks/fuzz/run.py --minutes 30          # the long run
+    python benchmarks/fuzz/run.py --seconds 5 --out DIR # a smoke run (tests/test_fuzz_smoke.py)
+
+It compiles _roi_c.c with ``-fsanitize=address,undefined -fno-sanitize-recover=all`` into
+``<out>/build`` (the installed extension is untouched), and runs the fuzz loop in a child process
+with the ASan runtime preloaded (``LD_PRELOAD=$(gcc -print-file-name=libasan.so)``: a sanitized
+library loaded by ctypes into an uninstrumented python needs it; leak detection is off because
+python itself never frees some memory). Seeds are real JPEGs (photos from ../shared/data when
+present, and generated ones: 4:4:4, 4:2:2, 4:2:0, gray, progressive, big EXIF), each also
+transcoded with restart markers. Each iteration mutates one seed (bit flips, truncation, marker
+insertion and removal, odd DRI values, SOF dimensions, sampling factors, component counts, length
+fields) and runs it through
+
+* the region decoder (``gc_decode_region``) at scales 1, 1/2, 1/4, 1/8: random boxes, each compared
+  with the same box of the full decode, whenever both succeed;
+* the restart-marker transcoder (``gc_transcode_restart``) and, on its output, the segment decoder
+  (``gc_decode_segments``), compared with the full decode of the transcoded JPEG;
+* the segment decoder on the mutated input itself (mutated restart-marker JPEGs, any interval).
+
+A sanitizer report kills the child; the input it was running is saved as ``<out>/crash-N.jpg`` with
+the report in ``crash-N.txt``, and a fresh child goes on. The summary (iterations, calls, crashes,
+pixel mismatches, their inputs) is printed as JSON and written to ``<out>/summary.json``. Exit
+status 0 means no report and no mismatch. Needs gcc, libjpeg-turbo headers, numpy and Pillow; no
+torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "gpucache" / "decode" / "_roi_c.c"
+FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
+         "-g", "-O1", "-shared", "-fPIC"]
+
+
+def asan_runtime() -> str | None:
+    """Path of gcc's shared ASan runtime, or None (no gcc, or no libasan)."""
+    try:
+        out = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out if os.path.isabs(out) and os.path.exists(out) else None
+
+
+def build(out: Path) -> Path:
+    """The sanitized shared library, compiled into ``out/build``."""
+    lib = out / "build" / "_roi_c_asan.so"
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["gcc", *FLAGS, "-o", str(lib), str(SRC), "-ljpeg"], check=True)
+    return lib
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=0.0)
+    ap.add_argument("--seconds", type=float, default=0.0)
+    ap.add_argument("--out", type=Path, default=HERE / "out")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--photos", type=Path,
+                    default=HERE.parents[2] / "shared" / "data" / "hymenoptera")
+    args = ap.parse_args()
+    budget = args.minutes * 60 + args.seconds or 10.0
+    runtime = asan_runtime()
+    if runtime is None:
+        print("fuzz: gcc's ASan runtime (libasan.so) is missing: apt-get install gcc",
+              file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    lib = build(args.out)
+    env = {**os.environ, "LD_PRELOAD": runtime,
+           "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:allocator_may_return_null=1",
+           "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
+    deadline = time.monotonic() + budget
+    total = {"iterations": 0, "calls": 0, "mismatches": [], "crashes": [], "errors": 0,
+             "warned": 0, "warned_mismatches": 0, "seconds": budget, "children": 0}
+    seed = args.seed
+    while time.monotonic() < deadline:
+        left = deadline - time.monotonic()
+        cmd = [sys.executable, str(HERE / "loop.py"), str(lib), str(args.out), str(seed),
+               f"{left:.1f}", str(args.photos)]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        total["children"] += 1
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        if lines:
+            part = json.loads(lines[-1])
+            for key in ("iterations", "calls", "errors", "warned", "warned_mismatches"):
+                total[key] += part[key]
+            total["mismatches"] += part["mismatches"]
+        if r.returncode != 0:  # a sanitizer report (or another crash): keep the input
+            n = len(total["crashes"])
+            current = args.out / "current.jpg"
+            crash = args.out / f"crash-{n}.jpg"
+            if current.exists():
+                current.replace(crash)
+            (args.out / f"crash-{n}.txt").write_text(r.stderr[-20000:])
+            total["crashes"].append({"input": str(crash), "rc": r.returncode,
+                                     "report": r.stderr.strip().splitlines()[-1:]})
+            total["iterations"] += 1
+        seed += 1
+    text = json.dumps(total, indent=1)
+    (args.out / "summary.json").write_text(text)
+    print(text)
+    return 1 if total["crashes"] or total["mismatches"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
