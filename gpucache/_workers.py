@@ -41,6 +41,10 @@ from .decode.cpu import Decoded, SampleError
 
 log = logging.getLogger("gpucache")
 _GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and again after SIGTERM
+# Bounds on waits that end as soon as something already under way finishes; they only matter
+# when it never does, so they are generous for a loaded machine (load 15 on 2 cores).
+_REAP = 5.0  # for a worker whose connection ended to be reaped, so its exit code can be named
+_LEAVE = 10.0  # for a get() woken by close() in another thread to leave the pool
 
 
 class WorkerError(RuntimeError):
@@ -242,7 +246,10 @@ class WorkerPool:
         return any(fd == link.proc.sentinel for fd, _ in events)
 
     def _died(self, link: _Link, indices, got: int, size: int) -> WorkerError:
-        link.proc.join(1)
+        if self._closed:  # close() from another thread shut the socket under this read
+            return WorkerError(f"the worker pool was closed (close() from another thread) while "
+                               f"reading samples {_span(indices)} from {link}.")
+        link.proc.join(_REAP)
         code = link.proc.exitcode
         if code is not None and code < 0:
             why = f"was killed by signal {signal.Signals(-code).name}"
@@ -287,7 +294,9 @@ class WorkerPool:
                     self._wake[1].send(b"x")
                 except OSError:
                     pass
-                self._cv.wait_for(lambda: self._active == 0, timeout=2)
+                if not self._cv.wait_for(lambda: self._active == 0, timeout=_LEAVE):
+                    log.warning("gpucache: a thread using the worker pool did not leave it "
+                                "within %.0f s of close(); stopping the workers anyway", _LEAVE)
             self._pending.clear()
         self._finalizer()
 

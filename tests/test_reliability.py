@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +95,7 @@ def _dead_pid() -> int:
 
 # ------------------------------------------------------------ item 6: /dev/shm outliving its owner
 _OWNER = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys
     from gpucache import GpuCachedLoader, JpegCache
 
     if __name__ == "__main__":
@@ -114,7 +114,7 @@ _OWNER = textwrap.dedent("""
         print("LISTED", [f for f in os.listdir("/dev/shm") if f.startswith(f"gpucache-{os.getpid()}-")],
               flush=True)
         print("READY", *loader.worker_pids, flush=True)
-        time.sleep(120)
+        signal.pause()  # until the test's signal ends this process
 """)
 
 
@@ -241,20 +241,21 @@ def test_concurrent_saves_to_one_path_all_succeed_and_leave_a_valid_file(jpeg_fo
     src = cache.save(tmp_path / "src.gpucache")
     target = tmp_path / "out" / "same.gpucache"
     target.parent.mkdir()
-    opened = []
+    opened, saved = [], threading.Event()
 
     def reader():  # every open while writers race sees a complete store
-        while len(opened) < 40:
+        while not saved.is_set() or len(opened) < 40:
             if target.exists():
                 opened.append(len(JpegCache.open(target)))
-            time.sleep(0.005)
+            saved.wait(0.005)  # pacing, so that the opens spread over the saves
 
     with ThreadPoolExecutor(9) as pool:
         r = pool.submit(reader)
         saves = [pool.submit(cache.save, target) for _ in range(60)]
         for f in saves:
             f.result()  # none fails (the old shared temp name failed 113 of 300)
-        r.result(timeout=60)
+        saved.set()
+        r.result(timeout=300)
     assert set(opened) == {len(cache)}
     with mp.get_context("spawn").Pool(3) as pool:
         assert sum(pool.map(_save_many, [(target, src, 5)] * 3)) == 15
