@@ -60,6 +60,8 @@ class LoaderStats:
     skipped: int = 0  # samples that failed to decode and were left out
     cpu_decoded: int = 0  # samples decoded on the CPU (all of them for backend="cpu")
     skipped_samples: list[tuple[int, str]] = field(default_factory=list)
+    warned: int = 0  # samples libjpeg warned about (corrupt data, decoded anyway), each once
+    warned_samples: dict[int, str] = field(default_factory=dict)  # index -> the warning
 
 
 class GpuCachedLoader:
@@ -92,7 +94,7 @@ class GpuCachedLoader:
         timeout: float | None = 300.0,
         hw_decoder_load: float = 0.65,
         # bad samples, metadata, sharding
-        on_error: Literal["skip", "raise"] = "skip",
+        on_error: Literal["skip", "raise", "skip_warned"] = "skip",
         return_metadata: bool = False,
         num_replicas: int | None = None,
         rank: int | None = None,
@@ -116,8 +118,9 @@ class GpuCachedLoader:
         if timeout is not None and timeout < 0:
             raise ValueError("timeout option should be non-negative; use timeout=None to wait "
                              "for as long as workers are alive.")
-        if on_error not in ("skip", "raise"):
-            raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}.")
+        if on_error not in ("skip", "raise", "skip_warned"):
+            raise ValueError("on_error must be 'skip', 'raise' or 'skip_warned', got "
+                             f"{on_error!r}.")
         if multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
             raise ValueError("multiprocessing_context must be None, 'fork', 'spawn' or "
                              f"'forkserver', got {multiprocessing_context!r}.")
@@ -306,6 +309,11 @@ class GpuCachedLoader:
             s.skipped += 1
             s.skipped_samples.append((index, reason))
             warnings.warn(f"gpucache: skipped {reason}", RuntimeWarning, stacklevel=3)
+        for index, reason in out.warned:  # kept (on_error="skip_warned" skips them): once each
+            if index not in s.warned_samples:
+                s.warned_samples[index] = reason
+                s.warned += 1
+                log.warning("gpucache: %s", reason)
         nb = self.pin_memory
         images = out.images
         if isinstance(images, torch.Tensor):

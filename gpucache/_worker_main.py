@@ -150,4 +150,5 @@ def _send_result(sock: socket.socket, task: int, out: Decoded) -> None:
                 else torch.empty(0, dtype=torch.uint8)).numpy()
     _send(sock, {"kind": "result", "task": task, "stacked": isinstance(imgs, torch.Tensor),
                  "shapes": shapes, "indices": out.indices, "failed": out.failed,
+                 "warned": out.warned,
                  "nbytes": flat.nbytes}, memoryview(flat.reshape(-1)))

@@ -190,7 +190,8 @@ class WorkerPool:
         else:
             sizes = [int(np.prod(s)) for s in shapes]
             images = [t.view(s) for t, s in zip(buf.split(sizes), shapes)]
-        return Decoded(images, msg["indices"], msg["failed"], len(msg["indices"]))
+        return Decoded(images, msg["indices"], msg["failed"], len(msg["indices"]),
+                       warned=msg.get("warned", []))
 
     def _header(self, link: _Link, indices, deadline) -> memoryview:
         head = bytearray(LEN.size)

@@ -103,6 +103,7 @@ class Decoded:
     failed: list[tuple[int, str]] = field(default_factory=list)  # (store index, reason)
     cpu_decoded: int = 0  # samples that took the CPU path (GPU backends' fallback)
     roi_decoded: int = 0  # of those, JPEGs decoded only inside their crop box (see ._roi)
+    warned: list[tuple[int, str]] = field(default_factory=list)  # kept, but libjpeg warned
 
 
 class SampleError(RuntimeError):
@@ -121,6 +122,15 @@ def check_size(cache, i: int, img: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"decoded size {tuple(img.shape[1:])} differs from the header's "
                          f"{expected}")
     return img
+
+
+#: ``on_error`` values: "skip" and "raise" act on samples that fail to decode; "skip_warned" also
+#: leaves out samples whose decode libjpeg warned about (corrupt data it decoded anyway).
+ON_ERROR = ("skip", "raise", "skip_warned")
+
+
+def warned_reason(cache, i: int, warning: str) -> str:
+    return f"sample {i} ({cache.paths[i]}) has corrupt JPEG data (decoded anyway): {warning}"
 
 
 def failure(cache, i: int, err: Exception, on_error: str) -> str:
@@ -142,8 +152,12 @@ def _decode_box(cache, i: int, box: list[int], kind: int, components: int, preci
     t1, l1, h1, w1 = box
     region = regions.get(components)
     if (region is not None and kind in _ROI_KINDS and precision == 8
-            and (h1, w1) != (height, width)
             and 0 <= t1 and 0 <= l1 and t1 + h1 <= height and l1 + w1 <= width):
+        if (h1, w1) == (height, width):  # no crop: whole, but through the compiled decoder,
+            if region is not _roi._c_region:  # which reports libjpeg's warnings per sample
+                return _decode_full(cache, i, kind), False
+            return _roi.decode_crop(cache[i], 0, 0, height, width, orientation=orientation,
+                                    height=height, width=width, region=region), False
         if restart:
             return _roi_rst.decode_crop(cache[i], restart, t1, l1, h1, w1, orientation=orientation,
                                         height=height, width=width, region=region), True
@@ -160,7 +174,7 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
     A JPEG whose plan crops is decoded only inside the crop box when ROI decode is available
     (:mod:`._roi`; same output, less work), from its restart segments in a restart-marker store
     (:mod:`._roi_rst`); anything else is decoded in full, then cropped."""
-    images, kept, failed, roi = [], [], [], 0
+    images, kept, failed, warned, roi = [], [], [], [], 0
     indices = np.asarray(indices, dtype=np.int64)
     rec = cache.samples[indices]  # one gather per batch, not numpy scalars per sample
     intervals = _roi_rst.intervals(cache)
@@ -174,8 +188,15 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
     for i, plan, kind, components, precision, orientation, height, width, k in rows:
         try:
             check_pixels(cache, i)
+            _roi.take_warning()
             x, used_roi = _decode_box(cache, i, plan[:4], kind, components, precision,
                                       orientation, height, width, k, regions)
+            note = _roi.take_warning()
+            if note is not None:
+                warned.append((i, warned_reason(cache, i, note)))
+                if on_error == "skip_warned":
+                    failed.append((i, f"{warned[-1][1]}; left out (on_error='skip_warned')"))
+                    continue
             images.append(finish_plan(x, *plan[4:]))
             kept.append(i)
             roi += used_roi
@@ -185,4 +206,4 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
     if stack:
         out = (torch.stack(images) if images
                else torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8))
-    return Decoded(out, np.asarray(kept, dtype=np.int64), failed, len(kept), roi)
+    return Decoded(out, np.asarray(kept, dtype=np.int64), failed, len(kept), roi, warned)
