@@ -63,10 +63,11 @@ class NodeLock:
             self._t0 = time.monotonic()
             self._write()
 
-    def progress(self, stage: str, done: int, total: int, bytes_done: int = 0,
-                 bytes_total: int = 0) -> None:
-        """The build's progress callback: in ``stage``, ``done`` of ``total`` inputs and
-        ``bytes_done`` of ``bytes_total`` bytes (0: not known yet)."""
+    def progress(self, *report) -> None:
+        """The build's progress callback: ``(stage, done, total, bytes_done, bytes_total)`` or
+        ``(done, total, bytes_done)``: ``done`` of ``total`` inputs, ``bytes_done`` read."""
+        stage, done, total, bytes_done = (report[:4] if isinstance(report[0], str) else
+                                          ("read", *report[:3]))
         now = time.monotonic()
         with self._mutex:
             if stage != self._state["phase"]:
