@@ -91,7 +91,7 @@ def test_pixel_before_geometry_is_rejected():
     assert isinstance(T.Compose([v2.Resize(10)]).geometric[0], T.Resize)
 
 
-# ------------------------------------------------------------------ open transforms (issue 11)
+# ------------------------------------------------------------------ open transforms
 from pathlib import Path  # noqa: E402
 
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
@@ -184,7 +184,7 @@ def test_wrong_transform_names_what_is_accepted():
 
 
 def test_loader_takes_torchvision_transforms_and_functions(cache):
-    """The issue's report: transform=ColorJitter() gave "'ColorJitter' object is not iterable"."""
+    """A single torchvision op, a list mixing kinds, and plain functions are accepted."""
     for transform in (v2.ColorJitter(brightness=0.5),
                       [T.RandomResizedCrop(32), v2.ColorJitter(0.5), T.ColorJitter(0.3, 0.3, 0.3),
                        lambda b: b // 2, T.Normalize([0.5] * 3, [0.25] * 3)]):
