@@ -9,8 +9,9 @@ or WORLD_SIZE > 1, or an initialised process group) or a ``cache_dir`` is given:
 - scanning once per node: the first rank to take ``<request>.scan.lock`` (request: the root or
   file names and the options, no file system access) lists and stats the files and writes the key
   to ``<request>.scan``; the other ranks wait for that lock and take the key from the file. A rank
-  takes a key only if it was written after that rank's process started, so a later job always
-  scans again (a changed folder is never missed across jobs);
+  takes a key only if it was written after that rank's process started, less than
+  ``SCAN_FRESH_S`` ago, and not made or taken by this process before; so a later job, or a later
+  call in the same process, scans again (a changed folder is never missed);
 - a rank that finds the store opens it (milliseconds: nothing is read until decoded);
 - otherwise it takes ``<key>.lock`` (``_nodelock``): the first rank to get it builds, saves
   atomically (0600) and opens the file, publishing its progress; the others wait while progress
@@ -40,6 +41,8 @@ from ._nodelock import NodeLock
 log = logging.getLogger("gpucache")
 
 STALL_TIMEOUT_S = 900.0  # waiters give up when the builder reports no progress for this long
+SCAN_FRESH_S = 120.0  # a rank takes another rank's scan result only this soon after it was made
+_used: set[str] = set()  # scan results this process made or took: it scans again next time
 _KEY_VERSION = b"gpucache-node-1"
 __all__ = ["built_once", "default_dir", "listing_key", "several_ranks"]
 
@@ -150,13 +153,19 @@ def _scan_once(folder: Path, scan: Callable[[], Listing], request: Sequence,
     name = h.hexdigest()
     result = folder / f"{name}.scan"
     with NodeLock(folder / f"{name}.scan.lock", result, stall) as lock:
-        record = read_json(result)
-        if record is not None and record.get("written", 0) >= _started() and "key" in record:
-            return str(record["key"]), None
+        r = read_json(result) or {}
+        written, nonce = r.get("written", 0), r.get("nonce")
+        if (isinstance(r.get("key"), str) and nonce not in _used and written >= _started()
+                and time.time() - written < SCAN_FRESH_S):
+            _used.add(nonce)
+            return r["key"], None
         lock.phase("scanning")
         listing = scan()
         key = listing_key(*listing, on_progress=lock.progress)
-        write_private(result, json.dumps({"key": key, "written": time.time()}).encode())
+        nonce = os.urandom(8).hex()
+        _used.add(nonce)
+        write_private(result, json.dumps({"key": key, "written": time.time(),
+                                          "nonce": nonce}).encode())
         return key, listing
 
 
