@@ -38,7 +38,7 @@ from . import normalize_device
 from ._base import Backend
 from ._fallback import Part, decode_on_cpu, join, out_of_memory, split
 from ._streams import consumer_stream
-from .cpu import Decoded, out_size
+from .cpu import ON_ERROR, Decoded, out_size
 
 log = logging.getLogger("gpucache")
 
@@ -68,8 +68,8 @@ class DaliBackend(Backend):
                             ("prefetch", prefetch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} should be an integer >= 1, got {value!r}.")
-        if on_error not in ("skip", "raise"):
-            raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}.")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}.")
         self.cache, self.on_error, self.seed = cache, on_error, int(seed) % 2**31
         self.batch_size, self.num_threads, self.prefetch = batch_size, num_threads, prefetch
         self.hw_decoder_load = hw_decoder_load
