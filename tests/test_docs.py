@@ -9,6 +9,7 @@ is skipped, except under CI, where it fails.
 import functools
 import http.server
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -146,3 +147,24 @@ def test_index_renders_and_search_finds_a_page(served, browser):
     wait.until(EC.url_contains("guides/bad-input"))
     wait.until(EC.text_to_be_present_in_element((By.CSS_SELECTOR, "article h1"), "Bad input"))
     assert "decompression bomb" in browser.find_element(By.CSS_SELECTOR, "article").text
+
+
+def test_readme_is_a_front_page_whose_test_command_is_ci():
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert len(readme) <= 200
+    commands = [line for line in readme[:10] if line.startswith("python3 -m venv")]
+    assert len(commands) == 2 and "pipelines.train_example" in commands[0]
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert commands[1] == ci, "README command 2 is exactly what .ci/run runs"
+    for target in re.findall(r"\]\((docs/[^)#]+)", "\n".join(readme)):
+        assert (ROOT / target).is_file(), target
+
+
+PROJECT_WORDS = {"silent", "silently", "equivalent", "equivalents"}
+
+
+def test_docs_speak_only_of_the_project():
+    pattern = re.compile(r"\w*(issue [0-9]|engineer|session|the user asked|lent)\w*", re.I)
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for match in pattern.finditer(path.read_text()):
+            assert match.group(0).lower() in PROJECT_WORDS, f"{path.name}: {match.group(0)!r}"
