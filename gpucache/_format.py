@@ -240,6 +240,7 @@ def save_atomic(path: Path, *, mode: int | None = None, threads: int | None = No
         raise FileNotFoundError(2, "No such file or directory", str(path.parent))
     remove_stale_temps(path)
     fd, tmp = _locked_temp(path)
+    _LIVE.add(tmp)
     try:
         with open(fd, "wb") as f:
             write(f, checksums=True, threads=threads, **arrays)
@@ -250,11 +251,16 @@ def save_atomic(path: Path, *, mode: int | None = None, threads: int | None = No
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        _LIVE.discard(tmp)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+_LIVE: set[str] = set()  # this process's temporary files being written (NFS locks are per process)
 
 
 def _locked_temp(path: Path) -> tuple[int, str]:
@@ -281,6 +287,8 @@ def remove_stale_temps(path: Path) -> list[Path]:
     checking that the name still points to the file that was locked. Returns what was removed."""
     removed = []
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        if str(tmp) in _LIVE:
+            continue
         try:
             fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:

@@ -54,6 +54,8 @@ class JpegCache:
 
     Build with :meth:`from_folder` or :meth:`from_files`, or map a saved store with :meth:`open`.
     ``cache[i]`` is a zero-copy read-only uint8 view of sample ``i``'s encoded bytes.
+    ``cache.report`` is the build's report (what was kept, what was skipped and why); it is saved
+    in the store file, so :meth:`open` gives it back (None for a store saved without one).
     """
 
     def __init__(self, *, data: np.ndarray, offsets: np.ndarray, labels: np.ndarray,
