@@ -1,0 +1,64 @@
+"""The contenders of the peer run: which interpreter, which driver, which options.
+
+Each peer lives in its own virtual environment under ``--venvs`` (made by ``install.sh``); the
+DataLoader and gpucache contenders run under the interpreter that runs ``run.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    what: str
+    venv: str | None  # None: this interpreter
+    driver: str  # "module:name" for serve.py
+    dists: tuple[str, ...] = ()  # distributions whose versions are recorded
+    options: dict = field(default_factory=dict)
+    flag: str | None = None  # only with this run.py flag
+
+    def python(self, venvs: Path) -> str:
+        return sys.executable if self.venv is None else str(venvs / self.venv / "bin" / "python")
+
+
+def contenders(cap: int, scaled_kw: dict, exact_kw: dict) -> list[Contender]:
+    """Every contender, in table order; ``cap`` is the size cap of gpucache and FFCV ``smart``."""
+    gc = ("gpucache", "torch")
+    return [
+        Contender("pil", "DataLoader + ImageFolder + PIL + torchvision v2 (files)", None,
+                  "p_torch:pil", ("torch", "torchvision", "pillow")),
+        Contender("gpucache", "gpucache, default store (saved file), cpu backend", None,
+                  "p_torch:gpucache", gc),
+        Contender("gpucache-exact", "gpucache, default store, exact (full-scale) decode", None,
+                  "p_torch:gpucache", gc, {"transform_kw": exact_kw, "loader_kw": {}},
+                  flag="exact"),
+        Contender("gpucache-rst", "gpucache, restart-marker store", None, "p_torch:gpucache", gc,
+                  {"build_kw": {"restart_markers": True}}),
+        Contender("gpucache-scaled", "gpucache, default store, reduced-size (DCT-scaled) decode",
+                  None, "p_torch:gpucache", gc, {"transform_kw": scaled_kw}, flag="scaled"),
+        Contender("gpucache-rst-scaled", "gpucache, restart-marker store, reduced-size decode",
+                  None, "p_torch:gpucache", gc,
+                  {"build_kw": {"restart_markers": True}, "transform_kw": scaled_kw},
+                  flag="scaled"),
+        Contender(f"gpucache-cap{cap}", f"gpucache, store built with max_side={cap}", None,
+                  "p_torch:gpucache", gc, {"build_kw": {"max_side": cap}}, flag="max-side"),
+        Contender("dali", "DALI CPU pipeline (reader shuffle_after_epoch, pad_last_batch)",
+                  "dali", "p_dali:dali", ("nvidia-dali-cuda120",)),
+        Contender("ffcv-jpg", "FFCV jpg mode (re-encoded at quality 90)", "ffcv", "p_ffcv:ffcv",
+                  ("ffcv", "numba"), {"mode": "jpg"}),
+        Contender("ffcv-original", "FFCV, the original JPEG bytes", "ffcv", "p_ffcv:ffcv",
+                  ("ffcv", "numba"), {"mode": "original"}),
+        Contender(f"ffcv-smart{cap}", f"FFCV smart mode, max_resolution={cap} (raw pixels)",
+                  "ffcv", "p_ffcv:ffcv", ("ffcv", "numba"),
+                  {"mode": "smart", "max_resolution": cap}),
+        Contender("spdl", "SPDL thread pipeline, FFmpeg decode + filter graph", "spdl",
+                  "p_spdl:spdl", ("spdl",)),
+        Contender("litdata", "litdata optimize (raw bytes) + StreamingDataLoader, decode_jpeg + v2",
+                  "litdata", "p_litdata:litdata", ("litdata", "torch")),
+        Contender("streaming", "MosaicML Streaming MDS (raw bytes) + DataLoader, decode_jpeg + v2",
+                  "streaming", "p_streaming:streaming", ("mosaicml-streaming", "numpy")),
+    ]
