@@ -193,7 +193,10 @@ def _open(cls, store: Path):
         if not hold_shared(fd):
             os.close(fd)
             return None
-        os.utime(fd)  # the last use, for `gpucache cache list` and the size cap
+        try:
+            os.utime(fd)  # the last use, for `gpucache cache list` and the size cap
+        except OSError:  # a read-only file system: the store opens all the same
+            pass
         cache = cls.open(store)
     except CacheFormatError as err:
         os.close(fd)

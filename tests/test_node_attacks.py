@@ -63,15 +63,12 @@ def _done(p: subprocess.Popen) -> str:
 def attacks():
     """Every attack prepared, then the victim's outcome in each place: {name: (verdict, text)}."""
     from gpucache import JpegCache
-    from gpucache._build import scan_folder
-    from gpucache._limits import DEFAULT_MAX_PIXELS
-    from gpucache._node import listing_key
 
     base = Path(tempfile.mkdtemp(prefix="gpucache-attack-"))
     os.chmod(base, 0o755)
     victim = make_jpeg_folder(base / "victim", 6, seed=1)
-    paths, labels, classes = scan_folder(victim)
-    key = listing_key(paths, (labels, classes, "skip", DEFAULT_MAX_PIXELS, False))  # anyone can
+    # the victim's key: anyone who can read the listing computes it, e.g. by building it too
+    key = JpegCache.from_folder(victim, cache_dir=base / "probe", progress=False).path.stem
     planted = base / "planted.gpucache"  # the attacker's own images, built anywhere
     JpegCache.from_folder(make_jpeg_folder(base / "attacker", 6, seed=2), progress=False).save(planted)
     os.chmod(planted, 0o644)

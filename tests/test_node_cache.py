@@ -1,0 +1,122 @@
+"""The node cache folder in one process: `gpucache cache list | clean`, the size cap, a read-only
+folder, and odd files (a FIFO, a link) where the cache expects its own."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from gpucache import JpegCache
+from gpucache.cli import main
+from gpucache.testing import make_jpeg_folder
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _stores(cdir: Path) -> list[Path]:
+    return sorted(cdir.glob("*.gpucache"))
+
+
+def _age(path: Path, days: float) -> None:
+    t = time.time() - days * 86400
+    os.utime(path, (t, t))
+
+
+@pytest.fixture
+def two(tmp_path):
+    """Two stores in one cache folder: ``kept`` still open (in use), ``old`` released."""
+    cdir = tmp_path / "c"
+    old = JpegCache.from_folder(make_jpeg_folder(tmp_path / "a", 4, seed=1), cache_dir=cdir,
+                                progress=False)
+    old_path = old.path
+    del old
+    gc.collect()  # the store's shared flock goes with it
+    kept = JpegCache.from_folder(make_jpeg_folder(tmp_path / "b", 4, seed=2), cache_dir=cdir,
+                                 progress=False)
+    _age(old_path, 3)
+    return cdir, old_path, kept, tmp_path
+
+
+def test_cache_list_shows_size_last_use_in_use_and_source(two, capsys):
+    cdir, old_path, kept, tmp = two
+    assert main(["cache", "list", "--dir", str(cdir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{cdir}: 2 stores, ")
+    first, second = out[1:]  # most recently used first
+    assert kept.path.stem in first and "IN USE" in first and str(tmp / "b") in first
+    assert old_path.stem in second and "used   3.0d ago" in second and "IN USE" not in second
+    assert str(tmp / "a") in second and "MiB" in second
+
+
+def test_cache_clean_removes_old_stores_never_one_in_use(two, capsys):
+    cdir, old_path, kept, _ = two
+    _age(kept.path, 5)  # old too, but open
+    assert main(["cache", "clean", "--dir", str(cdir), "--older-than", "1d", "--dry-run"]) == 0
+    assert "would remove 1 stores" in capsys.readouterr().out and len(_stores(cdir)) == 2
+    assert main(["cache", "clean", "--dir", str(cdir), "--all"]) == 0
+    assert "removed 1 stores" in capsys.readouterr().out
+    assert _stores(cdir) == [kept.path]
+    assert sorted(p.suffix for p in cdir.iterdir()) == [".gpucache", ".info"]
+    assert len(kept) == 4 and bytes(kept[0][:2]) == b"\xff\xd8"  # still mapped: a JPEG
+    assert main(["cache", "clean", "--dir", str(cdir)]) == 2  # says what to give
+    assert "--older-than" in capsys.readouterr().err
+
+
+def test_cache_max_bytes_removes_the_least_recently_used_unused_stores(two):
+    cdir, old_path, kept, tmp = two
+    third = JpegCache.from_folder(make_jpeg_folder(tmp / "c3", 4, seed=3), cache_dir=cdir,
+                                  progress=False,
+                                  cache_max_bytes=int(2.5 * os.path.getsize(kept.path)))
+    assert old_path not in _stores(cdir)  # the least recently used, not in use
+    assert set(_stores(cdir)) == {kept.path, third.path}  # in use: kept over the cap
+
+
+def test_a_read_only_cache_folder_says_what_and_how_to_fix():
+    ro = Path(tempfile.mkdtemp(prefix="gpucache-ro-"))  # reachable by a second uid when root
+    try:
+        root = make_jpeg_folder(ro / "imgs", 4, seed=4)
+        code = ("from gpucache import JpegCache\n"
+                f"try:\n    JpegCache.from_folder({str(root)!r}, cache_dir={str(ro / 'c')!r}, "
+                "progress=False)\n"
+                "except OSError as err:\n    print(type(err).__name__, err)\n")
+        (ro / "c").mkdir(mode=0o500)
+        cmd = [sys.executable, "-c", code]
+        if os.geteuid() == 0:  # root writes anywhere: run as a throwaway uid owning the folder
+            if shutil.which("setpriv") is None:
+                pytest.skip("as root, needs setpriv to run as another uid")
+            os.chmod(ro, 0o755)
+            os.chown(ro / "c", 12347, 12347)
+            cmd = ["setpriv", "--reuid=12347", "--regid=12347", "--clear-groups", *cmd]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ro,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert p.stdout.startswith("PermissionError"), p.stdout + p.stderr[-2000:]
+        assert f"cannot create the lock file {ro / 'c'}" in p.stdout  # what, where
+        assert "no permission to write" in p.stdout and "cache_dir=" in p.stdout  # why, the fix
+    finally:
+        shutil.rmtree(ro)
+
+
+def test_a_fifo_and_a_link_in_the_cache_folder_are_replaced_not_followed(tmp_path, caplog):
+    root = make_jpeg_folder(tmp_path / "imgs", 4, seed=5)
+    key = JpegCache.from_folder(root, cache_dir=tmp_path / "probe", progress=False).path.stem
+    cdir = tmp_path / "c"
+    cdir.mkdir(mode=0o700)
+    mine = tmp_path / "mine.txt"
+    mine.write_text("mine\n")
+    os.mkfifo(cdir / f"{key}.gpucache")
+    (cdir / f"{key}.lock").symlink_to(mine)
+    with caplog.at_level(logging.WARNING, logger="gpucache"):
+        cache = JpegCache.from_folder(root, cache_dir=cdir, progress=False)  # no hang on the FIFO
+    assert cache.path == cdir / f"{key}.gpucache" and len(cache) == 4
+    assert cache.path.is_file() and mine.read_text() == "mine\n"  # the link was not followed
+    assert "is not a regular file" in caplog.text and "is a symbolic link" in caplog.text
