@@ -93,6 +93,19 @@ def test_cpu_retry_joins_on_the_device(cache):
     _assert_close(out.images, decode_batch(cache, idx, plans, on_error="raise", stack=True).images)
 
 
+def test_unindexed_cuda_device_given_to_decoder_and_backend(cache):
+    """torch.device("cuda") for both (what a user, and gpu_check, passes): normalised alike."""
+    dev = torch.device("cuda")
+    backend = NvjpegBackend(cache, device=dev, on_error="raise", decoder=default_decoder(dev))
+    idx = np.arange(8)
+    plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(32)]))
+    backend.submit(idx, plans, True)
+    out = backend.get()
+    backend.close()
+    assert backend.device == CUDA and out.images.device == CUDA
+    _assert_close(out.images, decode_batch(cache, idx, plans, on_error="raise", stack=True).images)
+
+
 @pytest.mark.parametrize("threaded", [True, False])
 def test_busy_side_stream_never_lets_the_decoder_reuse_live_memory(cache, threaded):
     """The side stream is kept busy (not the consumer) and nothing synchronises per step: a
@@ -142,11 +155,13 @@ def test_backend_on_another_device_than_the_current_one(cache):
 def test_gpu_memory_is_flat_across_epochs(cache):
     loader = GpuCachedLoader(cache, batch_size=8, device="cuda", backend="nvjpeg",
                              transform=T.Compose([T.RandomResizedCrop(32)]))
-    used = []
+    used, reserved = [], []
     for _ in range(20):
         for _ in loader:
             pass
         torch.cuda.synchronize()
         used.append(torch.cuda.memory_allocated())
+        reserved.append(torch.cuda.memory_reserved())  # each stream keeps its own pool
     assert max(used[5:]) <= used[4] * 1.05 + (1 << 20), used
+    assert max(reserved[5:]) <= reserved[4] * 1.05 + (16 << 20), reserved
     loader.close()
