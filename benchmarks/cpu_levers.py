@@ -12,7 +12,8 @@ alternative decoders give the same pixels or the stated difference). Rows:
 - gpucache restart-marker ROI: the same on a restart-marker store (only the crop's segments decoded);
 - decode only: the share of the full path's time that is full-frame JPEG decoding;
 - simplejpeg, simplejpeg fast: another libjpeg-turbo binding, accurate and fast-DCT/fast-upsample;
-- 1/2-scale decode: libjpeg-turbo DCT scaling, the upper bound of what reduced-size decoding saves.
+- 1/2-scale decode: libjpeg-turbo DCT scaling, the upper bound of what reduced-size decoding saves;
+- gpucache ... scaled decode: ``exact=False``, crops >= 2x their output decoded at 1/2-1/8 scale.
 simplejpeg rows are skipped when it is not installed (it is not a gpucache dependency).
 """
 
@@ -73,9 +74,9 @@ def main() -> None:
                 _roi.USE_C = True
         return wrapped
 
-    def batch(store):
+    def batch(store, exact=True):
         def run():
-            out = decode_batch(store, idx, plans, on_error="raise", stack=True)
+            out = decode_batch(store, idx, plans, on_error="raise", stack=True, exact=exact)
             assert out.images.shape == (len(idx), 3, 224, 224)
         return run
 
@@ -85,6 +86,8 @@ def main() -> None:
         got = decode_batch(cache, idx, plans, on_error="raise", stack=True)
         assert torch.equal(got.images, ref) and got.roi_decoded > 0
         rows[f"gpucache ROI decode + plan ({_roi.route()})"] = batch(cache)
+        if _roi.route() == "libjpeg-turbo":  # reduced-size decode (not bit-exact: see docs)
+            rows["gpucache ROI + scaled decode (exact=False)"] = batch(cache, exact=False)
         if _roi.route() == "libjpeg-turbo" and _roi._nvimgcodec is not None:
             rows["gpucache ROI decode + plan (nvimgcodec)"] = no_c(batch(cache))
         if _roi_rst.transcoder_available():
@@ -93,6 +96,7 @@ def main() -> None:
             got = decode_batch(rst, idx, plans, on_error="raise", stack=True)
             assert torch.equal(got.images, ref) and got.roi_decoded > 0
             rows["gpucache restart-marker ROI + plan"] = batch(rst)
+            rows["gpucache restart-marker ROI + scaled decode"] = batch(rst, exact=False)
     rows["gpucache full decode only"] = decode_only
     try:
         import simplejpeg

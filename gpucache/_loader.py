@@ -95,6 +95,7 @@ class GpuCachedLoader:
         hw_decoder_load: float = 0.65,
         # bad samples, metadata, sharding
         on_error: Literal["skip", "raise", "skip_warned"] = "skip",
+        exact: bool = False,
         return_metadata: bool = False,
         num_replicas: int | None = None,
         rank: int | None = None,
@@ -151,6 +152,7 @@ class GpuCachedLoader:
         self.timeout = timeout or None
         self.hw_decoder_load = hw_decoder_load
         self.on_error, self.return_metadata = on_error, return_metadata
+        self.exact = bool(exact)  # False: CPU decode may use DCT scaling (docs/guides/backends.md)
         self.num_replicas, self.rank = num_replicas, rank
         self.stats = LoaderStats()
         self._next_epoch = 0  # the epoch a fresh pass plays
@@ -376,7 +378,7 @@ def _make_backend(loader: GpuCachedLoader) -> Backend:
         return CpuBackend(loader.cache, num_workers=loader.num_workers,
                           context=loader.multiprocessing_context,
                           worker_init_fn=loader.worker_init_fn, timeout=loader.timeout,
-                          pin_memory=loader.pin_memory, **common)
+                          pin_memory=loader.pin_memory, exact=loader.exact, **common)
     if name == "nvjpeg":
         from .decode.nvjpeg import NvjpegBackend
 

@@ -40,7 +40,7 @@ def frame(obj) -> bytes:
 
 
 def worker_main(wid: int, sock: socket.socket, cache, seed: int, worker_init_fn, on_error: str,
-                parent_pid: int, start_method: str, pdeathsig: bool) -> None:
+                parent_pid: int, start_method: str, pdeathsig: bool, exact: bool = True) -> None:
     if start_method == "fork":
         for end in list(PARENT_ENDS.values()):
             end.close()
@@ -66,7 +66,7 @@ def worker_main(wid: int, sock: socket.socket, cache, seed: int, worker_init_fn,
     while True:
         task, indices, plans, stack = tasks.get()
         try:
-            out = decode_batch(cache, indices, plans, on_error=on_error, stack=stack)
+            out = decode_batch(cache, indices, plans, on_error=on_error, stack=stack, exact=exact)
         except BaseException as err:  # noqa: BLE001 - everything is reported to the parent
             _send(sock, {"kind": "error", "task": task, "error": f"{type(err).__name__}: {err}",
                          "sample_error": isinstance(err, SampleError),

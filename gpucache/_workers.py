@@ -81,7 +81,8 @@ class WorkerPool:
     """``num_workers`` persistent decode processes fed round-robin."""
 
     def __init__(self, cache, *, num_workers: int, context: str | None, seed: int,
-                 worker_init_fn, on_error: str, timeout: float | None, pin_memory: bool):
+                 worker_init_fn, on_error: str, timeout: float | None, pin_memory: bool,
+                 exact: bool = True):
         ctx = mp.get_context(context)
         self.method = ctx.get_start_method()
         self.cache, self.timeout, self.pin_memory = cache, timeout, pin_memory
@@ -100,7 +101,8 @@ class WorkerPool:
                 PARENT_ENDS[mine.fileno()] = mine
                 p = ctx.Process(target=worker_main, name=f"gpucache-worker-{wid}", daemon=True,
                                 args=(wid, theirs, cache, int(seeds[wid].generate_state(1)[0]),
-                                      worker_init_fn, on_error, os.getpid(), self.method, armed))
+                                      worker_init_fn, on_error, os.getpid(), self.method, armed,
+                                      exact))
                 try:
                     p.start()
                 except Exception as err:

@@ -127,17 +127,25 @@ def coded_box(top: int, left: int, h: int, w: int, orientation: int, height: int
     return (left, top, w, h) if transpose else (top, left, h, w)
 
 
+class ScaleRefused(ValueError):
+    """The compiled decoder does not scale JPEGs with these sampling factors (see _roi_c.c)."""
+
+
 def _c_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *, height: int,
-              width: int) -> torch.Tensor:
+              width: int, denom: int = 1) -> torch.Tensor:
     """Rows ``top:top+h``, columns ``left:left+w`` of the coded image (compiled decoder; the
-    margin is taken inside it). RGB uint8 CHW, a view of HWC like ``decode_jpeg``'s."""
+    margin is taken inside it), decoded at scale 1/``denom`` (1, 2, 4, 8; the box, ``height`` and
+    ``width`` are then in scaled pixels). RGB uint8 CHW, a view of HWC like ``decode_jpeg``'s."""
     out = np.empty((h, w, 3), dtype=np.uint8)
     err = ctypes.create_string_buffer(200)
     arr = data if isinstance(data, bytes) else np.ascontiguousarray(data)
     buf = arr if isinstance(arr, bytes) else arr.ctypes.data_as(ctypes.c_char_p)
     warned = ctypes.c_int()
-    if _state["lib"].gc_decode_region(buf, len(arr), 1, top, left, h, w, out.ctypes.data,
-                                      ctypes.byref(warned), err, 200):
+    ret = _state["lib"].gc_decode_region(buf, len(arr), denom, top, left, h, w, out.ctypes.data,
+                                         ctypes.byref(warned), err, 200)
+    if ret == 3:
+        raise ScaleRefused(err.value.decode(errors="replace"))
+    if ret:
         raise ValueError(f"region decode failed: {err.value.decode(errors='replace')}")
     note_warning(warned.value, err.value)
     return torch.from_numpy(out).permute(2, 0, 1)
@@ -183,10 +191,28 @@ def _nv_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *,
     return torch.from_numpy(img).permute(2, 0, 1)[:, top - t0:top - t0 + h, left - l0:left - l0 + w]
 
 
+def scaled_box(t: int, l: int, h: int, w: int, height: int, width: int, denom: int
+               ) -> tuple[int, int, int, int, int, int]:
+    """The box (t, l, h, w) of a ``height`` x ``width`` image in the image decoded at 1/``denom``
+    (edges rounded to the nearest scaled pixel), and that image's size (libjpeg's: rounded up)."""
+    sh, sw = -(-height // denom), -(-width // denom)
+    ts, ls = (2 * t + denom) // (2 * denom), (2 * l + denom) // (2 * denom)
+    te = min(sh, max(ts + 1, (2 * (t + h) + denom) // (2 * denom)))
+    le = min(sw, max(ls + 1, (2 * (l + w) + denom) // (2 * denom)))
+    ts, ls = min(ts, te - 1), min(ls, le - 1)
+    return ts, ls, te - ts, le - ls, sh, sw
+
+
 def decode_crop(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *,
-                orientation: int, height: int, width: int, region: Region) -> torch.Tensor:
+                orientation: int, height: int, width: int, region: Region,
+                denom: int = 1) -> torch.Tensor:
     """The box (top, left, h, w) of the oriented image, decoded with ``region`` from the JPEG
-    ``data`` alone (``region`` from :func:`region_decoder`)."""
+    ``data`` alone (``region`` from :func:`region_decoder`); with ``denom`` > 1 (compiled decoder
+    only), the box decoded at 1/``denom`` scale (about ``h / denom`` x ``w / denom``; raises
+    :class:`ScaleRefused` for sampling factors it does not scale)."""
     t, l, hh, ww = coded_box(top, left, h, w, orientation, height, width)
     ch, cw = (width, height) if _OPS.get(orientation, _OPS[1])[0] else (height, width)
+    if denom > 1:
+        t, l, hh, ww, ch, cw = scaled_box(t, l, hh, ww, ch, cw, denom)
+        return orient(region(data, t, l, hh, ww, height=ch, width=cw, denom=denom), orientation)
     return orient(region(data, t, l, hh, ww, height=ch, width=cw), orientation)

@@ -179,22 +179,33 @@ def segment_jpeg(data: np.ndarray, lay: Layout, top: int, left: int, h: int, w: 
 
 
 def decode_crop(data: np.ndarray, k: int, top: int, left: int, h: int, w: int, *,
-                orientation: int, height: int, width: int, region: _roi.Region) -> torch.Tensor:
+                orientation: int, height: int, width: int, region: _roi.Region,
+                denom: int = 1) -> torch.Tensor:
     """The box (top, left, h, w) of the oriented image, from a restart-marker JPEG's segments
-    (decoded with ``region``, from :func:`._roi.region_decoder`)."""
+    (decoded with ``region``, from :func:`._roi.region_decoder`); ``denom`` > 1 (compiled
+    decoder only) as in :func:`._roi.decode_crop`."""
     t, l, hh, ww = _roi.coded_box(top, left, h, w, orientation, height, width)
+    if denom > 1:
+        transpose = _roi._OPS.get(orientation, _roi._OPS[1])[0]
+        ch, cw = (width, height) if transpose else (height, width)
+        t, l, hh, ww = _roi.scaled_box(t, l, hh, ww, ch, cw, denom)[:4]
     if region is _roi._c_region:  # all of it in one C call: no Python per segment or row
         out = np.empty((hh, ww, 3), dtype=np.uint8)
         err = ctypes.create_string_buffer(200)
         arr = np.ascontiguousarray(data)
         warned = ctypes.c_int()
-        ret = _load().gc_decode_segments(arr.ctypes.data, len(arr), k, 1, t, l, hh, ww,
+        ret = _load().gc_decode_segments(arr.ctypes.data, len(arr), k, denom, t, l, hh, ww,
                                          out.ctypes.data, ctypes.byref(warned), err, len(err))
         if ret == 0:
             _roi.note_warning(warned.value, err.value)
             return _roi.orient(torch.from_numpy(out).permute(2, 0, 1), orientation)
         if ret == 1:
             raise ValueError(f"segment decode failed: {err.value.decode(errors='replace')}")
+        if ret == 3:
+            raise _roi.ScaleRefused(err.value.decode(errors="replace"))
+    if denom > 1:  # not such a JPEG after all: the plain region decoder scales it
+        return _roi.decode_crop(data, top, left, h, w, orientation=orientation, height=height,
+                                width=width, region=region, denom=denom)
     lay = Layout(data, k)  # the same in Python (any region decoder), or to say what is wrong
     sub, y0, x0, sub_h, sub_w = segment_jpeg(data, lay, t, l, hh, ww)
     box = region(sub, t - y0, l - x0, hh, ww, height=sub_h, width=sub_w)

@@ -145,35 +145,56 @@ def out_size(plans: np.ndarray) -> tuple[int, int]:
     return (int(plans[0, 8]), int(plans[0, 9])) if len(plans) else (0, 0)
 
 
-def _decode_box(cache, i: int, box: list[int], kind: int, components: int, precision: int,
+def reduced_scale(h1: int, w1: int, rh: int, rw: int) -> int:
+    """The largest libjpeg-turbo DCT scale denominator (8, 4, 2; else 1) at which an ``h1`` x
+    ``w1`` box still comes out at least ``rh`` x ``rw`` (a scaled pixel of slack for rounding)."""
+    for d in (8, 4, 2):
+        if h1 >= d * (rh + 1) and w1 >= d * (rw + 1):
+            return d
+    return 1
+
+
+def _decode_box(cache, i: int, plan: list[int], kind: int, components: int, precision: int,
                 orientation: int, height: int, width: int, restart: int,
-                regions: dict) -> tuple[torch.Tensor, bool]:
-    """Sample ``i`` cropped to ``box`` (the plan's first crop); True if only the box was decoded."""
-    t1, l1, h1, w1 = box
+                regions: dict, exact: bool) -> tuple[torch.Tensor, bool]:
+    """Sample ``i`` cropped to the plan's first crop box; True if only the box was decoded.
+
+    With ``exact=False`` a box at least 2x its resize target each way is decoded at a reduced
+    DCT scale (compiled decoder only), so the result is smaller than the box."""
+    t1, l1, h1, w1 = plan[:4]
     region = regions.get(components)
     if (region is not None and kind in _ROI_KINDS and precision == 8
             and 0 <= t1 and 0 <= l1 and t1 + h1 <= height and l1 + w1 <= width):
-        if (h1, w1) == (height, width):  # no crop: whole, but through the compiled decoder,
+        denom = 1 if exact or region is not _roi._c_region else reduced_scale(h1, w1, *plan[4:6])
+        whole = (h1, w1) == (height, width)
+        if whole and denom == 1:  # no crop: whole, but through the compiled decoder,
             if region is not _roi._c_region:  # which reports libjpeg's warnings per sample
                 return _decode_full(cache, i, kind), False
             return _roi.decode_crop(cache[i], 0, 0, height, width, orientation=orientation,
                                     height=height, width=width, region=region), False
-        if restart:
-            return _roi_rst.decode_crop(cache[i], restart, t1, l1, h1, w1, orientation=orientation,
-                                        height=height, width=width, region=region), True
-        return _roi.decode_crop(cache[i], t1, l1, h1, w1, orientation=orientation, height=height,
-                                width=width, region=region), True
+        kw = dict(orientation=orientation, height=height, width=width, region=region)
+        try:
+            if restart:
+                x = _roi_rst.decode_crop(cache[i], restart, t1, l1, h1, w1, denom=denom, **kw)
+            else:
+                x = _roi.decode_crop(cache[i], t1, l1, h1, w1, denom=denom, **kw)
+        except _roi.ScaleRefused:  # sampling factors it does not scale: the exact path
+            return _decode_box(cache, i, plan, kind, components, precision, orientation,
+                               height, width, restart, regions, True)
+        return x, not whole
     img = check_size(cache, i, _decode_full(cache, i, kind))
     return img[:, t1:t1 + h1, l1:l1 + w1], False
 
 
 def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str,
-                 stack: bool) -> Decoded:
+                 stack: bool, exact: bool = True) -> Decoded:
     """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise).
 
     A JPEG whose plan crops is decoded only inside the crop box when ROI decode is available
     (:mod:`._roi`; same output, less work), from its restart segments in a restart-marker store
-    (:mod:`._roi_rst`); anything else is decoded in full, then cropped."""
+    (:mod:`._roi_rst`); anything else is decoded in full, then cropped. ``exact=False`` lets a
+    JPEG whose plan shrinks its box at least 2x each way decode at 1/2, 1/4 or 1/8 scale (DCT
+    scaling; not bit-exact, within the tolerance docs/guides/backends.md states)."""
     images, kept, failed, warned, roi = [], [], [], [], 0
     indices = np.asarray(indices, dtype=np.int64)
     rec = cache.samples[indices]  # one gather per batch, not numpy scalars per sample
@@ -189,8 +210,8 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
         try:
             check_pixels(cache, i)
             _roi.take_warning()
-            x, used_roi = _decode_box(cache, i, plan[:4], kind, components, precision,
-                                      orientation, height, width, k, regions)
+            x, used_roi = _decode_box(cache, i, plan, kind, components, precision,
+                                      orientation, height, width, k, regions, exact)
             note = _roi.take_warning()
             if note is not None:
                 warned.append((i, warned_reason(cache, i, note)))

@@ -15,13 +15,15 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self, cache, *, num_workers: int, context: str | None, seed: int,
-                 worker_init_fn, on_error: str, timeout: float | None, pin_memory: bool):
+                 worker_init_fn, on_error: str, timeout: float | None, pin_memory: bool,
+                 exact: bool = True):
         self.cache, self.on_error, self.pin_memory = cache, on_error, pin_memory
+        self.exact = exact  # False: reduced-size (DCT-scaled) decode where a plan allows it
         self.pool = None
         if num_workers > 0:
             self.pool = WorkerPool(cache, num_workers=num_workers, context=context, seed=seed,
                                    worker_init_fn=worker_init_fn, on_error=on_error,
-                                   timeout=timeout, pin_memory=pin_memory)
+                                   timeout=timeout, pin_memory=pin_memory, exact=exact)
         self._inline: deque[tuple[np.ndarray, np.ndarray, bool]] = deque()
 
     def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
@@ -34,7 +36,8 @@ class CpuBackend(Backend):
         if self.pool is not None:
             return self.pool.get()
         indices, plans, stack = self._inline.popleft()
-        out = decode_batch(self.cache, indices, plans, on_error=self.on_error, stack=stack)
+        out = decode_batch(self.cache, indices, plans, on_error=self.on_error, stack=stack,
+                           exact=self.exact)
         if self.pin_memory and hasattr(out.images, "pin_memory"):
             out.images = out.images.pin_memory()
         return out

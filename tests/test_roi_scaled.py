@@ -1,0 +1,121 @@
+"""Reduced-size (DCT-scaled) decode: exact within its scale, and within the stated tolerance of
+exact decode (docs/guides/backends.md: mean absolute difference <= 4 levels per image).
+
+``exact=False`` decodes a box at least 2x its resize target each way at 1/2, 1/4 or 1/8 scale; a
+crop of a scaled decode is bit-identical to the same crop of the whole scaled decode, through the
+region decoder and the restart-marker segment decoder alike.
+"""
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from gpucache import GpuCachedLoader, JpegCache
+from gpucache import transforms as T
+from gpucache.decode import _roi, _roi_rst
+from gpucache.decode.cpu import apply_plan, decode_batch, decode_sample, reduced_scale
+from gpucache.testing import natural_image
+
+pytestmark = pytest.mark.skipif(not _roi._c_ok(), reason="compiled region decoder not built")
+#: 160 x 96, luma 4x2, chroma 1x1 (4:1 one way, 2:1 the other), quality 90, written by
+#: libjpeg-turbo 2.1.5 (jpeg_set_defaults + those factors) from natural_image(160, 96, seed=2)
+ODD = Path(__file__).parent / "data" / "sampling_42_11_11.jpg"
+
+
+def _jpeg(w: int, h: int, seed: int, **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(natural_image(w, h, seed=seed)).convert(kw.pop("mode", "RGB")).save(
+        buf, "JPEG", quality=90, **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("kw", [dict(subsampling=2), dict(subsampling=1), dict(subsampling=0),
+                                dict(mode="L"), dict(subsampling=2, progressive=True)],
+                         ids=["420", "422", "444", "gray", "progressive"])
+def test_scaled_crops_equal_the_crop_of_the_scaled_image(kw):
+    data = _jpeg(301, 203, 5, **dict(kw))
+    rst, k = _roi_rst.transcode(data)
+    arr = np.frombuffer(rst, dtype=np.uint8)
+    rng = np.random.default_rng(1)
+    for d in (2, 4, 8):
+        sh, sw = -(-203 // d), -(-301 // d)
+        full = _roi._c_region(data, 0, 0, sh, sw, height=sh, width=sw, denom=d)
+        assert full.shape == (3, sh, sw)
+        for _ in range(12):
+            bh, bw = int(rng.integers(1, sh + 1)), int(rng.integers(1, sw + 1))
+            t, l = int(rng.integers(0, sh - bh + 1)), int(rng.integers(0, sw - bw + 1))
+            want = full[:, t:t + bh, l:l + bw]
+            assert torch.equal(_roi._c_region(data, t, l, bh, bw, height=sh, width=sw, denom=d),
+                               want), (d, t, l, bh, bw)
+            got = _roi_rst.decode_crop(arr, k, t * d, l * d, bh * d, bw * d, orientation=1,
+                                       height=203, width=301, region=_roi._c_region, denom=d)
+            ts, ls, hs, ws = _roi.scaled_box(t * d, l * d, bh * d, bw * d, 203, 301, d)[:4]
+            assert torch.equal(got, full[:, ts:ts + hs, ls:ls + ws]), (d, t, l, bh, bw)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    root = tmp_path_factory.mktemp("big")
+    paths = []
+    for k, (w, h) in enumerate([(1200, 900), (900, 1200), (1600, 1067)]):
+        p = root / f"{k}.jpg"
+        p.write_bytes(_jpeg(w, h, 10 + k, subsampling=2 if k != 1 else 1))
+        paths.append(p)
+    return JpegCache.from_files(paths, labels=[0, 1, 2], progress=False)
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["on-grid", "any-box"])
+@pytest.mark.parametrize("transform", [T.Compose([T.RandomResizedCrop(112),
+                                                  T.RandomHorizontalFlip()]),
+                                       T.Compose([T.Resize(128), T.CenterCrop(112)])],
+                         ids=["train", "eval"])
+def test_scaled_decode_is_within_the_stated_tolerance(big, transform, aligned):
+    """Mean |difference| per image <= 3.5 levels for boxes on the 1/d grid (the filter: DCT
+    scaling, then the antialiased resize of the rest), <= 8 for any box (edges also snap to
+    the nearest scaled pixel, <= d/2 source pixels); on photos both are smaller."""
+    s, idx = big.samples, np.repeat(np.arange(len(big)), 6)
+    plans = transform.plan(s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
+                           np.random.default_rng(4))
+    scales = [reduced_scale(*p[[2, 3, 4, 5]].tolist()) for p in plans]
+    assert max(scales) >= 4  # the plans really shrink these images
+    if aligned:
+        for p, d in zip(plans, scales):
+            p[:4] -= p[:4] % d
+    exact = decode_batch(big, idx, plans, on_error="raise", stack=True).images
+    fast = decode_batch(big, idx, plans, on_error="raise", stack=True, exact=False).images
+    diff = (fast.int() - exact.int()).abs().float().mean(dim=(1, 2, 3))
+    assert diff.max() <= (3.5 if aligned else 8), diff.tolist()
+    assert (diff[torch.tensor(scales) > 1] > 0).all()  # and they were decoded scaled
+    assert torch.equal(exact[0], apply_plan(decode_sample(big, int(idx[0])), plans[0]))
+
+
+def test_sampling_it_cannot_scale_exactly_takes_the_exact_path():
+    data = ODD.read_bytes()
+    with pytest.raises(_roi.ScaleRefused):
+        _roi._c_region(data, 0, 0, 10, 10, height=48, width=80, denom=2)
+    store = JpegCache.from_files([ODD], progress=False)
+    plans = np.asarray([[0, 0, 96, 160, 20, 30, 0, 0, 20, 30, 0]], dtype=np.int64)
+    assert reduced_scale(96, 160, 20, 30) == 4
+    a = decode_batch(store, np.zeros(1, np.int64), plans, on_error="raise", stack=True)
+    b = decode_batch(store, np.zeros(1, np.int64), plans, on_error="raise", stack=True,
+                     exact=False)
+    assert torch.equal(a.images, b.images)
+
+
+def test_loader_exact_switch(big):
+    t = T.Compose([T.Resize(128), T.CenterCrop(112)])
+    out = {}
+    for exact in (True, False):
+        with GpuCachedLoader(big, batch_size=3, num_workers=0, backend="cpu", transform=t,
+                             exact=exact) as loader:
+            (out[exact], _), = list(loader)
+    plans = t.plan(big.samples["height"].astype(np.int64), big.samples["width"].astype(np.int64),
+                   np.random.default_rng(0))
+    ref = torch.stack([apply_plan(decode_sample(big, i), plans[i]) for i in range(3)])
+    assert torch.equal(out[True], ref)
+    assert not torch.equal(out[False], ref)
+    assert (out[False].int() - ref.int()).abs().float().mean() <= 4
