@@ -53,7 +53,7 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 def ordered_map(fn: Callable, items: Iterator, threads: int, on_done: Callable | None):
-    """``fn`` over ``items`` on ``threads`` threads, results in order, at most 2 x threads queued."""
+    """``fn`` over ``items`` on ``threads`` threads, in order, at most 2 x threads in flight."""
     with ThreadPoolExecutor(threads) as pool:
         pending = []
         for item in items:

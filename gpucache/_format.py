@@ -111,47 +111,8 @@ def check_extra(name: str, array, *, reserved_ok: bool = False) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
 
 
-def report_sections(report) -> dict[str, np.ndarray]:
-    """A build report as the ``report.*`` sections (numbers and a string table; no pickle)."""
-    from ._sniff import Kind
-
-    kinds = [(int(Kind[k]), v) for k, v in sorted(report.counts.items())]
-    texts = [t for s in report.skipped for t in (s.path, s.reason)]
-    offsets, blob = pack_strings(texts)
-    return {"report.totals": np.array([report.total, report.kept], dtype="<i8"),
-            "report.kinds": np.array(kinds, dtype="<i8").reshape(len(kinds), 2),
-            "report.skipped": np.array([s.index for s in report.skipped], dtype="<i8"),
-            "report.offsets": offsets, "report.text": blob}
-
-
-def read_report(extra: Mapping[str, np.ndarray], where: str):
-    """The build report kept in ``extra`` (see :func:`report_sections`), or None if there is none."""
-    from ._build import BuildReport, Skipped
-    from ._sniff import Kind
-
-    if "report.totals" not in extra:
-        return None
-    try:
-        (total, kept), kinds = extra["report.totals"].tolist(), extra["report.kinds"]
-        index, offsets, blob = (extra["report.skipped"], extra["report.offsets"],
-                                extra["report.text"])
-        ends = offsets.tolist()
-        if (kinds.ndim != 2 or len(ends) != 2 * len(index) + 1 or ends[0] != 0
-                or ends != sorted(ends) or ends[-1] != len(blob) or total != kept + len(index)):
-            raise ValueError("the sections disagree")
-        texts = [decode(bytes(blob[a:b])) for a, b in zip(ends, ends[1:])]
-        counts = {Kind(k).name: int(v) for k, v in kinds.tolist()}
-    except (KeyError, ValueError, TypeError) as err:
-        raise CacheFormatError(f"{where}: the build report sections (report.*) are inconsistent "
-                               f"({err}); rebuild it with `gpucache build` or copy it again."
-                               ) from err
-    return BuildReport(total=total, kept=kept, counts=counts,
-                       skipped=[Skipped(int(i), texts[2 * k], texts[2 * k + 1])
-                                for k, i in enumerate(index.tolist())])
-
-
 def _plan(parts: dict[str, list[memoryview]], extra: dict[str, np.ndarray]):
-    """Offsets of every section: {name: (start, length)} for the core, then the directory, extras."""
+    """Offsets of every section: {name: (start, length)} for the core, the directory, extras."""
     spans, pos = {}, HEADER_SIZE
     for name in CORE[:-1]:
         start = _align(pos, 64)

@@ -45,7 +45,8 @@ class Parsed:
         (self.version,) = struct.unpack_from("<I", head, 8)
         if self.version not in (1, 2):
             self._fail(f"format version {self.version} is not supported by this gpucache (reads "
-                       f"versions 1 to {VERSION})", "rebuild it with this version's `gpucache build`")
+                       f"versions 1 to {VERSION})",
+                       "rebuild it with this version's `gpucache build`")
         layout = HEAD_V1 if self.version == 1 else HEAD_V2
         fields = layout.unpack_from(head)
         (crc,) = CRC.unpack_from(head, layout.size)

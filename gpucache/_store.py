@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from . import _format, _parse, _readonly, _shm
+from . import _format, _parse, _readonly, _report, _shm
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
 from ._sniff import Kind
@@ -184,8 +184,8 @@ class JpegCache:
         return cls(data=parsed.data, offsets=parsed.offsets, labels=parsed.labels,
                    samples=parsed.samples, classes=parsed.classes, paths=parsed.paths,
                    metadata=parsed.metadata, extra=_user_sections(parsed.extra),
-                   report=_format.read_report(parsed.extra, parsed._name), max_pixels=max_pixels,
-                   _file=parsed)
+                   report=_report.read_report(parsed.extra, parsed._name),
+                   max_pixels=max_pixels, _file=parsed)
 
     def _replace(self, **changes) -> JpegCache:
         """A new in-memory store with some arrays replaced (``data``, ``offsets``, ``samples``,
@@ -293,7 +293,7 @@ class JpegCache:
 
     def _stored(self) -> dict:
         """What a saved or shared copy holds: the arrays, plus the build report's sections."""
-        report = {} if self.report is None else _format.report_sections(self.report)
+        report = {} if self.report is None else _report.report_sections(self.report)
         return {**self._arrays(), "extra": {**self._extra, **report}}
 
     def save(self, path: str | os.PathLike, *, mode: int | None = None) -> Path:

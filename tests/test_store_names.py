@@ -14,7 +14,7 @@ LATIN1 = b"caf\xe9"  # "café" in Latin-1: not UTF-8, listed fine by os.listdir 
 
 
 def _bytes_folder(tmp_path) -> bytes:
-    """root/<caf\\xe9>/{caf\\xe9.jpg, na\\xefve.jpg, bad\\xff.jpg}, root/ok/x.jpg, made by bytes paths."""
+    """root/caf\\xe9/{caf\\xe9.jpg, na\\xefve.jpg, bad\\xff.jpg}, root/ok/x.jpg (bytes paths)."""
     root = os.fsencode(tmp_path / "imgs")
     for cls, names in ((LATIN1, [LATIN1 + b".jpg", b"na\xefve.jpg"]), (b"ok", [b"x.jpg"])):
         os.makedirs(os.path.join(root, cls))
