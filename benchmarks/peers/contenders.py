@@ -20,30 +20,28 @@ class Contender:
     dists: tuple[str, ...] = ()  # distributions whose versions are recorded
     options: dict = field(default_factory=dict)
     flag: str | None = None  # only with this run.py flag
+    src: str | None = None  # gpucache contenders: the source tree they import (None: run.py's)
 
     def python(self, venvs: Path) -> str:
         return sys.executable if self.venv is None else str(venvs / self.venv / "bin" / "python")
 
 
-def contenders(cap: int, scaled_kw: dict, exact_kw: dict) -> list[Contender]:
-    """Every contender, in table order; ``cap`` is the size cap of gpucache and FFCV ``smart``."""
+def contenders(cap: int, exact_kw: dict) -> list[Contender]:
+    """Every contender, in table order; ``cap`` is the size cap of gpucache and FFCV ``smart``;
+    ``exact_kw``: the loader keywords that turn reduced-size (DCT-scaled) decode off."""
     gc = ("gpucache", "torch")
     return [
         Contender("pil", "DataLoader + ImageFolder + PIL + torchvision v2 (files)", None,
                   "p_torch:pil", ("torch", "torchvision", "pillow")),
         Contender("gpucache", "gpucache, default store (saved file), cpu backend", None,
                   "p_torch:gpucache", gc),
-        Contender("gpucache-exact", "gpucache, default store, exact (full-scale) decode", None,
-                  "p_torch:gpucache", gc, {"transform_kw": exact_kw, "loader_kw": {}},
-                  flag="exact"),
         Contender("gpucache-rst", "gpucache, restart-marker store", None, "p_torch:gpucache", gc,
                   {"build_kw": {"restart_markers": True}}),
-        Contender("gpucache-scaled", "gpucache, default store, reduced-size (DCT-scaled) decode",
-                  None, "p_torch:gpucache", gc, {"transform_kw": scaled_kw}, flag="scaled"),
-        Contender("gpucache-rst-scaled", "gpucache, restart-marker store, reduced-size decode",
-                  None, "p_torch:gpucache", gc,
-                  {"build_kw": {"restart_markers": True}, "transform_kw": scaled_kw},
-                  flag="scaled"),
+        Contender("gpucache-exact", "gpucache, default store, exact (full-scale) decode", None,
+                  "p_torch:gpucache", gc, {"loader_kw": exact_kw}, flag="exact"),
+        Contender("gpucache-rst-exact", "gpucache, restart-marker store, exact decode", None,
+                  "p_torch:gpucache", gc,
+                  {"build_kw": {"restart_markers": True}, "loader_kw": exact_kw}, flag="exact"),
         Contender(f"gpucache-cap{cap}", f"gpucache, store built with max_side={cap}", None,
                   "p_torch:gpucache", gc, {"build_kw": {"max_side": cap}}, flag="max-side"),
         Contender("dali", "DALI CPU pipeline (reader shuffle_after_epoch, pad_last_batch)",

@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,7 +42,7 @@ class Proc:
 
     def __init__(self, c, cfg: dict, venvs: Path, log: Path):
         self.c, self.log = c, open(log, "w")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": c.src or cfg["gpucache_src"]}
         self.p = subprocess.Popen([c.python(venvs), str(HERE / "serve.py"), c.driver,
                                    cfg["cfg_path"]], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
@@ -91,7 +92,7 @@ def run_pipeline(pipeline: str, chosen, files, args, work: Path) -> dict:
         cfg = {"files": files, "root": str(args.src), "pipeline": pipeline,
                "batch_size": args.batch_size, "workers": args.workers, "seed": args.seed,
                "work": str(cw), "options": c.options, "dists": list(c.dists),
-               "cfg_path": str(cw / f"{pipeline}.json")}
+               "cfg_path": str(cw / f"{pipeline}.json"), "gpucache_src": str(args.gpucache_src)}
         Path(cfg["cfg_path"]).write_text(json.dumps(cfg))
         res = out[c.name] = {"what": c.what, "warmup": [], "epochs": [], "load": []}
         print(f"[{pipeline}] starting {c.name}", file=sys.stderr, flush=True)
@@ -144,12 +145,11 @@ def main(argv=None) -> int:
     p.add_argument("--pipelines", default="train,eval")
     p.add_argument("--only", help="comma list of contenders (default: all enabled)")
     p.add_argument("--skip", default="", help="comma list of contenders to leave out")
-    p.add_argument("--scaled", action="store_true", help="add the reduced-size decode contenders")
-    p.add_argument("--scaled-kw", type=json.loads, default={},
-                   help="transform keywords that turn reduced-size decode on (JSON)")
     p.add_argument("--exact", action="store_true",
-                   help="add gpucache with exact decode (--exact-kw) beside the default")
-    p.add_argument("--exact-kw", type=json.loads, default={"exact": True})
+                   help="add gpucache with exact (full-scale) decode beside the default, which "
+                        "decodes at a reduced DCT scale where the output is 2x smaller")
+    p.add_argument("--exact-kw", type=json.loads, default={"exact": True},
+                   help="the GpuCachedLoader keywords of --exact (JSON)")
     p.add_argument("--max-side", type=int, default=None,
                    help="add gpucache built with this size cap; FFCV smart uses it too")
     p.add_argument("--batch-size", type=int, default=64)
@@ -157,16 +157,30 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="timed epochs per contender")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800, help="seconds for one epoch or setup")
+    p.add_argument("--gpucache-src", type=Path, default=ROOT,
+                   help="the gpucache source tree the gpucache contenders import (default: this "
+                        "checkout; e.g. an older commit's, C extension built in place)")
+    p.add_argument("--before-src", type=Path, default=None,
+                   help="also run gpucache and gpucache-rst from this source tree, as "
+                        "gpucache-before and gpucache-rst-before, in the same rounds")
     p.add_argument("--note", default="", help="a line recorded with the result")
     args = p.parse_args(argv)
-    flags = {"scaled": args.scaled, "exact": args.exact, "max-side": args.max_side is not None}
+    flags = {"exact": args.exact, "max-side": args.max_side is not None}
     cap = args.max_side or 512
-    chosen = [c for c in contenders(cap, args.scaled_kw, args.exact_kw)
+    chosen = [c for c in contenders(cap, args.exact_kw)
               if (c.flag is None or flags[c.flag]) and c.name not in args.skip.split(",")
               and (not args.only or c.name in args.only.split(","))]
+    if args.before_src is not None:
+        at = chosen.index(next(c for c in chosen if c.name.startswith("gpucache")))
+        before = [replace(c, name=f"{c.name}-before", src=str(args.before_src.resolve()),
+                          what=f"{c.what}, from {args.before_src}")
+                  for c in chosen if c.name in ("gpucache", "gpucache-rst")]
+        chosen[at:at] = before
     files = files_of(args.src)
     key = hashlib.sha1("\n".join(files).encode()).hexdigest()[:10]
     work = args.work / f"{args.src.name}-{key}"
+    if args.gpucache_src.resolve() != ROOT:  # stores of another version kept apart
+        work = work / hashlib.sha1(str(args.gpucache_src.resolve()).encode()).hexdigest()[:8]
     work.mkdir(parents=True, exist_ok=True)
     from gpucache.bench._report import machine_info
 
