@@ -63,7 +63,8 @@ def _config_with(tmp_path: Path, page: str) -> Path:
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "index.md").write_text(page)
-    config.update(docs_dir=str(docs), nav=["index.md"])
+    config.update(docs_dir=str(docs), nav=["index.md"],
+                  hooks=[str(ROOT / hook) for hook in config.get("hooks", [])])
     python = config["plugins"][1]["mkdocstrings"]["handlers"]["python"]
     python["paths"] = [str(ROOT)]
     path = tmp_path / "mkdocs.yml"
