@@ -1,5 +1,8 @@
 """CPU decoding: libjpeg-turbo ``decode_jpeg`` for JPEG, PIL for the other formats; a JPEG whose plan
-crops is decoded only inside the crop box (:mod:`._roi`, :mod:`._roi_rst`; same pixels).
+crops is decoded only inside the crop box (:mod:`._roi`, :mod:`._roi_rst`; same pixels), and with
+``exact=False`` at a reduced DCT scale when the plan shrinks the box at least 2x each way (close to,
+not the same as, the exact pixels; docs/guides/backends.md). libjpeg's warnings about corrupt data
+come back per sample (``Decoded.warned``).
 
 Also the per-sample executor of a geometric plan (crop, antialiased bilinear resize on uint8, crop,
 flip), and :func:`decode_batch`, which the worker processes and the GPU backends' CPU fallback share.
