@@ -94,9 +94,11 @@ def built_once(cls, scan: Callable[[], Listing], build: Callable[..., object], r
                     "objects; build it once, cache.save(path), and JpegCache.open(path) in each rank.")
         return build(*scan(), None)
     folder = checked_dir(cache_dir)
-    if several_ranks():
-        key, listing = _scan_once(folder, scan, request, stall)
-    else:
+    try:
+        key, listing = _scan_once(folder, scan, request, stall) if several_ranks() else (None, None)
+    except PermissionError:  # a read-only folder: each rank scans; a store built there still opens
+        key = None
+    if key is None:
         listing = scan()
         key = listing_key(*listing)
     while True:
@@ -120,8 +122,8 @@ def built_once(cls, scan: Callable[[], Listing], build: Callable[..., object], r
             built = build(*listing, lock.progress)
             lock.phase("saving", len(built))
             built.save(store, mode=0o600)
-            write_private(folder / f"{key}.info", json.dumps(
-                {"source": _source(request), "samples": len(built), "created": time.time()}).encode())
+            info = {"source": _source(request), "samples": len(built), "created": time.time()}
+            write_private(folder / f"{key}.info", json.dumps(info).encode())
             cache = _open(cls, store)
             if cache is None:
                 raise CacheFormatError(f"{store}: the store just saved does not open again")

@@ -24,7 +24,8 @@ import tempfile
 from pathlib import Path
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-FIX = "pass cache_dir= a folder of your own on a node-local disk (e.g. cache_dir='/local/$USER/gpucache')"
+FIX = ("pass cache_dir= a folder of your own on a node-local disk "
+       "(e.g. cache_dir='/local/$USER/gpucache')")
 
 
 def default_dir() -> Path:
@@ -67,12 +68,13 @@ def checked_dir(cache_dir: str | os.PathLike | None, *, create: bool = True) -> 
 
 
 def not_writable(err: OSError, folder: Path, what: str) -> OSError:
-    """A clear error for a read-only or forbidden cache folder (else ``err`` itself)."""
+    """A clear PermissionError for a read-only or forbidden cache folder (else ``err`` itself)."""
     if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
         return err
     why = "the file system is read-only" if err.errno == errno.EROFS else "no permission to write"
-    return type(err)(err.errno, f"{what}: {why} ({err.strerror}). A store already built there "
-                     "opens without writing; building one needs a writable folder: " + FIX + ".")
+    return PermissionError(err.errno, f"{what}: {why} ({err.strerror}). A store already built "
+                           "there opens without writing; building one needs a writable folder: "
+                           + FIX + ".")
 
 
 def open_own(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> tuple[int | None, str]:

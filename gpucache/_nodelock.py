@@ -30,7 +30,8 @@ RECORD = 512  # bytes: the record is padded to one fixed-size pwrite, read back 
 
 
 class NodeLock:
-    """``with NodeLock(folder / "<key>.lock", store, stall_timeout) as lock: lock.progress(...)``."""
+    """``with NodeLock(folder / "<key>.lock", store, stall_timeout) as lock:`` build, calling
+    ``lock.progress(...)``; the lock file is removed on exit."""
 
     def __init__(self, path: Path, store: Path, stall_timeout: float):
         self.path, self.store, self.stall_timeout = path, store, stall_timeout

@@ -70,7 +70,8 @@ def attacks():
     # the victim's key: anyone who can read the listing computes it, e.g. by building it too
     key = JpegCache.from_folder(victim, cache_dir=base / "probe", progress=False).path.stem
     planted = base / "planted.gpucache"  # the attacker's own images, built anywhere
-    JpegCache.from_folder(make_jpeg_folder(base / "attacker", 6, seed=2), progress=False).save(planted)
+    theirs = make_jpeg_folder(base / "attacker", 6, seed=2)
+    JpegCache.from_folder(theirs, progress=False).save(planted)
     os.chmod(planted, 0o644)
     precious = base / "victim-home" / "notes.txt"  # a file of the victim's
     precious.parent.mkdir()

@@ -84,17 +84,25 @@ def test_a_read_only_cache_folder_says_what_and_how_to_fix():
     ro = Path(tempfile.mkdtemp(prefix="gpucache-ro-"))  # reachable by a second uid when root
     try:
         root = make_jpeg_folder(ro / "imgs", 4, seed=4)
-        code = ("from gpucache import JpegCache\n"
+        code = ("import os; from gpucache import JpegCache\n"
                 f"try:\n    JpegCache.from_folder({str(root)!r}, cache_dir={str(ro / 'c')!r}, "
                 "progress=False)\n"
-                "except OSError as err:\n    print(type(err).__name__, err)\n")
+                "except OSError as err:\n    print(type(err).__name__, err)\n"
+                # a store built before the folder became read-only opens, also for several ranks
+                f"JpegCache.from_folder({str(root)!r}, cache_dir={str(ro / 'd')!r}, "
+                "progress=False)\n"
+                f"os.chmod({str(ro / 'd')!r}, 0o500); os.environ['LOCAL_WORLD_SIZE'] = '2'\n"
+                f"c = JpegCache.from_folder({str(root)!r}, cache_dir={str(ro / 'd')!r}, "
+                "progress=False)\nprint('OPENED', len(c))\n")
         (ro / "c").mkdir(mode=0o500)
+        (ro / "d").mkdir(mode=0o700)
         cmd = [sys.executable, "-c", code]
         if os.geteuid() == 0:  # root writes anywhere: run as a throwaway uid owning the folder
             if shutil.which("setpriv") is None:
                 pytest.skip("as root, needs setpriv to run as another uid")
             os.chmod(ro, 0o755)
             os.chown(ro / "c", 12347, 12347)
+            os.chown(ro / "d", 12347, 12347)
             cmd = ["setpriv", "--reuid=12347", "--regid=12347", "--clear-groups", *cmd]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ro,
                            env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -102,6 +110,7 @@ def test_a_read_only_cache_folder_says_what_and_how_to_fix():
         assert p.stdout.startswith("PermissionError"), p.stdout + p.stderr[-2000:]
         assert f"cannot create the lock file {ro / 'c'}" in p.stdout  # what, where
         assert "no permission to write" in p.stdout and "cache_dir=" in p.stdout  # why, the fix
+        assert p.stdout.splitlines()[-1] == "OPENED 4"
     finally:
         shutil.rmtree(ro)
 

@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from gpucache import JpegCache
 from gpucache.testing import make_jpeg_bytes
 
