@@ -103,7 +103,7 @@ def _directory_error(path: Path) -> IsADirectoryError:
             else "pass the store file itself (e.g. DIR/train.gpucache), or build one with "
                  "`gpucache build SRC -o FILE`")
     return IsADirectoryError(errno.EISDIR, f"{path} is a directory, not a gpucache store file; "
-                             f"{hint}", str(path))
+                             f"{hint}")
 
 
 def _not_a_file(path: Path, mode: int) -> OSError | CacheFormatError:
@@ -126,17 +126,16 @@ def open_path(path: Path) -> Handle:
                      getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError as err:
         raise FileNotFoundError(errno.ENOENT, f"{path}: no such gpucache store; build one with "
-                                "`gpucache build SRC -o FILE` or JpegCache.save()", str(path)
-                                ) from err
+                                "`gpucache build SRC -o FILE` or JpegCache.save()") from err
     except PermissionError as err:
         raise PermissionError(err.errno, f"{path}: no permission to read this gpucache store "
                               f"({err.strerror}); ask its owner to make it readable "
-                              "(chmod a+r) or copy it", str(path)) from err
+                              "(chmod a+r) or copy it") from err
     except (IsADirectoryError, CacheFormatError):
         raise
     except OSError as err:
         raise OSError(err.errno, f"{path}: cannot open this gpucache store: {err.strerror}; "
-                      "check the path", str(path)) from err
+                      "check the path") from err
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):  # replaced between the stat and the open
         os.close(fd)

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (CacheFormatError, OSError) as err:  # says what, where and the fix
-        print(f"gpucache {args.command}: {err}", file=sys.stderr)
+        why = err.strerror if isinstance(err, OSError) and err.strerror else err
+        print(f"gpucache {args.command}: {why}", file=sys.stderr)
         return 2
 
 
