@@ -1,7 +1,8 @@
 """The per-node build lock: an exclusive ``flock`` whose holder publishes its progress.
 
 The holder writes one JSON record into its lock file (pid, host, phase, samples done of total,
-bytes, ETA), rewritten at most every 0.5 s while its numbers move. Waiters poll it (and the size of
+bytes, ETA, and a count of the build's progress reports), rewritten at most every 0.5 s while
+the build reports. Waiters poll it (and the size of
 the store's temporary file while it is saved) and log it every 30 s; they give up only when
 nothing has moved for ``stall_timeout`` seconds, with an error that names the holder and what it
 last reported. A dead holder loses its flock with its process, so the next waiter takes over. The
@@ -37,7 +38,7 @@ class NodeLock:
         self.path, self.store, self.stall_timeout = path, store, stall_timeout
         self.fd: int | None = None
         self._state = {"pid": os.getpid(), "host": socket.gethostname(), "phase": "starting",
-                       "done": 0, "total": 0, "bytes": 0, "eta_s": None}
+                       "done": 0, "total": 0, "bytes": 0, "eta_s": None, "reports": 0}
         self._t0 = time.monotonic()
         self._written = 0.0
         self._mutex = threading.Lock()
@@ -76,7 +77,9 @@ class NodeLock:
             rate = done / max(now - self._t0, 1e-6)
             eta = (total - done) / rate if done and rate > 0 else None
             self._state.update(done=int(done), total=int(total), bytes=int(bytes_done),
-                               eta_s=None if eta is None else round(eta, 1))
+                               eta_s=None if eta is None else round(eta, 1),
+                               reports=self._state["reports"] + 1)  # a chunk done, even if
+            # its numbers did not move (the build's sizing stage reports no samples)
             if now - self._written >= WRITE_S or done >= total:
                 self._write()
 
