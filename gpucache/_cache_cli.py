@@ -43,18 +43,23 @@ def _ago(s: float) -> str:
     return f"{s:.0f}s"
 
 
-def _folder(args) -> Path | None:
+def _folder(args) -> Path | int:
+    """The checked folder, or the exit status: 0 (no folder: nothing to do), 2 (refused)."""
     folder = Path(args.dir) if args.dir else default_dir()
     if not folder.exists():
         print(f"{folder}: no node cache folder (nothing built there)")
-        return None
-    return checked_dir(args.dir, create=False)
+        return 0
+    try:
+        return checked_dir(args.dir, create=False)
+    except PermissionError as err:
+        print(f"gpucache cache: {err.strerror}", file=sys.stderr)
+        return 2
 
 
 def _list(args) -> int:
     folder = _folder(args)
-    if folder is None:
-        return 0
+    if isinstance(folder, int):
+        return folder
     found = entries(folder)
     print(f"{folder}: {len(found)} stores, {_human(sum(e.nbytes for e in found))}")
     for e in reversed(found):  # most recently used first
@@ -69,8 +74,8 @@ def _clean(args) -> int:
               "--all (stores in use are never removed)", file=sys.stderr)
         return 2
     folder = _folder(args)
-    if folder is None:
-        return 0
+    if isinstance(folder, int):
+        return folder
     gone = clean(folder, older_than=args.older_than, max_bytes=args.max_size,
                  everything=args.all, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
