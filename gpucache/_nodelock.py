@@ -68,8 +68,8 @@ class NodeLock:
     def progress(self, *report) -> None:
         """The build's progress callback: ``(stage, done, total, bytes_done, bytes_total)`` or
         ``(done, total, bytes_done)``: ``done`` of ``total`` inputs, ``bytes_done`` read."""
-        stage, done, total, bytes_done = (report[:4] if isinstance(report[0], str) else
-                                          ("read", *report[:3]))
+        named = report if isinstance(report[0], str) else ("read", *report)
+        stage, done, total, bytes_done = (*named, 0)[:4]
         now = time.monotonic()
         with self._mutex:
             if stage != self._state["phase"]:

@@ -119,3 +119,17 @@ def test_a_waiter_follows_a_slow_builder_and_fails_only_when_it_stalls(tmp_path)
         os.close(gate)
         builder.kill()
         builder.wait()
+
+
+def test_the_lock_record_takes_every_form_of_progress_report(tmp_path):
+    from gpucache._nodelock import NodeLock, _read, describe
+
+    with NodeLock(tmp_path / "k.lock", tmp_path / "k.gpucache", 1.0) as lock:
+        seen = []
+        for report in [("stat", 4096, 10_000), (3, 10, 2 << 20), ("read", 10, 10, 5 << 20, 6 << 20)]:
+            lock.progress(*report)
+            lock._write()  # as the 0.5 s throttle would, later
+            seen.append(describe(_read(lock.fd)))
+    assert seen[0].startswith(f"pid {os.getpid()} on ") and "(stat: 4,096/10,000 samples" in seen[0]
+    assert "(read: 3/10 samples, 2.0 MiB" in seen[1] and "(read: 10/10 samples, 5.0 MiB" in seen[2]
+    assert not (tmp_path / "k.lock").exists()  # removed on release
