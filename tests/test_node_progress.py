@@ -126,7 +126,8 @@ def test_the_lock_record_takes_every_form_of_progress_report(tmp_path):
 
     with NodeLock(tmp_path / "k.lock", tmp_path / "k.gpucache", 1.0) as lock:
         seen = []
-        for report in [("stat", 4096, 10_000), (3, 10, 2 << 20), ("read", 10, 10, 5 << 20, 6 << 20)]:
+        reports = [("stat", 4096, 10_000), (3, 10, 2 << 20), ("read", 10, 10, 5 << 20, 6 << 20)]
+        for report in reports:
             lock.progress(*report)
             lock._write()  # as the 0.5 s throttle would, later
             seen.append(describe(_read(lock.fd)))
