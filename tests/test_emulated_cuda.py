@@ -83,7 +83,8 @@ def test_unindexed_device_follows_set_device(cache):
 
 def test_loader_on_emulated_cuda_matches_cpu(cache):
     kw = dict(batch_size=8, seed=0, transform=TF, return_metadata=True)
-    with GpuCachedLoader(cache, device="cpu", backend="cpu", num_workers=0, **kw) as cpu:
+    with GpuCachedLoader(cache, device="cpu", backend="cpu", num_workers=0, exact=True,
+                         **kw) as cpu:  # full-size decode, as the GPU decoders do
         ref = [(x, y) for x, y, _ in cpu]
     with EmulatedCuda(devices=2):
         with GpuCachedLoader(cache, device="cuda:1", backend="nvjpeg", **kw) as gpu:
