@@ -1,7 +1,7 @@
 """The nvjpeg backend's device-agnostic code on CPU tensors: staging, batched decode, plans,
 fallback join and ordering, EXIF orientation after a decoder that ignores it, the pixel budget, and
-the hand-over rule on a non-CPU device (meta). Only the CUDA stream/event lines
-(decode/_streams.CudaStreams) are left to tests/gpu/."""
+the hand-over rule on a non-CPU device (meta). The CUDA branches (decode/_streams.CudaStreams,
+device indices) run under EmulatedCuda in tests/test_emulated_cuda.py; tests/gpu/ runs them on CUDA."""
 
 import numpy as np
 import pytest

@@ -64,7 +64,7 @@ def _probe_jpeg() -> torch.Tensor:
 def applies_exif(decode: Callable[[list[torch.Tensor]], list[torch.Tensor]], *,
                  adopt: Callable[[list[torch.Tensor]], None] | None = None) -> bool:
     """Whether ``decode`` applies EXIF orientation, by decoding a tagged probe image. The nvjpeg
-    backend calls it under its allocation stream and passes ``adopt`` for the output (``_streams``)."""
+    backend calls it under its allocation stream and passes ``adopt`` for the output."""
     (img,) = decode([_probe_jpeg()])
     if adopt is not None:
         adopt([img])

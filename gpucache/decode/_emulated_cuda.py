@@ -174,8 +174,9 @@ class EmulatedCuda:
     def current_stream(self, device=None) -> Stream:
         index = self.index_device(device).index
         streams = getattr(self._local, "streams", None) or {}
-        if index in streams:
-            return streams[index]
+        return streams[index] if index in streams else self._default(index)
+
+    def _default(self, index: int) -> Stream:
         if index not in self._defaults:
             self._defaults[index] = Stream(torch.device("cuda", index), _default=True)
         return self._defaults[index]
@@ -382,10 +383,7 @@ class EmulatedCuda:
 
     def _default_api(self, device=None) -> Stream:
         _check_stream_caller("torch.cuda.default_stream")
-        index = self.index_device(device).index
-        self.current_stream(torch.device("cuda", index))
-        return self._defaults.setdefault(index, Stream(torch.device("cuda", index),
-                                                       _default=True))
+        return self._default(self.index_device(device).index)
 
 
 def _emu() -> EmulatedCuda:
