@@ -85,14 +85,14 @@ def _remove(folder: Path, e: Entry) -> bool:
 
 def _tidy(folder: Path) -> None:
     """Drop what no store needs: info files without a store, unheld locks, scan results, temp files
-    of builders that died (a builder holds its lock while its temp file exists)."""
+    of writers that died (a live writer holds a flock on its temp file, and a builder its lock)."""
     keys = {p.name[:-len(".gpucache")] for p in folder.glob("*.gpucache")}
     for p in folder.glob("*.info"):
         if p.name[:-len(".info")] not in keys:
             p.unlink(missing_ok=True)
     for p in folder.glob(".*.tmp"):
         key = p.name[1:].split(".", 1)[0]
-        if not in_use(folder / f"{key}.lock") and not in_use(folder / f"{key}.scan.lock"):
+        if not any(in_use(q) for q in (p, folder / f"{key}.lock", folder / f"{key}.scan.lock")):
             p.unlink(missing_ok=True)
     for p in folder.glob("*.lock"):
         if not in_use(p):  # a waiter that opened it just now notices and takes a new one
