@@ -109,7 +109,7 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
     segs = segments_of(data)
     for _ in range(rng.choice((1, 1, 1, 2, 3))):
         op = rng.randrange(10)
-        sof = [p for p, _ in segs if 0xC0 <= b[p + 1] <= 0xC2]
+        sof = [p for p, _ in segs if 0xC0 <= b[p + 1] <= 0xC2 and p + 10 <= len(b)]
         if op == 0 or not segs:  # bit flips, anywhere or in the headers
             end = len(b) if rng.random() < 0.5 else segs[-1][0] + 4 if segs else len(b)
             for _ in range(rng.randint(1, 8)):

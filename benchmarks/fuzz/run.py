@@ -82,7 +82,8 @@ def main() -> int:
            "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
     deadline = time.monotonic() + budget
     total = {"iterations": 0, "calls": 0, "mismatches": [], "crashes": [], "errors": 0,
-             "warned": 0, "warned_mismatches": 0, "seconds": budget, "children": 0}
+             "warned": 0, "warned_mismatches": 0, "harness_errors": [], "seconds": budget,
+             "children": 0}
     seed = args.seed
     while time.monotonic() < deadline:
         left = deadline - time.monotonic()
@@ -96,7 +97,10 @@ def main() -> int:
             for key in ("iterations", "calls", "errors", "warned", "warned_mismatches"):
                 total[key] += part[key]
             total["mismatches"] += part["mismatches"]
-        if r.returncode != 0:  # a sanitizer report (or another crash): keep the input
+        sanitizer = "Sanitizer" in r.stderr or "runtime error:" in r.stderr
+        if r.returncode != 0 and not sanitizer and "Traceback" in r.stderr:
+            total["harness_errors"].append(r.stderr.strip().splitlines()[-1])  # a bug here
+        elif r.returncode != 0:  # a sanitizer report (or another crash): keep the input
             n = len(total["crashes"])
             current = args.out / "current.jpg"
             crash = args.out / f"crash-{n}.jpg"
@@ -110,7 +114,7 @@ def main() -> int:
     text = json.dumps(total, indent=1)
     (args.out / "summary.json").write_text(text)
     print(text)
-    return 1 if total["crashes"] or total["mismatches"] else 0
+    return 1 if total["crashes"] or total["mismatches"] or total["harness_errors"] else 0
 
 
 if __name__ == "__main__":
