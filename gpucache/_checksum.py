@@ -4,6 +4,11 @@
 the cores. Work is cut into chunks (about ``CHUNK_BYTES`` of data each) handed out lazily, so the
 temporary memory is O(threads x chunk), not O(N). A whole-buffer CRC is assembled from the chunk
 CRCs with ``crc32_combine`` (the GF(2) method of zlib's ``crc32.c``).
+
+With the optional ``isal`` package (``pip install gpucache[crc]``) single-threaded CRCs (the
+index check of every open, one-thread runs) use ISA-L's, the same CRC-32 about 3.5x faster than
+zlib's (110 MiB: 37 ms against 132 ms, measured 2026-12-01 on the 2-core development machine at
+load 15 and checked equal). It holds the GIL, so the thread pools keep ``zlib.crc32``.
 """
 
 from __future__ import annotations
@@ -15,7 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+try:
+    from isal.isal_zlib import crc32 as _crc32  # same polynomial and result; holds the GIL
+except ImportError:  # optional: zlib's is the reference
+    _crc32 = zlib.crc32
+
 CHUNK_BYTES = 16 << 20
+
+
+def crc32_of(buf, crc: int = 0) -> int:
+    """``zlib.crc32(buf, crc)``, by the fastest implementation installed (one thread)."""
+    return _crc32(buf, crc)
 
 
 def default_threads() -> int:
@@ -78,7 +93,7 @@ def crc32(buf, *, threads: int | None = None, on_bytes: Callable[[int], None] | 
     if threads == 1 or n <= CHUNK_BYTES:
         crc = 0
         for start in range(0, n, CHUNK_BYTES):
-            crc = zlib.crc32(mv[start:start + CHUNK_BYTES], crc)
+            crc = _crc32(mv[start:start + CHUNK_BYTES], crc)
             if on_bytes:
                 on_bytes(min(CHUNK_BYTES, n - start))
         return crc

@@ -19,6 +19,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from ._checksum import crc32_of
 from ._format import (CORE, CRC, ENTRY, HEAD_V1, HEAD_V2, HEADER_SIZE, KINDS, MAGIC, NAME,
                       SAMPLE_CRC, VERSION, decode)
 from ._mapped import CacheFormatError, Handle, open_path
@@ -89,7 +90,7 @@ class Parsed:
 
     def _crc(self, start: int, length: int, crc: int = 0) -> int:
         with memoryview(self.buf) as mv:  # no copy of the bytes
-            return zlib.crc32(mv[start:start + length], crc)
+            return crc32_of(mv[start:start + length], crc)
 
     def _fail(self, why: str, fix: str = "rebuild it with `gpucache build` or copy it again"):
         raise CacheFormatError(f"{self._name}: {why}; {fix}.")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gpucache import JpegCache
-from gpucache._checksum import crc32, crc32_combine, sample_crcs
+from gpucache._checksum import crc32, crc32_combine, crc32_of, sample_crcs
 from gpucache.cli import main
 
 
@@ -68,6 +68,7 @@ def test_parallel_checksums_equal_zlib():
     ck.CHUNK_BYTES = 1 << 20  # several chunks and a short last one
     try:
         assert crc32(buf, threads=3) == zlib.crc32(buf) == crc32(buf, threads=1)
+        assert crc32_of(buf[7:], 12345) == zlib.crc32(buf[7:], 12345)  # ISA-L's, if installed
     finally:
         ck.CHUNK_BYTES = old
     offsets = np.array([0, 10, 10, 70000, buf.size], dtype=np.int64)
