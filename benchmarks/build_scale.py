@@ -4,7 +4,8 @@ Writes N real JPEGs (about 3 KB each, 80x60, a pool of 1,000 distinct encodes) i
 folders once (``--root``, default ``$TMPDIR/gpucache-build-scale``), then builds each N in a fresh
 process, ``--repeat`` times after one untimed warm-up build (warm page cache), and reports medians:
 
-- build s and files/s of the whole ``from_folder`` call (scan, size, read, sniff, pack);
+- build s and files/s of the whole ``from_folder`` call (scan, size, read, sniff, pack), and the
+  CPU seconds it used (user + system, all threads: the figure to compare on a loaded machine);
 - peak beyond the data: the build process's RSS high-water mark (``VmHWM``, reset through
   ``/proc/self/clear_refs`` just before the build) minus its RSS before the build minus the data
   bytes, per sample. RSS, not PSS: Linux keeps no PSS high-water mark; a single process's private
@@ -33,7 +34,7 @@ CLASSES = 1000
 POOL = 1000
 
 CHILD = r"""
-import json, os, sys, time
+import ctypes, gc, json, os, sys, time
 import numpy as np
 from gpucache import JpegCache
 
@@ -49,18 +50,20 @@ root, n, threads, rst = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] 
 kw = {"num_threads": int(threads)} if threads != "0" else {}
 if rst:
     kw["restart_markers"] = True
+gc.collect()
+ctypes.CDLL(None).malloc_trim(0)  # the baseline without freed heap: what the build adds is counted
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset VmHWM to the current RSS
 rss0, pss0 = status("VmRSS"), pss()
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 cache = JpegCache.from_folder(root, progress=False, **kw)
-dt = time.perf_counter() - t0
+dt, cpu = time.perf_counter() - t0, time.process_time() - c0
 hwm, pss1 = status("VmHWM"), pss()
 assert len(cache) == n, (len(cache), n)
 for i in (0, n // 2, n - 1):  # the stored bytes are the files' bytes
     with open(cache.paths[i], "rb") as f:
         assert rst or bytes(cache[i]) == f.read(), cache.paths[i]
-print(json.dumps({"n": n, "s": dt, "data": cache.nbytes, "peak_beyond": hwm - rss0 - cache.nbytes,
+print(json.dumps({"n": n, "s": dt, "cpu_s": cpu, "data": cache.nbytes, "peak_beyond": hwm - rss0 - cache.nbytes,
                   "left_beyond": pss1 - pss0 - cache.nbytes}))
 """
 
@@ -84,7 +87,8 @@ def make_tree(root: Path, n: int) -> Path:
 def build_once(tree: Path, n: int, src: Path, threads: int, rst: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=str(src))
     run = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(n), str(threads),
-                          "1" if rst else "0"], env=env, capture_output=True, text=True)
+                          "1" if rst else "0"], env=env, capture_output=True, text=True,
+                         cwd=tree)  # not the repository: "" on sys.path must not shadow src
     if run.returncode:
         raise RuntimeError(f"build of {tree} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -103,20 +107,21 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; src {args.src}")
-    print("| N | build s (files/s) | peak beyond the data | left after |")
-    print("|---|---|---|---|")
+    print("| N | build s (files/s) | CPU s | peak beyond the data | left after |")
+    print("|---|---|---|---|---|")
     for n in (int(x) for x in args.sizes.split(",")):
         tree = make_tree(args.root, n)
         build_once(tree, n, args.src, args.threads, args.restart_markers)  # warm-up
         runs = [build_once(tree, n, args.src, args.threads, args.restart_markers)
                 for _ in range(args.repeat)]
         s = statistics.median(r["s"] for r in runs)
+        cpu = statistics.median(r["cpu_s"] for r in runs)
         peak = statistics.median(r["peak_beyond"] for r in runs)
         left = statistics.median(r["left_beyond"] for r in runs)
-        row = {"n": n, "s": s, "files_per_s": n / s, "peak_beyond_per_sample": peak / n,
+        row = {"n": n, "s": s, "cpu_s": cpu, "files_per_s": n / s, "peak_beyond_per_sample": peak / n,
                "left_beyond_per_sample": left / n, "data": runs[0]["data"], "runs": runs}
         rows.append(row)
-        print(f"| {n:,} | {s:.2f} ({n / s / 1000:.1f}k) | {peak / 2**20:,.1f} MiB "
+        print(f"| {n:,} | {s:.2f} ({n / s / 1000:.1f}k) | {cpu:.2f} | {peak / 2**20:,.1f} MiB "
               f"({peak / n:,.0f} B/sample) | {left / 2**20:,.1f} MiB ({left / n:,.0f} B/sample) |",
               flush=True)
     print(f"load after: {os.getloadavg()[0]:.2f}")

@@ -4,8 +4,9 @@
 A path is sized by ``stat`` and refused unless it is a regular file; it is read with a few system
 calls (open with ``O_NONBLOCK``, so a path swapped for a FIFO cannot block; ``fstat``; ``readv``
 of the first bytes, whose signature is sniffed before the rest is read; one more ``readv`` that
-also catches a file that grew; close). Sizes are not trusted: :func:`size_of` caps them, and a
-file whose size changed between sizing and reading is refused.
+also catches a file that grew; close). Sizes are not trusted: :func:`size_of` caps them (and
+sniffs the first bytes of a large input before its size is counted, so a sparse file of zeros
+reserves nothing), and a file whose size changed between sizing and reading is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from ._limits import too_big
 from ._sniff import SniffError, check_signature
 
 HEAD = 64  # bytes read and sniffed before the rest of an input is read
+HEAD_FIRST = 64 << 10  # files larger than this are read head first (smaller: in one call)
+SNIFF_BEFORE_RESERVING = 16 << 20  # larger inputs have their first bytes sniffed when sized
 
 
 @runtime_checkable
@@ -115,7 +118,19 @@ class FileRangeSource:
             done += got
 
 
+@dataclass(frozen=True)
+class Refused:
+    """An input known to be unusable before it is read (a shard that is not a tar or ends early,
+    a tar member whose header claims more bytes than the shard holds): reported like any bad
+    input, with ``reason``, and never read."""
+
+    name: str
+    reason: str
+
+
 Input = Union[str, os.PathLike, Source]
+_SOURCE_TYPES: set[type] = set()
+_GREW = bytearray(1)  # the byte past a file's listed size (never read: shared by the threads)  # types seen to satisfy Source (the protocol check is slow)
 
 
 def file_type(mode: int) -> str:
@@ -142,7 +157,10 @@ def size_of(x: Input, max_pixels: int | None) -> int:
         if not stat.S_ISREG(st.st_mode):
             raise SniffError(f"not a regular file ({file_type(st.st_mode)}), left unopened")
         size = st.st_size
-    elif isinstance(x, Source):
+    elif isinstance(x, Refused):
+        raise SniffError(x.reason)
+    elif type(x) in _SOURCE_TYPES or isinstance(x, Source):
+        _SOURCE_TYPES.add(type(x))
         size = int(x.nbytes)
         if size < 0:
             raise SniffError(f"the source reports a negative size ({size} bytes)")
@@ -152,7 +170,24 @@ def size_of(x: Input, max_pixels: int | None) -> int:
     why = too_big(size, max_pixels)
     if why is not None:
         raise SniffError(why)
+    if size > SNIFF_BEFORE_RESERVING:
+        _check_head(x, size)
     return size
+
+
+def _check_head(x: Input, size: int) -> None:
+    """Sniff the first bytes of a large file or file range before room is reserved for it."""
+    if isinstance(x, (str, os.PathLike)):
+        path, offset = x, 0
+    elif isinstance(x, FileRangeSource):
+        path, offset = x.path, x.offset
+    else:  # bytes in memory, file objects: nothing is gained by looking first
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        check_signature(os.pread(fd, HEAD, offset), size)
+    finally:
+        os.close(fd)
 
 
 def read_into(x: Input, slot: memoryview) -> None:
@@ -170,16 +205,15 @@ def read_into(x: Input, slot: memoryview) -> None:
             raise SniffError(f"the file changed size since it was listed ({n:,} -> "
                              f"{st.st_size:,} bytes); rebuild the cache")
         done = 0
-        if n > HEAD:  # the first bytes: a non-image is refused before the rest is read
+        if n > HEAD_FIRST:  # the first bytes: a non-image is refused before the rest is read
             while done < HEAD:
                 got = os.readv(fd, [slot[done:HEAD]])
                 if not got:
                     break
                 done += got
             check_signature(bytes(slot[:done]), n)
-        extra = bytearray(1)  # filled only if the file grew
-        while done < n:
-            got = os.readv(fd, [slot[done:], extra])
+        while done < n:  # _GREW is filled only if the file grew
+            got = os.readv(fd, [slot[done:], _GREW])
             if not got:
                 break
             done += got

@@ -246,5 +246,10 @@ class Assembler:
         return ends, blob
 
 
+def in_flight(total: int) -> int:
+    """Bytes of input the chunks in flight may hold: 1/256 of the data, 256 KiB to 64 MiB."""
+    return min(64 << 20, max(256 << 10, total // 256))
+
+
 def default_threads() -> int:
-    return min(16, 4 * (os.cpu_count() or 1))
+    return min(16, 2 * (os.cpu_count() or 1))

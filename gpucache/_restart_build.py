@@ -12,8 +12,6 @@ decoders read (``decode._roi_rst.intervals``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
-
 import numpy as np
 
 from ._sniff import Info, Kind
@@ -37,7 +35,7 @@ class RestartMarkers:
             out, k = self._transcode(data)
         except ValueError:  # libjpeg refused it: the sample stays as it was (full/ROI decode)
             return data, info, {self.section: 0}
-        return out, replace(info, kind=Kind.JPEG), {self.section: k}
+        return out, info._replace(kind=Kind.JPEG), {self.section: k}
 
     def sections(self, columns: dict, k: int) -> dict[str, np.ndarray]:
         return {}

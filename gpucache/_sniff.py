@@ -11,8 +11,8 @@ from __future__ import annotations
 import io
 import re
 import struct
-from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,8 +42,7 @@ class SniffError(ValueError):
     """The bytes are not an image the decoders can read; the message is the reason."""
 
 
-@dataclass(frozen=True)
-class Info:
+class Info(NamedTuple):  # a tuple: made once per sample at build, so it is kept cheap
     kind: Kind
     height: int  # after EXIF orientation, i.e. as decoded
     width: int
@@ -132,6 +131,12 @@ def _next_marker(b: memoryview, pos: int) -> tuple[int, int]:
     return -1, n
 
 
+_COPY_BELOW = 1 << 20
+_NOT_MARKER = (0x00, 0xFF)  # FF 00 is a stuffed byte, FF FF fill: left to _next_marker
+_NO_LENGTH = frozenset([0x01, *range(0xD0, 0xDA)])  # TEM, RSTn, SOI, EOI: no length follows
+_READ = frozenset([0xDA, 0xE1, *_SOF_KINDS, *_SOF_UNSUPPORTED])  # the segments looked into
+
+
 def _frame(seg: memoryview, marker: int) -> tuple[Kind, int, int, int]:
     if marker in _SOF_UNSUPPORTED:
         raise SniffError(f"{_SOF_UNSUPPORTED[marker]} (SOF{marker - 0xC0}) is not supported by "
@@ -169,33 +174,41 @@ def jpeg_frame_size(b: memoryview) -> tuple[int, int] | None:
 def _sniff_jpeg(b: memoryview) -> Info:
     n = len(b)
     # Trailing zero padding after EOI is common and harmless; a missing EOI means the scan is cut.
-    tail = bytes(b[max(0, n - 1024):]).rstrip(b"\x00")
-    if not tail.endswith(b"\xff\xd9"):
+    if b[n - 2:] != b"\xff\xd9" and not bytes(b[max(0, n - 1024):]).rstrip(b"\x00").endswith(
+            b"\xff\xd9"):
         raise SniffError("truncated JPEG: no end-of-image marker (FFD9) at the end of the file")
+    if n <= _COPY_BELOW:  # indexing bytes is several times faster than indexing a memoryview
+        b = bytes(b)
     pos, orientation, app1, frame = 2, 1, False, None
     while True:  # the markers libjpeg reads before the first scan (SOS)
-        marker, pos = _next_marker(b, pos)
-        if marker < 0 or marker == 0xD9:
-            break
-        if marker == 0xD8:
-            raise SniffError("corrupt JPEG header: a second start-of-image marker (FFD8)")
-        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
+        if pos + 1 < n and b[pos] == 0xFF and b[pos + 1] not in _NOT_MARKER:  # the usual case
+            marker, pos = b[pos + 1], pos + 2
+        else:
+            marker, pos = _next_marker(b, pos)
+            if marker < 0:
+                break
+        if marker in _NO_LENGTH:
+            if marker == 0xD9:
+                break
+            if marker == 0xD8:
+                raise SniffError("corrupt JPEG header: a second start-of-image marker (FFD8)")
             continue
         if pos + 2 > n:
             break
-        (length,) = struct.unpack_from(">H", b, pos)
+        length = (b[pos] << 8) | b[pos + 1]
         if length < 2 or pos + length > n:
             raise SniffError(f"truncated or corrupt JPEG header: marker FF{marker:02X} at byte "
                              f"{pos - 2} has length {length}, {n - pos} bytes remain")
-        seg = b[pos + 2:pos + length]
-        if marker == 0xDA:
-            break
-        if marker == 0xE1 and not app1:  # only the first APP1 counts for the decoders
-            app1, orientation = True, _exif_orientation(seg)
-        elif marker in _SOF_KINDS or marker in _SOF_UNSUPPORTED:
-            if frame is not None:
-                raise SniffError("corrupt JPEG header: two frame headers (SOF)")
-            frame = _frame(seg, marker)
+        if marker in _READ:
+            if marker == 0xDA:
+                break
+            if marker == 0xE1:
+                if not app1:  # only the first APP1 counts for the decoders
+                    app1, orientation = True, _exif_orientation(b[pos + 2:pos + length])
+            else:
+                if frame is not None:
+                    raise SniffError("corrupt JPEG header: two frame headers (SOF)")
+                frame = _frame(b[pos + 2:pos + length], marker)
         pos += length
     if frame is None:
         raise SniffError("truncated or corrupt JPEG header: no frame header (SOF) found")

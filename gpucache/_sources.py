@@ -22,6 +22,7 @@ import numpy as np
 from ._progress import tqdm
 
 from ._build import BytesSource, FileObjSource, FileRangeSource, Source, build, check_labels
+from ._inputs import Refused
 
 log = logging.getLogger("gpucache")
 
@@ -92,27 +93,59 @@ def _split_key(name: str) -> tuple[str, str]:
 
 
 def _shard_samples(shard: str, metadata_ext: str | None):
-    """(image member or None, label text or None, metadata text or None, key) per sample."""
+    """(build input or None, label text or None, metadata text or None, key) per sample.
+
+    The input is the image member as a ``FileRangeSource``, or a ``Refused`` one when its header
+    claims more bytes than the shard holds. A shard that cannot be opened as a plain tar, or that
+    ends early or holds garbage after its members, yields one ``Refused`` input named after the
+    shard (the samples listed before the damage are kept): a bad shard is a bad input."""
     try:
+        size = os.stat(shard).st_size
         tf = tarfile.open(shard, mode="r:")  # plain tar only: members are read in place
-    except tarfile.ReadError as err:
-        raise ValueError(f"{shard}: not an uncompressed tar ({err}); members of a compressed "
-                         "shard cannot be read in place: decompress it (gunzip) first.") from err
+    except OSError as err:
+        yield Refused(shard, f"cannot open the shard: {err.strerror or err}"), None, None, shard
+        return
+    except tarfile.TarError as err:
+        yield Refused(shard, f"not an uncompressed tar ({err}); members of a compressed shard "
+                             "cannot be read in place: decompress it (gunzip) first"
+                      ), None, None, shard
+        return
     samples: dict[str, dict[str, Any]] = {}
+    damage = None
     with tf:
-        for m in tf:
-            if not m.isfile():
-                continue
-            key, ext = _split_key(m.name)
-            s = samples.setdefault(key, {})
-            if ext.rpartition(".")[2] in WDS_IMAGE_EXTS:  # "jpg", or "left.jpg" as in webdataset
-                s.setdefault("images", {}).setdefault(ext.rpartition(".")[2], m)
-            elif ext == "cls" or ext == metadata_ext:
-                s[ext] = tf.extractfile(m).read().decode("utf-8").strip()
+        try:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                key, ext = _split_key(m.name)
+                s = samples.setdefault(key, {})
+                if ext.rpartition(".")[2] in WDS_IMAGE_EXTS:  # "jpg", or "left.jpg" (webdataset)
+                    s.setdefault("images", {}).setdefault(ext.rpartition(".")[2], m)
+                elif ext == "cls" or ext == metadata_ext:
+                    s[ext] = tf.extractfile(m).read().decode("utf-8").strip()
+            if tf.offset < size:  # after the last member: the end-of-archive zeros, or damage
+                with open(shard, "rb") as f:
+                    f.seek(tf.offset)
+                    tail = f.read(1 << 16)
+                if tail.strip(b"\0"):
+                    damage = f"bytes after the last member at byte {tf.offset:,} are no tar header"
+        except (tarfile.TarError, EOFError, OSError) as err:
+            damage = (f"{err} (the headers lead to byte {tf.offset:,}; the shard has "
+                      f"{size:,})")
     for key, s in samples.items():
         images = s.get("images", {})
-        image = next((images[e] for e in WDS_IMAGE_EXTS if e in images), None)
-        yield image, s.get("cls"), s.get(metadata_ext) if metadata_ext else None, key
+        m = next((images[e] for e in WDS_IMAGE_EXTS if e in images), None)
+        item = None if m is None else FileRangeSource(f"{shard}/{m.name}", shard, m.offset_data,
+                                                      m.size)
+        if m is not None and m.offset_data + m.size > size:
+            item = Refused(item.name, f"its tar header claims {m.size:,} bytes, but the shard ends "
+                                      f"{size - m.offset_data:,} bytes after its start (a "
+                                      "truncated shard, or a header that lies)")
+        yield item, s.get("cls"), s.get(metadata_ext) if metadata_ext else None, key
+    if damage is not None:
+        yield Refused(shard, f"truncated or corrupt tar: {damage}; the samples listed before "
+                             "the damage are kept, any after it are lost: rewrite the shard"
+                      ), None, None, shard
 
 
 def from_webdataset(cls, shards: str | os.PathLike | Iterable[str | os.PathLike], *,
@@ -131,8 +164,8 @@ def from_webdataset(cls, shards: str | os.PathLike | Iterable[str | os.PathLike]
     missing: list[str] = []
     for shard in tqdm(shards, desc="gpucache scan shards", unit="shard",
                       disable=not progress or None, leave=False):
-        for member, cls_text, meta_text, key in _shard_samples(shard, metadata_ext):
-            if member is None:
+        for item, cls_text, meta_text, key in _shard_samples(shard, metadata_ext):
+            if item is None:
                 missing.append(f"{shard}/{key}")
                 continue
             try:
@@ -140,8 +173,7 @@ def from_webdataset(cls, shards: str | os.PathLike | Iterable[str | os.PathLike]
             except ValueError as err:
                 raise ValueError(f"{shard}/{key}.cls holds {cls_text!r}, not an integer class "
                                  "index.") from err
-            inputs.append(FileRangeSource(f"{shard}/{member.name}", shard, member.offset_data,
-                                          member.size))
+            inputs.append(item)
             meta.append(meta_text or "")
     if missing:
         log.warning("gpucache: %d WebDataset samples have no image member (extensions %s), left "
