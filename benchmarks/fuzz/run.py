@@ -33,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,7 +65,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=0.0)
     ap.add_argument("--seconds", type=float, default=0.0)
-    ap.add_argument("--out", type=Path, default=HERE / "out")
+    ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "gpucache-fuzz",
+                    help="build dir, crash inputs and summary.json (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--photos", type=Path,
                     default=HERE.parents[2] / "shared" / "data" / "hymenoptera")
