@@ -24,7 +24,8 @@ def table(pipeline: str, results: dict) -> str:
         s = summary(res)
         size = res.get("store_bytes") or res.get("format_bytes")
         if s:
-            rate = f"{s['img_s']:,.0f} ({s['min']:,.0f}-{s['max']:,.0f})"
+            f = ",.0f" if s["img_s"] >= 100 else ".1f"
+            rate = f"{s['img_s']:{f}} ({s['min']:{f}}-{s['max']:{f}})"
             ratio = f"{s['img_s'] / base:.2f}" if base else "-"
         else:
             rate, ratio = f"failed: {res.get('error', 'no epochs')}"[:160], "-"
