@@ -48,8 +48,11 @@ import pytest
 
 from gpucache.testing import make_jpeg_folder
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="PSS, /dev/shm and rlimits are measured the Linux way")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="PSS, /dev/shm and rlimits are measured the Linux way"),
+              # a slope is two fresh processes (up to six, for noise), each starting workers that
+              # import torch: minutes on a loaded 2-core machine. A bound, not a run time.
+              pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "copies_child.py"
