@@ -116,8 +116,6 @@ def built_once(cls, scan: Callable[[], Listing], build: Callable[..., object], r
                 if new != key:
                     key = new
                     continue
-            for tmp in folder.glob(f".{store.name}.*"):  # left by a builder that was killed
-                tmp.unlink(missing_ok=True)
             lock.phase("building", len(listing[0]))
             built = build(*listing, lock.progress)
             lock.phase("saving", len(built))
