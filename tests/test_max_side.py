@@ -1,0 +1,84 @@
+"""The build-time size cap: images over ``max_side`` re-encoded once (upright, quality recorded),
+the rest kept byte for byte, what changed recorded in the store."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+from gpucache import JpegCache, Kind
+from gpucache._resize import QUALITY, max_side_of, resized
+from gpucache.cli import main as cli_main
+from gpucache.decode.cpu import decode_sample
+from gpucache.testing import make_jpeg_bytes, natural_image
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("max_side")
+    (root / "c").mkdir()
+    png = io.BytesIO()
+    Image.fromarray(natural_image(400, 300, seed=7)).save(png, "PNG")
+    files = {"small.jpg": make_jpeg_bytes(120, 90, seed=1),
+             "edge.jpg": make_jpeg_bytes(256, 100, seed=2),  # long side == max_side: kept
+             "big.jpg": make_jpeg_bytes(640, 480, seed=3),
+             "tall_exif6.jpg": make_jpeg_bytes(600, 400, seed=4, exif_orientation=6),
+             "gray.jpg": make_jpeg_bytes(500, 300, seed=5, mode="L"),
+             "cmyk.jpg": make_jpeg_bytes(400, 300, seed=6, mode="CMYK"),
+             "big.png": png.getvalue()}
+    for name, data in files.items():
+        (root / "c" / name).write_bytes(data)
+    return root, files
+
+
+def _reference(data: bytes, size: tuple[int, int]) -> torch.Tensor:
+    with Image.open(io.BytesIO(data)) as im:
+        im = ImageOps.exif_transpose(im).convert("RGB").resize(size, Image.LANCZOS)
+    return torch.from_numpy(np.asarray(im)).permute(2, 0, 1)
+
+
+def test_large_images_are_capped_and_the_rest_kept(folder):
+    root, files = folder
+    cache = JpegCache.from_folder(root, progress=False, max_side=256)
+    names = [p.rsplit("/", 1)[1] for p in cache.paths]
+    mask, rec = resized(cache), cache.extra["resized"]
+    assert max_side_of(cache) == (256, QUALITY)
+    for i, name in enumerate(names):
+        original = files[name]
+        h, w = int(cache.samples["height"][i]), int(cache.samples["width"][i])
+        if name in ("small.jpg", "edge.jpg"):
+            assert not mask[i] and bytes(cache[i]) == original and rec[i].tolist() == [0, 0, 0]
+            continue
+        assert mask[i] and max(h, w) == 256, name
+        assert cache.samples["kind"][i] == Kind.JPEG and cache.samples["orientation"][i] == 1
+        with Image.open(io.BytesIO(original)) as im:
+            up = ImageOps.exif_transpose(im)
+            assert rec[i].tolist() == [up.height, up.width, len(original)], name
+            assert abs(up.width / up.height - w / h) < 0.02, name  # aspect kept, upright
+        img = decode_sample(cache, i)
+        assert tuple(img.shape) == (3, h, w)
+        diff = (img.float() - _reference(original, (w, h)).float()).abs().mean()
+        assert diff < (10 if name == "cmyk.jpg" else 6), (name, float(diff))  # q90 JPEG loss
+    assert (cache.samples["components"][names.index("gray.jpg")]) == 1
+
+
+def test_max_side_with_restart_markers_and_the_cli(folder, tmp_path):
+    root, _ = folder
+    out = tmp_path / "capped.gpucache"
+    assert cli_main(["build", str(root), "-o", str(out), "--max-side", "200"]) == 0
+    cache = JpegCache.open(out)
+    assert max_side_of(cache) == (200, QUALITY) and int(resized(cache).sum()) == 6
+    assert max(int(cache.samples["height"].max()), int(cache.samples["width"].max())) == 200
+    from gpucache.decode import _roi_rst
+
+    if _roi_rst.transcoder_available():
+        both = JpegCache.from_folder(root, progress=False, max_side=200, restart_markers=True)
+        assert (_roi_rst.intervals(both) > 0).sum() >= 6 and int(resized(both).sum()) == 6
+    plain = JpegCache.from_folder(root, progress=False)
+    assert resized(plain) is None and max_side_of(plain) is None
+    with pytest.raises(ValueError, match="max_side must be a positive"):
+        JpegCache.from_folder(root, progress=False, max_side=0)
