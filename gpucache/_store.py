@@ -92,24 +92,26 @@ class JpegCache:
                     max_pixels: int | None = DEFAULT_MAX_PIXELS,
                     cache_dir: str | os.PathLike | None = None,
                     cache_max_bytes: int | None = None,
-                    restart_markers: bool = False) -> JpegCache:
+                    restart_markers: bool = False, max_side: int | None = None) -> JpegCache:
         """Pack an ImageFolder tree (``root/<class>/<image>``); labels as torchvision assigns.
         ``max_pixels``: images whose header claims more pixels are refused (None: no bound).
         Several ranks or ``cache_dir``: built once per node and mapped (docs/guides/multi-gpu.md);
         ``cache_max_bytes``: then the least recently used stores there are removed to fit.
-        ``restart_markers``: JPEGs transcoded losslessly so crops decode faster (README "Backends")."""
+        ``restart_markers``: JPEGs transcoded losslessly so crops decode faster (README "Backends").
+        ``max_side``: images with a longer side re-encoded once to it (docs/guides/stores.md)."""
         from ._build import build, scan_folder
         from ._node import built_once
-        from .decode._roi_rst import built_with
 
         def scan():
             paths, labels, classes = scan_folder(Path(root))
-            return paths, (labels, classes, on_error, max_pixels, restart_markers)
+            return paths, (labels, classes, on_error, max_pixels, restart_markers, max_side)
 
-        cache = built_once(cls, scan, lambda paths, extra, on_progress: built_with(build(
+        cache = built_once(cls, scan, lambda paths, extra, on_progress: build(
             cls, paths, extra[0], extra[1], None, on_error=on_error, num_threads=num_threads,
-            progress=progress, max_pixels=max_pixels), restart_markers, num_threads=num_threads),
-            (os.path.abspath(root), on_error, max_pixels, restart_markers), cache_dir=cache_dir,
+            progress=progress, max_pixels=max_pixels, on_progress=on_progress,
+            restart_markers=restart_markers, max_side=max_side),
+            (os.path.abspath(root), on_error, max_pixels, restart_markers, max_side),
+            cache_dir=cache_dir,
             max_bytes=cache_max_bytes)
         cache.max_pixels = max_pixels
         return cache
@@ -121,18 +123,18 @@ class JpegCache:
                    progress: bool = True, max_pixels: int | None = DEFAULT_MAX_PIXELS,
                    cache_dir: str | os.PathLike | None = None,
                    cache_max_bytes: int | None = None,
-                   restart_markers: bool = False) -> JpegCache:
+                   restart_markers: bool = False, max_side: int | None = None) -> JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
         ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder."""
         from . import _sources
         from ._node import built_once
-        from .decode._roi_rst import built_with
 
-        extra = (labels, metadata, classes, on_error, max_pixels, restart_markers)
-        cache = built_once(cls, lambda: (paths, extra), lambda paths, _, on_progress: built_with(
+        extra = (labels, metadata, classes, on_error, max_pixels, restart_markers, max_side)
+        cache = built_once(cls, lambda: (paths, extra), lambda paths, _, on_progress:
             _sources.from_files(cls, paths, labels, metadata, classes=classes, on_error=on_error,
-                                num_threads=num_threads, progress=progress, max_pixels=max_pixels),
-            restart_markers, num_threads=num_threads), (paths, *extra), cache_dir=cache_dir,
+                                num_threads=num_threads, progress=progress, max_pixels=max_pixels,
+                                on_progress=on_progress, restart_markers=restart_markers,
+                                max_side=max_side), (paths, *extra), cache_dir=cache_dir,
             max_bytes=cache_max_bytes)
         cache.max_pixels = max_pixels
         return cache

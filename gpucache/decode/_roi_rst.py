@@ -212,62 +212,9 @@ def decode_crop(data: np.ndarray, k: int, top: int, left: int, h: int, w: int, *
     return _roi.orient(box, orientation)
 
 
-def transcode_samples(cache, *, num_threads: int | None = None) -> tuple[list, np.ndarray]:
-    """Each sample's bytes, transcoded where it can be (8-bit Huffman JPEG), and its interval.
-
-    Returns (list of byte buffers in store order, int32 restart interval per sample, 0 = kept
-    as it was: not a JPEG, arithmetic-coded, 12-bit, or one libjpeg would not transcode)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from .._sniff import Kind
-
-    if not transcoder_available():
-        raise RuntimeError(MISSING)
-    s = cache.samples
-    ok = np.isin(s["kind"], [Kind.JPEG, Kind.JPEG_PROGRESSIVE]) & (s["precision"] == 8)
-
-    def one(i: int):
-        if not ok[i]:
-            return cache[i], 0
-        try:
-            return transcode(cache[i])
-        except ValueError:  # libjpeg refused it: the sample stays as it was (full/ROI decode)
-            return cache[i], 0
-
-    threads = num_threads or min(16, 2 * (os.cpu_count() or 1))
-    with ThreadPoolExecutor(threads) as pool:  # ctypes releases the GIL during the C call
-        done = list(pool.map(one, range(len(cache))))
-    return [d for d, _ in done], np.asarray([k for _, k in done], dtype=np.int32)
-
-
 def intervals(cache) -> np.ndarray | None:
     """The store's restart interval per sample (int32, MCUs; 0 = none), or None (a plain store).
 
     Kept in the store file's optional section ``rst`` (README "File format")."""
     extra = getattr(cache, "extra", None)
     return None if extra is None else extra.get(SECTION)
-
-
-def restart_store(cache, *, num_threads: int | None = None):
-    """A new in-memory store of ``cache``'s samples, transcoded with restart markers (same pixels).
-
-    Labels, paths, metadata and other sections are kept; transcoded samples become baseline
-    (``Kind.JPEG``) and their interval goes to the ``rst`` section."""
-    from .._sniff import Kind
-
-    bufs, ks = transcode_samples(cache, num_threads=num_threads)
-    offsets = np.zeros(len(bufs) + 1, dtype=np.int64)
-    np.cumsum([len(b) for b in bufs], out=offsets[1:])
-    data = np.empty(int(offsets[-1]), dtype=np.uint8)
-    for b, start, end in zip(bufs, offsets[:-1].tolist(), offsets[1:].tolist()):
-        data[start:end] = np.frombuffer(b, dtype=np.uint8) if isinstance(b, bytes) else b
-    samples = cache.samples.copy()
-    samples["kind"][ks > 0] = Kind.JPEG
-    return cache._replace(data=data, offsets=offsets, samples=samples,
-                          extra={**cache.extra, SECTION: ks})
-
-
-def built_with(cache, restart_markers: bool, *, num_threads: int | None = None):
-    """``cache`` itself, or with ``restart_markers`` its restart-marker transcode (the builders'
-    ``restart_markers=`` option)."""
-    return restart_store(cache, num_threads=num_threads) if restart_markers else cache
