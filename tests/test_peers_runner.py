@@ -1,0 +1,90 @@
+"""benchmarks/peers: the checks every timed epoch passes, the data it makes, and one real run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "peers"
+sys.path.insert(0, str(PEERS))
+
+import data  # noqa: E402
+import serve  # noqa: E402
+
+
+class Batches:
+    def __init__(self, batches):
+        self.list = batches
+
+    def batches(self):
+        return iter(self.list)
+
+
+def crops(n, layout="hwc"):
+    shape = (n, 224, 224, 3) if layout == "hwc" else (n, 3, 224, 224)
+    return np.zeros(shape, dtype=np.uint8)
+
+
+def test_epoch_exactly_once_and_its_failures():
+    ok = serve.run_epoch(Batches([(crops(2), [1, 0]), (crops(1, "chw"), [2])]), 3, 2)
+    assert ok["exactly_once"] and ok["images"] == 3 and ok["batches"] == 2
+    dup = serve.run_epoch(Batches([(crops(2), [0, 0]), (crops(1), [2])]), 3, 2)
+    assert not dup["exactly_once"] and dup["missing"] == 1 and dup["repeated"] == 1
+    with pytest.raises(ValueError, match="out of range"):
+        serve.run_epoch(Batches([(crops(1), [3])]), 3, 2)
+
+
+@pytest.mark.parametrize("images", [np.zeros((2, 224, 224, 3), np.float32),
+                                    np.zeros((2, 256, 256, 3), np.uint8),
+                                    np.zeros((3, 224, 224, 3), np.uint8)])
+def test_batch_check_rejects_what_is_not_two_uint8_crops(images):
+    with pytest.raises(ValueError, match="expected uint8"):
+        serve.check(images, [0, 1], 4)
+
+
+def photo(path: Path, size, seed=0):
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(small).resize(size, Image.BILINEAR).save(path, "JPEG", quality=90)
+
+
+def test_data_keeps_only_jpegs_and_makes_2000x1500_mosaics(tmp_path):
+    src = tmp_path / "src"
+    for k, cls in enumerate(["ants", "bees", "bees"]):
+        photo(src / cls / f"{k}.jpg", (64 + 8 * k, 48), seed=k)
+    Image.new("RGB", (8, 8)).save(src / "ants" / "fake.jpg", "GIF")  # a GIF named .jpg
+    (src / "ants" / "notes.txt").write_text("not an image")
+    out = data.prepare(src, tmp_path / "work", mosaics=2, seed=1)
+    assert sorted(p.name for p in out["photos"].rglob("*.jpg")) == \
+        ["00000.jpg", "00001.jpg", "00002.jpg"]
+    mosaics = sorted(out["mosaics"].rglob("*.jpg"))
+    assert len(mosaics) == 2
+    for m in mosaics:
+        with Image.open(m) as im:
+            assert im.format == "JPEG" and im.size == (2000, 1500)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # several interpreters start torch; minutes on a loaded machine
+def test_run_pil_and_gpucache_end_to_end(tmp_path):
+    src = tmp_path / "photos"
+    for k in range(10):
+        photo(src / ("ants" if k % 2 else "bees") / f"{k}.jpg", (320, 240), seed=k)
+    out = tmp_path / "res" / "peers"
+    subprocess.run([sys.executable, str(PEERS / "run.py"), str(src), "--only", "pil,gpucache",
+                    "--rounds", "1", "--batch-size", "4", "--work", str(tmp_path / "w"),
+                    "--out", str(out)], check=True, timeout=600)
+    report = json.loads(out.with_suffix(".json").read_text())
+    for pipeline in ("train", "eval"):
+        for name in ("pil", "gpucache"):
+            res = report["pipelines"][pipeline][name]
+            assert "error" not in res, res
+            assert [e["exactly_once"] for e in res["warmup"] + res["epochs"]] == [True, True]
+            assert res["epochs"][0]["images"] == 10
+    assert out.with_suffix(".png").stat().st_size > 0 and "| `gpucache` |" in \
+        out.with_suffix(".md").read_text()
