@@ -104,11 +104,13 @@ def test_big_batches_never_deadlock(big_cache, batch_size, prefetch):
 
 
 def _blocked_mid_send(cache, *, timeout):
-    """A loader whose single worker is blocked sending a 384 KB result nobody reads yet."""
-    loader = GpuCachedLoader(cache, batch_size=500, num_workers=1, device="cpu", transform=SIZE,
+    """A loader whose single worker is blocked sending a 768 KB result nobody reads yet (a socket
+    takes ~220 KB: the worker cannot finish sending it before the parent reads)."""
+    loader = GpuCachedLoader(cache, batch_size=1000, num_workers=1, device="cpu", transform=SIZE,
                              timeout=timeout, multiprocessing_context="fork")
     it = iter(loader)
-    next(it)
+    images, _ = next(it)
+    assert images.shape == (1000, 3, 16, 16)  # whole results: every sample decoded, none skipped
     # the worker decodes the next batch and fills the socket, then blocks in send
     _until(lambda: _queued(loader)[0] >= SENDING, "the worker sends its second result")
     return loader, it
@@ -137,7 +139,7 @@ def test_worker_killed_mid_send_names_worker_pid_and_samples(cache):
     pid = loader.worker_pids[0]
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(WorkerError, match=rf"worker 0 \(pid {pid}\) was killed by signal SIGKILL "
-                                          r"while sending its result for samples \[.*\(500\)"):
+                                          r"while sending its result for samples \[.*\(1000\)"):
         next(it)
     assert loader.worker_pids == []
 
