@@ -4,17 +4,23 @@ The public surface is exactly ``__all__``; modules starting with ``_`` are priva
 """
 
 from . import testing, transforms
-from ._build import (BuildError, BuildReport, BytesSource, FileObjSource, FileRangeSource,
-                     Skipped)
-from ._format import CacheFormatError
-from ._loader import BatchInfo, GpuCachedLoader, LoaderStats
-from ._shm import SharedMemoryError
-from ._sniff import Kind
-from ._store import JpegCache
-from ._targets import with_targets
+from .build._build import (
+    BuildError,
+    BuildReport,
+    BytesSource,
+    FileObjSource,
+    FileRangeSource,
+    Skipped,
+)
+from .store._format import CacheFormatError
+from .loader._loader import BatchInfo, GpuCachedLoader, LoaderStats
+from .store._shm import SharedMemoryError
+from .build._sniff import Kind
+from .store._store import JpegCache
+from .store._targets import with_targets
 from .dataset import JpegDataset
-from ._workers import WorkerError
-from .decode.cpu import SampleError
+from .loader._workers import WorkerError
+from .decode._core import SampleError
 
 __version__ = "0.1.0"
 

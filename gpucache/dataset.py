@@ -20,9 +20,9 @@ from typing import Any, Literal
 import numpy as np
 from torch.utils.data import Dataset
 
-from ._store import JpegCache
-from ._targets import dense_targets, ragged_targets
-from .decode.cpu import check_size, decode_sample
+from .store._store import JpegCache
+from .store._targets import dense_targets, ragged_targets
+from .decode._core import check_size, decode_sample
 
 log = logging.getLogger("gpucache")
 

@@ -221,15 +221,16 @@ def test_cache_dir_reuses_an_unchanged_listing_and_rebuilds_a_changed_one(tmp_pa
 
 def test_a_killed_builder_blocks_no_one_and_a_stuck_one_times_out(tmp_path):
     from gpucache import JpegCache
-    from gpucache._nodelock import NodeLock
+    from gpucache.node._lock import NodeLock
 
     root = make_jpeg_folder(tmp_path / "imgs", 6, seed=6)
     cdir = tmp_path / "c"
     # a builder that dies by SIGKILL mid-save, leaving its lock file and a half-written temp file
     crash = _child(
-        "import os, signal; from pathlib import Path; from gpucache import JpegCache, _format\n"
+        "import os, signal; from pathlib import Path; from gpucache import JpegCache\n"
+        "from gpucache.store import _format\n"
         "def dying(path, **arrays):\n"
-        "    Path(path.parent, f'.{path.name}.tmp-{os.getpid()}').write_bytes(b'half')\n"
+        "    Path(path.parent, f'.{path.name}.x{os.getpid()}.tmp').write_bytes(b'half')\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "_format.save_atomic = dying\n"
         f"JpegCache.from_folder({str(root)!r}, cache_dir={str(cdir)!r}, progress=False)\n")

@@ -131,7 +131,7 @@ def run(args) -> int:
     """Entry point of ``gpucache bench`` (after argument parsing); returns the exit status."""
     import torch
 
-    from .._workers import usable_cores
+    from ..loader._workers import usable_cores
 
     problem = _invalid(args)
     if problem:
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpucache bench", description=DESCRIPTION)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    from .._format import CacheFormatError
+    from ..store._format import CacheFormatError
 
     try:
         return run(args)

@@ -116,7 +116,7 @@ class ListOfBytes(Dataset):
     def __getitem__(self, i: int):
         import torch
 
-        from ..decode.cpu import decode_jpeg
+        from ..decode._core import decode_jpeg
 
         data = self.items[i]
         try:
@@ -163,7 +163,7 @@ class Runner:
             self.data, self.data_bytes = ds, sum(len(b) for b in ds.items)
             self.expected = np.bincount(ds.targets, minlength=ncls)
         else:
-            from .._store import JpegCache
+            from ..store._store import JpegCache
 
             if c.backing == "memory":
                 self.cache = JpegCache.from_files([p for p, _ in src.samples],
@@ -174,7 +174,7 @@ class Runner:
                     raise BenchError("no saved store for a file-backed contender")
                 self.cache = JpegCache.open(src.store)
                 if c.backing == "rst":  # transcoded from the saved store (timed as setup)
-                    from .._restart_build import restart_store
+                    from ..build._restart import restart_store
 
                     plain, self.cache = self.cache, restart_store(self.cache)
                     plain.close()
@@ -201,7 +201,7 @@ class Runner:
                 generator=torch.Generator().manual_seed(self.cfg.seed),
                 worker_init_fn=worker_init_fn)
         else:
-            from .._loader import GpuCachedLoader
+            from ..loader._loader import GpuCachedLoader
 
             if not self.c.roi:
                 if w == 0:

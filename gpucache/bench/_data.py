@@ -19,7 +19,7 @@ def synthetic_folder(n: int, seed: int) -> Path:
 
 def _export_store(store: Path, tmp: Path) -> Path:
     """Write a saved store's images back out as an ImageFolder (for the file-reading peers)."""
-    from .._store import JpegCache
+    from ..store._store import JpegCache
 
     cache = JpegCache.open(store)
     root = tmp / "exported"
@@ -35,7 +35,7 @@ def _export_store(store: Path, tmp: Path) -> Path:
 
 def prepare_source(args, tmp: Path, need_store: bool) -> Source:
     """The run's Source; with ``need_store``, a saved store of it in ``tmp`` (build/save timed)."""
-    from .._build import scan_folder
+    from ..build._build import scan_folder
 
     t0 = time.perf_counter()
     info: dict = {}
@@ -58,7 +58,7 @@ def prepare_source(args, tmp: Path, need_store: bool) -> Source:
     src = Source(str(root), samples, classes, info=info)
     info.update(images=len(samples), classes=len(classes), bytes=src.nbytes)
     if need_store and store is None:
-        from .._store import JpegCache
+        from ..store._store import JpegCache
 
         t0 = time.perf_counter()
         cache = JpegCache.from_files(paths, labels, classes=classes, progress=False)

@@ -32,7 +32,7 @@ def probe_main(spec_path: str) -> int:
     """Hidden mode: one contender, one data size, a fresh process; prints a JSON line."""
     import psutil
 
-    from .._memory import tree_pss
+    from ..testing._memory import tree_pss
 
     spec = json.loads(Path(spec_path).read_text())
     src = Source(spec["root"], [(p, int(y)) for p, y in spec["samples"]], spec["classes"],
@@ -127,7 +127,7 @@ def _probe_sources(source: Source, sizes_mb: tuple[float, float], tmp: Path,
     for name, samples in (("small", picked), ("large", picked * repeat)):
         s = Source(source.root, samples, source.classes)
         if need_store:
-            from .._store import JpegCache
+            from ..store._store import JpegCache
 
             cache = JpegCache.from_files([p for p, _ in samples], [y for _, y in samples],
                                          classes=source.classes, progress=False)

@@ -24,8 +24,8 @@ def machine_info() -> dict:
     import torch
 
     from .. import __version__
-    from .._workers import usable_cores
-    from ..decode.cpu import jpeg_decoder_name
+    from ..loader._workers import usable_cores
+    from ..decode._core import jpeg_decoder_name
 
     model = platform.processor() or platform.machine()
     try:

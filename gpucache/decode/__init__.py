@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from .. import _dist
+from ..loader import _dist
 
 BACKENDS = ("auto", "cpu", "nvjpeg", "dali")
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .cpu import Decoded
+from ._core import Decoded
 
 
 class Backend(ABC):

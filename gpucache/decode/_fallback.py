@@ -2,7 +2,7 @@
 
 A GPU decoder takes only what :meth:`JpegCache.gpu_decodable` allows (8-bit Huffman JPEG with 1 or 3
 components); PNG, GIF, WebP, CMYK and arithmetic JPEG go to the CPU path. A sample over the store's
-pixel budget (:func:`gpucache._limits.check_pixels`) goes to neither: it fails like any bad sample,
+pixel budget (:func:`gpucache.store._limits.check_pixels`) goes to neither: it fails like any bad sample,
 before any decoder (GPU, or the CPU fallback after a GPU refusal) sees it. Each path yields one
 result per batch position, an image or the reason it failed, and :func:`join` puts them back in
 batch order. Nothing here touches CUDA, so CI runs it on CPU tensors.
@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from .._limits import check_pixels
-from .cpu import Decoded, decode_batch, failure
+from ..store._limits import check_pixels
+from ._core import Decoded, decode_batch, failure
 
 #: One sample's outcome: its image (uint8 CHW), or why it failed (see :func:`.cpu.describe`).
 Result = torch.Tensor | str

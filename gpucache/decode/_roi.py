@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ._batched import orient  # the one EXIF transform (shared with the nvjpeg backend)
+from ._batched import orient# the one EXIF transform (shared with the nvjpeg backend)
 
 try:
     from nvidia import nvimgcodec as _nvimgcodec
@@ -76,7 +76,7 @@ def _c_ok() -> bool:
         ok = lib is not None and hasattr(lib, "gc_decode_region")
         if ok:  # once per process: a 4:2:0 JPEG with partial MCUs, an inner box
             from ..testing import make_jpeg_bytes
-            from .cpu import decode_jpeg
+            from ._core import decode_jpeg
 
             data = make_jpeg_bytes(53, 37, seed=1)
             full = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))

@@ -38,7 +38,7 @@ from . import normalize_device
 from ._base import Backend
 from ._fallback import Part, decode_on_cpu, join, out_of_memory, split
 from ._streams import consumer_stream
-from .cpu import ON_ERROR, Decoded, out_size
+from ._core import ON_ERROR, Decoded, out_size
 
 log = logging.getLogger("gpucache")
 

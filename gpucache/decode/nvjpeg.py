@@ -10,7 +10,7 @@ flight. Per batch, in that thread:
 2. one batched ``decode_jpeg(list, device=...)`` call (:mod:`._batched`: TorchCodec's when
    installed, else torchvision's) reads zero-copy views of the store; its outputs are allocated
    on a dedicated stream (:mod:`._streams`); EXIF orientation is applied if the decoder skips it;
-3. each image runs its plan (:func:`~gpucache.decode.cpu.apply_plan`, the CPU backend's function);
+3. each image runs its plan (:func:`~gpucache.decode._core.apply_plan`, the CPU backend's function);
    if the batched call fails (one corrupt JPEG fails it all) the batch is decoded one sample at a
    time, and what the decoder still rejects is retried on the CPU before it is reported;
 4. every result is moved to the device and joined in batch order, and an event marks the batch done.
@@ -40,7 +40,7 @@ from ._base import Backend
 from ._batched import BatchDecoder, applies_exif, default_decoder, orient
 from ._fallback import Part, decode_on_cpu, join, out_of_memory, split
 from ._streams import CudaStreams, HostStreams
-from .cpu import Decoded, apply_plan, check_size, failure, out_size
+from ._core import Decoded, apply_plan, check_size, failure, out_size
 
 log = logging.getLogger("gpucache")
 

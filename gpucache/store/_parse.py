@@ -20,10 +20,22 @@ from types import MappingProxyType
 import numpy as np
 
 from ._checksum import crc32_of
-from ._format import (CORE, CRC, ENTRY, HEAD_V1, HEAD_V2, HEADER_SIZE, KINDS, MAGIC, NAME,
-                      SAMPLE_CRC, VERSION, decode)
+from ._format import (
+    CORE,
+    CRC,
+    ENTRY,
+    HEAD_V1,
+    HEAD_V2,
+    HEADER_SIZE,
+    KINDS,
+    MAGIC,
+    NAME,
+    SAMPLE_CRC,
+    VERSION,
+    decode,
+)
 from ._mapped import CacheFormatError, Handle, open_path
-from ._sniff import SAMPLE_DTYPE, Kind
+from ..build._sniff import SAMPLE_DTYPE, Kind
 
 _KINDS = np.array([int(k) for k in Kind], dtype=np.uint8)
 

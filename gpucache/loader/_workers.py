@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
-from .decode.cpu import Decoded, SampleError
+from ..decode._core import Decoded, SampleError
 
 log = logging.getLogger("gpucache")
 _GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and again after SIGTERM

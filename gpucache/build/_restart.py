@@ -21,7 +21,7 @@ class RestartMarkers:
     """A build rewriter (see ``_pipeline.read_chunk``): the lossless restart-marker transcode."""
 
     def __init__(self) -> None:
-        from .decode import _roi_rst
+        from ..decode import _roi_rst
 
         if not _roi_rst.transcoder_available():
             raise RuntimeError(_roi_rst.MISSING)

@@ -33,10 +33,10 @@ import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import _dist
-from ._format import CacheFormatError
-from ._nodedir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private
-from ._nodelock import NodeLock
+from ..loader import _dist
+from ..store._format import CacheFormatError
+from ._dir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private
+from ._lock import NodeLock
 
 log = logging.getLogger("gpucache")
 
@@ -128,7 +128,7 @@ def built_once(cls, scan: Callable[[], Listing], build: Callable[..., object], r
             cache.report = built.report
             log.info("gpucache: built %s once for the ranks of this node", store)
         if max_bytes is not None:
-            from ._nodeclean import clean
+            from ._clean import clean
 
             clean(folder, max_bytes=max_bytes)
         return cache

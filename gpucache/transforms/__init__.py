@@ -27,9 +27,17 @@ import numpy as np
 import torch
 
 from . import _tvcompat
-from ._augment import (ColorJitter, CutMix, MixUp, PerBatch, PerSample, WithLabels,
-                       batch_generator, seeded_global_rng)
-from ._targets import map_boxes, map_points
+from ._augment import (
+    ColorJitter,
+    CutMix,
+    MixUp,
+    PerBatch,
+    PerSample,
+    WithLabels,
+    batch_generator,
+    seeded_global_rng,
+)
+from ..store._targets import map_boxes, map_points
 
 PLAN_FIELDS = ("top1", "left1", "height1", "width1", "rh", "rw",
                "top2", "left2", "height2", "width2", "flip")

@@ -7,8 +7,8 @@ import re
 import sys
 from pathlib import Path
 
-from ._nodeclean import clean, entries
-from ._nodedir import checked_dir, default_dir
+from ..node._clean import clean, entries
+from ..node._dir import checked_dir, default_dir
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _TIMES = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

@@ -1,4 +1,4 @@
-"""The worker-process side of the CPU worker pool (the protocol is described in ``_workers.py``).
+"""The worker-process side of the CPU worker pool (the protocol is described in ``loader/_workers.py``).
 
 A worker runs two threads: a reader that drains every task the parent sends into a local queue, so
 the parent's sends always make progress, and the main thread that decodes and sends results. The
@@ -24,7 +24,7 @@ import traceback
 import numpy as np
 import torch
 
-from .decode.cpu import Decoded, SampleError, decode_batch
+from ..decode._core import Decoded, SampleError, decode_batch
 
 LEN = struct.Struct("<Q")  # every message: 8-byte little-endian length, then a pickle
 _PR_SET_PDEATHSIG = 1

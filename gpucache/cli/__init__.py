@@ -10,14 +10,15 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _cache_cli, bench
-from ._format import CacheFormatError
-from ._sniff import Kind
-from ._store import JpegCache
+from . import _cache as _cache_cli
+from .. import bench
+from ..store._format import CacheFormatError
+from ..build._sniff import Kind
+from ..store._store import JpegCache
 
 
 def _build(args) -> int:
-    from ._sources import cli_build
+    from ..build._sources import cli_build
 
     t0 = time.perf_counter()
     try:
@@ -74,7 +75,7 @@ def _info(args) -> int:
 
 
 def _verify(args) -> int:
-    from . import _verify as verify
+    from ..store import _verify as verify
 
     t0 = time.perf_counter()
     cache = JpegCache.open(args.file)

@@ -70,7 +70,7 @@ def check_pixels(cache, i: int) -> None:
 
 def _header_size(b: memoryview, kind: int) -> tuple[int, int] | None:
     """(height, width) as the encoded bytes state them (before EXIF orientation), if cheap."""
-    from ._sniff import JPEG_KINDS, Kind, jpeg_frame_size
+    from ..build._sniff import JPEG_KINDS, Kind, jpeg_frame_size
 
     if kind in JPEG_KINDS:
         return jpeg_frame_size(b)

@@ -19,7 +19,7 @@ SOF0 = b"\xff\xc0"
 
 
 def _jpeg(width: int, height: int, seed: int, **kw) -> bytes:
-    from .testing import make_jpeg_bytes
+    from . import make_jpeg_bytes
 
     return make_jpeg_bytes(width, height, seed=seed, **kw)
 

@@ -14,14 +14,14 @@ import numpy as np
 import torch
 
 from . import _dist, _state
-from . import decode as _decode
+from .. import decode as _decode
 from ._sampling import Sampling
-from ._store import JpegCache
-from ._targets import dense_targets, kept_rows, ragged_targets
+from ..store._store import JpegCache
+from ..store._targets import dense_targets, kept_rows, ragged_targets
 from ._workers import usable_cores
-from .decode._base import Backend
-from .decode.cpu import Decoded
-from .transforms import Transform, as_compose, batch_generator
+from ..decode._base import Backend
+from ..decode._core import Decoded
+from ..transforms import Transform, as_compose, batch_generator
 
 log = logging.getLogger("gpucache")
 
@@ -99,7 +99,7 @@ class GpuCachedLoader:
         return_metadata: bool = False,
         num_replicas: int | None = None,
         rank: int | None = None,
-        # subsets and sampling (gpucache._sampling)
+        # subsets and sampling (gpucache.loader._sampling)
         indices: Sequence[int] | np.ndarray | None = None,
         weights: Sequence[float] | np.ndarray | None = None,
         num_samples: int | None = None,
@@ -218,7 +218,7 @@ class GpuCachedLoader:
     def state_dict(self) -> dict:
         """Where the epoch stands, independent of world size: the seed, the epoch and how many
         samples of the epoch's global order all ranks together have been handed, with
-        fingerprints of the store and of ``indices=``/``weights=`` (see ``gpucache._state``)."""
+        fingerprints of the store and of ``indices=``/``weights=`` (see ``gpucache.loader._state``)."""
         if self._resume is not None:
             epoch, position = self._resume
         elif self._pass is not None:
@@ -373,17 +373,17 @@ def _make_backend(loader: GpuCachedLoader) -> Backend:
     name = loader.backend_name
     common = dict(seed=loader.seed, on_error=loader.on_error)
     if name == "cpu":
-        from .decode.cpu_backend import CpuBackend
+        from ..decode.cpu import CpuBackend
 
         return CpuBackend(loader.cache, num_workers=loader.num_workers,
                           context=loader.multiprocessing_context,
                           worker_init_fn=loader.worker_init_fn, timeout=loader.timeout,
                           pin_memory=loader.pin_memory, exact=loader.exact, **common)
     if name == "nvjpeg":
-        from .decode.nvjpeg import NvjpegBackend
+        from ..decode.nvjpeg import NvjpegBackend
 
         return NvjpegBackend(loader.cache, device=loader.device, on_error=loader.on_error)
-    from .decode.dali import DaliBackend
+    from ..decode.dali import DaliBackend
 
     return DaliBackend(loader.cache, device=loader.device, batch_size=loader.batch_size,
                        num_threads=max(1, loader.num_workers), prefetch=max(2, loader.prefetch_factor),

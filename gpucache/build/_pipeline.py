@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._format import pack_strings
+from ..store._format import pack_strings
 from ._inputs import name_of, read_into, size_of
-from ._limits import over_budget
-from ._readonly import writable_buffer
+from ..store._limits import over_budget
+from ..store._readonly import writable_buffer
 from ._sniff import SAMPLE_DTYPE, SniffError, sniff
 
 SIZE_CHUNK = 1024  # inputs sized per task

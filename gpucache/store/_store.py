@@ -26,7 +26,7 @@ import torch
 from . import _format, _parse, _readonly, _report, _shm
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
-from ._sniff import Kind
+from ..build._sniff import Kind
 
 
 class _Strings(Sequence[str]):
@@ -99,8 +99,8 @@ class JpegCache:
         ``cache_max_bytes``: then the least recently used stores there are removed to fit.
         ``restart_markers``: JPEGs transcoded losslessly so crops decode faster (README "Backends").
         ``max_side``: images with a longer side re-encoded once to it (docs/guides/stores.md)."""
-        from ._build import build, scan_folder
-        from ._node import built_once
+        from ..build._build import build, scan_folder
+        from ..node._cache import built_once
 
         def scan():
             paths, labels, classes = scan_folder(Path(root))
@@ -126,8 +126,8 @@ class JpegCache:
                    restart_markers: bool = False, max_side: int | None = None) -> JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
         ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder."""
-        from . import _sources
-        from ._node import built_once
+        from ..build import _sources
+        from ..node._cache import built_once
 
         extra = (labels, metadata, classes, on_error, max_pixels, restart_markers, max_side)
         cache = built_once(cls, lambda: (paths, extra), lambda paths, _, on_progress:
@@ -145,7 +145,7 @@ class JpegCache:
                  on_error: Literal["skip", "raise"] = "skip", num_threads: int | None = None,
                  progress: bool = True) -> JpegCache:
         """Pack the files a CSV lists as ``path,label[,metadata]`` (paths relative to the CSV)."""
-        from . import _sources
+        from ..build import _sources
 
         return _sources.from_csv(cls, path, classes=classes, delimiter=delimiter, header=header,
                                  on_error=on_error, num_threads=num_threads, progress=progress)
@@ -156,7 +156,7 @@ class JpegCache:
                         on_error: Literal["skip", "raise"] = "skip",
                         num_threads: int | None = None, progress: bool = True) -> JpegCache:
         """Pack WebDataset tar shards (images and ``.cls`` labels), read in place from the tars."""
-        from . import _sources
+        from ..build import _sources
 
         return _sources.from_webdataset(cls, shards, classes=classes, metadata_ext=metadata_ext,
                                         on_error=on_error, num_threads=num_threads,
@@ -167,7 +167,7 @@ class JpegCache:
                 classes: Sequence[str] | None = None, on_error: Literal["skip", "raise"] = "skip",
                 num_threads: int | None = None, progress: bool = True) -> JpegCache:
         """Pack a Hugging Face ``datasets.Dataset``'s ``Image`` column, bytes taken as stored."""
-        from . import _sources
+        from ..build import _sources
 
         return _sources.from_hf(cls, dataset, image_column=image_column,
                                 label_column=label_column, classes=classes, on_error=on_error,

@@ -63,7 +63,7 @@ def _dtype(t):
 
 def _translate_one(t) -> list:
     """gpucache's equivalent of one torchvision op: a list of 0 or 1 items, or [t] unchanged."""
-    from . import transforms as T
+    from .. import transforms as T
     name = type(t).__name__
     if name == "RandomResizedCrop":
         _bilinear(t, "RandomResizedCrop(size, scale=, ratio=)")

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._nodedir import in_use, open_own, read_json
+from ._dir import in_use, open_own, read_json
 
 
 @dataclass

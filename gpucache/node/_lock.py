@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from ._nodedir import not_writable, open_own
+from ._dir import not_writable, open_own
 
 log = logging.getLogger("gpucache")
 

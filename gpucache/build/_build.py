@@ -20,11 +20,11 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from ._progress import tqdm
+from .._progress import tqdm
 
 from . import _pipeline
 from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Source, name_of
-from ._limits import DEFAULT_MAX_PIXELS
+from ..store._limits import DEFAULT_MAX_PIXELS
 from ._sniff import Kind
 
 __all__ = ["BytesSource", "FileObjSource", "FileRangeSource", "Input", "Source", "Skipped",
@@ -176,7 +176,7 @@ def build(cls, inputs: Sequence[Input], labels: np.ndarray, classes: list[str],
     (``_resize``); ``restart_markers``: JPEGs are transcoded with restart markers
     (``_restart_build``). ``on_progress(done, total, bytes_read)`` is called after each chunk.
     ``extra``: optional sections to store as they are (one row per input if per-sample)."""
-    from ._restart_build import rewriters
+    from ._restart import rewriters
 
     if on_error not in ("skip", "raise"):
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}.")

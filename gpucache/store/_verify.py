@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from ._progress import tqdm
+from .._progress import tqdm
 
 from . import _checksum
 from ._format import SAMPLE_CRC
@@ -68,7 +68,7 @@ def check_checksums(cache, *, threads: int | None = None, progress: bool = True
 def check_decodes(cache, *, threads: int | None = None, progress: bool = True
                   ) -> list[Problem]:
     """Problems found by decoding every sample in full (and checking its size)."""
-    from .decode.cpu import check_size, decode_sample
+    from ..decode._core import check_size, decode_sample
 
     n = len(cache)
     paths = cache.paths

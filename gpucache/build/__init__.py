@@ -1,0 +1,1 @@
+"""build: see gpucache/__init__.py for the public surface."""

@@ -1,0 +1,233 @@
+"""CPU decoding: libjpeg-turbo ``decode_jpeg`` for JPEG, PIL for the other formats; a JPEG whose plan
+crops is decoded only inside the crop box (:mod:`._roi`, :mod:`._roi_rst`; same pixels), and with
+``exact=False`` at a reduced DCT scale when the plan shrinks the box at least 2x each way (close to,
+not the same as, the exact pixels; docs/guides/backends.md). libjpeg's warnings about corrupt data
+come back per sample (``Decoded.warned``).
+
+Also the per-sample executor of a geometric plan (crop, antialiased bilinear resize on uint8, crop,
+flip), and :func:`decode_batch`, which the worker processes and the GPU backends' CPU fallback share.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..store._limits import check_pixels
+from ..build._sniff import JPEG_KINDS, Kind
+from . import _roi, _roi_rst
+
+try:  # TorchCodec supersedes torchvision's image decoding from torchvision 0.29
+    from torchcodec.decoders import decode_jpeg as _codec_decode_jpeg
+except Exception:  # pragma: no cover - depends on what is installed
+    _codec_decode_jpeg = None
+
+_ROI_KINDS = (Kind.JPEG, Kind.JPEG_PROGRESSIVE)  # not arithmetic-coded
+_TV_DEPRECATION = r".*image decoding and encoding capabilities of TorchVision.*"
+
+
+def jpeg_decoder_name() -> str:
+    return "torchcodec" if _codec_decode_jpeg is not None else "torchvision"
+
+
+def decode_jpeg(data: torch.Tensor, *, use_torchcodec: bool | None = None) -> torch.Tensor:
+    """Decode JPEG bytes to RGB uint8 CHW, EXIF orientation applied (gray and CMYK converted)."""
+    if _codec_decode_jpeg is not None and use_torchcodec is not False:
+        return _codec_decode_jpeg(data, mode="RGB")
+    from torchvision.io import ImageReadMode
+    from torchvision.io import decode_jpeg as tv_decode_jpeg
+
+    with warnings.catch_warnings():  # the deprecation notice, once per call otherwise
+        warnings.filterwarnings("ignore", message=_TV_DEPRECATION, category=DeprecationWarning)
+        return tv_decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
+
+
+def decode_pil(data: np.ndarray) -> torch.Tensor:
+    """PNG, GIF (first frame), WebP, BMP, TIFF, PNM -> RGB uint8 CHW, EXIF orientation applied."""
+    from PIL import Image, ImageOps
+
+    with Image.open(io.BytesIO(data)) as im:
+        rgb = ImageOps.exif_transpose(im).convert("RGB")
+    return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)
+
+
+def decode_sample(cache, i: int) -> torch.Tensor:
+    """Sample ``i`` of ``cache`` as RGB uint8 CHW (refused before decoding if over the pixel budget)."""
+    check_pixels(cache, i)
+    return _decode_full(cache, i, cache.samples["kind"][i])
+
+
+def _decode_full(cache, i: int, kind: int) -> torch.Tensor:
+    """Sample ``i`` decoded in full (libjpeg-turbo for JPEG, PIL otherwise); budget not checked."""
+    if kind in JPEG_KINDS:
+        return decode_jpeg(cache._bytes_tensor(i))
+    return decode_pil(cache[i])
+
+
+def apply_plan(img: torch.Tensor, plan) -> torch.Tensor:
+    """Run one sample's plan (see :mod:`gpucache.transforms`) on a decoded CHW uint8 image.
+
+    Device-agnostic: the GPU backends run this same function on CUDA tensors."""
+    t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan)
+    return finish_plan(img[:, t1:t1 + h1, l1:l1 + w1], rh, rw, t2, l2, h2, w2, flip)
+
+
+def finish_plan(x: torch.Tensor, rh: int, rw: int, t2: int, l2: int, h2: int, w2: int,
+                flip: int) -> torch.Tensor:
+    """The plan after its first crop: resize ``x`` to (rh, rw), crop (zero-padded), flip."""
+    h1, w1 = x.shape[-2:]
+    if (rh, rw) != (h1, w1):
+        if x.device.type == "cpu":  # uint8 in, uint8 out: torch's vectorized CPU kernel
+            x = F.interpolate(x[None], size=(rh, rw), mode="bilinear", antialias=True)[0]
+        else:  # the same filter in float on other devices, rounded back to uint8
+            x = F.interpolate(x[None].float(), size=(rh, rw), mode="bilinear",
+                              antialias=True)[0].round_().clamp_(0, 255).to(torch.uint8)
+    if (t2, l2, h2, w2) != (0, 0, rh, rw):
+        if t2 < 0 or l2 < 0 or t2 + h2 > rh or l2 + w2 > rw:  # crop larger than image: zero pad
+            x = F.pad(x, (max(0, -l2), max(0, l2 + w2 - rw), max(0, -t2), max(0, t2 + h2 - rh)))
+            t2, l2 = max(t2, 0), max(l2, 0)
+        x = x[:, t2:t2 + h2, l2:l2 + w2]
+    if flip:
+        x = x.flip(-1)
+    return x
+
+
+@dataclass
+class Decoded:
+    """One decoded batch: ``images`` (stacked when every output has one size) for ``indices``."""
+
+    images: torch.Tensor | list[torch.Tensor]
+    indices: np.ndarray  # store indices of the images, in batch order
+    failed: list[tuple[int, str]] = field(default_factory=list)  # (store index, reason)
+    cpu_decoded: int = 0  # samples that took the CPU path (GPU backends' fallback)
+    roi_decoded: int = 0  # of those, JPEGs decoded only inside their crop box (see ._roi)
+    warned: list[tuple[int, str]] = field(default_factory=list)  # kept, but libjpeg warned
+
+
+class SampleError(RuntimeError):
+    """A sample could not be decoded; names the index, the file and the reason."""
+
+
+def describe(cache, i: int, err: BaseException) -> str:
+    return (f"sample {i} ({cache.paths[i]}) could not be decoded: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}")
+
+
+def check_size(cache, i: int, img: torch.Tensor) -> torch.Tensor:
+    """``img`` if it has the size the header promised (plans were drawn for that size)."""
+    expected = (int(cache.samples["height"][i]), int(cache.samples["width"][i]))
+    if tuple(img.shape[1:]) != expected:
+        raise ValueError(f"decoded size {tuple(img.shape[1:])} differs from the header's "
+                         f"{expected}")
+    return img
+
+
+#: ``on_error`` values: "skip" and "raise" act on samples that fail to decode; "skip_warned" also
+#: leaves out samples whose decode libjpeg warned about (corrupt data it decoded anyway).
+ON_ERROR = ("skip", "raise", "skip_warned")
+
+
+def warned_reason(cache, i: int, warning: str) -> str:
+    return f"sample {i} ({cache.paths[i]}) has corrupt JPEG data (decoded anyway): {warning}"
+
+
+def failure(cache, i: int, err: Exception, on_error: str) -> str:
+    """The loader's policy for a sample that failed: raise ``SampleError``, or return the reason."""
+    if on_error == "raise":
+        raise SampleError(describe(cache, i, err)) from err
+    return describe(cache, i, err)
+
+
+def out_size(plans: np.ndarray) -> tuple[int, int]:
+    """Output (height, width) of a fixed-size batch's plans: the shape of an empty batch."""
+    return (int(plans[0, 8]), int(plans[0, 9])) if len(plans) else (0, 0)
+
+
+def reduced_scale(h1: int, w1: int, rh: int, rw: int) -> int:
+    """The largest libjpeg-turbo DCT scale denominator (8, 4, 2; else 1) at which an ``h1`` x
+    ``w1`` box still comes out at least ``rh`` x ``rw`` (a scaled pixel of slack for rounding)."""
+    for d in (8, 4, 2):
+        if h1 >= d * (rh + 1) and w1 >= d * (rw + 1):
+            return d
+    return 1
+
+
+def _decode_box(cache, i: int, plan: list[int], kind: int, components: int, precision: int,
+                orientation: int, height: int, width: int, restart: int,
+                regions: dict, exact: bool) -> tuple[torch.Tensor, bool]:
+    """Sample ``i`` cropped to the plan's first crop box; True if only the box was decoded.
+
+    With ``exact=False`` a box at least 2x its resize target each way is decoded at a reduced
+    DCT scale (compiled decoder only), so the result is smaller than the box."""
+    t1, l1, h1, w1 = plan[:4]
+    region = regions.get(components)
+    if (region is not None and kind in _ROI_KINDS and precision == 8
+            and 0 <= t1 and 0 <= l1 and t1 + h1 <= height and l1 + w1 <= width):
+        denom = 1 if exact or region is not _roi._c_region else reduced_scale(h1, w1, *plan[4:6])
+        whole = (h1, w1) == (height, width)
+        if whole and denom == 1:  # no crop: whole, but through the compiled decoder,
+            if region is not _roi._c_region:  # which reports libjpeg's warnings per sample
+                return _decode_full(cache, i, kind), False
+            return _roi.decode_crop(cache[i], 0, 0, height, width, orientation=orientation,
+                                    height=height, width=width, region=region), False
+        kw = dict(orientation=orientation, height=height, width=width, region=region)
+        try:
+            if restart:
+                x = _roi_rst.decode_crop(cache[i], restart, t1, l1, h1, w1, denom=denom, **kw)
+            else:
+                x = _roi.decode_crop(cache[i], t1, l1, h1, w1, denom=denom, **kw)
+        except _roi.ScaleRefused:  # sampling factors it does not scale: the exact path
+            return _decode_box(cache, i, plan, kind, components, precision, orientation,
+                               height, width, restart, regions, True)
+        return x, not whole
+    img = check_size(cache, i, _decode_full(cache, i, kind))
+    return img[:, t1:t1 + h1, l1:l1 + w1], False
+
+
+def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str,
+                 stack: bool, exact: bool = True) -> Decoded:
+    """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise).
+
+    A JPEG whose plan crops is decoded only inside the crop box when ROI decode is available
+    (:mod:`._roi`; same output, less work), from its restart segments in a restart-marker store
+    (:mod:`._roi_rst`); anything else is decoded in full, then cropped. ``exact=False`` lets a
+    JPEG whose plan shrinks its box at least 2x each way decode at 1/2, 1/4 or 1/8 scale (DCT
+    scaling; not bit-exact, within the tolerance docs/guides/backends.md states)."""
+    images, kept, failed, warned, roi = [], [], [], [], 0
+    indices = np.asarray(indices, dtype=np.int64)
+    rec = cache.samples[indices]  # one gather per batch, not numpy scalars per sample
+    intervals = _roi_rst.intervals(cache)
+    restart = intervals[indices].tolist() if intervals is not None else [0] * len(indices)
+    regions = {c: _roi.region_decoder(c) for c in (1, 3, 4)}  # by component count
+    if regions[3] is None:
+        _roi.notice_once()
+    rows = zip(indices.tolist(), np.asarray(plans).tolist(), rec["kind"].tolist(),
+               rec["components"].tolist(), rec["precision"].tolist(), rec["orientation"].tolist(),
+               rec["height"].tolist(), rec["width"].tolist(), restart)
+    for i, plan, kind, components, precision, orientation, height, width, k in rows:
+        try:
+            check_pixels(cache, i)
+            _roi.take_warning()
+            x, used_roi = _decode_box(cache, i, plan, kind, components, precision,
+                                      orientation, height, width, k, regions, exact)
+            note = _roi.take_warning()
+            if note is not None:
+                warned.append((i, warned_reason(cache, i, note)))
+                if on_error == "skip_warned":
+                    failed.append((i, f"{warned[-1][1]}; left out (on_error='skip_warned')"))
+                    continue
+            images.append(finish_plan(x, *plan[4:]))
+            kept.append(i)
+            roi += used_roi
+        except Exception as err:  # a bad sample is reported, never fatal unless asked
+            failed.append((i, failure(cache, i, err, on_error)))
+    out: torch.Tensor | list[torch.Tensor] = images
+    if stack:
+        out = (torch.stack(images) if images
+               else torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8))
+    return Decoded(out, np.asarray(kept, dtype=np.int64), failed, len(kept), roi, warned)

@@ -1,0 +1,1 @@
+"""loader: see gpucache/__init__.py for the public surface."""

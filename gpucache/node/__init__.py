@@ -1,0 +1,1 @@
+"""node: see gpucache/__init__.py for the public surface."""

@@ -1,0 +1,1 @@
+"""store: see gpucache/__init__.py for the public surface."""
