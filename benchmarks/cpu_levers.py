@@ -39,9 +39,9 @@ def main() -> None:
 
     from gpucache import JpegCache
     from gpucache import transforms as T
-    from gpucache._restart_build import restart_store
+    from gpucache.build._restart import restart_store
     from gpucache.decode import _roi, _roi_rst
-    from gpucache.decode.cpu import apply_plan, decode_batch, decode_sample
+    from gpucache.decode._core import apply_plan, decode_batch, decode_sample
 
     cache = JpegCache.from_folder(args.src, progress=False)
     ok = np.flatnonzero(cache.gpu_decodable() & (cache.samples["orientation"] == 1))

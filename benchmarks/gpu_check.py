@@ -8,7 +8,7 @@ The JSON is written at start and rewritten after every part, so a crash (even be
 part) still leaves a file; each part runs in its own try (an error is printed and recorded, the
 next part runs) and stops at its share of --budget-s:
 (env) versions, the decoder in use and whether it applies EXIF (measured, not assumed);
-(a) each backend against the CPU decode (gpucache.decode.cpu.decode_batch) on the batches and
+(a) each backend against the CPU decode (gpucache.decode._core.decode_batch) on the batches and
     plans *as drawn* (a skipped sample shifts nothing), within TOLERANCE, EXIF-rotated samples kept;
     samples the backend lost that the CPU decoded fail the check, and samples it kept that the
     CPU refused (corrupt scans nvJPEG decodes anyway) are counted;
@@ -41,14 +41,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.overlap import measure as measure_overlap  # noqa: E402
-from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
-from gpucache import transforms as T  # noqa: E402
-from gpucache.decode import dali_available  # noqa: E402
-from gpucache.decode._batched import default_decoder, orient, torchvision_decoder  # noqa: E402
-from gpucache.decode._emulated_cuda import EmulatedCuda  # noqa: E402
-from gpucache.decode.cpu import decode_batch  # noqa: E402
-from gpucache.decode.nvjpeg import NvjpegBackend  # noqa: E402
-from gpucache.testing import cached_jpeg_folder  # noqa: E402
+from gpucache import GpuCachedLoader, JpegCache# noqa: E402
+from gpucache import transforms as T# noqa: E402
+from gpucache.decode import dali_available# noqa: E402
+from gpucache.decode._batched import default_decoder, orient, torchvision_decoder# noqa: E402
+from gpucache.decode._emulated_cuda import EmulatedCuda# noqa: E402
+from gpucache.decode._core import decode_batch# noqa: E402
+from gpucache.decode.nvjpeg import NvjpegBackend# noqa: E402
+from gpucache.testing import cached_jpeg_folder# noqa: E402
 
 TOLERANCE = 3.0  # mean absolute difference in levels, decoder IDCT/upsampling differences
 TRAIN = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])

@@ -19,8 +19,8 @@ import numpy as np
 
 def make_store(path: Path, n: int) -> None:
     from gpucache import JpegCache
-    from gpucache._format import pack_strings
-    from gpucache._sniff import SAMPLE_DTYPE, Kind
+    from gpucache.store._format import pack_strings
+    from gpucache.build._sniff import SAMPLE_DTYPE, Kind
 
     sample = bytes.fromhex("ffd8ffd9")  # 4 bytes: only the index matters here
     data = np.frombuffer(sample * n, dtype=np.uint8)

@@ -51,7 +51,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from gpucache import JpegCache
     from gpucache import transforms as T
-    from gpucache.decode.cpu import decode_batch, reduced_scale
+    from gpucache.decode._core import decode_batch, reduced_scale
 
     photos = sorted(args.photos.rglob("*.jpg"))
     pick = photos[::max(1, len(photos) // args.images)][:args.images]

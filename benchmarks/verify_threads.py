@@ -22,8 +22,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="the many-thread side (all cores)")
     args = ap.parse_args()
     from gpucache import JpegCache
-    from gpucache._checksum import default_threads
-    from gpucache._verify import check_checksums, check_decodes
+    from gpucache.store._checksum import default_threads
+    from gpucache.store._verify import check_checksums, check_decodes
 
     many = args.threads or default_threads()
     cache = JpegCache.open(args.store)

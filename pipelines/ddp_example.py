@@ -66,7 +66,7 @@ def main(argv=None) -> None:
         if rank == 0:
             import psutil
 
-            from gpucache._memory import pss, tree_pss
+            from gpucache.testing._memory import pss, tree_pss
 
             agent = os.getppid()  # torchrun's agent: every rank and worker of this node below it
             each = {p.pid: pss(p.pid, without_libraries=True)

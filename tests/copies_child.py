@@ -38,7 +38,7 @@ class ListOfBytes(Dataset):
 
 
 def main(kind, backing, context, workers, repeat, src):
-    from gpucache._memory import tree_pss
+    from gpucache.testing._memory import tree_pss
 
     workers, repeat = int(workers), int(repeat)
     files = sorted(os.path.join(r, f) for r, _, fs in os.walk(src) for f in fs

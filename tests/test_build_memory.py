@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gpucache import JpegCache
-from gpucache._build import BytesSource, build
+from gpucache.build._build import BytesSource, build
 from gpucache.decode import _roi_rst
 from gpucache.testing import make_jpeg_bytes
 

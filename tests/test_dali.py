@@ -1,6 +1,6 @@
 """backend="dali" on the CPU (device_id=None, DALI's CPU decoder): the same graph CUDA runs.
 
-Real DALI, real JPEGs. The reference is gpucache.decode.cpu.decode_batch on the same plans.
+Real DALI, real JPEGs. The reference is gpucache.decode._core.decode_batch on the same plans.
 Tolerance: mean absolute difference <= 2 levels per image. Measured on these fixtures: mean
 0.08-0.21 per image; max 1 (Resize+CenterCrop) and up to 12 (RandomResizedCrop, at the crop borders,
 where DALI's and torch's antialias filters treat the image edge differently).
@@ -15,11 +15,11 @@ import torch
 pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed (pip install "
                     "nvidia-dali-cuda120); backend='dali' is untested here")
 
-from gpucache import JpegCache, Kind, SampleError  # noqa: E402
-from gpucache import transforms as T  # noqa: E402
-from gpucache.decode._fallback import join, split  # noqa: E402
-from gpucache.decode.cpu import decode_batch  # noqa: E402
-from gpucache.decode.dali import DaliBackend  # noqa: E402
+from gpucache import JpegCache, Kind, SampleError# noqa: E402
+from gpucache import transforms as T# noqa: E402
+from gpucache.decode._fallback import join, split# noqa: E402
+from gpucache.decode._core import decode_batch# noqa: E402
+from gpucache.decode.dali import DaliBackend# noqa: E402
 
 CPU = torch.device("cpu")
 TOLERANCE = 2.0  # mean abs difference, uint8 levels, per image

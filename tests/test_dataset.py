@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpucache import JpegCache, JpegDataset
-from gpucache.decode.cpu import decode_sample
+from gpucache.decode._core import decode_sample
 from gpucache.testing import make_jpeg_folder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,7 +140,7 @@ _CHILD = textwrap.dedent("""
     import gc, os, sys
     from torch.utils.data import DataLoader
     from gpucache import JpegCache, JpegDataset
-    from gpucache._memory import tree_pss
+    from gpucache.testing._memory import tree_pss
 
     def shape(x):  # keep batches tiny: the measurement is about the store, not the images
         return x.shape[1]

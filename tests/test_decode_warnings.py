@@ -77,7 +77,7 @@ def test_unknown_policy_is_refused(store):
 def test_damaged_scan_decodes_to_different_pixels(store):
     """The report matters: the damaged sample's pixels really are wrong."""
     good = JpegCache.from_files([store.paths[0]], progress=False)
-    from gpucache.decode.cpu import decode_sample
+    from gpucache.decode._core import decode_sample
     bad = decode_sample(store, 2)
     ref = torch.from_numpy(natural_image(96, 64, seed=2)).permute(2, 0, 1)
     assert (bad.int() - ref.int()).abs().float().mean() > 10

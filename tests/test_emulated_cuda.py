@@ -18,11 +18,15 @@ import torch
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.decode import normalize_device
-from gpucache.decode._batched import (applies_exif, default_decoder, make_decoder,
-                                      torchvision_decoder)
+from gpucache.decode._batched import (
+    applies_exif,
+    default_decoder,
+    make_decoder,
+    torchvision_decoder,
+)
 from gpucache.decode._emulated_cuda import EmulatedCuda
 from gpucache.decode._streams import CudaStreams
-from gpucache.decode.cpu import decode_batch
+from gpucache.decode._core import decode_batch
 from gpucache.decode.nvjpeg import NvjpegBackend
 
 ROOT = Path(__file__).resolve().parents[1]

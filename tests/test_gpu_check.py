@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpucache.decode import dali_available
-from gpucache.decode.cpu import Decoded
+from gpucache.decode._core import Decoded
 
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucache._hostile import before_marker
+from gpucache.testing._hostile import before_marker
 from gpucache.testing import make_jpeg_bytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,8 +25,9 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a FIFO"
 BUILDER = """
 import os, sys
 from pathlib import Path
-from gpucache import JpegCache, _node
-from gpucache._build import build
+from gpucache import JpegCache
+from gpucache.node import _cache as _node
+from gpucache.build._build import build
 
 paths, cdir, fifo = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 gate = os.open(fifo, os.O_RDONLY)
@@ -57,7 +58,8 @@ def _never(*_):
 
 
 def _waiter(paths, cdir, outcome: dict) -> threading.Thread:
-    from gpucache import JpegCache, _node
+    from gpucache import JpegCache
+    from gpucache.node import _cache as _node
 
     def run():
         try:
@@ -122,7 +124,7 @@ def test_a_waiter_follows_a_slow_builder_and_fails_only_when_it_stalls(tmp_path)
 
 
 def test_the_lock_record_takes_every_form_of_progress_report(tmp_path):
-    from gpucache._nodelock import NodeLock, _read, describe
+    from gpucache.node._lock import NodeLock, _read, describe
 
     with NodeLock(tmp_path / "k.lock", tmp_path / "k.gpucache", 1.0) as lock:
         seen = []

@@ -9,10 +9,10 @@ import torch
 
 from gpucache import GpuCachedLoader, JpegCache, SampleError
 from gpucache import transforms as T
-from gpucache._sniff import Kind
+from gpucache.build._sniff import Kind
 from gpucache.decode._batched import default_decoder, make_decoder, orient, torchvision_decoder
 from gpucache.decode._streams import HostStreams
-from gpucache.decode.cpu import decode_batch
+from gpucache.decode._core import decode_batch
 from gpucache.decode.nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gpucache import CacheFormatError, GpuCachedLoader, JpegCache
-from gpucache._mapped import attach
+from gpucache.store._mapped import attach
 
 REPO = Path(__file__).resolve().parent.parent
 LINUX = sys.platform.startswith("linux")
@@ -269,7 +269,7 @@ def test_concurrent_saves_to_one_path_all_succeed_and_leave_a_valid_file(jpeg_fo
 def test_max_pixels_is_set_at_build_and_open_and_reaches_workers(tmp_path, monkeypatch):
     from conftest import sof_jpeg
 
-    from gpucache._limits import DEFAULT_MAX_PIXELS, check_pixels
+    from gpucache.store._limits import DEFAULT_MAX_PIXELS, check_pixels
 
     monkeypatch.chdir(tmp_path)
     Path("small.jpg").write_bytes(sof_jpeg(h=10, w=10))
@@ -294,7 +294,7 @@ def rechecksum(b: bytearray) -> bytes:
     validation behind the checksums is what gets tested."""
     import zlib
 
-    from gpucache._format import CRC, ENTRY, HEAD_V2
+    from gpucache.store._format import CRC, ENTRY, HEAD_V2
 
     f = list(HEAD_V2.unpack_from(b))
     crc = 0
@@ -310,7 +310,7 @@ def rechecksum(b: bytearray) -> bytes:
 
 @pytest.fixture()
 def small_store(jpeg_folder, tmp_path) -> tuple[bytes, dict]:
-    from gpucache._format import HEAD_V2
+    from gpucache.store._format import HEAD_V2
 
     cache = JpegCache.from_folder(jpeg_folder, progress=False)
     cache = cache._replace(extra={"rst": np.arange(len(cache), dtype="<i4")})
@@ -331,7 +331,7 @@ def _write(tmp_path, data: bytes) -> Path:
     ("height", 0, "invalid record"), ("width", 0, "invalid record"),
     ("kind", 99, "invalid record"), ("components", 9, "invalid record")])
 def test_invalid_sample_records_are_refused_at_open(small_store, tmp_path, field, value, match):
-    from gpucache._sniff import SAMPLE_DTYPE
+    from gpucache.build._sniff import SAMPLE_DTYPE
 
     raw, spans = small_store
     b = bytearray(raw)
@@ -363,7 +363,7 @@ def test_non_utf8_bytes_in_a_string_table_read_back_losslessly(small_store, tmp_
 _TRUNCATE = textwrap.dedent("""
     import os, sys
     from gpucache import CacheFormatError, JpegCache
-    from gpucache.decode.cpu import decode_sample
+    from gpucache.decode._core import decode_sample
 
     cache = JpegCache.open(sys.argv[1])
     n = len(cache)

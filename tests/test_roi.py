@@ -17,9 +17,9 @@ import torch
 from PIL import Image
 
 from gpucache import JpegCache
-from gpucache._restart_build import restart_store
+from gpucache.build._restart import restart_store
 from gpucache.decode import _roi, _roi_rst
-from gpucache.decode.cpu import apply_plan, decode_batch, decode_jpeg, decode_sample
+from gpucache.decode._core import apply_plan, decode_batch, decode_jpeg, decode_sample
 from gpucache.testing import natural_image
 
 needs_roi = pytest.mark.skipif(_roi.route() is None, reason="no region decoder here")
@@ -157,7 +157,7 @@ FALLBACK = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from gpucache import JpegCache
     from gpucache.decode import _roi
-    from gpucache.decode.cpu import decode_batch
+    from gpucache.decode._core import decode_batch
     _roi._state["lib"] = None  # the compiled part was not built (no compiler at install)
     assert _roi.route() is None
     cache = JpegCache.open(sys.argv[1])
@@ -260,9 +260,9 @@ NO_TRANSCODER = textwrap.dedent("""
     import numpy as np
     sys.modules["nvidia.nvimgcodec"] = None  # neither optional decoder part is here
     from gpucache import JpegCache
-    from gpucache._restart_build import restart_store
+    from gpucache.build._restart import restart_store
     from gpucache.decode import _roi, _roi_rst
-    from gpucache.decode.cpu import decode_batch
+    from gpucache.decode._core import decode_batch
     _roi._state["lib"] = None  # the compiled part was not built
     plain = JpegCache.open(sys.argv[1])
     try:

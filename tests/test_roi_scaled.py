@@ -17,7 +17,7 @@ from PIL import Image
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.decode import _roi, _roi_rst
-from gpucache.decode.cpu import apply_plan, decode_batch, decode_sample, reduced_scale
+from gpucache.decode._core import apply_plan, decode_batch, decode_sample, reduced_scale
 from gpucache.testing import natural_image
 
 pytestmark = pytest.mark.skipif(not _roi._c_ok(), reason="compiled region decoder not built")

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from gpucache import JpegCache
-from gpucache._build import BytesSource, FileObjSource, FileRangeSource, build
-from gpucache._hostile import before_marker
-from gpucache._limits import check_pixels
-from gpucache._sniff import SniffError, sniff
-from gpucache.decode.cpu import decode_jpeg, decode_pil
+from gpucache.build._build import BytesSource, FileObjSource, FileRangeSource, build
+from gpucache.testing._hostile import before_marker
+from gpucache.store._limits import check_pixels
+from gpucache.build._sniff import SniffError, sniff
+from gpucache.decode._core import decode_jpeg, decode_pil
 from gpucache.testing import hostile_image_bytes, make_hostile_folder, make_jpeg_bytes
 
 CASES = hostile_image_bytes(fill_bytes=4096)
@@ -75,7 +75,7 @@ def test_still_refused():
 
 
 def test_hostile_folder_builds_and_decodes_as_promised(tmp_path):
-    from gpucache.decode.cpu import decode_sample
+    from gpucache.decode._core import decode_sample
 
     outcomes = make_hostile_folder(tmp_path, fill_bytes=4096)
     cache = JpegCache.from_folder(tmp_path, progress=False)

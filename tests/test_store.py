@@ -152,7 +152,7 @@ def test_golden_v2_file_without_checksums_or_report_still_opens():
 
 def test_golden_v2_bytes_with_optional_sections(tmp_path, monkeypatch, capsys):
     """Format v2 stays byte-for-byte stable, optional sections included."""
-    from gpucache._format import ENTRY, HEAD_V2
+    from gpucache.store._format import ENTRY, HEAD_V2
 
     golden = DATA / "tiny-v2-report.gpucache"
     extra = {"rst": np.array([0, 4], dtype="<i4"),
@@ -220,7 +220,7 @@ def _open_bytes(tmp_path, data: bytes) -> JpegCache:
 def _with_header_crc(b: bytearray) -> bytes:
     import zlib
 
-    from gpucache._format import HEAD_V2
+    from gpucache.store._format import HEAD_V2
 
     struct.pack_into("<I", b, HEAD_V2.size, zlib.crc32(bytes(b[:HEAD_V2.size])))
     return bytes(b)

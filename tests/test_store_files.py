@@ -21,7 +21,7 @@ def store() -> JpegCache:
 
 def _save_and_hang(target: str, conn) -> None:
     """In a child: save, and stop inside the fsync of the full-size temporary file."""
-    import gpucache._format as fmt
+    import gpucache.store._format as fmt
 
     def fsync(fd):
         conn.send("inside")
@@ -113,7 +113,7 @@ def test_a_worker_trusts_the_index_its_parent_validated(store, tmp_path):
     while a fresh open checks everything."""
     import pickle
 
-    from gpucache._format import HEAD_V2
+    from gpucache.store._format import HEAD_V2
 
     path = store.save(tmp_path / "w.gpucache")
     opened = JpegCache.open(path)

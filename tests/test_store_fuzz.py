@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from gpucache import JpegCache
-from gpucache._format import CRC, ENTRY, HEAD_V2
+from gpucache.store._format import CRC, ENTRY, HEAD_V2
 from gpucache.testing import make_jpeg_bytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ CHILD = textwrap.dedent("""
     import sys, warnings
     warnings.simplefilter("ignore")
     from gpucache import CacheFormatError, JpegCache
-    from gpucache.decode.cpu import decode_sample
+    from gpucache.decode._core import decode_sample
 
     for path in sys.argv[1:]:
         print("START", path, flush=True)

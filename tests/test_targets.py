@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 
 from gpucache import GpuCachedLoader, JpegCache, JpegDataset, with_targets
 from gpucache import transforms as T
-from gpucache.decode.cpu import apply_plan
+from gpucache.decode._core import apply_plan
 from gpucache.testing import make_jpeg_bytes
 
 HYMENOPTERA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "hymenoptera"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gpucache import JpegCache
-from gpucache._checksum import crc32, crc32_combine, crc32_of, sample_crcs
+from gpucache.store._checksum import crc32, crc32_combine, crc32_of, sample_crcs
 from gpucache.cli import main
 
 
@@ -62,7 +62,7 @@ def test_parallel_checksums_equal_zlib():
     buf = rng.integers(0, 256, (1 << 20) * 5 + 1234, dtype=np.uint8)
     a, b = buf[:1000].tobytes(), buf[1000:5000].tobytes()
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
-    import gpucache._checksum as ck
+    import gpucache.store._checksum as ck
 
     old = ck.CHUNK_BYTES
     ck.CHUNK_BYTES = 1 << 20  # several chunks and a short last one
@@ -79,7 +79,7 @@ def test_parallel_checksums_equal_zlib():
 def test_old_store_without_sample_checksums_still_verifies(saved, tmp_path, capsys):
     """A store without ``sample.crc32`` is checked by its whole data CRC."""
     cache, _ = saved
-    from gpucache import _format
+    from gpucache.store import _format
 
     path = tmp_path / "old.gpucache"
     with open(path, "wb") as f:

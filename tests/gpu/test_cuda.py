@@ -11,13 +11,13 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available on this machine", allow_module_level=True)
 
-from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
-from gpucache import transforms as T  # noqa: E402
-from gpucache.decode import dali_available  # noqa: E402
-from gpucache.decode._batched import default_decoder, make_decoder  # noqa: E402
-from gpucache.decode.cpu import decode_batch  # noqa: E402
-from gpucache.decode.nvjpeg import NvjpegBackend  # noqa: E402
-from gpucache.testing import make_jpeg_bytes  # noqa: E402
+from gpucache import GpuCachedLoader, JpegCache# noqa: E402
+from gpucache import transforms as T# noqa: E402
+from gpucache.decode import dali_available# noqa: E402
+from gpucache.decode._batched import default_decoder, make_decoder# noqa: E402
+from gpucache.decode._core import decode_batch# noqa: E402
+from gpucache.decode.nvjpeg import NvjpegBackend# noqa: E402
+from gpucache.testing import make_jpeg_bytes# noqa: E402
 
 BACKENDS = ["nvjpeg"] + (["dali"] if dali_available() else [])
 CUDA = torch.device("cuda", torch.cuda.current_device())
