@@ -190,7 +190,7 @@ def _copies(script, context, src) -> tuple[float, str]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is measured the Linux way")
 @pytest.mark.timeout(900)  # two to six fresh processes with workers: slow on a loaded machine
-@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+@pytest.mark.parametrize("context", ["spawn", pytest.param("forkserver", marks=pytest.mark.slow)])
 def test_dataloader_workers_hold_one_copy(tmp_path, copies_src, context):
     script = tmp_path / "ds_child.py"
     script.write_text(_CHILD)

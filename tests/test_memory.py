@@ -120,9 +120,8 @@ def copies_held(kind, backing, context, workers, src) -> tuple[float, list[str]]
 
 
 # Every run covers each start method and each backing once; the rest of the 12-cell matrix (the
-# README's table) is marked slow: `pytest -m slow tests/test_memory.py` measures it (~3 min).
-_QUICK = {("memory", "fork", 2), ("memory", "spawn", 2), ("memory", "forkserver", 2),
-          ("file", "spawn", 2), ("file", "fork", 4)}
+# manual's table) is marked slow: `pytest -m slow tests/test_memory.py` measures it (~4 min).
+_QUICK = {("memory", "fork", 2), ("memory", "forkserver", 2), ("file", "spawn", 2)}
 _MATRIX = [pytest.param(b, c, w, marks=() if (b, c, w) in _QUICK else pytest.mark.slow,
                         id=f"{b}-{c}-{w}")
            for b in ("memory", "file") for c in ("fork", "spawn", "forkserver") for w in (2, 4)]
