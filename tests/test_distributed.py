@@ -103,7 +103,7 @@ def _shm() -> set[str]:
 
 
 def _assert_nothing_left(job, pids: list[int], shm_before: set[str]) -> None:
-    deadline = time.monotonic() + 30  # stragglers of a torn-down job: seconds, more on a loaded machine
+    deadline = time.monotonic() + 30  # stragglers of a torn-down job (slow on a loaded machine)
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.1)
     alive = [p for p in pids if psutil.pid_exists(p) and
