@@ -26,21 +26,16 @@ GOOD = make_jpeg_bytes(40, 30, seed=1)
 _SPARSE_CHILD = textwrap.dedent("""
     import json, sys
     from gpucache import JpegCache
+    from gpucache.testing._memory import reset_peak_rss, status_bytes
 
-    def status(key):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
-    before = status("VmRSS:")
+    before = reset_peak_rss()  # the peak RSS (VmHWM) is now the current RSS
     out = {}
     for key, mp in (("capped", 89_478_485), ("uncapped", None)):
         cache = JpegCache.from_folder(sys.argv[1], progress=False, max_pixels=mp)
         out[key] = {s.path.rsplit("/", 1)[1]: s.reason for s in cache.report.skipped}
         out[key + "_kept"] = len(cache)
         del cache
-    out["peak"] = status("VmHWM:") - before
+    out["peak"] = status_bytes("VmHWM") - before
     print(json.dumps(out))
 """)
 

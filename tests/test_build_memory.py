@@ -26,19 +26,14 @@ _PEAK_CHILD = textwrap.dedent("""
     import ctypes, gc, json, sys
     import numpy as np
     from gpucache import JpegCache
-
-    def status(key):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    from gpucache.testing._memory import reset_peak_rss, status_bytes
 
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
-    before = status("VmRSS:")
+    before = reset_peak_rss()  # the peak RSS (VmHWM) is now the current RSS
     cache = JpegCache.from_folder(sys.argv[1], progress=False,
                                   restart_markers=sys.argv[2] == "rst")
-    print(json.dumps({"peak": status("VmHWM:") - before, "data": cache.nbytes, "n": len(cache),
+    print(json.dumps({"peak": status_bytes("VmHWM") - before, "data": cache.nbytes, "n": len(cache),
                       "rst": int((cache.extra.get("rst", np.zeros(1)) > 0).sum())}))
 """)
 

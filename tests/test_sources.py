@@ -201,16 +201,11 @@ def test_cli_builds_each_source_kind(tmp_path, blobs, capsys):
 _PEAK_CHILD = textwrap.dedent("""
     import sys
     from gpucache import JpegCache
+    from gpucache.testing._memory import reset_peak_rss, status_bytes
 
-    def status(key):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
-    before = status("VmRSS:")
+    before = reset_peak_rss()  # the peak RSS (VmHWM) is now the current RSS
     cache = JpegCache.from_webdataset(sys.argv[1:], progress=False)
-    print(status("VmHWM:") - before, cache.nbytes)
+    print(status_bytes("VmHWM") - before, cache.nbytes)
 """)
 
 

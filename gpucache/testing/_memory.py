@@ -51,3 +51,19 @@ def tree_pss(pid: int | None = None, *, without_libraries: bool = False) -> int:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return total
+
+
+def status_bytes(key: str) -> int:
+    """A memory line of ``/proc/self/status`` in bytes (``key`` such as ``"VmRSS"``, ``"VmHWM"``)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak RSS (``VmHWM``) to its current RSS, which it returns.
+
+    Linux keeps no PSS high-water mark; for one process's private and shared-anonymous pages the
+    RSS peak counts the same."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_bytes("VmRSS")
