@@ -36,17 +36,8 @@ RANK = """
 import json, os, sys, time
 import torch.distributed as dist
 root, cdir, out = sys.argv[1], sys.argv[2], sys.argv[3]
-counts = {"os.stat": 0, "os.scandir": 0}
-def audit(event, args):
-    if event == "os.scandir" and os.fsdecode(args[0] or ".").startswith(root):
-        counts["os.scandir"] += 1
-sys.addaudithook(audit)
-real_stat = os.stat
-def stat(path, *a, **kw):
-    if isinstance(path, (str, bytes, os.PathLike)) and os.fsdecode(path).startswith(root):
-        counts["os.stat"] += 1
-    return real_stat(path, *a, **kw)
-os.stat = stat
+from gpucache.testing._audit import count_listing_calls
+counts = count_listing_calls(root)
 dist.init_process_group("gloo")
 from gpucache import JpegCache
 t0 = time.perf_counter()
@@ -120,8 +111,8 @@ def main() -> None:
         print(f"{'rank':>4} {'stat syscalls':>14} {'os.stat':>9} {'os.scandir':>11} {'s':>7}")
         for r, rec in enumerate(ranks):
             print(f"{r:>4} {sys_stats.get(rec['pid'], 0) if sys_stats else '-':>14} "
-                  f"{rec['os.stat']:>9,} {rec['os.scandir']:>11,} {rec['seconds']:>7.2f}")
-        total = sum(r["os.stat"] for r in ranks)
+                  f"{rec['stat']:>9,} {rec['scandir']:>11,} {rec['seconds']:>7.2f}")
+        total = sum(r["stat"] for r in ranks)
         print(f"node: {sum(sys_stats.values()) if sys_stats else '-'} stat syscalls under the "
               f"root from any process, {total:,} os.stat calls for {args.files:,} files "
               f"({total / args.files:.2f} per file)")

@@ -25,17 +25,8 @@ RANKS, CLASSES, PER_CLASS = 3, 4, 30
 RANK = """
 import json, os, sys
 root, cdir = sys.argv[1], sys.argv[2]
-counts = {"scandir": 0, "stat": 0}
-def audit(event, args):
-    if event == "os.scandir" and os.fsdecode(args[0] or ".").startswith(root):
-        counts["scandir"] += 1
-sys.addaudithook(audit)
-real_stat = os.stat
-def stat(path, *a, **kw):
-    if isinstance(path, (str, bytes, os.PathLike)) and os.fsdecode(path).startswith(root):
-        counts["stat"] += 1
-    return real_stat(path, *a, **kw)
-os.stat = stat
+from gpucache.testing._audit import count_listing_calls
+counts = count_listing_calls(root)
 from gpucache import JpegCache
 cache = JpegCache.from_folder(root, cache_dir=cdir, progress=False)
 print(json.dumps({**counts, "path": str(cache.path), "n": len(cache)}), flush=True)
