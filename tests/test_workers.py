@@ -239,8 +239,11 @@ PARENTS = textwrap.dedent("""
         loader = GpuCachedLoader(cache, batch_size=500, num_workers=workers, device="cpu",
                                  transform=T.Resize((16, 16)), multiprocessing_context=method)
         next(iter(loader))
-        print(json.dumps({"case": [method, sig, workers], "pid": os.getpid(),
-                          "workers": loader.worker_pids}), flush=True)
+        # seven parents share one pipe: one write(2) of a whole line (under PIPE_BUF, so atomic);
+        # print() writes the text and its newline apart, and a flush between them (multiprocessing
+        # flushes stdout before it starts a process) joins two reports on one line
+        report = {"case": [method, sig, workers], "pid": os.getpid(), "workers": loader.worker_pids}
+        os.write(1, (json.dumps(report) + "\\n").encode())
         # Ctrl-C arrives mid-epoch, in the loader or in the loop body (Python's own handler, even
         # when this test runs where SIGINT is ignored)
         signal.signal(signal.SIGINT, signal.default_int_handler)
