@@ -8,8 +8,11 @@ import io
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from gpucache.decode import _roi, _roi_rst
@@ -103,3 +106,21 @@ def test_boxes_near_int_max_are_refused_not_read_out_of_bounds(tmp_path):
     r = _run(HUGE, str(tmp_path / "r.jpg"), str(k))
     assert r.returncode == 0 and r.stdout.strip() == "ok", (
         f"rc {r.returncode}: {r.stdout[-500:]} {r.stderr[-2000:]}")
+
+
+@needs_c
+def test_crops_of_a_progressive_jpeg_with_an_incomplete_scan_script_equal_the_whole():
+    """A valid progressive JPEG (found by fuzzing) whose scans never refine the DC or the last
+    luma AC bits: libjpeg's block smoothing, which looks at neighbouring blocks, made its crops
+    differ from the crop of the whole image by up to 6 levels at every scale. It is off, so each
+    crop equals the same part of the whole decode, at 1, 1/2, 1/4 and 1/8."""
+    data = (Path(__file__).parent / "data" / "progressive_incomplete.jpg").read_bytes()
+    rng = np.random.default_rng(0)
+    for d in (1, 2, 4, 8):
+        h, w = -(-61 // d), -(-101 // d)
+        whole = _roi._c_region(data, 0, 0, h, w, height=h, width=w, denom=d)
+        for _ in range(60):
+            bh, bw = int(rng.integers(1, h + 1)), int(rng.integers(1, w + 1))
+            t, l = int(rng.integers(0, h - bh + 1)), int(rng.integers(0, w - bw + 1))
+            got = _roi._c_region(data, t, l, bh, bw, height=h, width=w, denom=d)
+            assert torch.equal(got, whole[:, t:t + bh, l:l + bw]), (d, t, l, bh, bw)

@@ -117,6 +117,12 @@ int gc_decode_region(const unsigned char *in, unsigned long n, int denom, int to
   d.out_color_space = JCS_RGB; /* gray is replicated; CMYK is refused (error) */
   d.dct_method = JDCT_ISLOW;
   d.do_fancy_upsampling = TRUE;
+  /* No block smoothing: libjpeg smooths the blocks of a progressive JPEG whose scans leave
+   * coefficients incomplete using neighbouring blocks, and a crop has other neighbours at its
+   * edges, so crops would differ from the crop of the whole image (found by fuzzing; a valid
+   * JPEG whose scan script stops early, tests/data/progressive_incomplete.jpg). Complete JPEGs
+   * are never smoothed, so their pixels do not change. */
+  d.do_block_smoothing = FALSE;
   d.scale_num = 1;
   d.scale_denom = (unsigned int)denom;
   jpeg_start_decompress(&d);
