@@ -17,7 +17,8 @@ from PIL import Image
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.decode import _roi, _roi_rst
-from gpucache.decode._core import apply_plan, decode_batch, decode_sample, reduced_scale
+from gpucache.decode._core import (apply_plan, crop_before_resize, decode_batch, decode_sample,
+                                   reduced_scale)
 from gpucache.testing import natural_image
 
 pytestmark = pytest.mark.skipif(not _roi._c_ok(), reason="compiled region decoder not built")
@@ -139,3 +140,56 @@ def test_scaled_decode_follows_exif_orientation(tmp_path):
     exact = decode_batch(store, idx, plans, on_error="raise", stack=True).images
     fast = decode_batch(store, idx, plans, on_error="raise", stack=True, exact=False).images
     assert (fast.int() - exact.int()).abs().float().mean(dim=(1, 2, 3)).max() <= 8
+
+
+@pytest.mark.parametrize("hw", [(1500, 2000), (375, 500), (500, 333), (200, 150), (1067, 1600)])
+def test_a_crop_after_a_resize_is_cut_before_it(hw):
+    """Resize(256) + CenterCrop(224): the first box becomes the centre crop's part of the image
+    plus context, resized so that each crop pixel is sampled where the full resize samples it
+    (to a tenth of a source pixel here, on the grid of the DCT scale it will take); plans whose
+    crop comes first, or whose crop pads, stay as they are."""
+    h, w = hw
+    plan = T.Compose([T.Resize(256), T.CenterCrop(224), T.RandomHorizontalFlip(1.0)]).plan(
+        np.array([h]), np.array([w]), np.random.default_rng(0))[0].tolist()
+    t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = plan
+    got = crop_before_resize(plan)
+    top, left, hb, wb, nh, nw, ot, ol = got[:8]
+    assert got[8:] == [224, 224, 1] and 0 <= top and top + hb <= h and 0 <= left and left + wb <= w
+    assert hb * wb < h * w  # a smaller box than the whole image
+    d = reduced_scale(hb, wb, nh, nw)
+    for start, length, n, o, c, size, r in ((top, hb, nh, ot, t2, h, rh),
+                                            (left, wb, nw, ol, l2, w, rw)):
+        j = np.arange(224) + 0.5
+        err = np.abs(start + (j + o) * length / n - (c + j) * size / r)  # source positions
+        assert err.max() <= 0.1 * max(d, 2), (start, length, n, o, err.max())
+        assert o >= 1 or c == 0  # context before the crop, unless it starts at the image edge
+        assert start % d == 0
+    train = T.Compose([T.RandomResizedCrop(224)]).plan(np.array([h]), np.array([w]),
+                                                       np.random.default_rng(0))[0].tolist()
+    assert crop_before_resize(train) == train  # its crop is already before the resize
+    padded = T.Compose([T.Resize(100), T.CenterCrop(120)]).plan(
+        np.array([h]), np.array([w]), np.random.default_rng(0))[0].tolist()
+    assert crop_before_resize(padded) == padded  # a crop that pads stays after the resize
+
+
+def test_eval_decodes_only_the_centre_crop_without_exact(tmp_path):
+    """Photo-size images (no DCT scaling): exact=False decodes the fused plan, within a fraction
+    of a level of the exact output on average; exact=True is untouched."""
+    paths = []
+    for k, (w, h) in enumerate([(500, 375), (375, 500), (640, 427)]):
+        paths.append(tmp_path / f"{k}.jpg")
+        paths[-1].write_bytes(_jpeg(w, h, 20 + k, subsampling=2))
+    store = JpegCache.from_files(paths, progress=False)
+    idx = np.arange(3)
+    plans = T.Compose([T.Resize(256), T.CenterCrop(224)]).plan(
+        store.samples["height"].astype(np.int64), store.samples["width"].astype(np.int64),
+        np.random.default_rng(0))
+    fused = np.asarray([crop_before_resize(p) for p in plans.tolist()], dtype=np.int64)
+    assert all(reduced_scale(*p[[2, 3, 4, 5]].tolist()) == 1 for p in fused)
+    exact = decode_batch(store, idx, plans, on_error="raise", stack=True)
+    fast = decode_batch(store, idx, plans, on_error="raise", stack=True, exact=False)
+    assert fast.roi_decoded == 3 and exact.roi_decoded == 0  # only the crop's box was decoded
+    assert torch.equal(fast.images,
+                       decode_batch(store, idx, fused, on_error="raise", stack=True).images)
+    diff = (fast.images.int() - exact.images.int()).abs().float().mean(dim=(1, 2, 3))
+    assert (diff > 0).all() and diff.max() <= 1.5, diff.tolist()

@@ -10,6 +10,7 @@ flip), and :func:`decode_batch`, which the worker processes and the GPU backends
 
 from __future__ import annotations
 
+import functools
 import io
 import warnings
 from dataclasses import dataclass, field
@@ -157,6 +158,53 @@ def reduced_scale(h1: int, w1: int, rh: int, rw: int) -> int:
     return 1
 
 
+def _edge(lo: float, step: float, count: int, d: int, size: int) -> tuple[int, int]:
+    """(k, edge) for the first k in 1..count (fewest pixels of context) whose source position
+    ``lo + k * step`` lies within 0.05 scaled pixels of the 1/``d`` grid, else the nearest;
+    k == count is the image's edge itself (no context there to keep)."""
+    best = None
+    for k in range(1, count + 1):
+        x = lo + k * step
+        edge = (0 if step < 0 else size) if k == count else min(size, d * round(x / d))
+        err = abs(edge - x)
+        if best is None or err < best[0]:
+            best = (err, k, edge)
+        if err <= 0.05 * d:
+            break
+    return best[1], best[2]
+
+
+@functools.lru_cache(maxsize=4096)  # eval plans repeat per image size
+def _cut(t2: int, h2: int, r: int, size: int, d: int) -> tuple[int, int, int, int]:
+    """One axis of :func:`crop_before_resize`: the crop [t2, t2 + h2) of ``size`` source pixels
+    resized to ``r``. Returns the source box (start, length) and (n, offset): resized to n, the
+    box holds the crop at offset, sampled where the full resize samples it to within a small
+    fraction of a source pixel. Each side keeps at least a pixel of context (up to 24, so the
+    filter is not cut at the crop's edge and the box edge can fall on a whole pixel of the
+    1/``d`` grid, which a DCT-scaled decode then does not move), or reaches the image edge."""
+    s = size / r
+    o, a = _edge(t2 * s, -s, min(t2, 24), d, size) if t2 else (0, 0)
+    after = r - t2 - h2
+    o2, b = _edge((t2 + h2) * s, s, min(after, 24), d, size) if after else (0, size)
+    return a, b - a, h2 + o + o2, o
+
+
+def crop_before_resize(plan: list[int]) -> list[int]:
+    """``plan`` with its second crop (one inside the resized image, e.g. CenterCrop after
+    Resize) cut before the resize, as FFCV's centre-crop decoder does: the first box shrinks to
+    the part of the image that crop keeps, plus a few pixels of context, chosen so that its
+    resize samples where the full resize did (:func:`_cut`). Not bit-exact, since the box edges
+    are whole pixels: the crop moves by a small fraction of a pixel. ``exact=False`` only."""
+    t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = plan
+    if ((t2, l2, h2, w2) == (0, 0, rh, rw) or min(t2, l2) < 0 or t2 + h2 > rh
+            or l2 + w2 > rw):
+        return plan
+    d = reduced_scale(round(h2 * h1 / rh), round(w2 * w1 / rw), h2, w2)  # the scale it will take
+    top, hb, nh, ot = _cut(t2, h2, rh, h1, d)
+    left, wb, nw, ol = _cut(l2, w2, rw, w1, d)
+    return [t1 + top, l1 + left, hb, wb, nh, nw, ot, ol, h2, w2, flip]
+
+
 def _decode_box(cache, i: int, plan: list[int], kind: int, components: int, precision: int,
                 orientation: int, height: int, width: int, restart: int,
                 regions: dict, exact: bool) -> tuple[torch.Tensor, bool]:
@@ -197,7 +245,8 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
     (:mod:`._roi`; same output, less work), from its restart segments in a restart-marker store
     (:mod:`._roi_rst`); anything else is decoded in full, then cropped. ``exact=False`` lets a
     JPEG whose plan shrinks its box at least 2x each way decode at 1/2, 1/4 or 1/8 scale (DCT
-    scaling; not bit-exact, within the tolerance docs/guides/backends.md states)."""
+    scaling), and cuts a crop that follows a resize before it (:func:`crop_before_resize`);
+    neither is bit-exact: within the tolerance docs/guides/backends.md states."""
     images, kept, failed, warned, roi = [], [], [], [], 0
     indices = np.asarray(indices, dtype=np.int64)
     rec = cache.samples[indices]  # one gather per batch, not numpy scalars per sample
@@ -210,6 +259,8 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
                rec["components"].tolist(), rec["precision"].tolist(), rec["orientation"].tolist(),
                rec["height"].tolist(), rec["width"].tolist(), restart)
     for i, plan, kind, components, precision, orientation, height, width, k in rows:
+        if not exact:
+            plan = crop_before_resize(plan)
         try:
             check_pixels(cache, i)
             _roi.take_warning()
