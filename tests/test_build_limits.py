@@ -123,6 +123,26 @@ def test_bad_shards_are_bad_inputs(tmp_path):
         JpegCache.from_webdataset(paths, progress=False, on_error="raise")
 
 
+def test_text_members_that_are_not_utf8_are_named_not_a_crash(tmp_path):
+    """A .json metadata member that is not UTF-8 leaves its sample out with the reason; a .cls
+    that is not UTF-8 is a wrong label: the build refuses it, naming the member and its bytes."""
+    shard = tmp_path / "s.tar"
+    shard.write_bytes(_member("k0.jpg", GOOD) + _member("k0.cls", b"1") + _member("k0.json", b"{}")
+                      + _member("k1.jpg", GOOD) + _member("k1.cls", b"0")
+                      + _member("k1.json", b'{"name": "caf\xe9"}') + b"\0" * 1024)
+    cache = JpegCache.from_webdataset(shard, metadata_ext="json", progress=False)
+    assert len(cache) == 1 and list(cache.labels) == [1] and cache.metadata[0] == "{}"
+    (bad,) = cache.report.skipped
+    assert bad.path == f"{shard}/k1.jpg"
+    assert "its .json member is not UTF-8 text (byte 13 is 0xe9)" in bad.reason
+    assert "rewrite that member" in bad.reason
+    assert len(JpegCache.from_webdataset(shard, progress=False)) == 2  # metadata not asked for
+    other = tmp_path / "c.tar"
+    other.write_bytes(_member("k0.jpg", GOOD) + _member("k0.cls", b"\xff1") + b"\0" * 1024)
+    with pytest.raises(ValueError, match=r"c.tar/k0.cls holds '\\\\xff1', not an integer"):
+        JpegCache.from_webdataset(other, progress=False)
+
+
 # --------------------------------------------------------------------------- empty inputs
 def test_folder_without_images_is_an_error(tmp_path, capsys):
     for c in ("a", "b"):

@@ -1,7 +1,8 @@
 """The two data sets of the peer run, made once into a work folder (never committed).
 
 ``photos``: the real JPEG photos of an image folder (ImageNet-size), linked into
-``<work>/photos/<class>/``; anything that is not a JPEG is left out, so every peer reads the same
+``<work>/photos/<class>/`` (with ``--repeat N``, each photo linked N times into
+``<work>/photos-xN/``, for epochs long enough to time: 397 photos are half a second); anything that is not a JPEG is left out, so every peer reads the same
 files. ``mosaics``: 2000x1500 JPEGs (quality 90), each a 4 x 3 grid of 500x500 tiles cut from those
 photos (centre square, Lanczos resize), so their content and compressed statistics are a real
 photo's at high resolution. Both are deterministic for a given source and seed.
@@ -36,9 +37,10 @@ def real_photos(src: Path) -> list[tuple[Path, str]]:
     return out
 
 
-def link_photos(photos, dst: Path) -> Path:
-    """``dst/<class>/<n>.jpg`` symlinks to the photos: one folder, every file a JPEG."""
-    for k, (p, cls) in enumerate(photos):
+def link_photos(photos, dst: Path, repeat: int = 1) -> Path:
+    """``dst/<class>/<n>.jpg`` symlinks to the photos (each ``repeat`` times): one folder, every
+    file a JPEG."""
+    for k, (p, cls) in enumerate(photos * repeat):
         link = dst / cls / f"{k:05d}.jpg"
         link.parent.mkdir(parents=True, exist_ok=True)
         if not link.is_symlink():
@@ -72,9 +74,11 @@ def make_mosaics(photos, dst: Path, n: int, seed: int) -> Path:
     return dst
 
 
-def prepare(src: Path, work: Path, mosaics: int, seed: int = 0) -> dict[str, Path]:
+def prepare(src: Path, work: Path, mosaics: int, seed: int = 0, repeat: int = 1
+            ) -> dict[str, Path]:
     photos = real_photos(src)
-    return {"photos": link_photos(photos, work / "photos"),
+    name = "photos" if repeat == 1 else f"photos-x{repeat}"
+    return {"photos": link_photos(photos, work / name, repeat),
             "mosaics": make_mosaics(photos, work / f"mosaics-{mosaics}", mosaics, seed)}
 
 
@@ -84,8 +88,10 @@ def main(argv=None) -> int:
     p.add_argument("work", type=Path, help="where the data sets go (e.g. /tmp/gpucache-peers)")
     p.add_argument("--mosaics", type=int, default=200, help="how many 2000x1500 mosaics")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, help="link each photo this many times")
     a = p.parse_args(argv)
-    print(json.dumps({k: str(v) for k, v in prepare(a.src, a.work, a.mosaics, a.seed).items()}))
+    made = prepare(a.src, a.work, a.mosaics, a.seed, a.repeat)
+    print(json.dumps({k: str(v) for k, v in made.items()}))
     return 0
 
 

@@ -12,26 +12,28 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from ._common import BenchError, Config, Source, progress, say
 from ._contenders import CONTENDERS, Runner
 from ._timing import Result, epoch
 
+ACK_ENV = "GPUCACHE_PROBE_ACK"  # the folder where probed workers acknowledge SIGUSR1
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
 
 def probe_main(spec_path: str) -> int:
     """Hidden mode: one contender, one data size, a fresh process; prints a JSON line."""
-    import psutil
-
     from ..testing._memory import tree_pss
 
     spec = json.loads(Path(spec_path).read_text())
@@ -40,21 +42,23 @@ def probe_main(spec_path: str) -> int:
     r = Runner(CONTENDERS[spec["contender"]], src, Config(**spec["config"]))
     t0 = time.perf_counter()
     r.setup()
+    os.environ[ACK_ENV] = tempfile.mkdtemp(prefix="gpucache-probe-")  # workers inherit it
     r.make_loader(worker_init_fn=_on_signal)
     for _ in range(spec["epochs"]):
         ep = epoch(r)
     children = psutil.Process().children(recursive=True)
-    for child in children:  # workers collect and give back free heap
-        if _catches_sigusr1(child.pid):  # not helpers such as the resource tracker
-            os.kill(child.pid, signal.SIGUSR1)
+    asked = [c.pid for c in children if _catches_sigusr1(c.pid)]  # not the resource tracker
+    for pid in asked:  # workers collect and give back free heap
+        os.kill(pid, signal.SIGUSR1)
     _collect_and_trim()
-    time.sleep(1.0)  # the workers' collections (a few hundred ms on a busy machine)
+    _wait_for_acks(asked, Path(os.environ[ACK_ENV]))
     data = tree_pss(without_libraries=True)
     everything = tree_pss()
     out = {"pss": data, "pss_libs": everything - data, "pss_all": everything,
            "processes": 1 + len(children), "data_bytes": r.data_bytes, "images": ep["images"],
            "peak_rss": _peak_rss(), "seconds": time.perf_counter() - t0}
     r.close()
+    shutil.rmtree(os.environ.pop(ACK_ENV), ignore_errors=True)
     print(json.dumps(out))
     return 0
 
@@ -82,7 +86,23 @@ def _collect_and_trim(*_) -> None:
 
 def _on_signal(worker_id: int) -> None:
     """worker_init_fn of the memory probes: SIGUSR1 makes the worker collect and trim."""
-    signal.signal(signal.SIGUSR1, _collect_and_trim)
+    signal.signal(signal.SIGUSR1, _collect_trim_and_ack)
+
+
+def _collect_trim_and_ack(*_) -> None:
+    """In a worker: collect and trim, then say so with a file named by its pid in ``ACK_ENV``."""
+    _collect_and_trim()
+    Path(os.environ[ACK_ENV], str(os.getpid())).touch()
+
+
+def _wait_for_acks(pids: list[int], where: Path, deadline_s: float = 120.0) -> None:
+    """Until each worker in ``pids`` has acknowledged its collection (or is gone)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if all((where / str(pid)).exists() or not psutil.pid_exists(pid) for pid in pids):
+            return
+        time.sleep(0.01)  # polling for the acknowledgements, under the deadline
+    raise BenchError(f"workers {pids} did not acknowledge their collection within {deadline_s} s")
 
 
 def _catches_sigusr1(pid: int) -> bool:
