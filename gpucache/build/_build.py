@@ -174,7 +174,7 @@ def build(cls, inputs: Sequence[Input], labels: np.ndarray, classes: list[str],
     ``on_error="raise"``. A build that keeps no sample raises :class:`BuildError` either way.
     ``max_side``: images whose long side is larger are re-encoded once, to that long side
     (``_resize``); ``restart_markers``: JPEGs are transcoded with restart markers
-    (``_restart_build``). ``on_progress(done, total, bytes_read)`` is called after each chunk.
+    (``_restart``). ``on_progress(done, total, bytes_read)`` is called after each chunk.
     ``extra``: optional sections to store as they are (one row per input if per-sample)."""
     from ._restart import rewriters
 

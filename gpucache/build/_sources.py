@@ -124,11 +124,13 @@ def _shard_samples(shard: str, metadata_ext: str | None):
                 elif ext == "cls" or ext == metadata_ext:
                     raw = tf.extractfile(m).read()
                     try:
-                        s[ext] = raw.decode("utf-8").strip()
-                    except UnicodeDecodeError as err:  # a reason for this sample, not a crash
-                        s[ext] = raw.decode("utf-8", "backslashreplace").strip()  # cls: says why
-                        s[f"bad {ext}"] = (f"its .{ext} member is not UTF-8 text (byte "
-                                           f"{err.start} is {raw[err.start]:#04x})")
+                        text = raw.decode("utf-8")
+                    except UnicodeDecodeError as err:  # a reason, not a crash
+                        text = raw.decode("utf-8", "backslashreplace")  # a .cls's error shows it
+                        if ext == metadata_ext:
+                            s["bad metadata"] = (f"its .{ext} member is not UTF-8 text (byte "
+                                                 f"{err.start} is {raw[err.start]:#04x})")
+                    s[ext] = text.strip()
             if tf.offset < size:  # after the last member: the end-of-archive zeros, or damage
                 with open(shard, "rb") as f:
                     f.seek(tf.offset)
@@ -143,9 +145,9 @@ def _shard_samples(shard: str, metadata_ext: str | None):
         m = next((images[e] for e in WDS_IMAGE_EXTS if e in images), None)
         item = None if m is None else FileRangeSource(f"{shard}/{m.name}", shard, m.offset_data,
                                                       m.size)
-        if m is not None and f"bad {metadata_ext}" in s:
-            item = Refused(item.name, f"{s[f'bad {metadata_ext}']}; metadata must be UTF-8 text "
-                                      "(e.g. JSON): rewrite that member")
+        if m is not None and "bad metadata" in s:
+            item = Refused(item.name, f"{s['bad metadata']}; metadata must be UTF-8 text (e.g. "
+                                      "JSON): rewrite that member")
         elif m is not None and m.offset_data + m.size > size:
             item = Refused(item.name, f"its tar header claims {m.size:,} bytes, but the shard ends "
                                       f"{size - m.offset_data:,} bytes after its start (a "

@@ -161,7 +161,8 @@ def reduced_scale(h1: int, w1: int, rh: int, rw: int) -> int:
 def _edge(lo: float, step: float, count: int, d: int, size: int) -> tuple[int, int]:
     """(k, edge) for the first k in 1..count (fewest pixels of context) whose source position
     ``lo + k * step`` lies within 0.05 scaled pixels of the 1/``d`` grid, else the nearest;
-    k == count is the image's edge itself (no context there to keep)."""
+    the last candidate, k == count, is the image's edge itself (0 or ``size``), whose error
+    counts like any other."""
     best = None
     for k in range(1, count + 1):
         x = lo + k * step

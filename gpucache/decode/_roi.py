@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ._batched import orient# the one EXIF transform (shared with the nvjpeg backend)
+from ._batched import orient  # the one EXIF transform (shared with the nvjpeg backend)
 
 try:
     from nvidia import nvimgcodec as _nvimgcodec
