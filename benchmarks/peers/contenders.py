@@ -26,9 +26,10 @@ class Contender:
         return sys.executable if self.venv is None else str(venvs / self.venv / "bin" / "python")
 
 
-def contenders(cap: int, exact_kw: dict) -> list[Contender]:
+def contenders(cap: int, exact_kw: dict, quality: int = 90) -> list[Contender]:
     """Every contender, in table order; ``cap`` is the size cap of gpucache and FFCV ``smart``;
-    ``exact_kw``: the loader keywords that turn reduced-size (DCT-scaled) decode off."""
+    ``exact_kw``: the loader keywords that turn reduced-size (DCT-scaled) decode off;
+    ``quality``: the JPEG quality of the re-encoded gpucache store (FFCV's jpg mode's is 90)."""
     gc = ("gpucache", "torch")
     return [
         Contender("pil", "DataLoader + ImageFolder + PIL + torchvision v2 (files)", None,
@@ -44,6 +45,9 @@ def contenders(cap: int, exact_kw: dict) -> list[Contender]:
                   {"build_kw": {"restart_markers": True}, "loader_kw": exact_kw}, flag="exact"),
         Contender(f"gpucache-cap{cap}", f"gpucache, store built with max_side={cap}", None,
                   "p_torch:gpucache", gc, {"build_kw": {"max_side": cap}}, flag="max-side"),
+        Contender(f"gpucache-q{quality}", f"gpucache, store re-encoded at quality {quality} "
+                  f"(jpeg_quality={quality}, where smaller)", None, "p_torch:gpucache", gc,
+                  {"build_kw": {"jpeg_quality": quality}}, flag="jpeg-quality"),
         Contender("dali", "DALI CPU pipeline (reader shuffle_after_epoch, pad_last_batch)",
                   "dali", "p_dali:dali", ("nvidia-dali-cuda120",)),
         Contender("ffcv-jpg", "FFCV jpg mode (re-encoded at quality 90)", "ffcv", "p_ffcv:ffcv",

@@ -152,6 +152,9 @@ def main(argv=None) -> int:
                    help="the GpuCachedLoader keywords of --exact (JSON)")
     p.add_argument("--max-side", type=int, default=None,
                    help="add gpucache built with this size cap; FFCV smart uses it too")
+    p.add_argument("--jpeg-quality", type=int, default=None, metavar="Q",
+                   help="add gpucache built with jpeg_quality=Q (every image re-encoded where "
+                        "smaller, as FFCV's jpg mode at 90)")
     p.add_argument("--limit", type=int, default=None, help="use only N of the images")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
@@ -166,9 +169,10 @@ def main(argv=None) -> int:
                         "gpucache-before and gpucache-rst-before, in the same rounds")
     p.add_argument("--note", default="", help="a line recorded with the result")
     args = p.parse_args(argv)
-    flags = {"exact": args.exact, "max-side": args.max_side is not None}
+    flags = {"exact": args.exact, "max-side": args.max_side is not None,
+             "jpeg-quality": args.jpeg_quality is not None}
     cap = args.max_side or 512
-    chosen = [c for c in contenders(cap, args.exact_kw)
+    chosen = [c for c in contenders(cap, args.exact_kw, args.jpeg_quality or 90)
               if (c.flag is None or flags[c.flag]) and c.name not in args.skip.split(",")
               and (not args.only or c.name in args.only.split(","))]
     if args.before_src is not None:

@@ -1,17 +1,22 @@
-"""The build-time size cap (``max_side=``): images whose long side exceeds it are re-encoded once.
+"""Build-time re-encoding, opt-in: the size cap (``max_side=``) and the quality (``jpeg_quality=``).
 
-An image whose long side (as decoded, after EXIF orientation) is larger than ``max_side`` is
-decoded with PIL, turned upright, resized so that its long side is ``max_side`` (Lanczos, after
-libjpeg's DCT-domain reduction to no less than 3x the target, as ``Image.thumbnail`` does), and
-encoded as a baseline JPEG at :data:`QUALITY` (4:2:0, grayscale kept grayscale, everything else
-RGB, as the CPU decoder would give it). Every other image keeps its bytes exactly. It stays JPEG,
-so every backend (GPU decoders included) decodes the capped store.
+``max_side``: an image whose long side (as decoded, after EXIF orientation) is larger is decoded
+with PIL, turned upright, resized so that its long side is ``max_side`` (Lanczos, after libjpeg's
+DCT-domain reduction to no less than 3x the target, as ``Image.thumbnail`` does), and encoded as a
+baseline JPEG at ``jpeg_quality`` (:data:`QUALITY` by default; 4:2:0, grayscale kept grayscale,
+everything else RGB, as the CPU decoder would give it).
+
+``jpeg_quality``: every other image is decoded, turned upright and encoded the same way at its own
+size, and the result kept only where it is smaller than the image's bytes (FFCV's ``jpg`` mode,
+less its growth: an image already stored at a lower quality keeps its bytes). Without
+``jpeg_quality``, images under the cap keep their bytes exactly. It stays JPEG, so every backend
+(GPU decoders included) decodes the store.
 
 The store records what was changed, in two optional sections:
 
 - ``resized``: uint32 ``(N, 3)``: each sample's original height, width (as decoded) and byte
   size when it was re-encoded, zeros when its bytes are the original ones;
-- ``resized.args``: int64 ``[max_side, quality]``.
+- ``resized.args``: int64 ``[max_side, quality]`` (``max_side`` 0: no cap).
 """
 
 from __future__ import annotations
@@ -35,51 +40,70 @@ def resized(cache) -> np.ndarray | None:
     return None if rec is None else rec[:, 0] > 0
 
 
-def max_side_of(cache) -> tuple[int, int] | None:
-    """``(max_side, quality)`` the store was built with, or None."""
+def max_side_of(cache) -> tuple[int | None, int] | None:
+    """``(max_side, quality)`` the store was built with (``max_side`` None when it was built
+    with ``jpeg_quality`` alone), or None when nothing was re-encoded at build."""
     args = cache.extra.get(ARGS)
-    return None if args is None else (int(args[0]), int(args[1]))
+    return None if args is None else (int(args[0]) or None, int(args[1]))
 
 
-def reencode(data, max_side: int, quality: int = QUALITY) -> bytes:
-    """``data`` (encoded image bytes) decoded, upright, its long side scaled to ``max_side``,
-    encoded as JPEG. Raises what PIL raises for bytes it cannot decode."""
+def reencode(data, max_side: int | None, quality: int = QUALITY) -> bytes:
+    """``data`` (encoded image bytes) decoded, upright, its long side scaled to ``max_side``
+    (None: kept), encoded as JPEG. Raises what PIL raises for bytes it cannot decode."""
     from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(data)) as im:
         w, h = im.size  # as stored; the scale is the same after orientation
-        scale = max_side / max(w, h)
-        im.draft(None, (math.ceil(w * scale * 3), math.ceil(h * scale * 3)))
+        if max_side is not None:
+            scale = max_side / max(w, h)
+            im.draft(None, (math.ceil(w * scale * 3), math.ceil(h * scale * 3)))
         im = ImageOps.exif_transpose(im)
         im = im.convert("L" if im.mode in ("1", "L", "I", "I;16", "F") else "RGB")
-        ow, oh = im.size
-        s = max_side / max(ow, oh)
-        im = im.resize((max(1, round(ow * s)), max(1, round(oh * s))), Image.LANCZOS)
+        if max_side is not None:
+            ow, oh = im.size
+            s = max_side / max(ow, oh)
+            im = im.resize((max(1, round(ow * s)), max(1, round(oh * s))), Image.LANCZOS)
         out = io.BytesIO()
         im.save(out, "JPEG", quality=quality)
     return out.getvalue()
 
 
-class MaxSide:
-    """A build rewriter (see ``_pipeline.read_chunk``): re-encode images over ``max_side``."""
+def _check(name: str, value, low: int, high: int | None, example: str) -> None:
+    if value is None:
+        return
+    if (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low
+            or (high is not None and value > high)):
+        span = f"an integer from {low} to {high}" if high is not None else "a positive integer"
+        raise ValueError(f"{name} must be {span} ({example}) or None, got {value!r}.")
+
+
+class Reencode:
+    """A build rewriter (see ``_pipeline.read_chunk``): images over ``max_side`` resized and
+    re-encoded; with ``jpeg_quality``, every other image re-encoded where that saves bytes."""
 
     columns = {SECTION: ("<u4", 3)}
 
-    def __init__(self, max_side: int, quality: int = QUALITY) -> None:
-        if isinstance(max_side, bool) or not isinstance(max_side, int) or max_side < 1:
-            raise ValueError(f"max_side must be a positive number of pixels (the long side to "
-                             f"cap images at, e.g. 512) or None, got {max_side!r}.")
-        self.max_side, self.quality = max_side, quality
+    def __init__(self, max_side: int | None, jpeg_quality: int | None = None) -> None:
+        _check("max_side", max_side, 1, None, "pixels of the long side to cap images at, e.g. 512")
+        _check("jpeg_quality", jpeg_quality, 1, 100, "PIL's JPEG quality, e.g. 90")
+        if max_side is None and jpeg_quality is None:
+            raise ValueError("Reencode needs max_side, jpeg_quality or both")
+        self.max_side = None if max_side is None else int(max_side)
+        self.all = jpeg_quality is not None  # every image, not only those over the cap
+        self.quality = QUALITY if jpeg_quality is None else int(jpeg_quality)
 
     def __call__(self, data, info: Info):
-        if max(info.height, info.width) <= self.max_side:
+        over = self.max_side is not None and max(info.height, info.width) > self.max_side
+        if not over and not self.all:
             return data, info, {SECTION: (0, 0, 0)}
         try:
-            out = reencode(data, self.max_side, self.quality)
+            out = reencode(data, self.max_side if over else None, self.quality)
             new = sniff(memoryview(out))
         except Exception:  # undecodable pixels: kept as they are; decode reports the sample
+            return data, info, {SECTION: (0, 0, 0)}
+        if not over and len(out) >= len(data):  # no smaller at this quality: the bytes stay
             return data, info, {SECTION: (0, 0, 0)}
         return out, new, {SECTION: (info.height, info.width, len(data))}
 
     def sections(self, columns: dict, k: int) -> dict[str, np.ndarray]:
-        return {ARGS: np.array([self.max_side, self.quality], dtype="<i8")}
+        return {ARGS: np.array([self.max_side or 0, self.quality], dtype="<i8")}

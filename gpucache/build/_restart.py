@@ -41,14 +41,15 @@ class RestartMarkers:
         return {}
 
 
-def rewriters(*, restart_markers: bool, max_side: int | None) -> list:
-    """The build's per-sample rewriters, in the order they apply: the size cap, then the
-    transcode (so a re-encoded image gets restart markers too)."""
-    from ._resize import MaxSide
+def rewriters(*, restart_markers: bool, max_side: int | None,
+              jpeg_quality: int | None = None) -> list:
+    """The build's per-sample rewriters, in the order they apply: the re-encode (size cap,
+    quality), then the transcode (so a re-encoded image gets restart markers too)."""
+    from ._resize import Reencode
 
     steps: list = []
-    if max_side is not None:
-        steps.append(MaxSide(max_side))
+    if max_side is not None or jpeg_quality is not None:
+        steps.append(Reencode(max_side, jpeg_quality))
     if restart_markers:
         steps.append(RestartMarkers())
     return steps

@@ -268,7 +268,8 @@ def cli_build(args, cls):
     """The store for ``gpucache build --csv/--webdataset/--hf`` (None for an ImageFolder root)."""
     kw = dict(on_error=args.on_error, num_threads=args.threads,
               restart_markers=getattr(args, "restart_markers", False),
-              max_side=getattr(args, "max_side", None))
+              max_side=getattr(args, "max_side", None),
+              jpeg_quality=getattr(args, "jpeg_quality", None))
     if getattr(args, "csv", None):
         return from_csv(cls, args.csv, progress=True, **kw)
     if getattr(args, "webdataset", None):

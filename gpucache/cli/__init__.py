@@ -30,6 +30,7 @@ def _build(args) -> int:
         if cache is None:
             cache = JpegCache.from_folder(Path(args.src), on_error=args.on_error,
                                           num_threads=args.threads, max_side=args.max_side,
+                                          jpeg_quality=args.jpeg_quality,
                                           restart_markers=args.restart_markers)
     except (ValueError, RuntimeError, MemoryError) as err:  # BuildError; no transcoder (the fix)
         print(err, file=sys.stderr)
@@ -118,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
                         "only their segments (faster CPU crops, about +3%% size; same pixels)")
     p.add_argument("--max-side", type=int, default=None, metavar="PX",
                    help="re-encode images whose long side exceeds PX to that long side (JPEG, "
-                        "quality 90, recorded in the store); the rest keep their bytes")
+                        "quality 90 or --jpeg-quality, recorded in the store); the rest keep their "
+                        "bytes")
+    p.add_argument("--jpeg-quality", type=int, default=None, metavar="Q",
+                   help="re-encode every image as JPEG at quality Q (1-100, 4:2:0, upright) where "
+                        "that makes it smaller, as FFCV's jpg mode (lossy; recorded in the store)")
     p.set_defaults(func=_build)
     p = sub.add_parser("info", help="summarize a store file (reads no image data)")
     p.add_argument("file")

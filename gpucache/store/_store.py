@@ -92,25 +92,29 @@ class JpegCache:
                     max_pixels: int | None = DEFAULT_MAX_PIXELS,
                     cache_dir: str | os.PathLike | None = None,
                     cache_max_bytes: int | None = None,
-                    restart_markers: bool = False, max_side: int | None = None) -> JpegCache:
+                    restart_markers: bool = False, max_side: int | None = None,
+                    jpeg_quality: int | None = None) -> JpegCache:
         """Pack an ImageFolder tree (``root/<class>/<image>``); labels as torchvision assigns.
         ``max_pixels``: images whose header claims more pixels are refused (None: no bound).
         Several ranks or ``cache_dir``: built once per node and mapped (docs/guides/multi-gpu.md);
         ``cache_max_bytes``: then the least recently used stores there are removed to fit.
         ``restart_markers``: JPEGs transcoded losslessly so crops decode faster (README "Backends").
-        ``max_side``: images with a longer side re-encoded once to it (docs/guides/stores.md)."""
+        ``max_side``: images with a longer side re-encoded once to it; ``jpeg_quality``: their
+        quality, and every other image re-encoded at it where that is smaller (lossy, opt-in;
+        docs/guides/stores.md)."""
         from ..build._build import build, scan_folder
         from ..node._cache import built_once
 
         def scan():
             paths, labels, classes = scan_folder(Path(root))
-            return paths, (labels, classes, on_error, max_pixels, restart_markers, max_side)
+            return paths, (labels, classes, on_error, max_pixels, restart_markers, max_side,
+                           jpeg_quality)
 
         cache = built_once(cls, scan, lambda paths, extra, on_progress: build(
             cls, paths, extra[0], extra[1], None, on_error=on_error, num_threads=num_threads,
             progress=progress, max_pixels=max_pixels, on_progress=on_progress,
-            restart_markers=restart_markers, max_side=max_side),
-            (os.path.abspath(root), on_error, max_pixels, restart_markers, max_side),
+            restart_markers=restart_markers, max_side=max_side, jpeg_quality=jpeg_quality),
+            (os.path.abspath(root), on_error, max_pixels, restart_markers, max_side, jpeg_quality),
             cache_dir=cache_dir,
             max_bytes=cache_max_bytes)
         cache.max_pixels = max_pixels
@@ -123,18 +127,21 @@ class JpegCache:
                    progress: bool = True, max_pixels: int | None = DEFAULT_MAX_PIXELS,
                    cache_dir: str | os.PathLike | None = None,
                    cache_max_bytes: int | None = None,
-                   restart_markers: bool = False, max_side: int | None = None) -> JpegCache:
+                   restart_markers: bool = False, max_side: int | None = None,
+                   jpeg_quality: int | None = None) -> JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
         ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder."""
         from ..build import _sources
         from ..node._cache import built_once
 
-        extra = (labels, metadata, classes, on_error, max_pixels, restart_markers, max_side)
+        extra = (labels, metadata, classes, on_error, max_pixels, restart_markers, max_side,
+                 jpeg_quality)
         cache = built_once(cls, lambda: (paths, extra), lambda paths, _, on_progress:
             _sources.from_files(cls, paths, labels, metadata, classes=classes, on_error=on_error,
                                 num_threads=num_threads, progress=progress, max_pixels=max_pixels,
                                 on_progress=on_progress, restart_markers=restart_markers,
-                                max_side=max_side), (paths, *extra), cache_dir=cache_dir,
+                                max_side=max_side, jpeg_quality=jpeg_quality), (paths, *extra),
+            cache_dir=cache_dir,
             max_bytes=cache_max_bytes)
         cache.max_pixels = max_pixels
         return cache
@@ -143,35 +150,42 @@ class JpegCache:
     def from_csv(cls, path: str | os.PathLike, *, classes: Sequence[str] | None = None,
                  delimiter: str = ",", header: bool | None = None,
                  on_error: Literal["skip", "raise"] = "skip", num_threads: int | None = None,
-                 progress: bool = True) -> JpegCache:
-        """Pack the files a CSV lists as ``path,label[,metadata]`` (paths relative to the CSV)."""
+                 progress: bool = True, **build_options) -> JpegCache:
+        """Pack the files a CSV lists as ``path,label[,metadata]`` (paths relative to the CSV).
+        ``build_options``: ``max_pixels``, ``restart_markers``, ``max_side``, ``jpeg_quality``
+        as in from_folder."""
         from ..build import _sources
 
         return _sources.from_csv(cls, path, classes=classes, delimiter=delimiter, header=header,
-                                 on_error=on_error, num_threads=num_threads, progress=progress)
+                                 on_error=on_error, num_threads=num_threads, progress=progress,
+                                 **build_options)
 
     @classmethod
     def from_webdataset(cls, shards: str | os.PathLike | Sequence[str | os.PathLike], *,
                         classes: Sequence[str] | None = None, metadata_ext: str | None = None,
                         on_error: Literal["skip", "raise"] = "skip",
-                        num_threads: int | None = None, progress: bool = True) -> JpegCache:
-        """Pack WebDataset tar shards (images and ``.cls`` labels), read in place from the tars."""
+                        num_threads: int | None = None, progress: bool = True,
+                        **build_options) -> JpegCache:
+        """Pack WebDataset tar shards (images and ``.cls`` labels), read in place from the tars;
+        ``build_options`` as in from_csv."""
         from ..build import _sources
 
         return _sources.from_webdataset(cls, shards, classes=classes, metadata_ext=metadata_ext,
                                         on_error=on_error, num_threads=num_threads,
-                                        progress=progress)
+                                        progress=progress, **build_options)
 
     @classmethod
     def from_hf(cls, dataset, *, image_column: str = "image", label_column: str | None = "label",
                 classes: Sequence[str] | None = None, on_error: Literal["skip", "raise"] = "skip",
-                num_threads: int | None = None, progress: bool = True) -> JpegCache:
-        """Pack a Hugging Face ``datasets.Dataset``'s ``Image`` column, bytes taken as stored."""
+                num_threads: int | None = None, progress: bool = True,
+                **build_options) -> JpegCache:
+        """Pack a Hugging Face ``datasets.Dataset``'s ``Image`` column, bytes taken as stored;
+        ``build_options`` as in from_csv."""
         from ..build import _sources
 
         return _sources.from_hf(cls, dataset, image_column=image_column,
                                 label_column=label_column, classes=classes, on_error=on_error,
-                                num_threads=num_threads, progress=progress)
+                                num_threads=num_threads, progress=progress, **build_options)
 
     @classmethod
     def open(cls, path: str | os.PathLike, *,
