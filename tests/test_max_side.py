@@ -132,13 +132,18 @@ def test_jpeg_quality_reencodes_every_image_where_that_is_smaller(folder, tmp_pa
     assert max(diffs) < 8 and np.median(diffs) < 4, diffs  # 396 photos: median 2.7, max 7.1
 
 
-def test_jpeg_quality_with_max_side_the_cli_and_other_sources(folder, tmp_path):
+def test_jpeg_quality_with_max_side_the_cli_and_other_sources(folder, tmp_path, capsys):
     root, files = folder
     out = tmp_path / "q70.gpucache"
     assert cli_main(["build", str(root), "-o", str(out), "--max-side", "200",
                      "--jpeg-quality", "70"]) == 0
     cache = JpegCache.open(out)
     assert max_side_of(cache) == (200, 70)
+    capsys.readouterr()
+    assert cli_main(["info", str(out)]) == 0
+    changed = int(resized(cache).sum())
+    assert (f"re-encoded at build (max_side 200, quality 70): {changed} of {len(cache)} samples"
+            in capsys.readouterr().out)
     names = [p.rsplit("/", 1)[1] for p in cache.paths]
     capped = JpegCache.from_folder(root, progress=False, max_side=200)
     for i, name in enumerate(names):  # over the cap: the same resize at the lower quality

@@ -13,6 +13,7 @@ import numpy as np
 from . import _cache as _cache_cli
 from .. import bench
 from ..store._format import CacheFormatError
+from ..build._resize import SECTION as RESIZED, max_side_of
 from ..build._sniff import Kind
 from ..store._store import JpegCache
 
@@ -69,6 +70,15 @@ def _info(args) -> int:
         print(f"build report: {lines[0]}")
         if args.skipped:
             print("\n".join(lines[1:]))
+    settings = max_side_of(cache)
+    if settings is not None:  # what the build re-encoded (max_side, jpeg_quality)
+        rec = cache.extra[RESIZED]
+        mask = rec[:, 0] > 0
+        was = int(rec[mask, 2].astype(np.int64).sum())
+        now = int(sum(len(cache[int(i)]) for i in np.flatnonzero(mask)))
+        cap = f"max_side {settings[0]}, " if settings[0] else ""
+        print(f"re-encoded at build ({cap}quality {settings[1]}): {int(mask.sum())} of "
+              f"{len(cache)} samples, {was / 2**20:,.1f} MiB -> {now / 2**20:,.1f} MiB")
     if cache.extra:
         print("sections: " + ", ".join(f"{name} {arr.dtype.str} {arr.shape}"
                                        for name, arr in cache.extra.items()))
