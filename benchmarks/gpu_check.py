@@ -34,6 +34,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -281,8 +282,11 @@ def _per_image(c: Check, epoch: int):
         out = []
         for i in order[start:start + c.args.batch].tolist():
             try:
-                img = torchvision.io.decode_jpeg(c.cache._bytes_tensor(i), device=c.device,
-                                                 mode=torchvision.io.ImageReadMode.RGB)
+                with warnings.catch_warnings():  # torchvision >= 0.29's TorchCodec notice
+                    warnings.filterwarnings("ignore", category=DeprecationWarning,
+                                            module="torchvision")
+                    img = torchvision.io.decode_jpeg(c.cache._bytes_tensor(i), device=c.device,
+                                                     mode=torchvision.io.ImageReadMode.RGB)
             except RuntimeError:  # a corrupt sample: skipped, as a training loop would
                 continue
             img = orient(img, c.cache.samples["orientation"][i])
