@@ -4,8 +4,8 @@ An input is a path or a :class:`Source` (a name, a size known before reading, an
 No list of bytes and no object per input: the buffer is reserved once at the summed size and the
 kept bytes are appended to it chunk by chunk (``_pipeline``), so the build peaks at the data plus
 the store's index arrays plus the chunks in flight (O(threads x chunk)). Optional rewriters
-re-encode images (over a size cap, ``max_side``; at a quality, ``jpeg_quality``) or transcode JPEGs with restart markers on the
-way, each sample once, into the same buffer.
+re-encode images (over a size cap, ``max_side``; at a quality, ``jpeg_quality``) or transcode
+JPEGs with restart markers on the way, each sample once, into the same buffer.
 """
 
 from __future__ import annotations
@@ -165,7 +165,8 @@ def build(cls, inputs: Sequence[Input], labels: np.ndarray, classes: list[str],
           metadata: Sequence[str] | None, *, on_error: str, num_threads: int | None,
           progress: bool, max_pixels: int | None = DEFAULT_MAX_PIXELS,
           restart_markers: bool = False, max_side: int | None = None,
-          jpeg_quality: int | None = None, on_progress: Callable[[int, int, int], None] | None = None, extra: dict | None = None):
+          jpeg_quality: int | None = None,
+          on_progress: Callable[[int, int, int], None] | None = None, extra: dict | None = None):
     """Pack ``inputs`` (paths or :class:`Source` objects) into ``cls(...)``.
 
     Every input is sized (capped under ``max_pixels``, see ``_limits.too_big``) and sniffed
@@ -174,8 +175,8 @@ def build(cls, inputs: Sequence[Input], labels: np.ndarray, classes: list[str],
     ``on_error="raise"``. A build that keeps no sample raises :class:`BuildError` either way.
     ``max_side``: images whose long side is larger are re-encoded once, to that long side;
     ``jpeg_quality``: the quality of those re-encodes, and every other image re-encoded at it
-    where that saves bytes (``_resize``); ``restart_markers``: JPEGs are transcoded with restart markers
-    (``_restart``). ``on_progress(done, total, bytes_read)`` is called after each chunk.
+    where that saves bytes (``_resize``); ``restart_markers``: JPEGs are transcoded with restart
+    markers (``_restart``). ``on_progress(done, total, bytes_read)`` is called after each chunk.
     ``extra``: optional sections to store as they are (one row per input if per-sample)."""
     from ._restart import rewriters
 

@@ -75,7 +75,7 @@ def _info(args) -> int:
         rec = cache.extra[RESIZED]
         mask = rec[:, 0] > 0
         was = int(rec[mask, 2].astype(np.int64).sum())
-        now = int(sum(len(cache[int(i)]) for i in np.flatnonzero(mask)))
+        now = int(np.diff(cache._arrays()["offsets"])[mask].sum())
         cap = f"max_side {settings[0]}, " if settings[0] else ""
         print(f"re-encoded at build ({cap}quality {settings[1]}): {int(mask.sum())} of "
               f"{len(cache)} samples, {was / 2**20:,.1f} MiB -> {now / 2**20:,.1f} MiB")
