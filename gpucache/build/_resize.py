@@ -86,8 +86,6 @@ class Reencode:
     def __init__(self, max_side: int | None, jpeg_quality: int | None = None) -> None:
         _check("max_side", max_side, 1, None, "pixels of the long side to cap images at, e.g. 512")
         _check("jpeg_quality", jpeg_quality, 1, 100, "PIL's JPEG quality, e.g. 90")
-        if max_side is None and jpeg_quality is None:
-            raise ValueError("Reencode needs max_side, jpeg_quality or both")
         self.max_side = None if max_side is None else int(max_side)
         self.all = jpeg_quality is not None  # every image, not only those over the cap
         self.quality = QUALITY if jpeg_quality is None else int(jpeg_quality)

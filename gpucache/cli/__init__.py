@@ -13,7 +13,7 @@ import numpy as np
 from . import _cache as _cache_cli
 from .. import bench
 from ..store._format import CacheFormatError
-from ..build._resize import SECTION as RESIZED, max_side_of
+from ..build._resize import SECTION as RESIZED, max_side_of, resized
 from ..build._sniff import Kind
 from ..store._store import JpegCache
 
@@ -72,10 +72,9 @@ def _info(args) -> int:
             print("\n".join(lines[1:]))
     settings = max_side_of(cache)
     if settings is not None:  # what the build re-encoded (max_side, jpeg_quality)
-        rec = cache.extra[RESIZED]
-        mask = rec[:, 0] > 0
-        was = int(rec[mask, 2].astype(np.int64).sum())
-        now = int(np.diff(cache._arrays()["offsets"])[mask].sum())
+        mask = resized(cache)
+        was = int(cache.extra[RESIZED][mask, 2].astype(np.int64).sum())
+        now = int(np.diff(cache._offsets)[mask].sum())
         cap = f"max_side {settings[0]}, " if settings[0] else ""
         print(f"re-encoded at build ({cap}quality {settings[1]}): {int(mask.sum())} of "
               f"{len(cache)} samples, {was / 2**20:,.1f} MiB -> {now / 2**20:,.1f} MiB")

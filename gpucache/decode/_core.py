@@ -158,13 +158,13 @@ def reduced_scale(h1: int, w1: int, rh: int, rw: int) -> int:
     return 1
 
 
-def _edge(lo: float, step: float, count: int, d: int, size: int, reach: int) -> tuple[int, int]:
-    """(k, edge) for the first k in 1..count (fewest pixels of context) whose source position
-    ``lo + k * step`` lies within 0.05 scaled pixels of the 1/``d`` grid, else the nearest;
-    ``reach`` is the k at which that position is the image's edge (0 or ``size``), taken as
-    exactly that edge."""
+def _edge(lo: float, step: float, reach: int, d: int, size: int) -> tuple[int, int]:
+    """(k, edge) for the first k in 1..min(reach, 24) (fewest pixels of context) whose source
+    position ``lo + k * step`` lies within 0.05 scaled pixels of the 1/``d`` grid, else the
+    nearest; ``reach`` is the k at which that position is the image's edge (0 or ``size``),
+    taken as exactly that edge."""
     best = None
-    for k in range(1, count + 1):
+    for k in range(1, min(reach, 24) + 1):
         x = lo + k * step
         edge = (0 if step < 0 else size) if k == reach else min(size, d * round(x / d))
         err = abs(edge - x)
@@ -184,9 +184,9 @@ def _cut(t2: int, h2: int, r: int, size: int, d: int) -> tuple[int, int, int, in
     filter is not cut at the crop's edge and the box edge can fall on a whole pixel of the
     1/``d`` grid, which a DCT-scaled decode then does not move), or reaches the image edge."""
     s = size / r
-    o, a = _edge(t2 * s, -s, min(t2, 24), d, size, t2) if t2 else (0, 0)
+    o, a = _edge(t2 * s, -s, t2, d, size) if t2 else (0, 0)
     after = r - t2 - h2
-    o2, b = _edge((t2 + h2) * s, s, min(after, 24), d, size, after) if after else (0, size)
+    o2, b = _edge((t2 + h2) * s, s, after, d, size) if after else (0, size)
     return a, b - a, h2 + o + o2, o
 
 
