@@ -139,3 +139,56 @@ def test_cache_commands_refuse_a_folder_others_may_write(tmp_path, capsys):
     assert "mode 0777, writable by group or others" in capsys.readouterr().err
     assert main(["cache", "list", "--dir", str(tmp_path / "none")]) == 0
     assert "no node cache folder" in capsys.readouterr().out
+
+
+def _users_files(cdir: Path, tmp: Path) -> dict[str, bytes]:
+    """Files a user keeps in a folder also named as cache_dir: none of them is the cache's."""
+    files = {"poetry.lock": b"[[package]]\nname = 'torch'\n", "flake.lock": b'{"nodes": {}}\n',
+             "notes.info": b'{"source": "mine", "samples": 1, "created": 0}\n',
+             "photos.scan": b'{"key": "k", "written": 0, "nonce": "n"}\n',
+             ".draft.tmp": b"half a letter", "model.gpucache.bak": b"GPUCACHE...",
+             # key-shaped names whose content is not what the cache writes there
+             "0123456789abcdef0123456789abcdef.lock": b"my lock notes\n",
+             "0123456789abcdef0123456789abcdef.info": b"not json\n"}
+    for name, data in files.items():
+        (cdir / name).write_bytes(data)
+    os.utime(cdir / "poetry.lock", (0, 0))  # very old
+    mine = JpegCache.from_folder(make_jpeg_folder(tmp / "mine", 3, seed=9), progress=False)
+    mine.save(cdir / "train.gpucache")  # a store saved there by hand is the user's file
+    files["train.gpucache"] = (cdir / "train.gpucache").read_bytes()
+    return files
+
+
+def test_clean_and_the_size_cap_remove_only_the_node_caches_own_files(two, capsys):
+    cdir, old_path, kept, tmp = two
+    users = _users_files(cdir, tmp)
+    key = old_path.stem
+    orphan = "fedcba9876543210fedcba9876543210"  # the cache's own leftovers, no store needs them
+    (cdir / f"{orphan}.info").write_bytes((cdir / f"{key}.info").read_bytes())
+    (cdir / f"{orphan}.lock").write_bytes(
+        b'{"pid": 1, "host": "h", "phase": "building", "done": 0}'.ljust(512))
+    (cdir / f".{orphan}.gpucache.abc_1234.tmp").write_bytes(b"GPUCACHE" + bytes(100))
+    leftovers = {f"{orphan}.info", f"{orphan}.lock", f".{orphan}.gpucache.abc_1234.tmp"}
+
+    JpegCache.from_folder(make_jpeg_folder(tmp / "c3", 4, seed=3), cache_dir=cdir,
+                          progress=False, cache_max_bytes=10**12)  # the cap is never reached
+    assert {n: (cdir / n).read_bytes() for n in users} == users
+    assert not any((cdir / n).exists() for n in leftovers)  # the cap's tidy took those
+
+    for name in leftovers:  # again, for the command line to report
+        (cdir / name).write_bytes((cdir / f"{key}.info").read_bytes() if name.endswith(".info")
+                                  else b'{"pid": 1, "host": "h", "phase": "x"}'.ljust(512)
+                                  if name.endswith(".lock") else b"")
+    assert main(["cache", "list", "--dir", str(cdir)]) == 0
+    listed = capsys.readouterr().out
+    assert listed.startswith(f"{cdir}: 3 stores") and "train" not in listed
+    assert main(["cache", "clean", "--dir", str(cdir), "--older-than", "30d"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "removed 0 stores, 0 B, 3 leftover files; 1 in use kept"
+    assert all(f"removed {cdir / n} (" in out for n in leftovers)
+    assert main(["cache", "clean", "--dir", str(cdir), "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 2 stores" in out and old_path.exists() is False  # the third and the old
+    assert {n: (cdir / n).read_bytes() for n in users} == users  # the user's files, untouched
+    assert _stores(cdir) == sorted([kept.path, cdir / "train.gpucache"])
+    assert len(JpegCache.open(cdir / "train.gpucache")) == 3

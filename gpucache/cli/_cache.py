@@ -79,11 +79,14 @@ def _clean(args) -> int:
     gone = clean(folder, older_than=args.older_than, max_bytes=args.max_size,
                  everything=args.all, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
-    for e in gone:
+    for e in gone.stores:
         print(f"{verb} {e.path} ({_human(e.nbytes)}, used {_ago(e.age_s)} ago)")
+    for path in gone.leftovers:
+        print(f"removed {path} (a record or temporary file of the node cache that no store needs)")
     kept = entries(folder) if not args.dry_run else []
     busy = sum(e.in_use for e in kept)
-    print(f"{verb} {len(gone)} stores, {_human(sum(e.nbytes for e in gone))}"
+    print(f"{verb} {len(gone.stores)} stores, {_human(sum(e.nbytes for e in gone.stores))}"
+          + (f", {len(gone.leftovers)} leftover files" if gone.leftovers else "")
           + (f"; {busy} in use kept" if busy else ""))
     return 0
 

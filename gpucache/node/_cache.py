@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..loader import _dist
 from ..store._format import CacheFormatError
+from ._clean import clean
 from ._dir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private
 from ._lock import NodeLock
 
@@ -128,8 +129,6 @@ def built_once(cls, scan: Callable[[], Listing], build: Callable[..., object], r
             cache.report = built.report
             log.info("gpucache: built %s once for the ranks of this node", store)
         if max_bytes is not None:
-            from ._clean import clean
-
             clean(folder, max_bytes=max_bytes)
         return cache
 

@@ -3,17 +3,38 @@
 A store counts as in use while any process holds a shared ``flock`` on it (every process that
 opened it through the node cache does, for as long as the store lives) or while its build lock is
 held; such a store is listed as in use and never removed.
+
+The folder may also hold files that gpucache never wrote (a ``cache_dir=`` shared with a project,
+a store saved there by hand). Only files that are provably the node cache's own are listed or
+removed: a regular file of this user whose name is exactly one that the cache writes, built on a
+32-hex-digit key (``<key>.gpucache``, ``<key>.info``, ``<key>.lock``, ``<key>.scan``,
+``<key>.scan.lock`` and the ``.<name>.<8 characters>.tmp`` temporary names of its atomic writes),
+and whose content is what the cache puts there (a store's magic, the JSON fields of its records).
+Anything else is left alone, whatever its extension.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..store._format import MAGIC
 from ._dir import in_use, open_own, read_json
+
+log = logging.getLogger("gpucache")
+
+_KEY = "[0-9a-f]{32}"
+_STORE = re.compile(rf"({_KEY})\.gpucache")
+_RECORD = re.compile(rf"({_KEY})\.(info|lock|scan|scan\.lock)")
+_TEMP = re.compile(rf"\.({_KEY})\.(gpucache|info|scan)\.[a-z0-9_]{{8}}\.tmp")  # mkstemp's names
+# the JSON fields each record holds (node/_cache.py writes .info and .scan, node/_lock.py locks)
+_FIELDS = {"info": {"source", "samples", "created"}, "scan": {"key", "written", "nonce"},
+           "lock": {"pid", "host", "phase"}, "scan.lock": {"pid", "host", "phase"}}
 
 
 @dataclass
@@ -30,73 +51,118 @@ class Entry:
         return max(0.0, time.time() - self.last_used)
 
 
+@dataclass
+class Removed:
+    """What a clean removed: stores, and leftovers (records and temporary files no store needs)."""
+
+    stores: list[Entry] = field(default_factory=list)
+    leftovers: list[Path] = field(default_factory=list)
+
+
+def _own_file(path: Path, magic: bytes = b"") -> os.stat_result | None:
+    """The ``stat`` of a regular file of this user at ``path`` that starts with ``magic``."""
+    fd, _ = open_own(path)
+    if fd is None:
+        return None
+    try:
+        if magic and os.pread(fd, len(magic), 0) != magic:
+            return None
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_record(path: Path, kind: str) -> bool:
+    record = read_json(path)  # None unless a regular JSON file of this user
+    return record is not None and _FIELDS[kind] <= record.keys()
+
+
 def entries(folder: Path) -> list[Entry]:
-    """Every store in ``folder``, least recently used first."""
+    """Every store of the node cache in ``folder``, least recently used first."""
     out = []
     for path in folder.glob("*.gpucache"):
-        key = path.name[:-len(".gpucache")]
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
+        m = _STORE.fullmatch(path.name)
+        st = _own_file(path, MAGIC) if m else None
+        if st is None:
             continue
+        key = m[1]
         info = read_json(folder / f"{key}.info") or {}
+        source = info.get("source")
         out.append(Entry(key, path, st.st_size, st.st_mtime,
-                         in_use(path) or in_use(folder / f"{key}.lock"), info.get("source")))
+                         in_use(path) or in_use(folder / f"{key}.lock"),
+                         source if isinstance(source, str) else None))
     return sorted(out, key=lambda e: e.last_used)
 
 
 def clean(folder: Path, *, older_than: float | None = None, max_bytes: int | None = None,
-          everything: bool = False, dry_run: bool = False) -> list[Entry]:
+          everything: bool = False, dry_run: bool = False) -> Removed:
     """Remove stores not in use: all (``everything``), those unused for ``older_than`` seconds,
-    then the least recently used until the rest fit in ``max_bytes``. Returns what was removed."""
+    then the least recently used until the rest fit in ``max_bytes``; then the cache's own
+    leftovers. Returns what was removed (with ``dry_run``, what would be)."""
     stores = entries(folder)
     total = sum(e.nbytes for e in stores)
-    removed = []
+    removed = Removed()
     for e in stores:
         doomed = (everything or (older_than is not None and e.age_s > older_than)
                   or (max_bytes is not None and total > max_bytes))
         if not doomed or e.in_use:
             continue
         if dry_run or _remove(folder, e):
-            removed.append(e)
+            removed.stores.append(e)
             total -= e.nbytes
     if not dry_run:
-        _tidy(folder)
+        removed.leftovers = _tidy(folder)
+    for e in removed.stores:
+        log.info("gpucache: %s %s (%d bytes, unused for %.0f s)",
+                 "would remove" if dry_run else "removed", e.path, e.nbytes, e.age_s)
+    for p in removed.leftovers:
+        log.info("gpucache: removed %s, which no store of the node cache needs", p)
     return removed
 
 
 def _remove(folder: Path, e: Entry) -> bool:
-    fd, why = open_own(e.path)
+    fd, _ = open_own(e.path)
     if fd is None:
-        if why == "missing":
-            return False
-        e.path.unlink(missing_ok=True)  # a link or FIFO left in place of a store
-        return True
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails if a process opened it since
-        e.path.unlink(missing_ok=True)
-    except BlockingIOError:
+        if not os.path.samestat(os.fstat(fd), os.lstat(e.path)):
+            return False  # replaced since it was listed
+        e.path.unlink()
+    except (BlockingIOError, FileNotFoundError):
         return False
     finally:
         os.close(fd)
-    (folder / f"{e.key}.info").unlink(missing_ok=True)
+    info = folder / f"{e.key}.info"
+    if _is_record(info, "info"):
+        info.unlink(missing_ok=True)
     return True
 
 
-def _tidy(folder: Path) -> None:
-    """Drop what no store needs: info files without a store, unheld locks, scan results, temp files
-    of writers that died (a live writer holds a flock on its temp file, and a builder its lock)."""
-    keys = {p.name[:-len(".gpucache")] for p in folder.glob("*.gpucache")}
-    for p in folder.glob("*.info"):
-        if p.name[:-len(".info")] not in keys:
+def _tidy(folder: Path) -> list[Path]:
+    """Remove the cache's own files that no store needs: info records without a store, unheld
+    locks, scan results nobody is writing, temporary files of writers that died (a live writer
+    holds a flock on its temporary file, or its builder holds the key's lock). Returns them."""
+    removed = []
+    for p in sorted(folder.iterdir()):
+        name = p.name
+        if m := _RECORD.fullmatch(name):
+            key, kind = m[1], m[2]
+            if not _is_record(p, kind):
+                continue
+            if kind == "info":
+                doomed = _own_file(folder / f"{key}.gpucache", MAGIC) is None
+            elif kind == "scan":
+                doomed = not in_use(folder / f"{key}.scan.lock")
+            else:  # a waiter that opened it just now notices and takes a new one
+                doomed = not in_use(p)
+        elif m := _TEMP.fullmatch(name):
+            key, kind = m[1], m[2]
+            lock = folder / (f"{key}.scan.lock" if kind == "scan" else f"{key}.lock")
+            doomed = (_own_file(p) is not None and not in_use(p) and not in_use(lock))
+        else:
+            continue
+        if doomed:
             p.unlink(missing_ok=True)
-    for p in folder.glob(".*.tmp"):
-        key = p.name[1:].split(".", 1)[0]
-        if not any(in_use(q) for q in (p, folder / f"{key}.lock", folder / f"{key}.scan.lock")):
-            p.unlink(missing_ok=True)
-    for p in folder.glob("*.lock"):
-        if not in_use(p):  # a waiter that opened it just now notices and takes a new one
-            p.unlink(missing_ok=True)
-    for p in folder.glob("*.scan"):
-        if not in_use(folder / f"{p.name}.lock"):
-            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
