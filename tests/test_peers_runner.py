@@ -88,3 +88,39 @@ def test_run_pil_and_gpucache_end_to_end(tmp_path):
             assert res["epochs"][0]["images"] == 10
     assert out.with_suffix(".png").stat().st_size > 0 and "| `gpucache` |" in \
         out.with_suffix(".md").read_text()
+
+
+@pytest.fixture(scope="module")
+def empty_ffcv_venv(tmp_path_factory) -> Path:
+    """A peer folder holding a venv named ``ffcv`` without FFCV in it (install.sh's layout)."""
+    venvs = tmp_path_factory.mktemp("venvs")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venvs / "ffcv")],
+                   check=True, timeout=120)
+    return venvs
+
+
+def test_install_check_is_not_fooled_by_the_venv_folder_of_the_same_name(empty_ffcv_venv):
+    venvs = empty_ffcv_venv
+    # from inside the venvs folder, `import ffcv` finds the folder ffcv/ as a namespace package
+    naive = subprocess.run([str(venvs / "ffcv/bin/python"), "-c", "import ffcv"], cwd=venvs)
+    assert naive.returncode == 0
+    func = subprocess.run(["sed", "-n", "/^ok() {/,/^}/p", str(PEERS / "install.sh")],
+                          capture_output=True, text=True, check=True).stdout
+    assert func.startswith("ok() {")
+    for module, expect in (("ffcv", 1), ("json", 0)):  # not installed; in the standard library
+        r = subprocess.run(["bash", "-c", f'{func}\nDIR="$1"; ok ffcv {module}', "_", str(venvs)],
+                           cwd=venvs)
+        assert r.returncode == expect, module
+
+
+def test_runner_refuses_a_peer_whose_environment_lacks_it(empty_ffcv_venv):
+    import run
+    from contenders import contenders
+
+    ffcv = next(c for c in contenders(512, {"exact": True}) if c.name == "ffcv-jpg")
+    why = run.missing_peer(ffcv, empty_ffcv_venv)
+    assert why is not None and "lacks ffcv, numba" in why and "install.sh" in why
+    dali = next(c for c in contenders(512, {"exact": True}) if c.name == "dali")
+    assert "no environment at" in run.missing_peer(dali, empty_ffcv_venv)
+    here = next(c for c in contenders(512, {"exact": True}) if c.name == "gpucache")
+    assert run.missing_peer(here, empty_ffcv_venv) is None

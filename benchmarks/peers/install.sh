@@ -32,7 +32,11 @@ venv() {  # venv NAME [torch]: a fresh venv; with "torch", the shared torch afte
   fi
 }
 
-ok() { "$1/bin/python" -c "import $2" >/dev/null 2>&1; }
+# ok VENV MODULE: VENV imports MODULE from a file (run from /: here in DIR the venv folder of the
+# same name would import as an empty namespace package and pass for the peer)
+ok() {
+  (cd / && "$DIR/$1/bin/python" -c "import sys, $2; sys.exit($2.__file__ is None)") >/dev/null 2>&1
+}
 
 venv dali
 ok dali nvidia.dali || dali/bin/pip install -q nvidia-dali-cuda120==2.4.0 numpy
@@ -55,6 +59,14 @@ if ! ok ffcv ffcv; then
   ffcv/bin/pip install -q --no-build-isolation --no-deps --no-binary ffcv ffcv==1.0.2
 fi
 
-for v in dali spdl litdata streaming ffcv; do
-  printf '%-10s ' "$v"; "$v/bin/python" -c "import sys; print(sys.prefix)"
+missing=0
+for pair in dali:nvidia.dali spdl:spdl.io litdata:litdata streaming:streaming ffcv:ffcv; do
+  v=${pair%%:*} m=${pair#*:}
+  if ok "$v" "$m"; then
+    printf '%-10s %s\n' "$v" "$(cd / && "$DIR/$v/bin/python" -c "import $m; print($m.__file__)")"
+  else
+    printf '%-10s NOT INSTALLED: %s does not import %s\n' "$v" "$DIR/$v" "$m"
+    missing=1
+  fi
 done
+exit $missing

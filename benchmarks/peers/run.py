@@ -84,6 +84,29 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def missing_peer(c, venvs: Path) -> str | None:
+    """Why contender ``c``'s environment cannot run it (its distributions not installed), or None.
+
+    Asked by distribution metadata from ``/``: a module name alone can import as an empty
+    namespace package from a folder of the same name (a venv called ``ffcv`` in the cwd)."""
+    if c.venv is None:
+        return None
+    py = c.python(venvs)
+    if not os.access(py, os.X_OK):
+        return f"no environment at {venvs / c.venv}; run bash benchmarks/peers/install.sh {venvs}"
+    code = ("import sys, importlib.metadata as m\n"
+            "for d in sys.argv[1:]:\n"
+            "    try: m.version(d)\n"
+            "    except m.PackageNotFoundError: print(d)\n")
+    out = subprocess.run([py, "-c", code, *c.dists], capture_output=True, text=True, cwd="/",
+                         timeout=120)
+    lacking = out.stdout.split() if out.returncode == 0 else [out.stderr.strip()[-300:]]
+    if lacking:
+        return (f"{venvs / c.venv} lacks {', '.join(lacking)}; run bash "
+                f"benchmarks/peers/install.sh {venvs}")
+    return None
+
+
 def run_pipeline(pipeline: str, chosen, files, args, work: Path) -> dict:
     procs, out = {}, {}
     for c in chosen:
@@ -95,6 +118,11 @@ def run_pipeline(pipeline: str, chosen, files, args, work: Path) -> dict:
                "cfg_path": str(cw / f"{pipeline}.json"), "gpucache_src": str(args.gpucache_src)}
         Path(cfg["cfg_path"]).write_text(json.dumps(cfg))
         res = out[c.name] = {"what": c.what, "warmup": [], "epochs": [], "load": []}
+        lacking = missing_peer(c, args.venvs)
+        if lacking is not None:  # never report a peer that is not there
+            res["error"] = lacking
+            print(f"  {c.name}: {lacking}", file=sys.stderr, flush=True)
+            continue
         print(f"[{pipeline}] starting {c.name}", file=sys.stderr, flush=True)
         p = Proc(c, cfg, args.venvs, work / f"{c.name}-{pipeline}.log")
         kind, msg = p.read(args.timeout)
