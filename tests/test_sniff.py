@@ -10,13 +10,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from gpucache import JpegCache
 from gpucache.build._build import BytesSource, FileObjSource, FileRangeSource, build
-from gpucache.testing._hostile import before_marker
+from gpucache.testing._hostile import before_marker, extra_scans
 from gpucache.store._limits import check_pixels
-from gpucache.build._sniff import SniffError, sniff
-from gpucache.decode._core import decode_jpeg, decode_pil
+from gpucache.build._sniff import MAX_SCANS, Kind, SniffError, count_scans, sniff
+from gpucache.decode._core import decode_jpeg, decode_pil, decode_sample
 from gpucache.testing import hostile_image_bytes, make_hostile_folder, make_jpeg_bytes
 
 CASES = hostile_image_bytes(fill_bytes=4096)
@@ -141,6 +142,56 @@ def test_decode_guard_reads_the_bytes_not_only_the_record():
                       samples=samples, classes=["a"], paths=cache._paths)
     with pytest.raises(ValueError, match="65500x65500"):
         check_pixels(lying, 0)
+
+
+def test_progressive_jpeg_with_thousands_of_scans_is_refused_at_build(tmp_path):
+    """A valid progressive JPEG with 5,000 scans (each an end-of-band run: libjpeg decodes it to
+    the pixels of the 10-scan original, without a warning) is left out with its reason; one at
+    the limit and the 10-scan original are kept and decode as before."""
+    plain = make_jpeg_bytes(48, 32, seed=1, progressive=True)
+    at_limit = extra_scans(plain, MAX_SCANS - count_scans(plain, 2))
+    hostile = extra_scans(plain, 5000)
+    assert torch.equal(_decode(hostile), _decode(plain))  # valid: same pixels
+    names = ["plain.jpg", "at_limit.jpg", "hostile.jpg", "baseline.jpg"]
+    for name, data in zip(names, [plain, at_limit, hostile, make_jpeg_bytes(40, 30, seed=2)]):
+        (tmp_path / name).write_bytes(data)
+    paths = [str(tmp_path / n) for n in names]
+    cache = JpegCache.from_files(paths, progress=False)
+    skipped = cache.report.skipped
+    assert [(s.index, s.path) for s in skipped] == [(2, paths[2])]
+    assert f"more than {MAX_SCANS} scans" in skipped[0].reason
+    assert "jpegtran" in skipped[0].reason  # the fix
+    assert len(cache) + len(skipped) == len(paths)
+    assert list(cache.paths) == [paths[0], paths[1], paths[3]]
+    assert cache.samples["kind"][:2].tolist() == [Kind.JPEG_PROGRESSIVE] * 2
+    assert torch.equal(decode_sample(cache, 1), _decode(plain))
+
+
+def test_scans_are_counted_without_decoding():
+    """20,000 scans over a 1024 x 1024 image: about 2 s of libjpeg decode (0.1 ms a scan,
+    benchmarks/scan_limit.py); refused in about 1 ms of CPU, skipping the scan data in C."""
+    buf = io.BytesIO()
+    Image.new("RGB", (1024, 1024), (90, 140, 200)).save(buf, "JPEG", progressive=True)
+    hostile = memoryview(extra_scans(buf.getvalue(), 20_000))
+    t = time.process_time()
+    with pytest.raises(SniffError, match="more than 100 scans"):
+        sniff(hostile)
+    assert time.process_time() - t < 0.1
+
+
+def test_decode_guard_counts_the_scans_of_the_stored_bytes():
+    """A store whose bytes were not counted (built before the limit, or crafted) refuses the
+    sample before any decoder sees it, with the same reason."""
+    plain = make_jpeg_bytes(48, 32, seed=1, progressive=True)
+    cache = build(JpegCache, [BytesSource("p", plain)], np.zeros(1, np.int64), ["a"], None,
+                  on_error="raise", num_threads=1, progress=False)
+    hostile = np.frombuffer(extra_scans(plain, 5000), np.uint8)
+    uncounted = JpegCache(data=hostile, offsets=np.array([0, len(hostile)]), labels=cache.labels,
+                          samples=cache.samples, classes=["a"], paths=cache._paths)
+    check_pixels(cache, 0)
+    for guarded in (check_pixels, decode_sample):
+        with pytest.raises(ValueError, match=f"more than {MAX_SCANS} scans"):
+            guarded(uncounted, 0)
 
 
 def test_sources_go_straight_into_the_buffer(tmp_path):

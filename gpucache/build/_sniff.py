@@ -53,6 +53,7 @@ class Info(NamedTuple):  # a tuple: made once per sample at build, so it is kept
 
 _SOF_KINDS = {0xC0: Kind.JPEG, 0xC1: Kind.JPEG, 0xC2: Kind.JPEG_PROGRESSIVE,
               0xC9: Kind.JPEG_ARITHMETIC, 0xCA: Kind.JPEG_ARITHMETIC}
+_PROGRESSIVE = (0xC2, 0xCA)  # SOF2 (Huffman), SOF10 (arithmetic)
 _SOF_UNSUPPORTED = {0xC3: "lossless JPEG", 0xC5: "hierarchical JPEG", 0xC6: "hierarchical JPEG",
                     0xC7: "hierarchical JPEG", 0xCB: "lossless JPEG", 0xCD: "hierarchical JPEG",
                     0xCE: "hierarchical JPEG", 0xCF: "hierarchical JPEG"}
@@ -154,21 +155,74 @@ def _frame(seg: memoryview, marker: int) -> tuple[Kind, int, int, int]:
     return _SOF_KINDS[marker], h, w, comps
 
 
-def jpeg_frame_size(b: memoryview) -> tuple[int, int] | None:
-    """``(height, width)`` from the first frame header (SOF) of JPEG bytes, as stored (before
-    EXIF orientation); None when there is none. Microseconds: the pixel budget's re-check."""
-    pos, n = 2, len(b)
+#: Most scans a JPEG may have. libjpeg decodes every scan of a progressive JPEG over the whole
+#: image (~2 ms a scan at 4000 x 4000), and nothing else bounds their number: 20,000 scans of an
+#: end-of-band run each fit in 700 KB and take 40 s to decode. Encoders write 10 (libjpeg's
+#: progressive script for colour, 6 for gray, 18 for CMYK) to ~20 (mozjpeg's searched ones).
+MAX_SCANS = 100
+
+# A marker as libjpeg finds it in entropy-coded data: FF then neither a stuffed 00, nor fill, nor
+# a restart marker (RSTn, part of the scan). One regex search skips a whole scan's data in C.
+_MARKER = re.compile(rb"\xff[\x01-\xcf\xd8-\xfe]")
+
+
+def count_scans(b: memoryview | bytes, pos: int, *, limit: int = MAX_SCANS) -> int:
+    """Scans (SOS markers) libjpeg reads from the marker at ``pos`` to the end of the image (EOI
+    or the end of the data), counted up to ``limit + 1``: segment bodies are skipped by their
+    length, scan data by one C-level search per marker (~1.5 GB/s), so a normal progressive JPEG
+    costs tens of microseconds and a hostile one at most ``limit + 1`` scans' worth."""
+    count, n = 0, len(b)
+    while count <= limit:
+        hit = _MARKER.search(b, pos)
+        if hit is None:
+            break
+        code, pos = b[hit.start() + 1], hit.end()
+        if code == 0xD9 or code == 0xD8:  # EOI: the end; a second SOI: libjpeg stops there
+            break
+        count += code == 0xDA
+        if code != 0x01 and pos + 2 <= n:  # every marker but TEM has a length
+            pos += max((b[pos] << 8) | b[pos + 1], 2)
+    return count
+
+
+def scans_decoded(b: memoryview | bytes, pos: int, *, progressive: bool, comps: int) -> int:
+    """The scans libjpeg decodes (up to ``MAX_SCANS + 1``); ``pos``: the first SOS marker. A
+    sequential JPEG whose first scan holds every component is decoded from that scan alone (libjpeg
+    fails at a second one): 1 without counting, so only progressive and multi-scan sequential
+    JPEGs pay for the count."""
+    if not progressive and pos + 4 < len(b) and b[pos + 4] >= comps:
+        return 1
+    return count_scans(b, pos)
+
+
+TOO_MANY_SCANS = (f"JPEG with more than {MAX_SCANS} scans (libjpeg decodes each one over the "
+                  "whole image; encoders write 10-20): refused as a denial of service; if it is "
+                  "genuine, rewrite it losslessly as one scan with 'jpegtran -copy all IN > OUT'")
+
+
+def jpeg_header(b: memoryview | bytes) -> tuple[int, int, int] | None:
+    """``(height, width, scans)`` of JPEG bytes: the first frame header's (SOF) size as stored
+    (before EXIF orientation) and :func:`scans_decoded` (0 without a scan); None without a frame
+    header. Microseconds (tens for a progressive JPEG): the decode-time re-check."""
+    pos, n, frame = 2, len(b), None
     while pos < n:
         marker, pos = _next_marker(b, pos)
-        if marker < 0 or marker in (0xD9, 0xDA) or pos + 2 > n:
-            return None
+        if marker < 0 or marker == 0xD9 or pos + 2 > n:
+            break
         if marker == 0x01 or 0xD0 <= marker <= 0xD8:
             continue
-        (length,) = struct.unpack_from(">H", b, pos)
-        if marker in _SOF_KINDS or marker in _SOF_UNSUPPORTED:
-            return struct.unpack_from(">HH", b, pos + 3) if pos + 7 <= n else None
-        pos += max(length, 2)
-    return None
+        if marker == 0xDA:
+            if frame is None:
+                break
+            h, w, comps = frame[1:]
+            return h, w, scans_decoded(b, pos - 2, progressive=frame[0] in _PROGRESSIVE,
+                                       comps=comps)
+        if frame is None and (marker in _SOF_KINDS or marker in _SOF_UNSUPPORTED):
+            if pos + 8 > n:
+                return None
+            frame = (marker, *struct.unpack_from(">HHB", b, pos + 3))
+        pos += max((b[pos] << 8) | b[pos + 1], 2)
+    return None if frame is None else (frame[1], frame[2], 0)
 
 
 def _sniff_jpeg(b: memoryview) -> Info:
@@ -179,7 +233,7 @@ def _sniff_jpeg(b: memoryview) -> Info:
         raise SniffError("truncated JPEG: no end-of-image marker (FFD9) at the end of the file")
     if n <= _COPY_BELOW:  # indexing bytes is several times faster than indexing a memoryview
         b = bytes(b)
-    pos, orientation, app1, frame = 2, 1, False, None
+    pos, orientation, app1, frame, sof, sos = 2, 1, False, None, 0, -1
     while True:  # the markers libjpeg reads before the first scan (SOS)
         if pos + 1 < n and b[pos] == 0xFF and b[pos + 1] not in _NOT_MARKER:  # the usual case
             marker, pos = b[pos + 1], pos + 2
@@ -201,6 +255,7 @@ def _sniff_jpeg(b: memoryview) -> Info:
                              f"{pos - 2} has length {length}, {n - pos} bytes remain")
         if marker in _READ:
             if marker == 0xDA:
+                sos = pos - 2
                 break
             if marker == 0xE1:
                 if not app1:  # only the first APP1 counts for the decoders
@@ -208,11 +263,14 @@ def _sniff_jpeg(b: memoryview) -> Info:
             else:
                 if frame is not None:
                     raise SniffError("corrupt JPEG header: two frame headers (SOF)")
-                frame = _frame(b[pos + 2:pos + length], marker)
+                frame, sof = _frame(b[pos + 2:pos + length], marker), marker
         pos += length
     if frame is None:
         raise SniffError("truncated or corrupt JPEG header: no frame header (SOF) found")
     kind, h, w, comps = frame  # a missing scan is left to the decoder (a decode-time failure)
+    if sos >= 0 and scans_decoded(b, sos, progressive=sof in _PROGRESSIVE,
+                                  comps=comps) > MAX_SCANS:
+        raise SniffError(TOO_MANY_SCANS)
     if orientation >= 5:
         h, w = w, h
     return Info(kind, h, w, comps, orientation, 8)

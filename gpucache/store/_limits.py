@@ -3,6 +3,8 @@
 A few-KB JPEG can claim 65500 x 65500 pixels in its header (a decompression bomb: 12 GiB of RGB).
 The bound is checked from the header when a store is built and again, from the stored record,
 before every decode on every backend and every CPU fallback, so no decoder ever allocates for it.
+The same re-check refuses a JPEG with more scans than the sniffer allows (``_sniff.MAX_SCANS``),
+which would cost a decoder a pass over the whole image per scan.
 """
 
 from __future__ import annotations
@@ -52,29 +54,33 @@ def over_budget(height: int, width: int, limit: int | None) -> str | None:
 
 
 def check_pixels(cache, i: int) -> None:
-    """Raise ``ValueError`` if sample ``i`` would decode to more pixels than the store allows.
+    """Raise ``ValueError`` if sample ``i`` would cost a decoder more than the store allows: more
+    pixels than its budget, or a JPEG with more than ``MAX_SCANS`` scans (``_sniff.count_scans``).
 
-    Checks the stored record and, for JPEG and PNG, the dimensions in the sample's own bytes
-    (a few microseconds), so a record that disagrees with its bytes cannot let a bomb through."""
+    Checks the stored record and the sample's own bytes (JPEG and PNG: a few microseconds, tens
+    for a progressive JPEG), so a record that disagrees with its bytes, or a store built without
+    the scan limit, cannot let a bomb through."""
     limit = pixel_budget(cache)
-    if limit is None:
-        return
     s = cache.samples
     why = over_budget(s["height"][i], s["width"][i], limit)
     if why is None:
-        size = _header_size(memoryview(cache[i]), int(s["kind"][i]))
-        why = None if size is None else over_budget(*size, limit)
+        why = _bytes_refused(memoryview(cache[i]), limit)
     if why is not None:
         raise ValueError(why)
 
 
-def _header_size(b: memoryview, kind: int) -> tuple[int, int] | None:
-    """(height, width) as the encoded bytes state them (before EXIF orientation), if cheap."""
-    from ..build._sniff import JPEG_KINDS, Kind, jpeg_frame_size
+def _bytes_refused(b: memoryview, limit: int | None) -> str | None:
+    """Why the encoded bytes are refused (size as they state it, before EXIF orientation; a JPEG's
+    scans), whatever the record says they are; None if they may be decoded."""
+    from ..build._sniff import MAX_SCANS, TOO_MANY_SCANS, jpeg_header
 
-    if kind in JPEG_KINDS:
-        return jpeg_frame_size(b)
-    if kind == Kind.PNG and len(b) >= 24:
+    if b[:2] == b"\xff\xd8":
+        head = jpeg_header(b)
+        if head is None:
+            return None
+        height, width, scans = head
+        return TOO_MANY_SCANS if scans > MAX_SCANS else over_budget(height, width, limit)
+    if b[:8] == b"\x89PNG\r\n\x1a\n" and len(b) >= 24:
         width, height = struct.unpack_from(">II", b, 16)
-        return height, width
+        return over_budget(height, width, limit)
     return None
