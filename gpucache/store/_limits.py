@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import struct
 
+from ._mapped import CacheFormatError
+
 #: PIL's ``Image.MAX_IMAGE_PIXELS`` (about 89.5 Mpx, 268 MB as RGB): the bound people already know.
 DEFAULT_MAX_PIXELS = 89_478_485
 
@@ -55,32 +57,64 @@ def over_budget(height: int, width: int, limit: int | None) -> str | None:
 
 def check_pixels(cache, i: int) -> None:
     """Raise ``ValueError`` if sample ``i`` would cost a decoder more than the store allows: more
-    pixels than its budget, or a JPEG with more than ``MAX_SCANS`` scans (``_sniff.count_scans``).
+    pixels than its budget, or a JPEG with more than ``MAX_SCANS`` scans (``_sniff.count_scans``);
+    :class:`CacheFormatError` if its record's size is not the size its bytes state.
 
     Checks the stored record and the sample's own bytes (JPEG and PNG: a few microseconds, tens
     for a progressive JPEG), so a record that disagrees with its bytes, or a store built without
-    the scan limit, cannot let a bomb through."""
+    the scan limit, cannot let a bomb through, nor have a crop decoder (which trusts the record)
+    hand out a part of the image as if it were all of it."""
     limit = pixel_budget(cache)
     s = cache.samples
     why = over_budget(s["height"][i], s["width"][i], limit)
+    stated = None
     if why is None:
-        why = _bytes_refused(memoryview(cache[i]), limit)
+        stated = stated_size(memoryview(cache[i]))
+        why = _refused(stated, limit)
     if why is not None:
         raise ValueError(why)
+    if stated is not None:
+        _check_record(cache, i, stated[0], stated[1])
 
 
-def _bytes_refused(b: memoryview, limit: int | None) -> str | None:
-    """Why the encoded bytes are refused (size as they state it, before EXIF orientation; a JPEG's
-    scans), whatever the record says they are; None if they may be decoded."""
-    from ..build._sniff import MAX_SCANS, TOO_MANY_SCANS, jpeg_header
+def _check_record(cache, i: int, height: int, width: int) -> None:
+    """Sample ``i``'s record against the size its bytes state (as stored: EXIF turns it)."""
+    rec = cache.samples[i]
+    if int(rec["orientation"]) >= 5:
+        height, width = width, height
+    if (height, width) != (int(rec["height"]), int(rec["width"])):
+        where = f"{cache.path}: " if getattr(cache, "path", None) else ""
+        raise CacheFormatError(
+            f"{where}the store's record of sample {i} says {rec['width']}x{rec['height']} but "
+            f"its image header says {width}x{height} (as decoded): the store is corrupt or was "
+            "altered after it was built; run `gpucache verify` on it and rebuild it "
+            "(`gpucache build`)")
+
+
+def stated_size(b: memoryview) -> tuple[int, int, int] | None:
+    """``(height, width, scans)`` the encoded bytes state (size before EXIF orientation; scans
+    0 for a PNG), or None where that is not cheap to read (other formats, a PNG whose first chunk
+    is not its header)."""
+    from ..build._sniff import jpeg_header
 
     if b[:2] == b"\xff\xd8":
-        head = jpeg_header(b)
-        if head is None:
-            return None
-        height, width, scans = head
-        return TOO_MANY_SCANS if scans > MAX_SCANS else over_budget(height, width, limit)
-    if b[:8] == b"\x89PNG\r\n\x1a\n" and len(b) >= 24:
+        return jpeg_header(b)
+    if b[:8] == b"\x89PNG\r\n\x1a\n" and len(b) >= 24 and b[12:16] == b"IHDR":
         width, height = struct.unpack_from(">II", b, 16)
-        return over_budget(height, width, limit)
+        return height, width, 0
     return None
+
+
+def _refused(stated: tuple[int, int, int] | None, limit: int | None) -> str | None:
+    from ..build._sniff import MAX_SCANS, TOO_MANY_SCANS
+
+    if stated is None:
+        return None
+    height, width, scans = stated
+    return TOO_MANY_SCANS if scans > MAX_SCANS else over_budget(height, width, limit)
+
+
+def bytes_refused(b: memoryview, limit: int | None) -> str | None:
+    """Why the encoded bytes are refused (size as they state it, before EXIF orientation; a JPEG's
+    scans), whatever the record says they are; None if they may be decoded."""
+    return _refused(stated_size(b), limit)

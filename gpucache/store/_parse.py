@@ -2,7 +2,8 @@
 
 Opening is O(index + optional sections): header and directory CRCs, the file size, every section's
 bounds (none overlaps another or the header), index and per-section CRCs, offsets, labels, sample
-records (kind, size) and string tables. Image data is mapped, never read (``gpucache verify``
+records (kind, components, orientation, size), string tables, and the type, shape, values and
+companions of every optional section gpucache reads (``_sections``). Image data is mapped, never read (``gpucache verify``
 checks its CRCs and decodes every sample).
 
 Each process checks a store once: a worker that attached to the very file its parent opened and
@@ -19,6 +20,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from . import _sections
 from ._checksum import crc32_of
 from ._format import (
     CORE,
@@ -30,7 +32,6 @@ from ._format import (
     KINDS,
     MAGIC,
     NAME,
-    SAMPLE_CRC,
     VERSION,
     decode,
 )
@@ -96,9 +97,9 @@ class Parsed:
                                 **{k: v[:2] for k, v in extra_spans.items()}}, size)
         self._views(spans, n, n_classes)
         self.extra = MappingProxyType({k: self._extra(k, *v) for k, v in extra_spans.items()})
-        crcs = self.extra.get(SAMPLE_CRC)
-        if crcs is not None and (crcs.shape != (n,) or crcs.dtype != np.dtype("<u4")):
-            self._fail(f"section {SAMPLE_CRC!r} holds {crcs.shape} {crcs.dtype}, not {n} uint32")
+        why = _sections.problem(self.extra, n, values=not trusted)
+        if why is not None:
+            self._fail(why)
 
     def _crc(self, start: int, length: int, crc: int = 0) -> int:
         with memoryview(self.buf) as mv:  # no copy of the bytes
@@ -170,12 +171,13 @@ class Parsed:
             self._fail("data section is not empty but there are no samples")
         s = self.samples
         bad = (~np.isin(s["kind"], _KINDS) | (s["height"] == 0) | (s["width"] == 0)
-               | (s["components"] < 1) | (s["components"] > 4))
+               | (s["components"] < 1) | (s["components"] > 4)
+               | (s["orientation"] < 1) | (s["orientation"] > 8))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             self._fail(f"sample {i} has an invalid record (kind {s['kind'][i]}, "
-                       f"{s['components'][i]} components, {s['height'][i]}x{s['width'][i]}); "
-                       f"{int(bad.sum())} records are invalid")
+                       f"{s['components'][i]} components, orientation {s['orientation'][i]}, "
+                       f"{s['height'][i]}x{s['width'][i]}); {int(bad.sum())} records are invalid")
         if n and (self.labels.min() < -1 or self.labels.max() >= n_classes):
             self._fail(f"labels out of range for {n_classes} classes")
 

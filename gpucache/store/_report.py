@@ -44,6 +44,8 @@ def read_report(extra: Mapping[str, np.ndarray], where: str):
         if (kinds.ndim != 2 or len(ends) != 2 * len(index) + 1 or ends[0] != 0
                 or ends != sorted(ends) or ends[-1] != len(blob) or total != kept + len(index)):
             raise ValueError("the sections disagree")
+        if len(index) and (index[0] < 0 or index[-1] >= total or np.any(index[1:] <= index[:-1])):
+            raise ValueError(f"skipped input indices are not ascending within 0..{total - 1}")
         texts = [decode(bytes(blob[a:b])) for a, b in zip(ends, ends[1:])]
         counts = {Kind(k).name: int(v) for k, v in kinds.tolist()}
     except (KeyError, ValueError, TypeError) as err:

@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from . import _format, _parse, _readonly, _report, _shm
+from . import _format, _parse, _readonly, _report, _sections, _shm
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
 from ..build._sniff import Kind
@@ -67,6 +67,10 @@ class JpegCache:
                  _file: _parse.Parsed | None = None) -> None:
         extra = {k: _format.check_extra(k, v) for k, v in (extra or {}).items()}
         if _file is None:  # in memory: read-only pages, so no view can write into the store
+            why = _sections.problem(extra, len(labels))
+            if why is not None:  # a save would write a store that does not open
+                raise ValueError(f"{why}; give it the type and shape docs/reference/format.md "
+                                 "lists (gpucache.with_targets makes the targets sections).")
             tables = [*paths, *(metadata or ())]
             data, offsets, labels, samples, *rest = _readonly.freeze(
                 [data, np.asarray(offsets, "<i8"), np.asarray(labels, "<i8"), samples, *tables,
