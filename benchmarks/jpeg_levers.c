@@ -1,7 +1,10 @@
 /* What bounds a photo's JPEG decode, measured against the system libjpeg-turbo (one core):
- * Huffman decoding alone (jpeg_read_coefficients) against a full decode, and the eval centre
- * crop's box (Resize 256 + CenterCrop 224: 224/256 of the short side, square, centred) decoded at
- * each DCT scale M/8, M = 8..4, with libjpeg-turbo's crop and skip, as the compiled decoder does.
+ * Huffman decoding alone (jpeg_read_coefficients) against a full decode; the full decode's stages
+ * told apart by what each variant leaves out (to YCbCr: no colour conversion; to grayscale: no
+ * chroma IDCT or upsampling, only the chroma's Huffman decoding; the fast integer IDCT; no fancy
+ * upsampling); and the eval centre crop's box (Resize 256 + CenterCrop 224: 224/256 of the short
+ * side, square, centred) decoded at each DCT scale M/8, M = 8..4, with libjpeg-turbo's crop and
+ * skip, as the compiled decoder does.
  *
  *   gcc -O2 benchmarks/jpeg_levers.c -o /tmp/jpeg_levers -ljpeg
  *   find ../shared/data/hymenoptera -name '*.jpg' > /tmp/photos.txt
@@ -32,8 +35,11 @@ static double now(void) {
   return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* mode 0: coefficients only; 1: full decode; 2: the centre box at scale num/8.
- * Returns seconds, or -1 if libjpeg refused the file; *box gets the box side (mode 2). */
+enum { COEFS, FULL, FULL_YCC, FULL_GRAY, FULL_IFAST, FULL_PLAIN_UP, BOX, MODES = BOX + 5 };
+
+/* mode COEFS: coefficients only; FULL..FULL_PLAIN_UP: a full decode (variants above); BOX: the
+ * centre box at scale num/8. Returns seconds, or -1 if libjpeg refused the file; *box gets the box
+ * side (BOX). */
 static double decode(const unsigned char *buf, unsigned long n, int mode, int num, int *box) {
   struct jpeg_decompress_struct d;
   struct err e;
@@ -51,20 +57,21 @@ static double decode(const unsigned char *buf, unsigned long n, int mode, int nu
   jpeg_mem_src(&d, (unsigned char *)buf, n);
   jpeg_read_header(&d, TRUE);
   if (d.num_components != 3) longjmp(e.jump, 1);
-  d.out_color_space = JCS_RGB;
-  d.dct_method = JDCT_ISLOW;
+  d.out_color_space = mode == FULL_YCC ? JCS_YCbCr : mode == FULL_GRAY ? JCS_GRAYSCALE : JCS_RGB;
+  d.dct_method = mode == FULL_IFAST ? JDCT_IFAST : JDCT_ISLOW;
+  d.do_fancy_upsampling = mode == FULL_PLAIN_UP ? FALSE : TRUE;
   t0 = now();
-  if (mode == 0) {
+  if (mode == COEFS) {
     jpeg_read_coefficients(&d);
   } else {
     JDIMENSION w, h, side, top, left, x, cw, y;
-    d.scale_num = (unsigned)(mode == 1 ? 8 : num);
+    d.scale_num = (unsigned)(mode < BOX ? 8 : num);
     d.scale_denom = 8;
     jpeg_start_decompress(&d);
     w = d.output_width;
     h = d.output_height;
     row = (JSAMPROW)malloc((size_t)w * 3);
-    if (mode == 1) {
+    if (mode < BOX) {
       while (d.output_scanline < h) jpeg_read_scanlines(&d, (JSAMPARRAY)&row, 1);
     } else {
       side = (JDIMENSION)((w < h ? w : h) * 224.0 / 256);
@@ -96,8 +103,11 @@ int main(int argc, char **argv) {
   unsigned char **buf = NULL;
   unsigned long *len = NULL;
   int n = 0, cap = 0, rounds = argc > 2 ? atoi(argv[2]) : 3, k, r, i, refused = 0;
-  const char *label[7] = {"coefficients only (Huffman)", "full decode", "box at 8/8",
-                          "box at 7/8", "box at 6/8", "box at 5/8", "box at 4/8"};
+  const char *label[MODES] = {"coefficients only (Huffman)", "full decode",
+                              "full, to YCbCr (no colour conv.)", "full, to gray (no chroma IDCT)",
+                              "full, fast integer IDCT", "full, no fancy upsampling",
+                              "box at 8/8", "box at 7/8", "box at 6/8", "box at 5/8",
+                              "box at 4/8"};
   FILE *list = argc > 1 ? fopen(argv[1], "r") : NULL;
   if (list == NULL || rounds < 1) {
     fprintf(stderr, "usage: %s LIST_OF_JPEG_PATHS [ROUNDS]\n", argv[0]);
@@ -120,31 +130,35 @@ int main(int argc, char **argv) {
     fclose(f);
   }
   fclose(list);
-  for (k = 0; k < 7; k++) {
-    double *mean = malloc(sizeof(double) * (size_t)rounds);
-    int fits = 0, used = 0;
-    for (r = 0; r < rounds; r++) {
+  /* rounds outermost, every variant in each: the machine's drift hits them all alike */
+  double *mean = malloc(sizeof(double) * (size_t)rounds * MODES);
+  int fits[MODES] = {0}, used[MODES] = {0};
+  for (r = 0; r < rounds; r++) {
+    for (k = 0; k < MODES; k++) {
       double total = 0;
-      used = fits = refused = 0;
+      used[k] = fits[k] = refused = 0;
       for (i = 0; i < n; i++) {
         int box = 0;
-        double t = decode(buf[i], len[i], k < 2 ? k : 2, 10 - k, &box);
+        double t = decode(buf[i], len[i], k < BOX ? k : BOX, 8 - (k - BOX), &box);
         if (t < 0) {
           refused++;
           continue;
         }
         total += t;
-        used++;
-        fits += box >= 224;
+        used[k]++;
+        fits[k] += box >= 224;
       }
-      mean[r] = used ? total / used * 1e3 : 0;
+      mean[k * rounds + r] = used[k] ? total / used[k] * 1e3 : 0;
     }
-    qsort(mean, (size_t)rounds, sizeof(double), by_value);
-    printf("%-28s %.3f ms per image (median of %d rounds)", label[k], mean[rounds / 2], rounds);
-    if (k >= 2) printf(", box >= 224 px in %d of %d", fits, used);
-    printf("\n");
-    free(mean);
   }
+  for (k = 0; k < MODES; k++) {
+    qsort(mean + k * rounds, (size_t)rounds, sizeof(double), by_value);
+    printf("%-34s %.3f ms per image (median of %d rounds)", label[k],
+           mean[k * rounds + rounds / 2], rounds);
+    if (k >= BOX) printf(", box >= 224 px in %d of %d", fits[k], used[k]);
+    printf("\n");
+  }
+  free(mean);
   printf("%d images read, %d refused or not 3-component\n", n, refused);
   return 0;
 }

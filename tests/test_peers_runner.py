@@ -69,6 +69,28 @@ def test_data_keeps_only_jpegs_and_makes_2000x1500_mosaics(tmp_path):
             assert im.format == "JPEG" and im.size == (2000, 1500)
 
 
+def test_data_reencodes_the_photos_with_the_chroma_and_quality_asked(tmp_path):
+    from PIL import JpegImagePlugin
+
+    src = tmp_path / "src"
+    for k, cls in enumerate(["ants", "bees"]):
+        photo(src / cls / f"{k}.jpg", (64, 48), seed=k)
+    Image.new("L", (40, 30), 90).save(src / "ants" / "gray.jpg", "JPEG")
+    out = data.prepare(src, tmp_path / "work", mosaics=0, repeat=2,
+                       reencode=data._kinds("444:95,420:70"))
+    assert set(out) == {"photos", "photos-444q95", "photos-420q70"}
+    assert out["photos-420q70"].name == "photos-420q70-x2"
+    for kind, sampling in (("photos-444q95", 0), ("photos-420q70", 2)):
+        linked = sorted(out[kind].glob("*/*.jpg"))
+        assert len(linked) == 6 and all(p.is_symlink() for p in linked)
+        for p in linked:
+            with Image.open(p) as im:
+                assert im.format == "JPEG"
+                assert im.mode == "L" or JpegImagePlugin.get_sampling(im) == sampling
+    with pytest.raises(Exception, match="SUBSAMPLING:QUALITY"):
+        data._kinds("411:90")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # several interpreters start torch; minutes on a loaded machine
 def test_run_pil_and_gpucache_end_to_end(tmp_path):

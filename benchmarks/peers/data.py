@@ -1,13 +1,19 @@
-"""The two data sets of the peer run, made once into a work folder (never committed).
+"""The data sets of the peer run, made once into a work folder (never committed).
 
 ``photos``: the real JPEG photos of an image folder (ImageNet-size), linked into
 ``<work>/photos/<class>/`` (with ``--repeat N``, each photo linked N times into
 ``<work>/photos-xN/``, for epochs long enough to time: 397 photos are half a second); anything that is not a JPEG is left out, so every peer reads the same
 files. ``mosaics``: 2000x1500 JPEGs (quality 90), each a 4 x 3 grid of 500x500 tiles cut from those
 photos (centre square, Lanczos resize), so their content and compressed statistics are a real
-photo's at high resolution. Both are deterministic for a given source and seed.
+photo's at high resolution. ``--reencode 444:95,420:90``: the same photos stored another way,
+decoded and written again as baseline JPEGs with that chroma subsampling (4:4:4 full-resolution
+chroma, 4:2:2, 4:2:0) and quality, EXIF and ICC kept, gray images kept gray, linked into
+``<work>/photos-<sub>q<quality>[-xN]/`` (``--repeat`` times, like the photos; the files beside
+it): a claim measured on one kind of JPEG is checked on another. All are deterministic for a given source and
+seed.
 
     python benchmarks/peers/data.py /work/shared/data/hymenoptera /tmp/gpucache-peers --mosaics 200
+    python benchmarks/peers/data.py SRC /tmp/gpucache-peers --repeat 4 --reencode 444:95,420:90
 """
 
 from __future__ import annotations
@@ -48,6 +54,33 @@ def link_photos(photos, dst: Path, repeat: int = 1) -> Path:
     return dst
 
 
+SUBSAMPLING = {"444": 0, "422": 1, "420": 2}  # PIL's subsampling= codes
+
+
+def reencode_photos(photos, dst: Path, sub: str, quality: int, repeat: int = 1) -> Path:
+    """The photos written again as ``sub`` (``"444"``, ``"422"``, ``"420"``) JPEGs at
+    ``quality`` into ``<dst>.files/`` (beside ``dst``: a run over ``dst`` reads each once), then
+    linked like :func:`link_photos`."""
+    from PIL import Image
+
+    files = dst.with_name(f"{dst.name}.files")
+    files.mkdir(parents=True, exist_ok=True)
+    made = []
+    for k, (p, cls) in enumerate(photos):
+        out = files / f"{k:05d}.jpg"
+        if not out.exists():
+            with Image.open(p) as im:
+                im.load()
+                keep = {key: im.info[key] for key in ("exif", "icc_profile") if im.info.get(key)}
+                if im.mode not in ("L", "RGB", "CMYK"):
+                    im = im.convert("RGB")
+                tmp = out.with_suffix(".tmp")
+                im.save(tmp, "JPEG", quality=quality, subsampling=SUBSAMPLING[sub], **keep)
+            os.replace(tmp, out)
+        made.append((out, cls))
+    return link_photos(made, dst, repeat)
+
+
 def make_mosaics(photos, dst: Path, n: int, seed: int) -> Path:
     """``n`` mosaics of 4 x 3 real-photo tiles into ``dst/<class>/``; the class is the first tile's."""
     from PIL import Image
@@ -74,12 +107,29 @@ def make_mosaics(photos, dst: Path, n: int, seed: int) -> Path:
     return dst
 
 
-def prepare(src: Path, work: Path, mosaics: int, seed: int = 0, repeat: int = 1
-            ) -> dict[str, Path]:
+def prepare(src: Path, work: Path, mosaics: int, seed: int = 0, repeat: int = 1,
+            reencode: tuple[tuple[str, int], ...] = ()) -> dict[str, Path]:
     photos = real_photos(src)
-    name = "photos" if repeat == 1 else f"photos-x{repeat}"
-    return {"photos": link_photos(photos, work / name, repeat),
-            "mosaics": make_mosaics(photos, work / f"mosaics-{mosaics}", mosaics, seed)}
+    tail = "" if repeat == 1 else f"-x{repeat}"
+    made = {"photos": link_photos(photos, work / f"photos{tail}", repeat)}
+    for sub, quality in reencode:
+        name = f"photos-{sub}q{quality}"
+        made[name] = reencode_photos(photos, work / f"{name}{tail}", sub, quality, repeat)
+    if mosaics:
+        made["mosaics"] = make_mosaics(photos, work / f"mosaics-{mosaics}", mosaics, seed)
+    return made
+
+
+def _kinds(text: str) -> tuple[tuple[str, int], ...]:
+    out = []
+    for item in filter(None, text.split(",")):
+        sub, _, quality = item.partition(":")
+        if sub not in SUBSAMPLING or not quality.isdigit() or not 1 <= int(quality) <= 100:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: write SUBSAMPLING:QUALITY, SUBSAMPLING one of 444, 422, 420 and "
+                "QUALITY 1-100, e.g. 444:95,420:90")
+        out.append((sub, int(quality)))
+    return tuple(out)
 
 
 def main(argv=None) -> int:
@@ -89,8 +139,11 @@ def main(argv=None) -> int:
     p.add_argument("--mosaics", type=int, default=200, help="how many 2000x1500 mosaics")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="link each photo this many times")
+    p.add_argument("--reencode", type=_kinds, default=(), metavar="SUB:Q,...",
+                   help="also the photos re-encoded, e.g. 444:95,420:90 (4:4:4 at quality 95, "
+                        "4:2:0 at 90)")
     a = p.parse_args(argv)
-    made = prepare(a.src, a.work, a.mosaics, a.seed, a.repeat)
+    made = prepare(a.src, a.work, a.mosaics, a.seed, a.repeat, a.reencode)
     print(json.dumps({k: str(v) for k, v in made.items()}))
     return 0
 
