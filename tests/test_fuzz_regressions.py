@@ -4,7 +4,9 @@ Each runs in a subprocess, so a crash (double free, out-of-bounds read) shows as
 the signal, not a dead pytest. The inputs are real JPEGs made here (or kept under tests/data/).
 """
 
+import importlib.util
 import io
+import json
 import subprocess
 import sys
 import textwrap
@@ -124,3 +126,77 @@ def test_crops_of_a_progressive_jpeg_with_an_incomplete_scan_script_equal_the_wh
             t, l = int(rng.integers(0, h - bh + 1)), int(rng.integers(0, w - bw + 1))
             got = _roi._c_region(data, t, l, bh, bw, height=h, width=w, denom=d)
             assert torch.equal(got, whole[:, t:t + bh, l:l + bw]), (d, t, l, bh, bw)
+
+
+LOOP = Path(__file__).resolve().parents[1] / "benchmarks" / "fuzz" / "loop.py"
+
+
+def _two_gib_of_address_space() -> None:  # an input that asks for 12 GB fails, not the machine
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+@needs_c
+def test_fuzz_harness_holds_inputs_to_the_library_s_limits(tmp_path):
+    """The fuzz loop once passed a 1.7 KB JPEG claiming 35830 x 58024 to the transcoder, which
+    asked for 12 GB and was killed for memory (no sanitizer report). The library refuses such
+    bytes (and a JPEG with more than MAX_SCANS scans) before any decoder sees them; the loop
+    now does too, and still runs a good input through every target. Replayed with the installed
+    (unsanitized) library under a 2 GiB address-space limit."""
+    from gpucache.build._sniff import MAX_SCANS
+    from gpucache.testing import make_jpeg_bytes
+    from gpucache.testing._hostile import extra_scans, patch_sof
+
+    bomb = patch_sof(make_jpeg_bytes(16, 16, seed=2, quality=50), height=35830, width=58024)
+    scans = extra_scans(make_jpeg_bytes(48, 32, seed=1, progressive=True), MAX_SCANS)
+    files = []
+    for name, data in [("bomb", bomb), ("scans", scans), ("good", big_metadata_jpeg())]:
+        files.append(tmp_path / f"{name}.jpg")
+        files[-1].write_bytes(data)
+    lib = importlib.util.find_spec("gpucache.decode._roi_c").origin
+    r = subprocess.run([sys.executable, str(LOOP), lib, "--replay", *map(str, files)],
+                       capture_output=True, text=True, timeout=120,
+                       preexec_fn=_two_gib_of_address_space)
+    assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-2000:]}"
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert (out["iterations"], out["refused"]) == (3, 2), out
+    assert out["calls"] >= 8 and out["errors"] == 0, out  # the good one: every target, no error
+
+
+RESTART = """
+    import numpy as np
+    from gpucache import BuildError, JpegCache
+    from gpucache.build._build import BytesSource, build
+    from gpucache.build._restart import restart_store
+    from gpucache.testing import make_jpeg_bytes
+    from gpucache.testing._hostile import patch_sof
+
+    import resource  # 2 GiB of address space beyond what is mapped now: 12 GB fails fast
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmSize"))
+    resource.setrlimit(resource.RLIMIT_AS, ((kib << 10) + (2 << 30),) * 2)
+    bomb = patch_sof(make_jpeg_bytes(16, 16, seed=2, quality=50), height=35830, width=58024)
+    loose = build(JpegCache, [BytesSource("bomb.jpg", bomb)], np.zeros(1, np.int64), ["a"],
+                  None, on_error="raise", num_threads=1, progress=False, max_pixels=None)
+    lying = JpegCache(data=loose._data, offsets=loose._offsets, labels=loose.labels,
+                      samples=loose.samples, classes=["a"], paths=loose._paths)  # default budget
+    try:
+        restart_store(lying, num_threads=1)
+        raise SystemExit("transcoded a sample over the store's pixel budget")
+    except BuildError as err:
+        assert "bomb.jpg" in str(err) and "max_pixels=89,478,485" in str(err), err
+    print("ok")
+"""
+
+
+@needs_c
+def test_restart_store_holds_samples_to_the_store_s_pixel_budget():
+    """``restart_store`` rebuilt a store with no pixel budget: a sample claiming 35830 x 58024
+    (a store opened with a lower max_pixels, or a crafted one) went to the transcoder, which
+    allocates the whole image's coefficients (12 GB). It is refused with its path and reason.
+    Run with an address-space limit, so the old behaviour fails fast instead of swapping."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(RESTART)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (
+        f"rc {r.returncode}: {r.stdout[-500:]} {r.stderr[-2000:]}")

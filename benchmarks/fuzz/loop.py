@@ -1,9 +1,12 @@
 """The fuzz loop that benchmarks/fuzz/run.py runs in a child process (ASan runtime preloaded).
 
     loop.py LIB OUT SEED SECONDS PHOTOS
+    loop.py LIB --replay FILE...          # each file once through every target (a crash input)
 
 Prints a JSON line of running totals every 200 iterations and at the end; before each iteration
 the input is written to OUT/current.jpg, so the parent can keep the one a sanitizer report ended.
+Inputs are held to the limits the library applies before any decoder sees bytes (gpucache's
+store/_limits.py, imported without the package's __init__, which would bring in torch).
 """
 
 from __future__ import annotations
@@ -15,10 +18,17 @@ import os
 import random
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+if "gpucache" not in sys.modules:  # the package's pure-Python modules, not gpucache/__init__.py
+    _pkg = types.ModuleType("gpucache")
+    _pkg.__path__ = [str(Path(__file__).resolve().parents[2] / "gpucache")]
+    sys.modules["gpucache"] = _pkg
+from gpucache.store._limits import DEFAULT_MAX_PIXELS, bytes_refused  # noqa: E402
 
 C_INT, C_P = ctypes.c_int, ctypes.c_void_p
 SCALES = (1, 2, 4, 8)
@@ -209,13 +219,74 @@ def compare(stats: dict, name: str, data: bytes, got, want, where, warned: bool)
                                     "max_diff": int(np.abs(got.astype(int) - want).max())})
 
 
+def run_targets(target: Target, data: bytes, rng: random.Random, stats: dict, *,
+                transcode: float = 0.3) -> None:
+    """One input through the targets: the region decoder at two scales, the segment decoder when
+    it has restart markers and, with probability ``transcode``, the transcoder and the segment
+    decoder on its output. An input the library refuses before any decoder sees it (over the
+    default max_pixels, too many scans: ``store._limits.bytes_refused``) is counted, not run."""
+    if bytes_refused(memoryview(data), DEFAULT_MAX_PIXELS) is not None:
+        stats["refused"] += 1
+        return
+    h, w, dri = header(data)
+    for denom in rng.sample(SCALES, 2):
+        sh, sw = -(-h // denom), -(-w // denom)
+        if not (sh and sw):
+            target.region(data, denom, 0, 0, 1, 1)  # refused: must say so, not crash
+            continue
+        full = target.region(data, denom, 0, 0, sh, sw) if sh * sw <= 4_000_000 else None
+        full_warned = target.last_warned
+        for _ in range(3):
+            t, l, bh, bw = box(rng, min(sh, 64) if full is None else sh, sw)
+            got = target.region(data, denom, t, l, bh, bw)
+            if full is not None:
+                compare(stats, f"region/{denom}", data, got, full[t:t + bh, l:l + bw],
+                        (t, l, bh, bw), full_warned or target.last_warned)
+        if dri:  # the input as a restart-marker JPEG
+            t, l, bh, bw = box(rng, sh, sw)
+            got = target.segments(data, rng.choice((dri, dri, 1, 4)), denom, t, l, bh, bw)
+            if full is not None:
+                compare(stats, f"segments/{denom}", data, got, full[t:t + bh, l:l + bw],
+                        (t, l, bh, bw), full_warned or target.last_warned)
+    if rng.random() < transcode:
+        done = target.transcode(data)
+        if done is not None and h * w <= 4_000_000:
+            rst, k = done
+            rh, rw, _ = header(rst)
+            denom = rng.choice(SCALES)
+            sh, sw = -(-rh // denom), -(-rw // denom)
+            full = target.region(rst, denom, 0, 0, sh, sw)
+            full_warned = target.last_warned
+            for _ in range(3):
+                t, l, bh, bw = box(rng, sh, sw)
+                got = target.segments(rst, k, denom, t, l, bh, bw)
+                compare(stats, f"transcode+segments/{denom}", rst, got,
+                        None if full is None else full[t:t + bh, l:l + bw], (t, l, bh, bw),
+                        full_warned or target.last_warned)
+
+
+def new_stats() -> dict:
+    return {"iterations": 0, "refused": 0, "mismatches": [], "warned_mismatches": 0}
+
+
+def replay(lib_path: str, files: list[str]) -> None:
+    """Each file once through every target (the transcoder included); the totals as JSON."""
+    target, stats = Target(load(lib_path)), new_stats()
+    for f in files:
+        run_targets(target, Path(f).read_bytes(), random.Random(0), stats, transcode=1.0)
+        stats["iterations"] += 1
+    print(json.dumps({**stats, "calls": target.calls, "errors": target.errors}), flush=True)
+
+
 def main() -> None:
+    if sys.argv[2:3] == ["--replay"]:
+        return replay(sys.argv[1], sys.argv[3:])
     lib_path, out, seed, seconds, photos = sys.argv[1:6]
     target = Target(load(lib_path))
     rng = random.Random(int(seed))
     pool = seeds(Path(photos), target)
     current = os.open(Path(out) / "current.jpg", os.O_WRONLY | os.O_CREAT, 0o600)
-    stats: dict = {"iterations": 0, "mismatches": [], "warned_mismatches": 0}
+    stats = new_stats()
     deadline = time.monotonic() + float(seconds)
     mismatch_dir = Path(out)
 
@@ -228,41 +299,7 @@ def main() -> None:
         os.ftruncate(current, 0)
         os.pwrite(current, data, 0)
         seen = len(stats["mismatches"])
-        h, w, dri = header(data)
-        for denom in rng.sample(SCALES, 2):
-            sh, sw = -(-h // denom), -(-w // denom)
-            if not (sh and sw):
-                target.region(data, denom, 0, 0, 1, 1)  # refused: must say so, not crash
-                continue
-            full = target.region(data, denom, 0, 0, sh, sw) if sh * sw <= 4_000_000 else None
-            full_warned = target.last_warned
-            for _ in range(3):
-                t, l, bh, bw = box(rng, min(sh, 64) if full is None else sh, sw)
-                got = target.region(data, denom, t, l, bh, bw)
-                if full is not None:
-                    compare(stats, f"region/{denom}", data, got, full[t:t + bh, l:l + bw],
-                            (t, l, bh, bw), full_warned or target.last_warned)
-            if dri:  # the input as a restart-marker JPEG
-                t, l, bh, bw = box(rng, sh, sw)
-                got = target.segments(data, rng.choice((dri, dri, 1, 4)), denom, t, l, bh, bw)
-                if full is not None:
-                    compare(stats, f"segments/{denom}", data, got, full[t:t + bh, l:l + bw],
-                            (t, l, bh, bw), full_warned or target.last_warned)
-        if rng.random() < 0.3:
-            done = target.transcode(data)
-            if done is not None and h * w <= 4_000_000:
-                rst, k = done
-                rh, rw, _ = header(rst)
-                denom = rng.choice(SCALES)
-                sh, sw = -(-rh // denom), -(-rw // denom)
-                full = target.region(rst, denom, 0, 0, sh, sw)
-                full_warned = target.last_warned
-                for _ in range(3):
-                    t, l, bh, bw = box(rng, sh, sw)
-                    got = target.segments(rst, k, denom, t, l, bh, bw)
-                    compare(stats, f"transcode+segments/{denom}", rst, got,
-                            None if full is None else full[t:t + bh, l:l + bw], (t, l, bh, bw),
-                            full_warned or target.last_warned)
+        run_targets(target, data, rng, stats)
         if len(stats["mismatches"]) > seen:  # keep the input of a pixel mismatch too
             name = mismatch_dir / f"mismatch-{seed}-{stats['iterations']}.jpg"
             name.write_bytes(data)

@@ -19,6 +19,11 @@ fields) and runs it through
   (``gc_decode_segments``), compared with the full decode of the transcoded JPEG;
 * the segment decoder on the mutated input itself (mutated restart-marker JPEGs, any interval).
 
+A mutated input the library would refuse before any decoder sees it (a frame header over the
+default ``max_pixels``, more than ``MAX_SCANS`` scans: ``store._limits.bytes_refused``, the check
+before every decode) is counted as ``refused`` and not run: a 1.7 KB JPEG claiming 35830 x 58024
+would have the transcoder allocate 12 GB and be killed for memory, without a report.
+
 A sanitizer report kills the child; the input it was running is saved as ``<out>/crash-N.jpg`` with
 the report in ``crash-N.txt``, and a fresh child goes on. The summary (iterations, calls, crashes,
 pixel mismatches, their inputs) is printed as JSON and written to ``<out>/summary.json``. Exit
@@ -83,9 +88,9 @@ def main() -> int:
            "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:allocator_may_return_null=1",
            "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
     deadline = time.monotonic() + budget
-    total = {"iterations": 0, "calls": 0, "mismatches": [], "crashes": [], "errors": 0,
-             "warned": 0, "warned_mismatches": 0, "harness_errors": [], "seconds": budget,
-             "children": 0}
+    total = {"iterations": 0, "refused": 0, "calls": 0, "mismatches": [], "crashes": [],
+             "errors": 0, "warned": 0, "warned_mismatches": 0, "harness_errors": [],
+             "seconds": budget, "children": 0}
     seed = args.seed
     while time.monotonic() < deadline:
         left = deadline - time.monotonic()
@@ -96,7 +101,8 @@ def main() -> int:
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         if lines:
             part = json.loads(lines[-1])
-            for key in ("iterations", "calls", "errors", "warned", "warned_mismatches"):
+            for key in ("iterations", "refused", "calls", "errors", "warned",
+                        "warned_mismatches"):
                 total[key] += part[key]
             total["mismatches"] += part["mismatches"]
         sanitizer = "Sanitizer" in r.stderr or "runtime error:" in r.stderr

@@ -76,11 +76,14 @@ def restart_store(cache, *, num_threads: int | None = None, progress: bool = Fal
     Labels, paths, metadata, the build report and other sections are kept; transcoded samples
     become baseline (``Kind.JPEG``) and their interval goes to the ``rst`` section. Peaks at
     ``cache`` plus its transcoded copy; to build from files at about one copy, pass
-    ``restart_markers=True`` to the builder instead."""
+    ``restart_markers=True`` to the builder instead. Samples are held to ``cache``'s pixel
+    budget as at any build (the transcoder allocates the whole image's coefficients): one over it
+    raises ``BuildError``."""
+    from ..store._limits import pixel_budget
     from ._build import build
 
     out = build(type(cache), _Samples(cache), np.asarray(cache.labels), cache.classes,
                 cache.metadata, on_error="raise", num_threads=num_threads, progress=progress,
-                max_pixels=None, restart_markers=True, extra=dict(cache.extra))
+                max_pixels=pixel_budget(cache), restart_markers=True, extra=dict(cache.extra))
     out.report, out.max_pixels = cache.report, cache.max_pixels
     return out
