@@ -57,8 +57,8 @@ def _rows_bad_rst(a: np.ndarray) -> np.ndarray:
 
 
 def _rows_bad_resized(a: np.ndarray) -> np.ndarray:  # (0, 0, 0): kept as given; else all > 0
-    zero = a == 0
-    return zero.any(axis=1) & ~zero.all(axis=1)
+    zero = a[:, 0] == 0  # column by column: ~20x faster than reductions along rows of 3
+    return (zero != (a[:, 1] == 0)) | (zero != (a[:, 2] == 0))
 
 
 #: Per-sample value rules: a mask of the rows that break them, and the rule in words.
