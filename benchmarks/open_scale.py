@@ -2,7 +2,10 @@
 spawn/forkserver worker does when it unpickles the store (``pickle.loads``), medians of runs.
 
 The store is synthetic (tiny samples, ImageNet-style paths and 1,000 classes), so only the index
-is large: what open reads. Run: ``python benchmarks/open_scale.py --n 1281167``.
+is large: what open reads. Run: ``python benchmarks/open_scale.py --n 1281167``; with
+``--sections`` the store also holds every optional section gpucache checks at open (``rst``,
+``resized`` + ``resized.args``, ``targets`` (N, 8), ``targets_ragged`` (2 rows of 5 a sample) +
+its offsets), so their checks are part of what is timed.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 
-def make_store(path: Path, n: int) -> None:
+def make_store(path: Path, n: int, sections: bool = False) -> None:
     from gpucache import JpegCache
     from gpucache.store._format import pack_strings
     from gpucache.build._sniff import SAMPLE_DTYPE, Kind
@@ -28,12 +31,22 @@ def make_store(path: Path, n: int) -> None:
     labels = np.arange(n, dtype=np.int64) % 1000
     samples = np.zeros(n, dtype=SAMPLE_DTYPE)
     samples["kind"], samples["components"], samples["precision"] = int(Kind.JPEG), 3, 8
+    samples["orientation"] = 1
     samples["height"], samples["width"] = 375, 500
     classes = [f"n{1440764 + k:08d}" for k in range(1000)]
     paths = pack_strings([f"/data/imagenet/train/{classes[i % 1000]}/{classes[i % 1000]}_{i}.JPEG"
                           for i in range(n)])
+    extra = {}
+    if sections:
+        resized = np.zeros((n, 3), dtype="<u4")
+        resized[::7] = (750, 1000, 150_000)
+        extra = {"rst": np.where(np.arange(n) % 3 == 0, 4, 0).astype("<i4"),
+                 "resized": resized, "resized.args": np.array([500, 90], dtype="<i8"),
+                 "targets": np.zeros((n, 8), dtype="<f4"),
+                 "targets_ragged": np.zeros((2 * n, 5), dtype="<f4"),
+                 "targets_ragged.offsets": np.arange(n + 1, dtype="<i8") * 2}
     JpegCache(data=data, offsets=offsets, labels=labels, samples=samples, classes=classes,
-              paths=paths).save(path)
+              paths=paths, extra=extra).save(path)
 
 
 def main() -> None:
@@ -41,14 +54,17 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1_281_167)
     ap.add_argument("--store", type=Path, default=None, help="reuse or create this store file")
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--sections", action="store_true",
+                    help="add the optional sections that open checks (targets, resized, rst)")
     args = ap.parse_args()
     import gpucache
     from gpucache import JpegCache
 
-    store = args.store or Path(f"/tmp/gpucache-open-{args.n}.gpucache")
+    store = args.store or Path(f"/tmp/gpucache-open-{args.n}"
+                               f"{'-sections' if args.sections else ''}.gpucache")
     if not store.exists():
         t0 = time.perf_counter()
-        make_store(store, args.n)
+        make_store(store, args.n, args.sections)
         print(f"made {store} ({store.stat().st_size / 2**20:.0f} MiB) in "
               f"{time.perf_counter() - t0:.1f} s")
     opens, reopens = [], []
