@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import struct
 
+from ._mapped import CacheFormatError
+
 #: PIL's ``Image.MAX_IMAGE_PIXELS`` (about 89.5 Mpx, 268 MB as RGB): the bound people already know.
 DEFAULT_MAX_PIXELS = 89_478_485
 
