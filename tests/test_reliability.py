@@ -3,6 +3,7 @@ its owner, read-only views, concurrent saves, hostile store files (records, stri
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import multiprocessing as mp
 import os
@@ -434,3 +435,45 @@ def test_constrained_share_gives_a_clear_error(jpeg_folder, tmp_path, limit, mat
     assert "SHARED" not in got and match in got.get("ERROR", ""), proc.stdout
     assert "cache.save" in got["ERROR"] or "num_workers=0" in got["ERROR"]
     assert got["LEFT"] == "[]"
+
+
+# ------------------------------------------------------------ out of memory is no bad sample
+def _flat(fmt: str, width: int, height: int) -> bytes:
+    """An image of one colour in ``fmt``: small to store, ``width * height`` pixels decoded."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    out = BytesIO()
+    Image.new("RGB", (width, height), (90, 120, 150)).save(out, fmt)
+    return out.getvalue()
+
+
+def _build_reencoded(png: bytes) -> tuple[int, int]:
+    cache = JpegCache.from_files([png], max_side=64, num_threads=1, progress=False)
+    return int(cache.samples["height"][0]), int(cache.samples["width"][0])
+
+
+def _verify(cache) -> list:
+    from gpucache.store._verify import check_decodes
+
+    return [p.reason for p in check_decodes(cache, threads=1, progress=False)]
+
+
+@pytest.mark.timeout(120)
+def test_out_of_memory_at_build_and_verify_is_a_memory_error_not_a_bad_sample():
+    # A forked child capped 48 MB above what it maps: re-encoding a 6000x6000 PNG (144 MB in
+    # PIL) used to keep the image as it was, unannounced; verifying a 5000x5000 JPEG (75 MB)
+    # reported the sample as undecodable.
+    from gpucache.testing._memory import with_address_space
+
+    png = _flat("PNG", 6000, 6000)
+    out, raised = with_address_space(functools.partial(_build_reencoded, png), 48 << 20)
+    assert out is None and raised is not None and raised[1], raised  # a MemoryError
+    assert "out of memory re-encoding a 6000x6000 image at build" in raised[2], raised
+    assert "not a bad sample" in raised[2] and "num_threads=" in raised[2], raised
+    cache = JpegCache.from_files([_flat("JPEG", 5000, 5000)], progress=False)
+    assert _verify(cache) == []  # without the cap it decodes
+    out, raised = with_address_space(functools.partial(_verify, cache), 48 << 20)
+    assert out is None and raised is not None and raised[1], raised  # a MemoryError
+    assert "out of memory verifying sample 0 (<bytes #0>)" in raised[2], raised

@@ -6,6 +6,7 @@ child processes (forked from one helper so torch is imported once).
 
 import array
 import fcntl
+import functools
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import termios
 import textwrap
 import threading
 import time
+import warnings
 
 import psutil
 import pytest
@@ -23,6 +25,7 @@ import torch
 from gpucache import GpuCachedLoader, JpegCache, WorkerError
 from gpucache import transforms as T
 from gpucache.testing import make_jpeg_bytes
+from gpucache.testing._memory import limit_address_space, with_address_space
 
 SIZE = T.Resize((16, 16))  # fixed size: a batch is one stacked tensor of 768 bytes per image
 
@@ -205,6 +208,102 @@ def test_raising_worker_init_fn_reports_its_traceback(cache):
     msg = str(err.value)
     assert "worker 1" in msg and "failed in worker_init_fn: RuntimeError: boom" in msg
     assert "Traceback" in msg and "_raise_in_worker" in msg and "OOM" not in msg
+
+
+def _flat_jpeg(width: int, height: int) -> bytes:
+    """A JPEG of one colour: a few KB to store and quick to decode, ``3 * width * height``
+    bytes decoded."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    out = BytesIO()
+    Image.new("RGB", (width, height), (90, 120, 150)).save(out, "JPEG")
+    return out.getvalue()
+
+
+BIG = 5000  # a BIG x BIG image decodes to 75 MB: more than any margin below leaves, but one
+
+
+@pytest.fixture(scope="module")
+def one_big(tmp_path_factory):
+    """Four small JPEGs, then one that decodes to 75 MB."""
+    items = [make_jpeg_bytes(64, 64, seed=i) for i in range(4)] + [_flat_jpeg(BIG, BIG)]
+    return JpegCache.from_files(items, progress=False)
+
+
+def _memory_error(loader) -> tuple[str, int]:
+    """The error the loader raises, and how many batches came before it."""
+    batches = 0
+    with pytest.raises(WorkerError) as err, warnings.catch_warnings():
+        warnings.simplefilter("error")  # a skipped sample warns: an error here
+        for _ in loader:
+            batches += 1
+    return str(err.value), batches
+
+
+def _says_memory(msg: str, wid: int = 0) -> None:
+    assert f"worker {wid} (pid" in msg and "ran out of memory" in msg, msg
+    assert "not a bad sample" in msg and "num_workers=" in msg and "batch_size" in msg, msg
+    assert "RLIMIT_AS" in msg, msg
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_worker_out_of_memory_decoding_is_an_error_not_a_skipped_sample(one_big, context):
+    # 32 MB of address space beyond what the worker maps after start: a 64x64 JPEG decodes, the
+    # 75 MB one cannot. It used to be skipped as "could not be decoded: MemoryError".
+    loader = GpuCachedLoader(one_big, batch_size=4, num_workers=1, device="cpu", exact=True,
+                             transform=SIZE, multiprocessing_context=context, timeout=90,
+                             worker_init_fn=functools.partial(limit_address_space, 32 << 20))
+    msg, batches = _memory_error(loader)
+    assert batches == 1  # the small images decoded under the limit
+    _says_memory(msg)
+    assert "while decoding sample 4 (<bytes #4>)" in msg and "samples [4]" in msg, msg
+    assert loader.stats.skipped == 0 and loader.stats.samples == 4
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_worker_out_of_memory_copying_its_result_is_named(one_big, context):
+    # Room for the 75 MB image, not for the copy of it that goes to the socket (images of
+    # several sizes are sent as one buffer). That worker used to exit with code 1, the cause
+    # only on its stderr.
+    loader = GpuCachedLoader(one_big, batch_size=1, num_workers=1, device="cpu",
+                             multiprocessing_context=context, timeout=90,
+                             worker_init_fn=functools.partial(limit_address_space,
+                                                              3 * BIG * BIG + (32 << 20)))
+    msg, batches = _memory_error(loader)
+    assert batches == 4
+    _says_memory(msg)
+    assert "while copying its result for sending, in its batch of samples [4]" in msg, msg
+    assert loader.stats.skipped == 0
+
+
+def _inline_epoch(cache) -> dict:
+    loader = GpuCachedLoader(cache, batch_size=4, num_workers=0, device="cpu", exact=True,
+                             transform=SIZE)
+    batches = 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a skipped sample warns: an error here
+            for _ in loader:
+                batches += 1
+    except MemoryError as err:
+        return {"batches": batches, "skipped": loader.stats.skipped, "error": str(err)}
+    return {"batches": batches, "skipped": loader.stats.skipped, "error": None}
+
+
+@pytest.mark.timeout(120)
+def test_out_of_memory_decoding_without_workers_is_a_memory_error_not_a_skipped_sample(one_big):
+    # num_workers=0 decodes in the main process (here a forked child capped 32 MB above what it
+    # maps): the MemoryError propagates, with the sample and the fix, and nothing is skipped.
+    out, raised = with_address_space(functools.partial(_inline_epoch, one_big), 32 << 20)
+    assert raised is None, raised
+    assert out["batches"] == 1 and out["skipped"] == 0, out
+    msg = out["error"]
+    assert msg is not None and "out of memory while decoding sample 4 (<bytes #4>)" in msg, msg
+    assert "not a bad sample" in msg and "batch_size" in msg and "RLIMIT_AS" in msg, msg
 
 
 NO_MAIN_GUARD = """

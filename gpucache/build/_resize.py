@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from ..store._oom import BUILD_FIX, OutOfMemory, is_out_of_memory
 from ._sniff import Info, sniff
 
 SECTION = "resized"
@@ -97,7 +98,10 @@ class Reencode:
         try:
             out = reencode(data, self.max_side if over else None, self.quality)
             new = sniff(memoryview(out))
-        except Exception:  # undecodable pixels: kept as they are; decode reports the sample
+        except Exception as err:  # undecodable pixels: kept as they are; decode reports it
+            if is_out_of_memory(err):  # not the image's fault: never left as it was, unasked
+                raise OutOfMemory(f"re-encoding a {info.width}x{info.height} image at build", err,
+                                  fix=BUILD_FIX) from err
             return data, info, {SECTION: (0, 0, 0)}
         if not over and len(out) >= len(data):  # no smaller at this quality: the bytes stay
             return data, info, {SECTION: (0, 0, 0)}

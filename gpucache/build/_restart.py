@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import numpy as np
 
+from ..store._oom import BUILD_FIX, OutOfMemory, is_out_of_memory
 from ._sniff import Info, Kind
 
 
@@ -33,7 +34,9 @@ class RestartMarkers:
             return data, info, {self.section: 0}
         try:
             out, k = self._transcode(data)
-        except ValueError:  # libjpeg refused it: the sample stays as it was (full/ROI decode)
+        except ValueError as err:  # libjpeg refused it: the sample stays as it was (full/ROI)
+            if is_out_of_memory(err):  # not the image's fault: never left as it was, unasked
+                raise OutOfMemory("adding restart markers at build", err, fix=BUILD_FIX) from err
             return data, info, {self.section: 0}
         return out, info._replace(kind=Kind.JPEG), {self.section: k}
 

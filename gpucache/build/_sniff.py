@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..store._oom import BUILD_FIX, OutOfMemory, is_out_of_memory
+
 
 class Kind(IntEnum):
     """What a stored sample is. Stored as one byte per sample in the file format."""
@@ -316,6 +318,8 @@ def _sniff_pil(b: memoryview, kind: Kind) -> Info:
     except Image.DecompressionBombError as err:
         raise SniffError(f"header claims more pixels than PIL decodes: {err}") from err
     except Exception as err:  # PIL raises many types for bad files
+        if is_out_of_memory(err):  # the machine's problem, not a bad sample
+            raise OutOfMemory(f"reading a {kind.name} header", err, fix=BUILD_FIX) from err
         raise SniffError(f"unreadable {kind.name} image: {err}") from err
     orientation = orientation if orientation in range(1, 9) else 1
     if orientation >= 5:

@@ -205,6 +205,8 @@ class _HFImage:
         try:
             cell = self._table[self._row].column(self._column)[0]["bytes"]
             slot[:] = memoryview(cell.as_buffer()).cast("B")  # Arrow's buffer, copied once
+        except MemoryError:  # the machine's problem, not a bad sample
+            raise
         except Exception as err:  # the build reports OSError as this sample's skip reason
             raise OSError(f"cannot read row {self._row} of the dataset: {err}") from err
 

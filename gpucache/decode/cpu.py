@@ -1,4 +1,8 @@
-"""backend="cpu": decode in persistent worker processes, or inline with ``num_workers=0``."""
+"""backend="cpu": decode in persistent worker processes, or inline with ``num_workers=0``.
+
+Out of memory is never a bad sample: inline it raises ``MemoryError`` (``store/_oom.py``), in a
+worker a ``WorkerError`` that says so.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import numpy as np
 
 from ..loader._workers import WorkerPool
 from ._base import Backend
+from ..store._oom import OutOfMemory, is_out_of_memory
 from ._core import Decoded, decode_batch
 
 
@@ -36,8 +41,13 @@ class CpuBackend(Backend):
         if self.pool is not None:
             return self.pool.get()
         indices, plans, stack = self._inline.popleft()
-        out = decode_batch(self.cache, indices, plans, on_error=self.on_error, stack=stack,
-                           exact=self.exact)
+        try:
+            out = decode_batch(self.cache, indices, plans, on_error=self.on_error, stack=stack,
+                               exact=self.exact)
+        except RuntimeError as err:  # the batch's own (the stack); a sample's is OutOfMemory
+            if not is_out_of_memory(err):
+                raise
+            raise OutOfMemory(f"while decoding a batch of {len(indices)} samples", err) from err
         if self.pin_memory and hasattr(out.images, "pin_memory"):
             out.images = out.images.pin_memory()
         return out

@@ -5,6 +5,11 @@ the parent's sends always make progress, and the main thread that decodes and se
 worker leaves as soon as the parent goes away: end-of-file on its socket (the parent closed the pool
 or died; under fork the child first closes the parent-side ends of every pool it inherited, so the
 kernel's close at the parent's death reaches it) and, on Linux, ``PR_SET_PDEATHSIG``.
+
+Out of memory is reported, never skipped and never a silent exit: a decode, the copy of a result
+for sending, or the receipt of a task that cannot allocate sends an ``error`` message marked
+``memory`` (made without a traceback, after the batch is dropped; a report made at start when
+even that fails), and the parent raises a ``WorkerError`` that names the worker and the fix.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 import torch
 
 from ..decode._core import Decoded, SampleError, decode_batch
+from ..store._oom import OutOfMemory, is_out_of_memory, said
 
 LEN = struct.Struct("<Q")  # every message: 8-byte little-endian length, then a pickle
 _PR_SET_PDEATHSIG = 1
@@ -60,20 +66,60 @@ def worker_main(wid: int, sock: socket.socket, cache, seed: int, worker_init_fn,
             worker_init_fn(wid)
     except BaseException as err:  # noqa: BLE001 - reported to the parent with its traceback
         _send(sock, {"kind": "init_error", "error": f"{type(err).__name__}: {err}",
-                     "where": where, "traceback": traceback.format_exc()})
+                     "where": where, "memory": is_out_of_memory(err),
+                     "traceback": traceback.format_exc()})
         os._exit(1)
     _send(sock, {"kind": "ready"})
     while True:
-        task, indices, plans, stack = tasks.get()
-        try:
-            out = decode_batch(cache, indices, plans, on_error=on_error, stack=stack, exact=exact)
-        except BaseException as err:  # noqa: BLE001 - everything is reported to the parent
-            _send(sock, {"kind": "error", "task": task, "error": f"{type(err).__name__}: {err}",
-                         "sample_error": isinstance(err, SampleError),
-                         "traceback": traceback.format_exc()})
-            continue
-        _send_result(sock, task, out)
-        del out  # an idle worker holds no decoded images
+        item = tasks.get()
+        if item is None:  # the reader could not allocate a task it received
+            _report(sock, _no_memory(None, "while receiving a task", "MemoryError"))
+            os._exit(1)
+        _serve(sock, cache, *item, on_error=on_error, exact=exact)
+
+
+def _serve(sock: socket.socket, cache, task: int, indices, plans, stack: bool, *,
+           on_error: str, exact: bool) -> None:
+    """Decode one task and send its result, or report why not. Everything the result needs is
+    allocated before its first byte is sent, so a failure is reported in place of the result.
+    Out of memory is reported without a traceback, after the batch and the exception are
+    dropped: the report itself then has memory to be made in."""
+    out = head = data = report = None
+    where = "while decoding"
+    try:
+        out = decode_batch(cache, indices, plans, on_error=on_error, stack=stack, exact=exact)
+        where = "while copying its result for sending"
+        head, data = _result(task, out)
+    except BaseException as err:  # noqa: BLE001 - everything is reported to the parent
+        if isinstance(err, OutOfMemory):  # decode_batch says which sample
+            report = _no_memory(task, err.what, err.detail)
+        elif is_out_of_memory(err):
+            report = _no_memory(task, where, said(err))
+        else:
+            report = {"kind": "error", "task": task, "error": f"{type(err).__name__}: {err}",
+                      "sample_error": isinstance(err, SampleError),
+                      "traceback": traceback.format_exc()}
+    out = None  # an idle worker holds no decoded images
+    if report is not None:
+        _report(sock, report)
+        return
+    _send_bytes(sock, head, data)
+
+
+def _no_memory(task: int | None, where: str, detail: str) -> dict:
+    return {"kind": "error", "task": task, "memory": True, "where": where, "error": detail}
+
+
+#: The report sent when even a small one cannot be made; made before any task arrives.
+_NO_ROOM = frame(_no_memory(None, "(too little memory left to say where)", "MemoryError"))
+
+
+def _report(sock: socket.socket, msg: dict) -> None:
+    try:
+        payload = frame(msg)
+    except MemoryError:
+        payload = _NO_ROOM
+    _send_bytes(sock, payload)
 
 
 def _setup(seed: int) -> None:
@@ -116,7 +162,10 @@ def _read_tasks(sock: socket.socket, tasks: queue.SimpleQueue) -> None:
             if not _recv_exact(sock, memoryview(payload)):
                 break
             tasks.put(pickle.loads(payload))
-    except BaseException:  # noqa: BLE001 - any failure here means the parent is gone
+    except MemoryError:
+        tasks.put(None)  # the main thread reports it, after the tasks already received
+        return
+    except BaseException:  # noqa: BLE001 - any other failure here means the parent is gone
         pass
     os._exit(0)
 
@@ -132,23 +181,32 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
 
 
 def _send(sock: socket.socket, msg: dict, data: memoryview | None = None) -> None:
+    _send_bytes(sock, frame(msg), data)
+
+
+def _send_bytes(sock: socket.socket, payload: bytes, data: memoryview | None = None) -> None:
     try:
-        sock.sendall(frame(msg))
+        sock.sendall(payload)
         if data is not None and data.nbytes:
             sock.sendall(data)
     except OSError:  # the parent closed the pool or died
         os._exit(0)
 
 
-def _send_result(sock: socket.socket, task: int, out: Decoded) -> None:
+def _result(task: int, out: Decoded) -> tuple[bytes, memoryview]:
+    """The header and the one raw buffer of a decoded batch (a stacked batch is sent as it is;
+    a list is copied once into one buffer, image after image, each CHW)."""
     imgs = out.images
     if isinstance(imgs, torch.Tensor):
-        shapes, flat = [tuple(imgs.shape)], imgs.contiguous().numpy()
+        shapes, flat = [tuple(imgs.shape)], imgs.contiguous().reshape(-1)
     else:
         shapes = [tuple(t.shape) for t in imgs]
-        flat = (torch.cat([t.contiguous().reshape(-1) for t in imgs]) if imgs
-                else torch.empty(0, dtype=torch.uint8)).numpy()
-    _send(sock, {"kind": "result", "task": task, "stacked": isinstance(imgs, torch.Tensor),
-                 "shapes": shapes, "indices": out.indices, "failed": out.failed,
-                 "warned": out.warned,
-                 "nbytes": flat.nbytes}, memoryview(flat.reshape(-1)))
+        flat = torch.empty(sum(t.numel() for t in imgs), dtype=torch.uint8)
+        at = 0
+        for t in imgs:
+            flat[at:at + t.numel()].view(t.shape).copy_(t)
+            at += t.numel()
+    head = frame({"kind": "result", "task": task, "stacked": isinstance(imgs, torch.Tensor),
+                  "shapes": shapes, "indices": out.indices, "failed": out.failed,
+                  "warned": out.warned, "nbytes": flat.numel()})
+    return head, memoryview(flat.numpy())

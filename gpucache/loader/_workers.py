@@ -12,6 +12,8 @@ Designed for failure:
   data in flight is bounded by the loader's prefetch (tasks) and one batch per worker (results).
 - Every wait is bounded by ``timeout`` and by the worker's liveness (its process sentinel), and can
   be woken by ``close()`` from another thread. Errors name the worker, its pid and the samples.
+- Out of memory in a worker (decoding, or copying a result to send) is a ``WorkerError`` that
+  says so and gives the fix, never a skipped sample (``store/_oom.py``).
 - A worker never outlives the parent: see ``_worker_main``.
 - Shutdown is parallel: close every socket (workers exit on end-of-file), one shared deadline for
   all, then terminate the rest, then kill.
@@ -38,6 +40,7 @@ import torch
 
 from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
 from ..decode._core import Decoded, SampleError
+from ..store._oom import FIX, OutOfMemory, is_out_of_memory
 
 log = logging.getLogger("gpucache")
 _GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and again after SIGTERM
@@ -48,7 +51,8 @@ _LEAVE = 10.0  # for a get() woken by close() in another thread to leave the poo
 
 
 class WorkerError(RuntimeError):
-    """A worker raised, died or hung; the message names the worker, its pid, the samples, the cause."""
+    """A worker raised, ran out of memory, died or hung; the message names the worker, its pid,
+    the samples and the cause (for out of memory, the fix)."""
 
 
 class _Link:
@@ -171,8 +175,13 @@ class WorkerPool:
                 break
             link.ready = True
         if msg["kind"] == "init_error":
-            raise WorkerError(f"{link} failed {msg['where']}: {msg['error']}\n\nOriginal "
-                              f"traceback in the worker:\n{msg['traceback']}")
+            memory = f". It ran out of memory; {FIX}" if msg.get("memory") else ""
+            raise WorkerError(f"{link} failed {msg['where']}: {msg['error']}{memory}\n\n"
+                              f"Original traceback in the worker:\n{msg['traceback']}")
+        if msg.get("memory"):  # about this task (None: the worker could not say which)
+            raise WorkerError(f"{link} ran out of memory {msg['where']}, in its batch of samples "
+                              f"{_span(indices)} ({msg['error']}). This is not a bad sample: "
+                              f"the worker has too little memory for its batch. Fix: {FIX}.")
         if msg.get("task") != task:
             raise WorkerError(f"{link} sent the result of task {msg.get('task')} while task "
                               f"{task} was expected (protocol error; please report it).")
@@ -182,7 +191,13 @@ class WorkerPool:
             raise WorkerError(f"{link} failed while decoding samples {_span(indices)}: "
                               f"{msg['error']}\n\nOriginal traceback in the worker:\n"
                               f"{msg['traceback']}")
-        buf = torch.empty(msg["nbytes"], dtype=torch.uint8, pin_memory=self.pin_memory)
+        try:
+            buf = torch.empty(msg["nbytes"], dtype=torch.uint8, pin_memory=self.pin_memory)
+        except RuntimeError as err:
+            if not is_out_of_memory(err):
+                raise
+            raise OutOfMemory(f"receiving a batch of {msg['nbytes'] / 2**20:,.1f} MiB from "
+                              f"{link}", err) from err
         if msg["nbytes"]:
             self._recv(link, bytes_into=memoryview(buf.numpy()), indices=indices,
                        deadline=deadline)
@@ -267,8 +282,8 @@ class WorkerPool:
                 "each worker re-runs it on import; or worker_init_fn / the store could not be "
                 "unpickled in the worker (define functions at module top level). The worker's "
                 "own traceback is on stderr above.")
-        hint = (" If it was killed by the OOM killer, use fewer workers or a smaller batch_size."
-                if code == -signal.SIGKILL else "")
+        hint = (f" If the OOM killer killed it (see dmesg): {FIX}." if code == -signal.SIGKILL
+                else "")
         return WorkerError(f"{link} {why} {doing}.{hint}")
 
     # ------------------------------------------------------------------ shutdown

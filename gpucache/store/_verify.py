@@ -20,6 +20,7 @@ from .._progress import tqdm
 
 from . import _checksum
 from ._format import SAMPLE_CRC
+from ._oom import BUILD_FIX, OutOfMemory, is_out_of_memory
 
 DECODE_CHUNK = 64  # samples per decode task
 
@@ -79,6 +80,9 @@ def check_decodes(cache, *, threads: int | None = None, progress: bool = True
             try:
                 check_size(cache, i, decode_sample(cache, i))
             except Exception as err:  # report every sample, keep going
+                if is_out_of_memory(err):  # the machine's problem: no sample reported for it
+                    raise OutOfMemory(f"verifying sample {i} ({paths[i]})", err,
+                                      fix=BUILD_FIX) from err
                 found.append(Problem(i, paths[i], f"{type(err).__name__}: {err}"))
         return found
 

@@ -6,12 +6,18 @@ over a parent and its workers counts each page once. That is what "copies held" 
 PSS also splits a page with *every other* process on the machine that maps it, so the PSS of
 libtorch's pages moves whenever an unrelated process imports torch or exits, by tens of MB. Those
 pages never scale with the data; ``without_libraries=True`` leaves them out.
+
+Tests of a real out-of-memory cap a process's address space (:func:`limit_address_space`, as a
+``worker_init_fn`` too; :func:`with_address_space` in a forked child).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from multiprocessing.connection import wait
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -67,3 +73,55 @@ def reset_peak_rss() -> int:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return status_bytes("VmRSS")
+
+
+def limit_address_space(margin: int, worker_id: int | None = None) -> int:
+    """Cap this process's address space (``RLIMIT_AS``, what ``ulimit -v`` sets) at what it maps
+    now (``VmSize``) plus ``margin`` bytes, and return the cap: a real out-of-memory for any
+    allocation larger than that. ``functools.partial(limit_address_space, margin)`` is a
+    ``worker_init_fn`` (picklable under spawn). Linux only."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    cap = status_bytes("VmSize") + int(margin)
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    return cap
+
+
+def with_address_space(fn: Callable[[], Any], margin: int, *, timeout: float = 120.0
+                       ) -> tuple[Any, tuple[str, bool, str] | None]:
+    """``fn()`` in a forked child capped at :func:`limit_address_space` ``(margin)``, so that a
+    real out-of-memory in it leaves this process alone. Returns ``(what fn returned, None)``, or
+    ``(None, (type name, is a MemoryError, message))`` for what it raised. The child runs torch
+    on one thread (a thread pool started under the cap aborts when it cannot start a thread)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_limited, args=(fn, margin, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        ready = wait([recv, child.sentinel], timeout)
+        if recv not in ready:
+            raise RuntimeError(f"the child capped at +{margin:,} bytes sent nothing within "
+                               f"{timeout} s (exit code {child.exitcode})")
+        return recv.recv()
+    finally:
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+
+
+def _limited(fn: Callable[[], Any], margin: int, send) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    limit_address_space(margin)
+    try:
+        out = (fn(), None)
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, whatever it is
+        out = (None, (type(err).__name__, isinstance(err, MemoryError), str(err)))
+    send.send(out)
