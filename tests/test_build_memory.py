@@ -3,6 +3,9 @@ a restart-marker build near one copy, and the progress it reports on the way."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import io
 import json
 import os
 import subprocess
@@ -12,11 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from gpucache import JpegCache
+from gpucache.build import _resize
 from gpucache.build._build import BytesSource, build
 from gpucache.decode import _roi_rst
 from gpucache.testing import make_jpeg_bytes
+from gpucache.testing._memory import reset_peak_rss, status_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 needs_proc = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
@@ -77,6 +83,32 @@ def test_restart_marker_build_peaks_near_one_copy(tmp_path):
     assert out["n"] == out["rst"] == 160 and out["data"] > 15e6
     print(f"restart-marker build peak / data: {out['peak'] / out['data']:.2f}")
     assert out["peak"] / out["data"] <= 1.5
+
+
+@needs_proc
+def test_reencode_memory_is_bounded_across_threads(tmp_path, monkeypatch):
+    """4 threads re-encoding 4 PNGs of 12 Mpx (46 MB of pixels each, 45 KB of file) under a
+    64 MiB budget: one image decoded at a time, the peak about one image's pixels (1.1), where
+    each thread held its decode and two copies of it (12 images' worth). The default budget is
+    1 GiB; the 8 x 89 Mpx PNGs of docs/guides/stores.md peak 1.4 GiB with it."""
+    h, w = 4000, 3000
+    a = np.zeros((h, w, 3), np.uint8)
+    a[..., 0] = (np.arange(w) // 300 * 25)[None, :]
+    a[..., 1] = (np.arange(h) // 400 * 25)[:, None]
+    png = io.BytesIO()
+    Image.fromarray(a).save(png, "PNG")
+    inputs = [BytesSource(f"{k}.png", png.getvalue()) for k in range(4)]
+    del a
+    monkeypatch.setattr(_resize, "MEMORY_BUDGET", 64 << 20)
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    before = reset_peak_rss()  # in this process: a child would spend seconds importing torch
+    cache = build(JpegCache, inputs, np.zeros(4, np.int64), ["a"], None, on_error="raise",
+                  num_threads=4, progress=False, max_side=256)
+    peak = status_bytes("VmHWM") - before
+    pixels = h * w * 4  # as PIL holds RGB
+    print(f"re-encode peak: {peak / pixels:.2f} images of pixels")
+    assert int(_resize.resized(cache).sum()) == 4 and peak < 2 * pixels
 
 
 def test_progress_is_reported_in_order_and_can_stop_the_build():

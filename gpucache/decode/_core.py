@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..store._limits import check_pixels
 from ..store._oom import OutOfMemory, is_out_of_memory
+from ..build._pixels import eight_bit
 from ..build._sniff import JPEG_KINDS, Kind
 from . import _roi, _roi_rst
 
@@ -50,11 +51,12 @@ def decode_jpeg(data: torch.Tensor, *, use_torchcodec: bool | None = None) -> to
 
 
 def decode_pil(data: np.ndarray) -> torch.Tensor:
-    """PNG, GIF (first frame), WebP, BMP, TIFF, PNM -> RGB uint8 CHW, EXIF orientation applied."""
+    """PNG, GIF (first frame), WebP, BMP, TIFF, PNM -> RGB uint8 CHW, EXIF orientation applied,
+    16-bit samples scaled to 8 bits (:func:`gpucache.build._pixels.eight_bit`)."""
     from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(data)) as im:
-        rgb = ImageOps.exif_transpose(im).convert("RGB")
+        rgb = eight_bit(ImageOps.exif_transpose(im)).convert("RGB")
     return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)
 
 
