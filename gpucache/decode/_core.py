@@ -1,8 +1,8 @@
 """CPU decoding: libjpeg-turbo ``decode_jpeg`` for JPEG, PIL for the other formats; a JPEG whose plan
 crops is decoded only inside the crop box (:mod:`._roi`, :mod:`._roi_rst`; same pixels), and with
-``exact=False`` at a reduced DCT scale when the plan shrinks the box at least 2x each way (close to,
-not the same as, the exact pixels; docs/guides/backends.md). libjpeg's warnings about corrupt data
-come back per sample (``Decoded.warned``).
+``exact=False`` at a reduced DCT scale when the plan shrinks the box enough (:mod:`._scaled`;
+close to, not the same as, the exact pixels; docs/guides/backends.md). libjpeg's warnings about
+corrupt data come back per sample (``Decoded.warned``).
 
 Also the per-sample executor of a geometric plan (crop, antialiased bilinear resize on uint8, crop,
 flip), and :func:`decode_batch`, which the worker processes and the GPU backends' CPU fallback share.
@@ -10,7 +10,6 @@ flip), and :func:`decode_batch`, which the worker processes and the GPU backends
 
 from __future__ import annotations
 
-import functools
 import io
 import warnings
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from ..store._oom import OutOfMemory, is_out_of_memory
 from ..build._pixels import eight_bit
 from ..build._sniff import JPEG_KINDS, Kind
 from . import _roi, _roi_rst
+from ._scaled import fast_plan
 
 try:  # TorchCodec supersedes torchvision's image decoding from torchvision 0.29
     from torchcodec.decoders import decode_jpeg as _codec_decode_jpeg
@@ -152,75 +152,18 @@ def out_size(plans: np.ndarray) -> tuple[int, int]:
     return (int(plans[0, 8]), int(plans[0, 9])) if len(plans) else (0, 0)
 
 
-def reduced_scale(h1: int, w1: int, rh: int, rw: int) -> int:
-    """The largest libjpeg-turbo DCT scale denominator (8, 4, 2; else 1) at which an ``h1`` x
-    ``w1`` box still comes out at least ``rh`` x ``rw`` (a scaled pixel of slack for rounding)."""
-    for d in (8, 4, 2):
-        if h1 >= d * (rh + 1) and w1 >= d * (rw + 1):
-            return d
-    return 1
-
-
-def _edge(lo: float, step: float, reach: int, d: int, size: int) -> tuple[int, int]:
-    """(k, edge) for the first k in 1..min(reach, 24) (fewest pixels of context) whose source
-    position ``lo + k * step`` lies within 0.05 scaled pixels of the 1/``d`` grid, else the
-    nearest; ``reach`` is the k at which that position is the image's edge (0 or ``size``),
-    taken as exactly that edge."""
-    best = None
-    for k in range(1, min(reach, 24) + 1):
-        x = lo + k * step
-        edge = (0 if step < 0 else size) if k == reach else min(size, d * round(x / d))
-        err = abs(edge - x)
-        if best is None or err < best[0]:
-            best = (err, k, edge)
-        if err <= 0.05 * d:
-            break
-    return best[1], best[2]
-
-
-@functools.lru_cache(maxsize=4096)  # eval plans repeat per image size
-def _cut(t2: int, h2: int, r: int, size: int, d: int) -> tuple[int, int, int, int]:
-    """One axis of :func:`crop_before_resize`: the crop [t2, t2 + h2) of ``size`` source pixels
-    resized to ``r``. Returns the source box (start, length) and (n, offset): resized to n, the
-    box holds the crop at offset, sampled where the full resize samples it to within a small
-    fraction of a source pixel. Each side keeps at least a pixel of context (up to 24, so the
-    filter is not cut at the crop's edge and the box edge can fall on a whole pixel of the
-    1/``d`` grid, which a DCT-scaled decode then does not move), or reaches the image edge."""
-    s = size / r
-    o, a = _edge(t2 * s, -s, t2, d, size) if t2 else (0, 0)
-    after = r - t2 - h2
-    o2, b = _edge((t2 + h2) * s, s, after, d, size) if after else (0, size)
-    return a, b - a, h2 + o + o2, o
-
-
-def crop_before_resize(plan: list[int]) -> list[int]:
-    """``plan`` with its second crop (one inside the resized image, e.g. CenterCrop after
-    Resize) cut before the resize, as FFCV's centre-crop decoder does: the first box shrinks to
-    the part of the image that crop keeps, plus a few pixels of context, chosen so that its
-    resize samples where the full resize did (:func:`_cut`). Not bit-exact, since the box edges
-    are whole pixels: the crop moves by a small fraction of a pixel. ``exact=False`` only."""
-    t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = plan
-    if ((t2, l2, h2, w2) == (0, 0, rh, rw) or min(t2, l2) < 0 or t2 + h2 > rh
-            or l2 + w2 > rw):
-        return plan
-    d = reduced_scale(round(h2 * h1 / rh), round(w2 * w1 / rw), h2, w2)  # the scale it will take
-    top, hb, nh, ot = _cut(t2, h2, rh, h1, d)
-    left, wb, nw, ol = _cut(l2, w2, rw, w1, d)
-    return [t1 + top, l1 + left, hb, wb, nh, nw, ot, ol, h2, w2, flip]
-
-
 def _decode_box(cache, i: int, plan: list[int], kind: int, components: int, precision: int,
                 orientation: int, height: int, width: int, restart: int,
-                regions: dict, exact: bool) -> tuple[torch.Tensor, bool]:
+                regions: dict, denom: int) -> tuple[torch.Tensor, bool]:
     """Sample ``i`` cropped to the plan's first crop box; True if only the box was decoded.
 
-    With ``exact=False`` a box at least 2x its resize target each way is decoded at a reduced
-    DCT scale (compiled decoder only), so the result is smaller than the box."""
+    With ``denom`` > 1 (``exact=False``, :func:`._scaled.fast_plan`) the box is decoded at
+    1/``denom`` DCT scale (compiled decoder only), so the result is smaller than the box."""
     t1, l1, h1, w1 = plan[:4]
     region = regions.get(components)
     if (region is not None and kind in _ROI_KINDS and precision == 8
             and 0 <= t1 and 0 <= l1 and t1 + h1 <= height and l1 + w1 <= width):
-        denom = 1 if exact or region is not _roi._c_region else reduced_scale(h1, w1, *plan[4:6])
+        denom = denom if region is _roi._c_region else 1
         whole = (h1, w1) == (height, width)
         if whole and denom == 1:  # no crop: whole, but through the compiled decoder,
             if region is not _roi._c_region:  # which reports libjpeg's warnings per sample
@@ -235,7 +178,7 @@ def _decode_box(cache, i: int, plan: list[int], kind: int, components: int, prec
                 x = _roi.decode_crop(cache[i], t1, l1, h1, w1, denom=denom, **kw)
         except _roi.ScaleRefused:  # sampling factors it does not scale: the exact path
             return _decode_box(cache, i, plan, kind, components, precision, orientation,
-                               height, width, restart, regions, True)
+                               height, width, restart, regions, 1)
         return x, not whole
     img = check_size(cache, i, _decode_full(cache, i, kind))
     return img[:, t1:t1 + h1, l1:l1 + w1], False
@@ -248,9 +191,9 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
     A JPEG whose plan crops is decoded only inside the crop box when ROI decode is available
     (:mod:`._roi`; same output, less work), from its restart segments in a restart-marker store
     (:mod:`._roi_rst`); anything else is decoded in full, then cropped. ``exact=False`` lets a
-    JPEG whose plan shrinks its box at least 2x each way decode at 1/2, 1/4 or 1/8 scale (DCT
-    scaling), and cuts a crop that follows a resize before it (:func:`crop_before_resize`);
-    neither is bit-exact: within the tolerance docs/guides/backends.md states."""
+    JPEG whose plan shrinks its box enough decode at 1/2, 1/4 or 1/8 scale (DCT scaling), and
+    cuts a crop that follows a resize before it (:func:`._scaled.fast_plan`); neither is
+    bit-exact: within the tolerance docs/guides/backends.md states."""
     images, kept, failed, warned, roi = [], [], [], [], 0
     indices = np.asarray(indices, dtype=np.int64)
     rec = cache.samples[indices]  # one gather per batch, not numpy scalars per sample
@@ -263,13 +206,16 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
                rec["components"].tolist(), rec["precision"].tolist(), rec["orientation"].tolist(),
                rec["height"].tolist(), rec["width"].tolist(), restart)
     for i, plan, kind, components, precision, orientation, height, width, k in rows:
-        if not exact:
-            plan = crop_before_resize(plan)
+        denom = 1
+        if not exact:  # the scale only where the compiled decoder takes the sample
+            plan, denom = fast_plan(plan, height, width, orientation=orientation,
+                                    scalable=regions.get(components) is _roi._c_region
+                                    and kind in _ROI_KINDS and precision == 8)
         try:
             check_pixels(cache, i)
             _roi.take_warning()
             x, used_roi = _decode_box(cache, i, plan, kind, components, precision,
-                                      orientation, height, width, k, regions, exact)
+                                      orientation, height, width, k, regions, denom)
             note = _roi.take_warning()
             if note is not None:
                 warned.append((i, warned_reason(cache, i, note)))
