@@ -5,7 +5,8 @@ No list of bytes and no object per input: the buffer is reserved once at the sum
 kept bytes are appended to it chunk by chunk (``_pipeline``), so the build peaks at the data plus
 the store's index arrays plus the chunks in flight (O(threads x chunk)). Optional rewriters
 re-encode images (over a size cap, ``max_side``; at a quality, ``jpeg_quality``) or transcode
-JPEGs with restart markers on the way, each sample once, into the same buffer.
+JPEGs with restart markers on the way, each sample once, into the same buffer; the re-encodes'
+decoded pixels, across all threads, stay within one budget (``_resize.MEMORY_BUDGET``).
 """
 
 from __future__ import annotations
