@@ -9,6 +9,7 @@
  *   gcc -O2 benchmarks/jpeg_levers.c -o /tmp/jpeg_levers -ljpeg
  *   find ../shared/data/hymenoptera -name '*.jpg' > /tmp/photos.txt
  *   /tmp/jpeg_levers /tmp/photos.txt 3
+ *   valgrind --tool=callgrind /tmp/jpeg_levers /tmp/photos.txt 1 1   # the full decode alone
  *
  * Prints the median over rounds of the mean ms per image, and for each scale how many images'
  * box still comes out at least 224 pixels (the eval output) at that scale. Files that libjpeg
@@ -103,6 +104,7 @@ int main(int argc, char **argv) {
   unsigned char **buf = NULL;
   unsigned long *len = NULL;
   int n = 0, cap = 0, rounds = argc > 2 ? atoi(argv[2]) : 3, k, r, i, refused = 0;
+  int only = argc > 3 ? atoi(argv[3]) : -1; /* one variant alone (its index), e.g. under callgrind */
   const char *label[MODES] = {"coefficients only (Huffman)", "full decode",
                               "full, to YCbCr (no colour conv.)", "full, to gray (no chroma IDCT)",
                               "full, fast integer IDCT", "full, no fancy upsampling",
@@ -136,6 +138,7 @@ int main(int argc, char **argv) {
   for (r = 0; r < rounds; r++) {
     for (k = 0; k < MODES; k++) {
       double total = 0;
+      if (only >= 0 && k != only) continue;
       used[k] = fits[k] = refused = 0;
       for (i = 0; i < n; i++) {
         int box = 0;
@@ -152,6 +155,7 @@ int main(int argc, char **argv) {
     }
   }
   for (k = 0; k < MODES; k++) {
+    if (only >= 0 && k != only) continue;
     qsort(mean + k * rounds, (size_t)rounds, sizeof(double), by_value);
     printf("%-34s %.3f ms per image (median of %d rounds)", label[k],
            mean[k * rounds + rounds / 2], rounds);
