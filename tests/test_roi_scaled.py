@@ -148,7 +148,7 @@ def test_scaled_decode_follows_exif_orientation(tmp_path, transform):
     diff = (fast.int() - exact.int()).abs().float().mean(dim=(1, 2, 3))
     scaled = torch.tensor([fast_plan(p, h, w, orientation=o, scalable=True)[1] > 1 for p, h, w, o
                            in zip(plans.tolist(), *hw, store.samples["orientation"][idx])])
-    assert scaled.sum() >= 24 and (diff[scaled] > 0).all()
+    assert scaled.sum() >= 16 and (diff[scaled] > 0).all()
     assert diff.max() <= 2, diff.view(8, 4).tolist()
 
 
