@@ -86,13 +86,10 @@ def test_max_side_with_restart_markers_and_the_cli(folder, tmp_path):
         JpegCache.from_folder(root, progress=False, max_side=0)
 
 
-PHOTOS = Path(__file__).resolve().parents[2] / "shared" / "data" / "hymenoptera" / "val" / "bees"
-
-
 def test_jpeg_quality_reencodes_every_image_where_that_is_smaller(folder, tmp_path):
     """FFCV's jpg mode, opt-in: every image decoded, upright, re-encoded at the quality at its
     own size (4:2:0); an image that would not shrink (stored at a lower quality already) keeps
-    its bytes. Real photos (quality about 95, 4:4:4) shrink by about half, within a few levels
+    its bytes. Photo-size 4:4:4 JPEGs at quality 95 shrink by about half, within a few levels
     on average."""
     root, files = folder
     low = make_jpeg_bytes(300, 200, seed=8, quality=40)  # q90 would be larger: kept
@@ -122,14 +119,21 @@ def test_jpeg_quality_reencodes_every_image_where_that_is_smaller(folder, tmp_pa
     assert not mask[names.index("low_q40.jpg")] and mask[names.index("big.png")]
     assert cache.samples["components"][names.index("gray.jpg")] == 1
 
-    photos = sorted(PHOTOS.glob("*.jpg"))[:12]
+    photos = []  # photo-size 4:4:4 JPEGs at quality 95, as many cameras and exports store them
+    for seed in range(12):
+        out = io.BytesIO()
+        Image.fromarray(natural_image(500, 375, seed=seed)).save(out, "JPEG", quality=95,
+                                                                 subsampling=0)
+        photos.append(out.getvalue())
     plain = JpegCache.from_files(photos, progress=False)
     q90 = JpegCache.from_files(photos, progress=False, jpeg_quality=90)
-    assert int(resized(q90).sum()) >= 10
+    assert int(resized(q90).sum()) == 12
     assert sum(len(q90[i]) for i in range(12)) < 0.7 * sum(len(plain[i]) for i in range(12))
     diffs = [float((decode_sample(q90, i).float() - decode_sample(plain, i).float()).abs().mean())
              for i in range(12)]
-    assert max(diffs) < 8 and np.median(diffs) < 4, diffs  # 396 photos: median 2.7, max 7.1
+    # these generated photos are noisier than real ones (median 6.0 here; the 396 real photos
+    # of docs/guides/stores.md: median 2.7, max 7.1)
+    assert max(diffs) < 8 and np.median(diffs) < 7, diffs
 
 
 def test_jpeg_quality_with_max_side_the_cli_and_other_sources(folder, tmp_path, capsys):

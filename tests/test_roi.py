@@ -1,7 +1,7 @@
 """ROI decode (decode only the crop box) is bit-exact with a full decode + the same plan.
 
 Real JPEGs made here cover every chroma subsampling PIL writes, gray, CMYK, progressive and all eight
-EXIF orientations; a few real photos are added when ../shared/data is present. The fallback (no
+EXIF orientations (benchmarks/cpu_levers.py asserts the same on real photos). The fallback (no
 nvImageCodec) is exercised in a subprocess where the import really fails.
 """
 
@@ -35,7 +35,6 @@ def use_c(request, monkeypatch):
     """Each region decoder in turn, chosen by the module's own switch."""
     monkeypatch.setattr(_roi, "USE_C", request.param)
     return request.param
-PHOTOS = Path(__file__).resolve().parents[2] / "shared" / "data" / "hymenoptera"
 
 
 def _jpeg(w: int, h: int, *, seed: int, mode: str = "RGB", subsampling: str | None = "4:2:0",
@@ -112,17 +111,6 @@ def test_roi_is_bit_exact(cache, name, use_c):
     roi = _check_exact(cache, i, plans)
     comps = int(cache.samples["components"][i])
     assert roi == (len(plans) if _roi.region_decoder(comps) else 0)  # all took the ROI path
-
-
-def test_roi_on_real_photos(use_c):
-    files = sorted(PHOTOS.glob("*/*/*.jpg"))[::40] if PHOTOS.is_dir() else []
-    if not files:
-        pytest.skip(f"{PHOTOS} absent (fresh clone): the generated JPEGs carry the coverage")
-    photos = JpegCache.from_files(files, progress=False)
-    rng = np.random.default_rng(0)
-    for i in range(len(photos)):
-        h, w = int(photos.samples["height"][i]), int(photos.samples["width"][i])
-        _check_exact(photos, i, _plans(h, w, rng, 6))
 
 
 def test_uncropped_and_non_jpeg_samples_are_decoded_in_full(cache, tmp_path):
