@@ -3,8 +3,11 @@
 Exactly once per epoch needs the reader's ``shuffle_after_epoch`` (``random_shuffle`` samples from
 a buffer and repeats or skips) and ``pad_last_batch`` (the last batch is padded with copies of the
 last sample, which are cut off here, so the next epoch starts at a shard boundary). Train:
-``decoders.image_random_crop`` (decodes only the crop) + resize 224 + random flip; eval: decode,
-``resize_shorter=256``, centre crop 224. Output HWC uint8.
+``decoders.image_random_crop`` (decodes only the crop) + resize 224 + random flip; eval:
+``decoders.image_crop`` of the centre square that Resize 256 + CenterCrop 224 reads (224/256 of
+the short side, its size from ``peek_image_shape``: DALI's crop-only decode, as in train), then
+resize to 224 (on the photos within a few levels of decode + ``resize_shorter=256`` + centre crop,
+which differ by the sub-pixel placement of the box). Output HWC uint8.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ CROP = 224
 
 class Dali:
     def __init__(self, cfg):
+        import nvidia.dali.math as dmath
         from nvidia.dali import fn, pipeline_def, types
 
         self.n, self.bs = len(cfg["files"]), cfg["batch_size"]
@@ -36,9 +40,13 @@ class Dali:
                 images = fn.resize(images, resize_x=CROP, resize_y=CROP, antialias=True)
                 images = fn.flip(images, horizontal=fn.random.coin_flip())
             else:
-                images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
-                images = fn.resize(images, resize_shorter=256, antialias=True)
-                images = fn.crop(images, crop=(CROP, CROP))
+                shape = fn.peek_image_shape(jpegs)  # H, W, C
+                side = dmath.min(fn.cast(shape[0], dtype=types.FLOAT),
+                                 fn.cast(shape[1], dtype=types.FLOAT)) * (CROP / 256)
+                images = fn.decoders.image_crop(jpegs, device="cpu", output_type=types.RGB,
+                                                crop_h=side, crop_w=side, crop_pos_x=0.5,
+                                                crop_pos_y=0.5)
+                images = fn.resize(images, resize_x=CROP, resize_y=CROP, antialias=True)
             return images, labels
 
         self.pipe = pipe()
