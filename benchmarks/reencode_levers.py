@@ -9,7 +9,9 @@ nearly unchanged, and only the chroma halved: what a chroma-only re-encode would
 each variant's decode with ``benchmarks/jpeg_levers.c`` on the lists written to OUT/<variant>.txt.
 
     python benchmarks/reencode_levers.py ../shared/data/hymenoptera /tmp/reencode
-    for v in original 444q95 420q95 444q90 420q90 420src; do /tmp/jpeg_levers /tmp/reencode/$v.txt 5; done
+    for v in original 444q95 420q95 444q90 420q90 420src; do
+        /tmp/jpeg_levers /tmp/reencode/$v.txt 5
+    done
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, JpegImagePlugin
 
-VARIANTS = {"444q95": {"quality": 95, "subsampling": 0}, "420q95": {"quality": 95, "subsampling": 2},
-            "444q90": {"quality": 90, "subsampling": 0}, "420q90": {"quality": 90, "subsampling": 2},
+VARIANTS = {"444q95": {"quality": 95, "subsampling": 0},
+            "420q95": {"quality": 95, "subsampling": 2},
+            "444q90": {"quality": 90, "subsampling": 0},
+            "420q90": {"quality": 90, "subsampling": 2},
             "420src": {"subsampling": 2}}  # qtables: the source's own, added per photo
 
 

@@ -2,15 +2,15 @@
 
 ``photos``: the real JPEG photos of an image folder (ImageNet-size), linked into
 ``<work>/photos/<class>/`` (with ``--repeat N``, each photo linked N times into
-``<work>/photos-xN/``, for epochs long enough to time: 397 photos are half a second); anything that is not a JPEG is left out, so every peer reads the same
-files. ``mosaics``: 2000x1500 JPEGs (quality 90), each a 4 x 3 grid of 500x500 tiles cut from those
-photos (centre square, Lanczos resize), so their content and compressed statistics are a real
+``<work>/photos-xN/``, for epochs long enough to time: 397 photos are half a second); anything
+that is not a JPEG is left out, so every peer reads the same files. ``mosaics``: 2000x1500
+JPEGs (quality 90), each a 4 x 3 grid of 500x500 tiles cut from those photos (centre square, Lanczos resize), so their content and compressed statistics are a real
 photo's at high resolution. ``--reencode 444:95,420:90``: the same photos stored another way,
 decoded and written again as baseline JPEGs with that chroma subsampling (4:4:4 full-resolution
 chroma, 4:2:2, 4:2:0) and quality, EXIF and ICC kept, gray images kept gray, linked into
 ``<work>/photos-<sub>q<quality>[-xN]/`` (``--repeat`` times, like the photos; the files beside
-it): a claim measured on one kind of JPEG is checked on another. All are deterministic for a given source and
-seed.
+it): a claim measured on one kind of JPEG is checked on another. All are deterministic for a
+given source and seed.
 
     python benchmarks/peers/data.py /work/shared/data/hymenoptera /tmp/gpucache-peers --mosaics 200
     python benchmarks/peers/data.py SRC /tmp/gpucache-peers --repeat 4 --reencode 444:95,420:90
