@@ -18,6 +18,14 @@ def jpeg_folder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def photo_folder(tmp_path_factory) -> Path:
+    """60 photo-size synthetic JPEGs in an ImageFolder tree of two classes (ants, bees), of every
+    kind (baseline, progressive, gray, CMYK, EXIF-6) at quality 85-97."""
+    return make_jpeg_folder(tmp_path_factory.mktemp("photos"), 60, classes=("ants", "bees"),
+                            seed=7, quality=(85, 97))
+
+
+@pytest.fixture(scope="session")
 def small_folder(tmp_path_factory) -> Path:
     """Small images (fast to decode) for the loader tests."""
     root = tmp_path_factory.mktemp("small")

@@ -27,7 +27,6 @@ from gpucache.decode._core import decode_sample
 from gpucache.testing import make_jpeg_folder
 
 REPO = Path(__file__).resolve().parent.parent
-HYMENOPTERA = REPO.parent / "shared" / "data" / "hymenoptera"
 MAX_COPIES = 1.05
 SMALL, BIG = 2, 8
 
@@ -100,12 +99,6 @@ def test_pickles_in_constant_size(tmp_path, jpeg_folder):
         mem.close()
 
 
-def _photos() -> list[str]:
-    if not HYMENOPTERA.is_dir():
-        return []
-    return sorted(str(p) for p in HYMENOPTERA.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg"))
-
-
 def _channel_means(x: torch.Tensor) -> torch.Tensor:
     return x.float().mean((1, 2))
 
@@ -123,9 +116,8 @@ def test_dataloader_workers_each_start_method(context, jpeg_folder):
     cache.close()
 
 
-@pytest.mark.skipif(not _photos(), reason=f"real photos not found at {HYMENOPTERA}")
-def test_real_photos_under_spawn():
-    photos = _photos()[:60]
+def test_photos_of_every_kind_under_spawn(photo_folder):
+    photos = sorted(str(p) for p in photo_folder.rglob("*.jpg"))
     cache = JpegCache.from_files(photos, progress=False)
     ds = JpegDataset(cache, output="numpy")
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")

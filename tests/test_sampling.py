@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from gpucache import GpuCachedLoader, JpegCache
-
-HYMENOPTERA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "hymenoptera"
-
 
 @pytest.fixture(scope="module")
 def cache(small_folder):
@@ -101,9 +97,8 @@ def test_bad_subsets_and_weights_are_clear_errors(cache):
         _loader(cache, num_samples=5)
 
 
-@pytest.mark.skipif(not HYMENOPTERA.is_dir(), reason=f"real photos not at {HYMENOPTERA}")
-def test_class_balanced_sampling_on_real_photos():
-    cache = JpegCache.from_folder(HYMENOPTERA / "train", progress=False)
+def test_class_balanced_sampling_on_a_photo_folder(photo_folder):
+    cache = JpegCache.from_folder(photo_folder, progress=False)
     ants, bees = np.flatnonzero(cache.labels == 0), np.flatnonzero(cache.labels == 1)
     subset = np.concatenate([ants, bees[:20]])  # an imbalanced split of one store
     counts = np.bincount(cache.labels[subset])
@@ -114,7 +109,7 @@ def test_class_balanced_sampling_on_real_photos():
     assert set(order.tolist()) <= set(subset.tolist())
     drawn = np.bincount(cache.labels[order], minlength=2)
     assert np.abs(drawn / drawn.sum() - 0.5).max() < 0.03, (counts, drawn)
-    val = np.flatnonzero(cache.labels == 1)[:12]  # a split of real photos, decoded
+    val = np.flatnonzero(cache.labels == 1)[:12]  # a split of the photos, decoded
     sub = GpuCachedLoader(cache, batch_size=6, device="cpu", num_workers=0, indices=val)
     labels = torch.cat([y for _, y in sub])
     assert labels.tolist() == [1] * 12

@@ -24,7 +24,6 @@ from gpucache.cli import main as cli_main
 from gpucache.testing import make_jpeg_bytes
 
 REPO = Path(__file__).resolve().parent.parent
-HYMENOPTERA = REPO.parent / "shared" / "data" / "hymenoptera"
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +33,6 @@ def blobs() -> list[bytes]:
 
 def _stored(cache: JpegCache) -> list[bytes]:
     return [bytes(cache[i]) for i in range(len(cache))]
-
-
-def photos(n: int) -> list[Path]:
-    if not HYMENOPTERA.is_dir():
-        return []
-    return sorted(HYMENOPTERA.rglob("*.jpg"))[::7][:n]
-
-
-needs_photos = pytest.mark.skipif(not photos(1), reason=f"real photos not at {HYMENOPTERA}")
 
 
 # ------------------------------------------------------------------------- bytes and file objects
@@ -161,10 +151,9 @@ def test_from_hf_takes_bytes_as_stored(blobs, tmp_path):
         JpegCache.from_hf(ds, image_column="img", progress=False)
 
 
-# ---------------------------------------------------------------------------------- real photos
-@needs_photos
-def test_real_photos_through_every_source(tmp_path):
-    files = photos(24)
+# --------------------------------------------------------------------------------------- photos
+def test_photos_through_every_source(tmp_path, photo_folder):
+    files = sorted(photo_folder.rglob("*.jpg"))[:24]
     raw = [f.read_bytes() for f in files]
     labels = [int(f.parent.name == "bees") for f in files]
     shard = write_shard(tmp_path / "photos.tar", [(f"p{k:04d}", {"jpg": b, "cls": str(y).encode()})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import pickle
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,9 +19,6 @@ from gpucache import GpuCachedLoader, JpegCache, JpegDataset, with_targets
 from gpucache import transforms as T
 from gpucache.decode._core import apply_plan
 from gpucache.testing import make_jpeg_bytes
-
-HYMENOPTERA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "hymenoptera"
-
 
 @pytest.fixture(scope="module")
 def cache(small_folder):
@@ -125,10 +121,7 @@ def _plain(img: Image.Image) -> bytes:
 
 
 def _images() -> list[Image.Image]:
-    """Real photos when present, else generated ones (then the test still runs on a clone)."""
-    if HYMENOPTERA.is_dir():
-        files = sorted(HYMENOPTERA.rglob("*.jpg"))[::40][:6]
-        return [Image.open(f).convert("RGB") for f in files]
+    """Generated photos of six sizes."""
     return [Image.open(io.BytesIO(make_jpeg_bytes(200 + 40 * k, 160, seed=k))).convert("RGB")
             for k in range(6)]
 

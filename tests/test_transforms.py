@@ -92,17 +92,12 @@ def test_pixel_before_geometry_is_rejected():
 
 
 # ------------------------------------------------------------------ open transforms
-from pathlib import Path  # noqa: E402
 
 from gpucache.testing import make_jpeg_bytes# noqa: E402
 
-HYMENOPTERA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "hymenoptera"
-
-
 def _photo_batch(n: int = 6, size: int = 64) -> torch.Tensor:
-    """Real photos when present (../shared/data/hymenoptera), else generated ones, cropped."""
-    files = sorted(HYMENOPTERA.rglob("*.jpg"))[::25][:n] if HYMENOPTERA.is_dir() else []
-    blobs = [f.read_bytes() for f in files] or [make_jpeg_bytes(120, 90, seed=k) for k in range(n)]
+    """Generated photos, resized and cropped."""
+    blobs = [make_jpeg_bytes(120, 90, seed=k) for k in range(n)]
     from gpucache.decode._core import decode_jpeg
 
     imgs = [decode_jpeg(torch.frombuffer(bytearray(b), dtype=torch.uint8)) for b in blobs]
