@@ -42,7 +42,7 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
-from ..store._oom import BUILD_FIX, OutOfMemory, is_out_of_memory
+from ..store._oom import BUILD_FIX, raise_if_out_of_memory
 from ._pixels import STRIP, WIDE, bytes_per_pixel, eight_bit, upright
 from ._sniff import Info, sniff
 
@@ -219,9 +219,9 @@ class Reencode:
                            orientation=info.orientation, budget=self.budget)
             new = sniff(memoryview(out))
         except Exception as err:  # undecodable pixels: kept as they are; decode reports it
-            if is_out_of_memory(err):  # not the image's fault: never left as it was, unasked
-                raise OutOfMemory(f"re-encoding a {info.width}x{info.height} image at build", err,
-                                  fix=BUILD_FIX) from err
+            # not the image's fault: never left as it was, unasked
+            raise_if_out_of_memory(err, f"re-encoding a {info.width}x{info.height} image at build",
+                                   fix=BUILD_FIX)
             return data, info, {SECTION: (0, 0, 0)}
         if not over and len(out) >= len(data):  # no smaller at this quality: the bytes stay
             return data, info, {SECTION: (0, 0, 0)}

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import numpy as np
 
-from ..store._oom import BUILD_FIX, OutOfMemory, is_out_of_memory
+from ..store._oom import BUILD_FIX, raise_if_out_of_memory
 from ._sniff import Info, Kind
 
 
@@ -35,8 +35,8 @@ class RestartMarkers:
         try:
             out, k = self._transcode(data)
         except ValueError as err:  # libjpeg refused it: the sample stays as it was (full/ROI)
-            if is_out_of_memory(err):  # not the image's fault: never left as it was, unasked
-                raise OutOfMemory("adding restart markers at build", err, fix=BUILD_FIX) from err
+            # not the image's fault: never left as it was, unasked
+            raise_if_out_of_memory(err, "adding restart markers at build", fix=BUILD_FIX)
             return data, info, {self.section: 0}
         return out, info._replace(kind=Kind.JPEG), {self.section: k}
 

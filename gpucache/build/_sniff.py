@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..store._oom import BUILD_FIX, OutOfMemory, is_out_of_memory
+from ..store._oom import BUILD_FIX, raise_if_out_of_memory
 
 
 class Kind(IntEnum):
@@ -318,8 +318,8 @@ def _sniff_pil(b: memoryview, kind: Kind) -> Info:
     except Image.DecompressionBombError as err:
         raise SniffError(f"header claims more pixels than PIL decodes: {err}") from err
     except Exception as err:  # PIL raises many types for bad files
-        if is_out_of_memory(err):  # the machine's problem, not a bad sample
-            raise OutOfMemory(f"reading a {kind.name} header", err, fix=BUILD_FIX) from err
+        # the machine's problem, not a bad sample
+        raise_if_out_of_memory(err, f"reading a {kind.name} header", fix=BUILD_FIX)
         raise SniffError(f"unreadable {kind.name} image: {err}") from err
     orientation = orientation if orientation in range(1, 9) else 1
     if orientation >= 5:

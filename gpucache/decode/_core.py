@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..store._limits import check_pixels
-from ..store._oom import OutOfMemory, is_out_of_memory
+from ..store._oom import raise_if_out_of_memory
 from ..build._pixels import eight_bit
 from ..build._sniff import JPEG_KINDS, Kind
 from . import _roi, _roi_rst
@@ -226,8 +226,8 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
             kept.append(i)
             roi += used_roi
         except Exception as err:  # a bad sample is reported, never fatal unless asked
-            if is_out_of_memory(err):  # the machine's problem, not the sample's: never skipped
-                raise OutOfMemory(f"while decoding sample {i} ({cache.paths[i]})", err) from err
+            # the machine's problem, not the sample's: never skipped
+            raise_if_out_of_memory(err, f"while decoding sample {i} ({cache.paths[i]})")
             failed.append((i, failure(cache, i, err, on_error)))
     out: torch.Tensor | list[torch.Tensor] = images
     if stack:

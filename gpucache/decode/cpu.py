@@ -12,7 +12,7 @@ import numpy as np
 
 from ..loader._workers import WorkerPool
 from ._base import Backend
-from ..store._oom import OutOfMemory, is_out_of_memory
+from ..store._oom import raise_if_out_of_memory
 from ._core import Decoded, decode_batch
 
 
@@ -45,9 +45,8 @@ class CpuBackend(Backend):
             out = decode_batch(self.cache, indices, plans, on_error=self.on_error, stack=stack,
                                exact=self.exact)
         except RuntimeError as err:  # the batch's own (the stack); a sample's is OutOfMemory
-            if not is_out_of_memory(err):
-                raise
-            raise OutOfMemory(f"while decoding a batch of {len(indices)} samples", err) from err
+            raise_if_out_of_memory(err, f"while decoding a batch of {len(indices)} samples")
+            raise
         if self.pin_memory and hasattr(out.images, "pin_memory"):
             out.images = out.images.pin_memory()
         return out

@@ -40,7 +40,7 @@ import torch
 
 from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
 from ..decode._core import Decoded, SampleError
-from ..store._oom import FIX, OutOfMemory, is_out_of_memory
+from ..store._oom import FIX, raise_if_out_of_memory
 
 log = logging.getLogger("gpucache")
 _GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and again after SIGTERM
@@ -194,10 +194,9 @@ class WorkerPool:
         try:
             buf = torch.empty(msg["nbytes"], dtype=torch.uint8, pin_memory=self.pin_memory)
         except RuntimeError as err:
-            if not is_out_of_memory(err):
-                raise
-            raise OutOfMemory(f"receiving a batch of {msg['nbytes'] / 2**20:,.1f} MiB from "
-                              f"{link}", err) from err
+            raise_if_out_of_memory(err, f"receiving a batch of {msg['nbytes'] / 2**20:,.1f} MiB "
+                                   f"from {link}")
+            raise
         if msg["nbytes"]:
             self._recv(link, bytes_into=memoryview(buf.numpy()), indices=indices,
                        deadline=deadline)

@@ -44,6 +44,13 @@ def is_out_of_memory(err: BaseException | None) -> bool:
     return False
 
 
+def raise_if_out_of_memory(err: BaseException, what: str, *, fix: str = FIX) -> None:
+    """Raise :class:`OutOfMemory` (``what`` ran out) from ``err`` if it says an allocation
+    failed: where ``err`` would otherwise become a sample's reason, or pass unexplained."""
+    if is_out_of_memory(err):
+        raise OutOfMemory(what, err, fix=fix) from err
+
+
 def said(err: BaseException) -> str:
     """``Type: first line`` of what the allocator said (torch's messages run to a backtrace)."""
     text = str(err).strip()

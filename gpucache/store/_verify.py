@@ -20,7 +20,7 @@ from .._progress import tqdm
 
 from . import _checksum
 from ._format import SAMPLE_CRC
-from ._oom import BUILD_FIX, OutOfMemory, is_out_of_memory
+from ._oom import BUILD_FIX, raise_if_out_of_memory
 
 DECODE_CHUNK = 64  # samples per decode task
 
@@ -80,9 +80,8 @@ def check_decodes(cache, *, threads: int | None = None, progress: bool = True
             try:
                 check_size(cache, i, decode_sample(cache, i))
             except Exception as err:  # report every sample, keep going
-                if is_out_of_memory(err):  # the machine's problem: no sample reported for it
-                    raise OutOfMemory(f"verifying sample {i} ({paths[i]})", err,
-                                      fix=BUILD_FIX) from err
+                # the machine's problem: no sample reported for it
+                raise_if_out_of_memory(err, f"verifying sample {i} ({paths[i]})", fix=BUILD_FIX)
                 found.append(Problem(i, paths[i], f"{type(err).__name__}: {err}"))
         return found
 
