@@ -45,8 +45,7 @@ def reduced_scale(h1: int, w1: int, rh: int, rw: int) -> int:
 def _edge(lo: float, step: float, reach: int, d: int, g: int, size: int, bound: int
           ) -> tuple[int, int, float]:
     """One side of a box: (k, edge, shift), the box edge ``edge`` (a source pixel) at k output
-    pixels
-    of context beyond the crop edge at source position ``lo`` (``step`` source pixels an
+    pixels of context beyond the crop edge at source position ``lo`` (``step`` source pixels an
     output pixel, negative for the start side); ``reach`` is the k at which the position is
     crop1's edge, and the box must hold source pixel ``bound`` (the last its resize reads).
     The grid's pixels are at ``g`` + multiples of ``d`` (``g`` > 0 where the coded image is
@@ -89,9 +88,9 @@ def _cut(t1: int, h1: int, r: int, t2: int, h2: int, size: int, d: int, g: int
     pixels, resized to ``r``, then crop2 [t2, t2 + h2). Returns the box (start, length),
     (n, offset): the box resized to n holds crop2 at offset, sampled where the plan samples
     it to within a small fraction of a source pixel (:func:`_edge` for each side), and the
-    larger of its edges' shifts, in output pixels. The box
-    holds every source pixel crop2's resize reads, so it is never empty, even for an image a
-    pixel or two across enlarged many times, whose crop would otherwise round to nothing."""
+    larger of its edges' shifts, in output pixels. The box holds every source pixel crop2's
+    resize reads, so it is never empty, even for an image a pixel or two across enlarged many
+    times, whose crop would otherwise round to nothing."""
     s = h1 / r
     support = max(s, 1.0)  # the antialiased bilinear filter's half-width, in source pixels
     first = t1 + max(int((t2 + 0.5) * s - support + 0.5), 0)  # its taps, as torch takes them

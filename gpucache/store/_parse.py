@@ -3,8 +3,8 @@
 Opening is O(index + optional sections): header and directory CRCs, the file size, every section's
 bounds (none overlaps another or the header), index and per-section CRCs, offsets, labels, sample
 records (kind, components, orientation, size), string tables, and the type, shape, values and
-companions of every optional section gpucache reads (``_sections``). Image data is mapped, never read (``gpucache verify``
-checks its CRCs and decodes every sample).
+companions of every optional section gpucache reads (``_sections``). Image data is mapped, never
+read (``gpucache verify`` checks its CRCs and decodes every sample).
 
 Each process checks a store once: a worker that attached to the very file its parent opened and
 validated (same device, inode, size and header CRC, see ``_mapped``) parses it with

@@ -10,9 +10,9 @@ memory (``JpegCache(extra=...)``), so that no save writes a file that would not 
 
 Shape, type and group checks are O(1); the value checks are vectorised, O(N) with small
 constants, and skipped on a worker's trusted reopen. Names not listed here are the user's own:
-only their directory entry (name, type, size, bounds, CRC) is checked. The owners of the names
-(``build._resize``, ``decode._roi_rst``, ``store._targets``) keep the same strings; a test holds
-them equal. ``docs/reference/format.md`` lists the rules.
+only their directory entry (name, type, size, bounds, CRC) is checked. The names of the store's
+own sections come from their owners here (``_format``, ``_targets``); those of the layers above
+(``build._resize``, ``decode._roi_rst``) are the same strings, which a test holds equal. ``docs/reference/format.md`` lists the rules.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._format import SAMPLE_CRC
+from ._targets import DENSE, OFFSETS, RAGGED
+
 N, N1, ANY = "N", "N+1", None  # shape entries: rows per sample, offsets (N + 1), any length
-RAGGED, OFFSETS = "targets_ragged", "targets_ragged.offsets"
 MAX_RESTART = 0xFFFF  # a JPEG's restart interval (DRI) is a 16-bit count of MCUs
 
 
@@ -37,10 +39,10 @@ SPECS = {
     "rst": Spec("<i4", (N,), "restart interval in MCUs per sample"),
     "resized": Spec("<u4", (N, 3), "original height, width, bytes per sample"),
     "resized.args": Spec("<i8", (2,), "max_side, quality"),
-    "targets": Spec("<f4", (N, ANY), "float targets, one row per sample"),
+    DENSE: Spec("<f4", (N, ANY), "float targets, one row per sample"),
     RAGGED: Spec("<f4", (ANY, ANY), "ragged target rows"),
     OFFSETS: Spec("<i8", (N1,), "first ragged row of each sample, then the row count"),
-    "sample.crc32": Spec("<u4", (N,), "CRC-32 per sample"),
+    SAMPLE_CRC: Spec("<u4", (N,), "CRC-32 per sample"),
     "report.totals": Spec("<i8", (2,), "files given, samples kept"),
     "report.kinds": Spec("<i8", (ANY, 2), "kind, count"),
     "report.skipped": Spec("<i8", (ANY,), "input index of each skipped file"),
