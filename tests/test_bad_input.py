@@ -100,6 +100,7 @@ import json, resource, sys
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.testing import make_hostile_folder, make_jpeg_folder
+from gpucache.testing._memory import status_bytes
 
 root = sys.argv[1]
 outcomes = make_hostile_folder(root, fifo=False)
@@ -112,8 +113,10 @@ loader = GpuCachedLoader(cache, batch_size=4, num_workers=1, device="cpu", backe
                          transform=T.Compose([T.Resize((32, 32))]))
 seen = sum(len(images) for images, _ in loader)
 loader.close()
+# VmHWM, not ru_maxrss: Linux carries the launching process's peak RSS into ru_maxrss across
+# exec, so after a test that held a large image this process would report pytest's peak
 print(json.dumps({"seen": seen, "kept": len(cache), "skipped": loader.stats.skipped,
-                  "self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "self_mb": status_bytes("VmHWM") / 2**20,
                   "workers_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 """
 
