@@ -26,7 +26,7 @@ def _asan_ready() -> bool:
 def test_fuzz_smoke_run_finds_nothing(tmp_path):
     from gpucache.testing import make_jpeg_folder
 
-    photos = make_jpeg_folder(tmp_path / "photos", 26, seed=3)  # its own photo seeds, not ../shared
+    photos = make_jpeg_folder(tmp_path / "photos", 26, seed=3)  # photo seeds of its own
     r = subprocess.run([sys.executable, str(RUN), "--seconds", "4", "--out", str(tmp_path / "out"),
                         "--photos", str(photos)], capture_output=True, text=True, timeout=300)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
