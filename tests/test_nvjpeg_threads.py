@@ -92,12 +92,13 @@ def test_drain_and_garbage_collection_stop_work(cache):
     assert len(backend) == 0
     backend.submit(idx, plans, True)
     assert backend.get().indices.tolist() == idx.tolist()
-    thread = backend._thread
-    assert thread is not None and thread.is_alive()
+    threads = list(backend._threads)  # the pipeline's stages: decode, transform (no CPU work)
+    assert len(threads) >= 2 and all(t.is_alive() for t in threads)
     del backend
     gc.collect()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
 
 
 def test_loader_break_and_close_leave_no_thread(cache, monkeypatch):

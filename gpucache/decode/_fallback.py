@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..store._limits import check_pixels
+from . import normalize_device
 from ._core import Decoded, decode_batch, failure
 
 #: One sample's outcome: its image (uint8 CHW), or why it failed (see :func:`.cpu.describe`).
@@ -67,37 +68,59 @@ def out_of_memory(err: BaseException, what: str, device: torch.device,
                                   f"The allocator said: {first}")
 
 
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device`` in one copy; from the CPU to CUDA through pinned memory with
+    ``non_blocking``, so the calling thread never waits for the device."""
+    if x.device == device or normalize_device(x.device) == device:
+        return x
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
 def join(n: int, parts: Iterable[Part], *, indices: np.ndarray, stack: bool,
          device: torch.device, out_hw: tuple[int, int] = (0, 0)) -> Decoded:
     """Reassemble the parts of an ``n``-sample batch into one :class:`Decoded`, in batch order.
 
     Failed positions are left out and reported as ``(store index, reason)``; ``out_hw`` is the
-    image size of an empty stacked batch (every sample failed).
+    image size of an empty stacked batch (every sample failed). A stacked batch costs a constant
+    number of ops whatever its size: each part's images are stacked where they are (CPU results
+    on the CPU), moved in one copy (:func:`to_device`), and the parts are put in batch order by
+    one ``index_select`` (none when they already are).
     """
     parts = [part for part in parts if len(part[0])]
-    if (stack and len(parts) == 1 and isinstance(parts[0][1], torch.Tensor)
-            and np.array_equal(parts[0][0], np.arange(n))):
-        _, images, on_cpu = parts[0]  # the common case: one path took the whole batch
-        return Decoded(images.to(device), np.asarray(indices, dtype=np.int64),
-                       cpu_decoded=n if on_cpu else 0)
     slots: list[Result | None] = [None] * n
     cpu_decoded = 0
     for positions, results, on_cpu in parts:
+        if isinstance(results, torch.Tensor):
+            results = list(results.unbind(0)) if len(results) == len(positions) else results
         for p, r in zip(positions.tolist(), results, strict=True):
             slots[p] = r
             cpu_decoded += bool(on_cpu and isinstance(r, torch.Tensor))
     if any(r is None for r in slots):
         raise ValueError(f"join: positions {[p for p, r in enumerate(slots) if r is None]} of a "
                          f"{n}-sample batch have no result; every position needs one part.")
-    kept, images, failed = [], [], []
-    for p, r in enumerate(slots):
-        if isinstance(r, torch.Tensor):
-            kept.append(p)
-            images.append(r.to(device))
+    kept = [p for p, r in enumerate(slots) if isinstance(r, torch.Tensor)]
+    failed = [(int(indices[p]), r) for p, r in enumerate(slots) if not isinstance(r, torch.Tensor)]
+    kept_indices = np.asarray(indices, dtype=np.int64)[kept]
+    if not stack:
+        images = [to_device(slots[p], device) for p in kept]  # type: ignore[arg-type]
+        return Decoded(images, kept_indices, failed, cpu_decoded)
+    if not kept:
+        return Decoded(torch.empty((0, 3, *out_hw), dtype=torch.uint8, device=device),
+                       kept_indices, failed, cpu_decoded)
+    blocks, order = [], []
+    for positions, results, _ in parts:
+        pos = [p for p in positions.tolist() if isinstance(slots[p], torch.Tensor)]
+        if not pos:
+            continue
+        if isinstance(results, torch.Tensor) and len(pos) == len(results):
+            blocks.append(to_device(results, device))
         else:
-            failed.append((int(indices[p]), r))
-    out: torch.Tensor | list[torch.Tensor] = images
-    if stack:
-        out = (torch.stack(images) if images else
-               torch.empty((0, 3, *out_hw), dtype=torch.uint8, device=device))
-    return Decoded(out, np.asarray(indices, dtype=np.int64)[kept], failed, cpu_decoded)
+            blocks.append(to_device(torch.stack([slots[p] for p in pos]), device))  # type: ignore[misc]
+        order += pos
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    if order != kept:  # kept is sorted: put the parts' rows in batch order
+        perm = np.argsort(np.asarray(order, dtype=np.int64), kind="stable")
+        out = out.index_select(0, to_device(torch.from_numpy(perm), device))
+    return Decoded(out, kept_indices, failed, cpu_decoded)

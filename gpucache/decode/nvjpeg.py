@@ -1,31 +1,37 @@
-"""backend="nvjpeg": batched nvJPEG decode in a background thread, straight into device tensors.
+"""backend="nvjpeg": batched nvJPEG decode and batched transforms in a pipeline of threads.
 
-Each submitted batch is decoded by one background thread (``threaded=False`` decodes it in
-``submit`` instead), so staging, host-side Huffman decoding, the CPU fallback and the join overlap
-with the training step that consumes the previous batch; the loader keeps at least two batches in
-flight. Per batch, in that thread:
+Each submitted batch goes through three stages, each on its own thread (``threaded=False`` runs
+them in ``submit`` instead), so batch k+1 decodes while batch k is transformed and the training
+step consumes batch k-1; the loader keeps at least two batches in flight:
 
-1. the pixel budget refuses oversized samples; the rest split into what the batched decoder takes
-   and what the CPU decodes (:func:`~gpucache.decode._fallback.split`);
-2. one batched ``decode_jpeg(list, device=...)`` call (:mod:`._batched`: TorchCodec's when
-   installed, else torchvision's) reads zero-copy views of the store; its outputs are allocated
-   on a dedicated stream (:mod:`._streams`); EXIF orientation is applied if the decoder skips it;
-3. each image runs its plan (:func:`~gpucache.decode._core.apply_plan`, the CPU backend's function);
-   if the batched call fails (one corrupt JPEG fails it all) the batch is decoded one sample at a
-   time, and what the decoder still rejects is retried on the CPU before it is reported;
-4. every result is moved to the device and joined in batch order, and an event marks the batch done.
+1. **CPU** (a small pool of threads): samples the batched decoder does not take (PNG, GIF, WebP,
+   CMYK, arithmetic JPEG) and progressive JPEGs (whose Huffman decoding nvJPEG would run on the
+   host, one image at a time, inside the batched call) are decoded and planned on the CPU
+   (:func:`~gpucache.decode._fallback.decode_on_cpu`, region decode included), ahead of and
+   beside the GPU work; the pixel budget refuses oversized samples before any decoder sees them;
+2. **decode** (one thread: torchvision's decoder is one global instance): one batched
+   ``decode_jpeg(list, device=...)`` call (:mod:`._batched`: TorchCodec's when installed, else
+   torchvision's) reads zero-copy views of the store; its outputs are allocated on a dedicated
+   stream (:mod:`._streams`); if the call fails (one corrupt JPEG fails it all) the batch is
+   decoded one sample at a time, and what the decoder still rejects goes to the CPU; running out
+   of device memory is never a bad sample: it raises ``torch.OutOfMemoryError`` with advice;
+3. **transform** (one thread, the side stream): the batch's plans run in a constant number of
+   ops (:func:`gpucache.transforms._resample.resample`, EXIF orientation folded in) — per image
+   only for a variable-size batch; the CPU stage's results cross in one pinned ``non_blocking``
+   copy and join in batch order (:func:`~gpucache.decode._fallback.join`); an event marks the
+   batch done.
 
-:meth:`get` makes the consumer's stream wait on that event and ``record_stream``\\s the outputs.
+:meth:`get` makes the consumer's stream wait on that event and ``record_stream``\\s the outputs:
+no host synchronisation on the training stream.
 
-There is no pinned staging copy: nvJPEG (torchvision, TorchCodec) reads the compressed bytes
-through host pointers and copies them with its own pinned buffers, so a pinned copy of ours would
-add a memcpy and buy nothing. On a CPU device the very same code runs with no streams: that is how
-CI covers everything but :class:`~gpucache.decode._streams.CudaStreams`.
+There is no pinned staging copy of the compressed bytes: nvJPEG (torchvision, TorchCodec) reads
+them through host pointers and copies them with its own pinned buffers. On a CPU device the very
+same code runs with no streams: that is how CI covers everything but
+:class:`~gpucache.decode._streams.CudaStreams`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import weakref
@@ -35,14 +41,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..build._sniff import Kind
+from ..store._oom import is_out_of_memory
+from ..transforms._resample import resample
 from . import normalize_device
 from ._base import Backend
 from ._batched import BatchDecoder, applies_exif, default_decoder, orient
-from ._fallback import Part, decode_on_cpu, join, out_of_memory, split
-from ._streams import CudaStreams, HostStreams
 from ._core import Decoded, apply_plan, check_size, failure, out_size
+from ._fallback import Part, Result, decode_on_cpu, join, out_of_memory, split
+from ._streams import CudaStreams, HostStreams
 
 log = logging.getLogger("gpucache")
+
+#: Threads that decode the CPU stage's samples (libjpeg-turbo releases the GIL).
+CPU_THREADS = 2
 
 
 @dataclass
@@ -51,11 +63,28 @@ class _Done:
     event: object | None  # the side stream's event after the batch (None without streams)
 
 
+@dataclass
+class _Job:
+    """One submitted batch: its three stages' futures (or results, unthreaded)."""
+
+    cpu: Future | list[Result]
+    gpu: Future | list[torch.Tensor | Exception]
+    done: Future | _Done
+
+    def futures(self) -> list[Future]:
+        return [f for f in (self.done, self.gpu, self.cpu) if isinstance(f, Future)]
+
+
+def _result(x):
+    return x.result() if isinstance(x, Future) else x
+
+
 class NvjpegBackend(Backend):
     name = "nvjpeg"
 
     def __init__(self, cache, *, device: torch.device, on_error: str,
-                 decoder: BatchDecoder | None = None, threaded: bool = True):
+                 decoder: BatchDecoder | None = None, threaded: bool = True,
+                 cpu_threads: int = CPU_THREADS):
         device = normalize_device(device)
         self.cache, self.device, self.on_error = cache, device, on_error
         self.decoder = decoder if decoder is not None else default_decoder(device)
@@ -65,13 +94,21 @@ class NvjpegBackend(Backend):
         self._streams = CudaStreams(device) if device.type == "cuda" else HostStreams(device)
         self.applies_exif = (self.decoder.applies_exif if self.decoder.applies_exif is not None
                              else self.measure_applies_exif())
-        self._pending: list[Future | _Done] = []
-        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="gpucache-nvjpeg") if threaded
-                      else None)
+        kinds = cache.samples["kind"]
+        # progressive JPEGs go to the CPU stage: nvJPEG Huffman-decodes them on the host anyway
+        self._gpu_mask = cache.gpu_decodable() & (kinds != Kind.JPEG_PROGRESSIVE)
+        self._pending: list[_Job] = []
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        if threaded:
+            self._pools = {
+                "cpu": ThreadPoolExecutor(max(1, cpu_threads), "gpucache-nvjpeg-cpu"),
+                "decode": ThreadPoolExecutor(1, "gpucache-nvjpeg-decode"),
+                "transform": ThreadPoolExecutor(1, "gpucache-nvjpeg-transform")}
         self._closed = False
-        self._thread: threading.Thread | None = None  # the pool's thread, once it ran a batch
-        # garbage collection may happen on the pool's own thread: stop it without joining there
-        self._finalizer = weakref.finalize(self, _shutdown, self._pool, wait=False)
+        self._threads: list[threading.Thread] = []  # the stages' threads, once they ran
+        # garbage collection may happen on a pool's own thread: stop them without joining there
+        self._finalizer = weakref.finalize(self, _shutdown, list(self._pools.values()),
+                                           wait=False)
 
     def measure_applies_exif(self) -> bool:
         """Whether the decoder applies EXIF orientation, by decoding a tagged probe image under
@@ -80,70 +117,97 @@ class NvjpegBackend(Backend):
             with self._streams.decoding():
                 return applies_exif(self.decoder.decode, adopt=self._streams.adopt)
 
-    # ------------------------------------------------------------------ one batch (any thread)
-    def _decode_batch(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> _Done:
-        try:
-            return self._decode_batch_on(indices, plans, stack)
-        except torch.OutOfMemoryError as err:
-            raise out_of_memory(err, f"the nvjpeg backend ({self.decoder.name}'s decoder) "
-                                f"decoding a batch of {len(indices)} samples", self.device,
-                                "at least 2 batches are decoded ahead: lower batch_size or "
-                                "prefetch_factor, or free memory held elsewhere") from err
+    # ------------------------------------------------------------------ the three stages
+    def _note_thread(self) -> None:
+        if self._pools and threading.current_thread() not in self._threads:
+            self._threads.append(threading.current_thread())
 
-    def _decode_batch_on(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> _Done:
-        if self._pool is not None:
-            self._thread = threading.current_thread()
-        gpu_pos, cpu_pos, refused = split(self.cache, indices, on_error=self.on_error)
-        with self._streams.on_side():
-            parts = self._decode_gpu(indices, plans, gpu_pos)
-            parts.append((cpu_pos, decode_on_cpu(self.cache, indices, plans, cpu_pos,
-                                                 on_error=self.on_error), True))
-            parts.append(refused)
-            decoded = join(len(indices), parts, indices=indices, stack=stack, device=self.device,
-                           out_hw=out_size(plans))
-            return _Done(decoded, self._streams.record())
+    def _cpu_stage(self, indices: np.ndarray, plans: np.ndarray,
+                   positions: np.ndarray) -> list[Result]:
+        self._note_thread()
+        return decode_on_cpu(self.cache, indices, plans, positions, on_error=self.on_error)
+
+    def _decode_stage(self, indices: np.ndarray, positions: np.ndarray
+                      ) -> list[torch.Tensor | Exception]:
+        """Batched decode of ``indices[positions]`` under the allocation stream."""
+        self._note_thread()
+        if not len(positions):
+            return []
+        data = [self.cache._bytes_tensor(int(i)) for i in indices[positions].tolist()]
+        with self._streams.on_side(), self._streams.decoding():
+            return self._decode_all(data)
 
     def _decode_all(self, data: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         try:
             return list(self.decoder.decode(data))
-        except torch.OutOfMemoryError:
-            raise  # not a bad sample: retrying one by one, then on the CPU, would hide it
-        except Exception:  # noqa: BLE001 - one bad JPEG fails the batched call: find it
+        except Exception as err:  # noqa: BLE001 - one bad JPEG fails the batched call: find it
+            self._raise_if_oom(err, len(data))
             out: list[torch.Tensor | Exception] = []
             for d in data:
                 try:
                     out.append(self.decoder.decode([d])[0])
-                except torch.OutOfMemoryError:
-                    raise
-                except Exception as err:  # noqa: BLE001 - retried on the CPU, then reported
-                    out.append(err)
+                except Exception as one:  # noqa: BLE001 - retried on the CPU, then reported
+                    self._raise_if_oom(one, 1)
+                    out.append(one)
             return out
 
-    def _decode_gpu(self, indices: np.ndarray, plans: np.ndarray,
-                    positions: np.ndarray) -> list[Part]:
-        """Batched decode of ``indices[positions]``; what the decoder rejects tries the CPU."""
+    def _raise_if_oom(self, err: BaseException, n: int) -> None:
+        """Out of device memory is not a bad sample, however the decoder says it (torchvision
+        rethrows CUDA's as ``RuntimeError("Error while decoding JPEG images: CUDA out of
+        memory...")``): ``torch.OutOfMemoryError`` with advice, never retries or the CPU."""
+        if isinstance(err, torch.OutOfMemoryError) or is_out_of_memory(err):
+            raise out_of_memory(err, f"the nvjpeg backend ({self.decoder.name}'s decoder) "
+                                f"decoding a batch of {n} samples", self.device,
+                                "at least 2 batches are decoded ahead: lower batch_size or "
+                                "prefetch_factor, or free memory held elsewhere") from err
+
+    def _transform_stage(self, indices: np.ndarray, plans: np.ndarray, stack: bool,
+                         gpu_pos: np.ndarray, gpu, cpu_pos: np.ndarray, cpu,
+                         refused: Part) -> _Done:
+        self._note_thread()
+        with self._streams.on_side():
+            decoded = _result(gpu)
+            self._streams.adopt(t for t in decoded if isinstance(t, torch.Tensor))
+            parts = self._plan_gpu(indices, plans, stack, gpu_pos, decoded)
+            parts.append((cpu_pos, _result(cpu), True))
+            parts.append(refused)
+            out = join(len(indices), parts, indices=indices, stack=stack, device=self.device,
+                       out_hw=out_size(plans))
+            return _Done(out, self._streams.record())
+
+    def _plan_gpu(self, indices: np.ndarray, plans: np.ndarray, stack: bool,
+                  positions: np.ndarray, images: list) -> list[Part]:
+        """The decoded samples' plans (one batched call when ``stack``); samples the decoder
+        rejected try the CPU, and a decoded size that differs from the header fails the sample."""
         if not len(positions):
             return []
-        data = [self.cache._bytes_tensor(int(i)) for i in indices[positions].tolist()]
-        with self._streams.decoding():
-            images = self._decode_all(data)
-        self._streams.adopt(t for t in images if isinstance(t, torch.Tensor))
-        done, results, retry = [], [], []
+        ok, retry, kept, results = [], [], [], []
+        orientation = self.cache.samples["orientation"]
         for p, img in zip(positions.tolist(), images):
             i = int(indices[p])
             if isinstance(img, Exception):
                 retry.append(p)
                 continue
+            shown = img if self.applies_exif else orient(img, orientation[i])
             try:
-                if not self.applies_exif:
-                    img = orient(img, self.cache.samples["orientation"][i])
-                results.append(apply_plan(check_size(self.cache, i, img), plans[p]))
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as err:  # noqa: BLE001 - reported like any bad sample
-                results.append(failure(self.cache, i, err, self.on_error))
-            done.append(p)
-        parts: list[Part] = [(np.asarray(done, dtype=np.int64), results, False)]
+                check_size(self.cache, i, shown)
+            except ValueError as err:
+                results.append((p, failure(self.cache, i, err, self.on_error)))
+                continue
+            ok.append(p)
+            kept.append(img if stack else shown)
+        parts: list[Part] = []
+        if ok and stack:
+            rows = indices[ok]
+            parts.append((np.asarray(ok, dtype=np.int64),
+                          resample(kept, plans[ok], orientations=None if self.applies_exif
+                                   else orientation[rows]), False))
+        elif ok:
+            parts.append((np.asarray(ok, dtype=np.int64),
+                          [apply_plan(x, plans[p]) for x, p in zip(kept, ok)], False))
+        if results:
+            parts.append((np.asarray([p for p, _ in results], dtype=np.int64),
+                          [r for _, r in results], False))
         if retry:  # libjpeg-turbo gets the last word: decoded there, or reported as failed
             rescued = decode_on_cpu(self.cache, indices, plans, retry, on_error=self.on_error)
             for p, r in zip(retry, rescued):
@@ -158,18 +222,37 @@ class NvjpegBackend(Backend):
     def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
         if self._closed:
             raise RuntimeError("this NvjpegBackend is closed; make a new one (or a new loader).")
-        job = functools.partial(self._decode_batch, np.asarray(indices, dtype=np.int64),
-                                np.asarray(plans), stack)
-        self._pending.append(self._pool.submit(job) if self._pool is not None else job())
+        indices, plans = np.asarray(indices, dtype=np.int64), np.asarray(plans)
+        try:
+            gpu_ok, cpu_ok, refused = split(self.cache, indices, on_error=self.on_error)
+        except Exception as err:  # noqa: BLE001 - raised at get(), in batch order
+            failed: Future = Future()
+            failed.set_exception(err)
+            self._pending.append(_Job([], [], failed))
+            return
+        on_gpu = self._gpu_mask[indices[gpu_ok]]
+        gpu_pos, cpu_pos = gpu_ok[on_gpu], np.sort(np.concatenate([cpu_ok, gpu_ok[~on_gpu]]))
+        if not self._pools:
+            cpu = self._cpu_stage(indices, plans, cpu_pos)
+            gpu = self._decode_stage(indices, gpu_pos)
+            done = self._transform_stage(indices, plans, stack, gpu_pos, gpu, cpu_pos, cpu,
+                                         refused)
+            self._pending.append(_Job(cpu, gpu, done))
+            return
+        cpu = self._pools["cpu"].submit(self._cpu_stage, indices, plans, cpu_pos)
+        gpu = self._pools["decode"].submit(self._decode_stage, indices, gpu_pos)
+        done = self._pools["transform"].submit(self._transform_stage, indices, plans, stack,
+                                               gpu_pos, gpu, cpu_pos, cpu, refused)
+        self._pending.append(_Job(cpu, gpu, done))
 
     def get(self) -> Decoded:
         if not self._pending:
             raise RuntimeError("get() called with no batch submitted.")
-        item = self._pending.pop(0)
+        job = self._pending.pop(0)
         try:
-            done = item.result() if isinstance(item, Future) else item
+            done = _result(job.done)
         except BaseException:
-            self.close()  # the thread stops; what was queued behind the failed batch is dropped
+            self.close()  # the threads stop; what was queued behind the failed batch is dropped
             raise
         images = done.decoded.images
         self._streams.hand_over(done.event, [images] if isinstance(images, torch.Tensor)
@@ -180,26 +263,30 @@ class NvjpegBackend(Backend):
         return len(self._pending)
 
     def drain(self) -> None:
-        """Drop the batches of an abandoned epoch: queued ones are cancelled, a running one waited
-        for (its errors too belong to the abandoned epoch)."""
+        """Drop the batches of an abandoned epoch: queued stages are cancelled, running ones
+        waited for (their errors too belong to the abandoned epoch)."""
         pending, self._pending = self._pending, []
-        for item in pending:
-            if isinstance(item, Future) and not item.cancel():
-                item.exception()
+        for job in pending:
+            for f in job.futures():
+                if not f.cancel():
+                    f.exception()
 
     def close(self) -> None:
-        """Cancel queued batches, wait for a running one, stop the thread. Idempotent."""
+        """Cancel queued batches, wait for running stages, stop the threads. Idempotent."""
         self._closed = True
         self._pending = []
         self._finalizer.detach()
-        _shutdown(self._pool, wait=True)
+        _shutdown(list(self._pools.values()), wait=True)
 
     @property
     def thread_alive(self) -> bool:
-        """Whether the background decode thread is running (for shutdown checks)."""
-        return self._thread is not None and self._thread.is_alive()
+        """Whether any of the pipeline's threads is running (for shutdown checks)."""
+        return any(t.is_alive() for t in self._threads)
 
 
-def _shutdown(pool: ThreadPoolExecutor | None, *, wait: bool) -> None:
-    if pool is not None:
-        pool.shutdown(wait=wait, cancel_futures=True)
+def _shutdown(pools: list[ThreadPoolExecutor], *, wait: bool) -> None:
+    for pool in pools:  # the transform stage waits on the others: cancel its queue first
+        pool.shutdown(wait=False, cancel_futures=True)
+    if wait:
+        for pool in pools:
+            pool.shutdown(wait=True)
