@@ -82,6 +82,12 @@ class CudaStreams(HostStreams):
         return stack
 
     def decoding(self):
+        """The decoder's context: the allocation stream, after waiting for what is queued on it.
+        ``torch.cuda.Stream()`` hands out streams from a small round-robin pool, so this stream
+        may be one a user computes on; blocks freed there are reused by the decoder's outputs,
+        which nvJPEG writes from a stream of its own that waits for nothing. Waiting here (free:
+        torchvision's decode waits for the host anyway) means no queued kernel still uses them."""
+        self.alloc.synchronize()
         return torch.cuda.stream(self.alloc)
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
