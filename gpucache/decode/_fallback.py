@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..store._limits import check_pixels
-from . import normalize_device
+from ..transforms._device import to_device
 from ._core import Decoded, decode_batch, failure
 
 #: One sample's outcome: its image (uint8 CHW), or why it failed (see :func:`.cpu.describe`).
@@ -66,16 +66,6 @@ def out_of_memory(err: BaseException, what: str, device: torch.device,
     first = str(err).splitlines()[0] if str(err) else type(err).__name__
     return torch.OutOfMemoryError(f"gpucache: {what} ran out of memory on {device}; {advice}. "
                                   f"The allocator said: {first}")
-
-
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``x`` on ``device`` in one copy; from the CPU to CUDA through pinned memory with
-    ``non_blocking``, so the calling thread never waits for the device."""
-    if x.device == device or normalize_device(x.device) == device:
-        return x
-    if device.type == "cuda" and x.device.type == "cpu":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
 
 
 def join(n: int, parts: Iterable[Part], *, indices: np.ndarray, stack: bool,

@@ -22,6 +22,7 @@ from ._workers import usable_cores
 from ..decode._base import Backend
 from ..decode._core import Decoded
 from ..transforms import Transform, as_compose, batch_generator
+from ..transforms._device import to_device
 
 log = logging.getLogger("gpucache")
 
@@ -316,15 +317,12 @@ class GpuCachedLoader:
                 s.warned_samples[index] = reason
                 s.warned += 1
                 log.warning("gpucache: %s", reason)
-        nb = self.pin_memory
+        move = self._move
         images = out.images
-        if isinstance(images, torch.Tensor):
-            images = images.to(self.device, non_blocking=nb)
-        else:
-            images = [im.to(self.device, non_blocking=nb) for im in images]
+        images = move(images) if isinstance(images, torch.Tensor) else [move(im) for im in images]
         dense = dense_targets(self.cache)  # float (N, C) targets replace int labels if stored
-        labels = torch.from_numpy((self.cache.labels if dense is None else dense)[out.indices]
-                                  ).to(self.device, non_blocking=nb)
+        labels = move(torch.from_numpy((self.cache.labels if dense is None else dense)
+                                       [out.indices]))
         key = [self.seed, epoch, batch] + ([self.rank] if self.num_replicas > 1 else [])
         images, labels = self.transform.apply(images, labels, generator=batch_generator(*key))
         if not self.return_metadata:
@@ -333,8 +331,13 @@ class GpuCachedLoader:
         info = BatchInfo(torch.from_numpy(out.indices), [self.cache.paths[i] for i in out.indices],
                          None if meta is None else [meta[i] for i in out.indices], out.failed,
                          plans[kept_rows(submitted, out.indices)],
-                         _ragged(self.cache, out.indices, self.device))
+                         _ragged(self.cache, out.indices, move))
         return images, labels, info
+
+    def _move(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` on the loader's device; with ``pin_memory`` through pinned memory and
+        ``non_blocking`` (no host synchronisation on the training stream)."""
+        return to_device(x, self.device) if self.pin_memory else x.to(self.device)
 
     # ------------------------------------------------------------------ shutdown
     @property
@@ -359,9 +362,15 @@ class GpuCachedLoader:
                 f"num_workers={self.num_workers})")
 
 
-def _ragged(cache: JpegCache, indices: np.ndarray, device: torch.device):
+def _ragged(cache: JpegCache, indices: np.ndarray, move: Callable[[torch.Tensor], torch.Tensor]):
+    """The batch's ragged targets, moved in one copy and split on the device (views)."""
     rows = ragged_targets(cache, indices)
-    return None if rows is None else [torch.from_numpy(r.copy()).to(device) for r in rows]
+    if rows is None:
+        return None
+    if not rows:
+        return []
+    joined = move(torch.from_numpy(np.concatenate(rows)))
+    return list(joined.split([len(r) for r in rows]))
 
 
 def _check_int(name: str, value, low: int, fix: str) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from . import _tvcompat
+from ._device import DeviceConstants
 from ._augment import (
     ColorJitter,
     CutMix,
@@ -213,22 +214,38 @@ def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 class Normalize(Transform):
-    """(x - mean) / std per channel. A uint8 batch is first scaled to [0, 1] in ``dtype``."""
+    """(x - mean) / std per channel. A uint8 batch is first scaled to [0, 1] in ``dtype``.
+
+    The per-channel constants are made once per device and layout (pinned, ``non_blocking``), so
+    a batch costs one fused multiply-add and no host synchronisation."""
 
     def __init__(self, mean: Sequence[float], std: Sequence[float], *,
                  dtype: torch.dtype = torch.float32,
                  layout: Literal["NCHW", "NHWC", "channels_last"] = "NCHW"):
         self.mean, self.std, self.dtype, self.layout = list(mean), list(std), dtype, layout
+        self._constants = DeviceConstants()
+
+    def _affine(self, uint8: bool, nhwc: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, bias) with x * scale + bias == (x / 255 - mean) / std (uint8), else without
+        the 1/255; shaped for the layout."""
+        mean = torch.tensor(self.mean, dtype=torch.float64)
+        std = torch.tensor(self.std, dtype=torch.float64)
+        scale = (1 / 255 if uint8 else 1.0) / std
+        shape = (-1,) if nhwc else (-1, 1, 1)
+        return (torch.stack([scale, -mean / std]).float().view(2, *shape))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         nhwc = x.shape[-1] == len(self.mean) and x.shape[-3] != len(self.mean)
-        shape = (-1,) if nhwc else (-1, 1, 1)
-        mean = torch.tensor(self.mean, dtype=torch.float32, device=x.device).view(shape)
-        std = torch.tensor(self.std, dtype=torch.float32, device=x.device).view(shape)
-        scale = 1 / 255 if x.dtype == torch.uint8 else 1.0
-        # one fused multiply-add in float32, then the cast: x * (s / std) - mean / std
-        out = torch.addcmul(-mean / std, x.to(torch.float32), scale / std)
+        uint8 = x.dtype == torch.uint8
+        both = self._constants.get(x.device, (uint8, nhwc), lambda: self._affine(uint8, nhwc))
+        scale, bias = both[0], both[1]
+        # one fused multiply-add in float32 (uint8 promoted inside it), then the cast
+        out = torch.addcmul(bias, x if uint8 or x.dtype == torch.float32 else x.float(), scale)
         return _layout(out.to(self.dtype), self.layout)
+
+    def __repr__(self) -> str:
+        return (f"Normalize(mean={self.mean!r}, std={self.std!r}, dtype={self.dtype!r}, "
+                f"layout={self.layout!r})")
 
 
 _ACCEPTED = ("gpucache.transforms geometric ops (RandomResizedCrop, Resize, CenterCrop, "

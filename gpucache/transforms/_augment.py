@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ._device import to_device
+
 
 def batch_generator(*key: int) -> torch.Generator:
     """The CPU generator a batch's pixel and label transforms draw from, seeded by ``key``
@@ -100,7 +102,7 @@ class ColorJitter:
             raise ValueError(f"ColorJitter takes an (N, 3, H, W) batch, got shape "
                              f"{tuple(x.shape)}; place it before Normalize/ToDtype layout changes.")
         for name, f in self.factors(len(x), generator).items():
-            r = f.to(x.device).view(-1, 1, 1, 1)
+            r = to_device(f, x.device).view(-1, 1, 1, 1)  # pinned, non_blocking: no host wait
             if name == "brightness":
                 x = _blend(x, torch.zeros((), device=x.device), r)
             elif name == "contrast":
