@@ -4,10 +4,16 @@ A real JPEG whose scan was damaged mid-way (a stray restart marker: libjpeg warn
 data: premature end of data segment" and fills the rest) is kept by the build (its headers are
 fine). The loader logs it once per sample with index and path, counts it in ``loader.stats``, and
 with ``on_error="skip_warned"`` leaves it out; libjpeg's own message never reaches stderr.
+
+torchvision's deprecation notice (torchvision >= 0.29, on every decode call) never reaches the
+user either, and keeping it away never touches the user's warning filters, from any thread.
 """
 
+import contextlib
 import io
 import logging
+import threading
+import warnings
 
 import pytest
 import torch
@@ -16,9 +22,10 @@ from PIL import Image
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.decode import _roi
-from gpucache.testing import natural_image
+from gpucache.testing import make_jpeg_bytes, natural_image
 
-pytestmark = pytest.mark.skipif(not _roi._c_ok(), reason="compiled region decoder not built")
+needs_region_decoder = pytest.mark.skipif(not _roi._c_ok(),
+                                          reason="compiled region decoder not built")
 
 
 def damaged_jpeg(seed: int) -> bytes:
@@ -43,6 +50,7 @@ def store(tmp_path_factory):
     return JpegCache.from_files(paths, labels=[0, 1, 2, 3], progress=False)
 
 
+@needs_region_decoder
 @pytest.mark.parametrize("workers", [0, 1])
 @pytest.mark.parametrize("transform", [T.RandomResizedCrop(32), None], ids=["crop", "full"])
 def test_warned_sample_is_logged_once_and_counted(store, workers, transform, caplog, capfd):
@@ -59,6 +67,7 @@ def test_warned_sample_is_logged_once_and_counted(store, workers, transform, cap
     assert "Corrupt JPEG data" not in capfd.readouterr().err  # libjpeg's stderr line is gone
 
 
+@needs_region_decoder
 def test_skip_warned_leaves_the_sample_out(store):
     loader = GpuCachedLoader(store, batch_size=4, num_workers=0, backend="cpu", seed=0,
                              transform=T.Compose([T.Resize(40), T.CenterCrop(32)]),
@@ -69,11 +78,13 @@ def test_skip_warned_leaves_the_sample_out(store):
     assert loader.stats.skipped == 1 and loader.stats.warned == 1
 
 
+@needs_region_decoder
 def test_unknown_policy_is_refused(store):
     with pytest.raises(ValueError, match="skip_warned"):
         GpuCachedLoader(store, batch_size=2, on_error="warn")
 
 
+@needs_region_decoder
 def test_damaged_scan_decodes_to_different_pixels(store):
     """The report matters: the damaged sample's pixels really are wrong."""
     good = JpegCache.from_files([store.paths[0]], progress=False)
@@ -82,3 +93,73 @@ def test_damaged_scan_decodes_to_different_pixels(store):
     ref = torch.from_numpy(natural_image(96, 64, seed=2)).permute(2, 0, 1)
     assert (bad.int() - ref.int()).abs().float().mean() > 10
     assert decode_sample(good, 0).shape == bad.shape
+
+
+def _decode_in_a_loop(data: bytes, stop: threading.Event, count: list[int]) -> None:
+    """Decode with torchvision's decoders, as the nvjpeg backend's threads do, until told."""
+    from gpucache.decode._batched import torchvision_decoder
+    from gpucache.decode._core import decode_jpeg
+
+    tv = torchvision_decoder(torch.device("cpu"))
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    while not stop.is_set():
+        tv.decode([t])
+        decode_jpeg(t, use_torchcodec=False)
+        count[0] += 1
+
+
+def test_decoding_in_a_thread_keeps_the_main_threads_warning_filters():
+    """A decode thread must never save and restore the process's filter list (what
+    ``warnings.catch_warnings`` does): a filter the main thread adds meanwhile would be lost."""
+    data = make_jpeg_bytes(64, 48, seed=1)
+    stop, count, errors = threading.Event(), [0], []
+
+    def run() -> None:
+        try:
+            _decode_in_a_loop(data, stop, count)
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+            stop.set()
+
+    lost = []
+    with warnings.catch_warnings():  # the main thread's own save and restore, around it all
+        thread = threading.Thread(target=run)
+        thread.start()
+        try:
+            mine: list[str] = []
+            while (len(mine) < 300 or count[0] < 300) and not stop.is_set():
+                mine.append(f"gpucache test filter {len(mine)}")
+                warnings.filterwarnings("ignore", message=mine[-1])
+                present = {f[1].pattern for f in warnings.filters if f[1] is not None}
+                lost = [m for m in mine if m not in present]
+                if lost:
+                    break
+        finally:
+            stop.set()
+            thread.join(timeout=60)
+    assert not thread.is_alive() and not errors, errors
+    assert not lost, f"filters of the main thread lost while another thread decoded: {lost[:3]}"
+
+
+def test_torchvisions_notice_never_reaches_the_user(monkeypatch, jpeg_folder):
+    """With the strictest filter of the user's ("error" for every warning), decoding with
+    torchvision's decoders through the loader neither raises nor shows the notice."""
+    from gpucache.decode import _batched, _core
+    from gpucache.decode._emulated_cuda import EmulatedCuda
+
+    def no_torchcodec(device):
+        raise ImportError("TorchCodec left out by the test")
+
+    monkeypatch.setattr(_core, "_codec_decode_jpeg", None)  # the CPU path: torchvision's
+    monkeypatch.setattr(_batched, "torchcodec_decoder", no_torchcodec)
+    cache = JpegCache.from_folder(jpeg_folder, progress=False)
+    tf = T.RandomResizedCrop(24)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("error")
+        for kw in (dict(device="cpu", backend="cpu", num_workers=0),
+                   dict(device="cuda", backend="nvjpeg")):
+            with EmulatedCuda(devices=1) if kw["device"] == "cuda" else contextlib.nullcontext():
+                with GpuCachedLoader(cache, batch_size=8, seed=0, transform=tf, **kw) as loader:
+                    assert sum(len(y) for _, y in loader) == len(cache)
+                    assert loader.stats.skipped == 0
+    assert not [w for w in seen if issubclass(w.category, DeprecationWarning)], seen

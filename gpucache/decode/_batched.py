@@ -83,14 +83,14 @@ def torchvision_decoder(device: torch.device) -> BatchDecoder:
     from torchvision.io import ImageReadMode
     from torchvision.io import decode_jpeg
 
+    from ._core import quiet_torchvision_deprecation  # here: _core imports this module
+
     device = normalize_device(device)
 
     def decode(data: list[torch.Tensor]) -> list[torch.Tensor]:
-        with warnings.catch_warnings():  # torchvision >= 0.29 points to TorchCodec on every call
-            warnings.filterwarnings("ignore", category=DeprecationWarning,
-                                    message=r".*image decoding and encoding capabilities")
-            return decode_jpeg(data, mode=ImageReadMode.RGB, device=device,
-                               apply_exif_orientation=False)
+        quiet_torchvision_deprecation()  # thread-safe, unlike catch_warnings (see there)
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device,
+                           apply_exif_orientation=False)
 
     return make_decoder("torchvision", device, decode, applies_exif=False)
 
