@@ -346,6 +346,7 @@ class EmulatedCuda:
             "current_stream": self._current_stream_api, "default_stream": self._default_api,
             "memory_allocated": self.memory_allocated, "memory_reserved": self.memory_reserved,
             "get_device_name": lambda device=None: f"emulated CUDA ({self.devices} devices)",
+            "get_device_properties": self._properties,
         }.items():
             self._patch(c, name, value)
         self._patch(torch.Tensor, "record_stream",  # torch's parser takes only real streams
@@ -376,6 +377,14 @@ class EmulatedCuda:
             setattr(obj, name, value)
         self._saved.clear()
         EmulatedCuda._active = None
+
+    def _properties(self, device=None):
+        """What ``torch.cuda.get_device_properties`` reports that gpucache reads."""
+        from types import SimpleNamespace
+
+        index = self.index_device(device).index
+        return SimpleNamespace(name=f"emulated CUDA {index}", total_memory=80 * 2**30,
+                               multi_processor_count=132)
 
     def _current_stream_api(self, device=None) -> Stream:
         _check_stream_caller("torch.cuda.current_stream")

@@ -43,7 +43,7 @@ import torch
 
 from ..build._sniff import Kind
 from ..store._oom import is_out_of_memory
-from ..transforms._resample import resample
+from ..transforms._resample import BUDGET_BYTES, resample
 from . import normalize_device
 from ._base import Backend
 from ._batched import BatchDecoder, applies_exif, default_decoder, orient
@@ -97,6 +97,9 @@ class NvjpegBackend(Backend):
         kinds = cache.samples["kind"]
         # progressive JPEGs go to the CPU stage: nvJPEG Huffman-decodes them on the host anyway
         self._gpu_mask = cache.gpu_decodable() & (kinds != Kind.JPEG_PROGRESSIVE)
+        # padded input of the batched transforms held at once: a sixteenth of the GPU's memory
+        self._budget = max(BUDGET_BYTES, torch.cuda.get_device_properties(device).total_memory
+                           // 16 if device.type == "cuda" else 0)
         self._pending: list[_Job] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}
         if threaded:
@@ -201,7 +204,7 @@ class NvjpegBackend(Backend):
             rows = indices[ok]
             parts.append((np.asarray(ok, dtype=np.int64),
                           resample(kept, plans[ok], orientations=None if self.applies_exif
-                                   else orientation[rows]), False))
+                                   else orientation[rows], budget_bytes=self._budget), False))
         elif ok:
             parts.append((np.asarray(ok, dtype=np.int64),
                           [apply_plan(x, plans[p]) for x, p in zip(kept, ok)], False))

@@ -42,7 +42,8 @@ ORIENT = {1: (False, False, False), 2: (False, False, True), 3: (False, True, Tr
           4: (False, True, False), 5: (True, False, False), 6: (True, False, True),
           7: (True, True, True), 8: (True, True, False)}
 
-#: Padded float input held at once (bytes); a larger batch is split into chunks.
+#: Padded input held at once (bytes: 3 channels, uint8 gathered + float32 = 15 an output-box
+#: pixel); a larger batch is split into chunks.
 BUDGET_BYTES = 1 << 30
 
 
@@ -86,11 +87,13 @@ def _axis(length: np.ndarray, resized: np.ndarray, start2: np.ndarray, out: int,
     return idx, w
 
 
-def _gather_parts(shapes: np.ndarray, plans: np.ndarray, orient: np.ndarray, bases: np.ndarray,
-                  hc: int, wc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _gather_parts(shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray, orient: np.ndarray,
+                  bases: np.ndarray, hc: int, wc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Row (N, Hc), channel (N, 3) and column (N, Wc) address parts of every image's first crop
-    box in the flat buffer, displayed under its orientation (clamped inside the box)."""
+    box in the flat buffer (element strides (channel, row, column) per image), displayed under
+    its orientation (clamped inside the box)."""
     hs, ws = shapes[:, 0], shapes[:, 1]
+    sc, sr, sx = strides[:, 0:1], strides[:, 1:2], strides[:, 2:3]
     table = np.array([ORIENT.get(int(o), ORIENT[1]) for o in range(9)], dtype=bool)
     o = np.where((orient >= 1) & (orient <= 8), orient, 1)
     transpose, flip_r, flip_c = table[o, 0], table[o, 1], table[o, 2]
@@ -101,9 +104,9 @@ def _gather_parts(shapes: np.ndarray, plans: np.ndarray, orient: np.ndarray, bas
     x = l1[:, None] + np.minimum(np.arange(wc)[None, :], (w1 - 1)[:, None])
     y = np.where(flip_r[:, None], (hd - 1)[:, None] - y, y)  # a row of T(S) after its flips
     x = np.where(flip_c[:, None], (wd - 1)[:, None] - x, x)
-    rows = np.where(transpose[:, None], y, y * ws[:, None])  # T(S)[y, x] = S[x, y]
-    cols = np.where(transpose[:, None], x * ws[:, None], x)
-    chans = bases[:, None] + np.arange(3)[None, :] * (hs * ws)[:, None]
+    rows = np.where(transpose[:, None], y * sx, y * sr)  # T(S)[y, x] = S[x, y]
+    cols = np.where(transpose[:, None], x * sr, x * sx)
+    chans = bases[:, None] + np.arange(3)[None, :] * sc
     return rows, chans, cols
 
 
@@ -171,12 +174,12 @@ def resample(images: Sequence[torch.Tensor], plans: np.ndarray, *,
               else np.asarray(orientations, dtype=np.int64).reshape(n))
     device = images[0].device
     area = plans[:, 2] * plans[:, 3]
-    if n > 1 and int(plans[:, 2].max()) * int(plans[:, 3].max()) * 12 * n > budget_bytes:
+    if n > 1 and int(plans[:, 2].max()) * int(plans[:, 3].max()) * 15 * n > budget_bytes:
         order = np.argsort(area, kind="stable")
         chunks, start, acc_h, acc_w = [], 0, 0, 0
         for k, i in enumerate(order.tolist()):
             acc_h, acc_w = max(acc_h, int(plans[i, 2])), max(acc_w, int(plans[i, 3]))
-            if k > start and acc_h * acc_w * 12 * (k + 1 - start) > budget_bytes:
+            if k > start and acc_h * acc_w * 15 * (k + 1 - start) > budget_bytes:
                 chunks.append(order[start:k])
                 start, acc_h, acc_w = k, int(plans[i, 2]), int(plans[i, 3])
         chunks.append(order[start:])
@@ -189,16 +192,30 @@ def resample(images: Sequence[torch.Tensor], plans: np.ndarray, *,
     return _resample(list(images), plans, orient, device)
 
 
+def _flat(im: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A 1-D view of a (3, H, W) image's elements and its (channel, row, column) strides in it:
+    no copy for any dense layout (CHW as nvJPEG writes it, HWC permuted as libjpeg-turbo's)."""
+    if im.dim() != 3 or im.shape[0] != 3:
+        raise ValueError(f"resample takes RGB (3, H, W) images, got shape {tuple(im.shape)}")
+    order = sorted(range(3), key=lambda d: -im.stride(d))
+    dense = im.permute(order)
+    if not dense.is_contiguous():
+        im = im.contiguous()
+        return im.view(-1), (im.stride(0), im.stride(1), im.stride(2))
+    return dense.reshape(-1), (im.stride(0), im.stride(1), im.stride(2))
+
+
 def _resample(images: list[torch.Tensor], plans: np.ndarray, orient: np.ndarray,
               device: torch.device) -> torch.Tensor:
     n = len(images)
     oh, ow = int(plans[0, 8]), int(plans[0, 9])
-    images = [im if im.is_contiguous() else im.contiguous() for im in images]
+    flats, strides = zip(*(_flat(im) for im in images))
     shapes = np.array([im.shape[-2:] for im in images], dtype=np.int64).reshape(n, 2)
     sizes = shapes[:, 0] * shapes[:, 1] * 3
     bases = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     hc, wc = int(plans[:, 2].max()), int(plans[:, 3].max())
-    rows, chans, cols = _gather_parts(shapes, plans, orient, bases, hc, wc)
+    rows, chans, cols = _gather_parts(shapes, np.array(strides, dtype=np.int64).reshape(n, 3),
+                                      plans, orient, bases, hc, wc)
     flip = plans[:, 10].astype(bool)
     ya, yw = _axis(plans[:, 2], plans[:, 4], plans[:, 6], oh, np.zeros(n, dtype=bool))
     xa, xw = _axis(plans[:, 3], plans[:, 5], plans[:, 7], ow, flip)
@@ -207,7 +224,7 @@ def _resample(images: list[torch.Tensor], plans: np.ndarray, orient: np.ndarray,
     s0, s1, s2 = int(chans.max()) + 1, int(rows.max()) + 1, int(cols.max()) + 1
     total = int(sizes.sum())
     tail = max(0, s0 + s1 + s2 - 2 - total)
-    flat = torch.cat([im.view(-1) for im in images] + [_TAIL.get(device, tail)])
+    flat = torch.cat([*flats, _TAIL.get(device, tail)])
     view = flat.as_strided((s0, s1, s2), (1, 1, 1))
     x = view[chans_d[:, None, :, None], rows_d[:, :, None, None], cols_d[:, None, None, :]]
     x = x.to(torch.float32).view(n, hc, 3 * wc)  # (N, Hc, 3, Wc): channels between rows/cols

@@ -1,0 +1,248 @@
+"""The GPU path's host cost: ops a batch, host time an image, and pixels against the per-image path.
+
+    PYTHONPATH=. python benchmarks/batched_transforms.py [--photos DIR] [--rounds 5] [--json F]
+
+Three measurements of RandomResizedCrop(224) + RandomHorizontalFlip + Normalize, side by side for
+the per-image path (``apply_plan`` on each decoded image, then a stack: what the nvjpeg backend ran
+before its batched transforms) and the batched one (:func:`gpucache.transforms._resample.resample`):
+
+1. **ops a batch** at batch 64, 128 and 256: every aten op dispatched in every thread (views and
+   the decoder's own calls excluded; each is at least one kernel launch on CUDA) while the nvjpeg
+   backend decodes and transforms a batch on the emulated GPU
+   (:class:`~gpucache.decode._emulated_cuda.EmulatedCuda`) and ``Normalize`` runs on it, as the
+   loader does; and host synchronisations counted the same way;
+2. **host time an image** of the transform step alone (the per-image path with CUDA's float
+   arithmetic), on CPU images of the photos' sizes divided by 8: the pixel work is then a few µs
+   and what remains is Python, NumPy and dispatch, the host cost a CUDA launch queue sees;
+   median of ``--rounds``, the two paths interleaved;
+3. **pixels**: both paths on the decoded photos (CPU tensors), against the per-image path's
+   float arithmetic (what CUDA runs) and the CPU backend's fixed-point uint8 resize: largest
+   difference in levels and the share of differing values.
+
+The photos: ``--photos`` (an ImageFolder tree or a flat folder of JPEGs; default: 397 hymenoptera
+photos when ``../shared`` has them, else 256 synthetic photo-size JPEGs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpucache import JpegCache  # noqa: E402
+from gpucache import transforms as T  # noqa: E402
+from gpucache.decode._batched import make_decoder, orient, torchvision_decoder  # noqa: E402
+from gpucache.decode._core import apply_plan, decode_batch, decode_sample  # noqa: E402
+from gpucache.decode._emulated_cuda import EmulatedCuda  # noqa: E402
+from gpucache.decode.nvjpeg import NvjpegBackend  # noqa: E402
+from gpucache.testing import cached_jpeg_folder  # noqa: E402
+from gpucache.transforms._resample import resample  # noqa: E402
+
+GEOMETRY = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])
+NORMALIZE = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "hymenoptera"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops dispatched (views excluded) while ``active`` in this thread."""
+
+    def __init__(self, counts: dict, lock: threading.Lock, paused: threading.local):
+        super().__init__()
+        self.counts, self.lock, self.paused = counts, lock, paused
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not getattr(self.paused, "on", False) and not func.is_view:
+            name = str(func.overloadpacket)
+            with self.lock:
+                self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class CountOps:
+    """``with CountOps() as c:`` counts ops in the calling thread and every thread started
+    inside; ``c.pause()`` wraps a callable whose ops are not counted (the decoder's own)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._lock, self._paused = threading.Lock(), threading.local()
+        self._saved = threading.Thread.run
+
+    def __enter__(self) -> CountOps:
+        make = lambda: OpCounter(self.counts, self._lock, self._paused)  # noqa: E731
+        run = self._saved
+
+        def run_counted(thread):
+            with make():
+                run(thread)
+
+        threading.Thread.run = run_counted  # type: ignore[method-assign]
+        self._mode = make()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        threading.Thread.run = self._saved  # type: ignore[method-assign]
+
+    def pause(self, fn):
+        def paused(*args, **kwargs):
+            self._paused.on = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._paused.on = False
+
+        return paused
+
+    def reset(self) -> None:
+        with self._lock:
+            self.counts.clear()
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def photos(path: str | None) -> JpegCache:
+    root = Path(path) if path else SHARED if SHARED.is_dir() else None
+    if root is None:
+        root = cached_jpeg_folder(256, seed=3)
+    return JpegCache.from_folder(root, progress=False, on_error="skip")
+
+
+def _plans(cache: JpegCache, idx: np.ndarray, seed: int) -> np.ndarray:
+    s = cache.samples
+    return GEOMETRY.plan(s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
+                         np.random.default_rng(seed))
+
+
+def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3) -> dict:
+    """Ops and host syncs a batch on the emulated GPU, decoder excluded (median of batches)."""
+    jpeg = np.flatnonzero(cache.gpu_decodable() & (cache.samples["kind"] == 1))
+    idx_all = np.resize(jpeg, batch * batches)
+    totals, by_op = [], {}
+    with EmulatedCuda(devices=1), CountOps() as counter:
+        dev = torch.device("cuda", 0)
+        tv = torchvision_decoder(dev)
+        decoder = make_decoder("counted", dev, counter.pause(tv.decode), applies_exif=False)
+        backend = NvjpegBackend(cache, device=dev, on_error="skip", decoder=decoder)
+        for b in range(batches):
+            idx = idx_all[b * batch:(b + 1) * batch]
+            plans = _plans(cache, idx, b)
+            counter.reset()
+            if per_image:
+                data = [cache._bytes_tensor(int(i)) for i in idx.tolist()]
+                with backend._streams.on_side(), backend._streams.decoding():
+                    imgs = decoder.decode(data)
+                o = cache.samples["orientation"]
+                out = torch.stack([apply_plan(orient(im, o[i]), p).to(dev)
+                                   for im, i, p in zip(imgs, idx.tolist(), plans)])
+            else:
+                backend.submit(idx, plans, True)
+                out = backend.get().images
+            NORMALIZE(out)
+            totals.append(counter.total)
+            by_op = dict(counter.counts)
+        backend.close()
+    return {"ops_per_batch": int(statistics.median(totals)),
+            "ops_per_image": statistics.median(totals) / batch,
+            "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:8])}
+
+
+def host_time(cache: JpegCache, batch: int, rounds: int) -> dict:
+    """Host µs an image of the transform step alone (geometry + Normalize), on CPU images of the
+    photos' sizes divided by 8 with RandomResizedCrop(28): the pixel work is then a few µs, and
+    what remains is Python, NumPy and op dispatch, the host cost a CUDA launch queue sees."""
+    idx = np.resize(np.arange(len(cache)), batch)
+    s = cache.samples
+    h = np.maximum(s["height"][idx].astype(np.int64) // 8, 1)
+    w = np.maximum(s["width"][idx].astype(np.int64) // 8, 1)
+    imgs = [torch.zeros((3, int(a), int(b)), dtype=torch.uint8) for a, b in zip(h, w)]
+    small = T.Compose([T.RandomResizedCrop(28), T.RandomHorizontalFlip()])
+    plans = small.plan(h, w, np.random.default_rng(0))
+    one = {"per_image": lambda: NORMALIZE(torch.stack([_float_plan(im, p)
+                                                        for im, p in zip(imgs, plans)])),
+           "batched": lambda: NORMALIZE(resample(imgs, plans))}
+    times: dict[str, list[float]] = {k: [] for k in one}
+    for _ in range(rounds):  # interleaved
+        for name, fn in one.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) / batch * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _float_plan(img: torch.Tensor, plan) -> torch.Tensor:
+    """apply_plan's arithmetic on a CUDA device (float resize, rounded), on a CPU tensor."""
+    t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan)
+    x = img[:, t1:t1 + h1, l1:l1 + w1]
+    if (rh, rw) != (h1, w1):
+        x = F.interpolate(x[None].float(), size=(rh, rw), mode="bilinear", antialias=True)[0]
+        x = x.round_().clamp_(0, 255).to(torch.uint8)
+    if (t2, l2, h2, w2) != (0, 0, rh, rw):
+        x = F.pad(x, (max(0, -l2), max(0, l2 + w2 - rw), max(0, -t2), max(0, t2 + h2 - rh)))
+        x = x[:, max(t2, 0):max(t2, 0) + h2, max(l2, 0):max(l2, 0) + w2]
+    return x.flip(-1) if flip else x
+
+
+def pixels(cache: JpegCache) -> dict:
+    """The batched path against both per-image arithmetics on every photo, 4 draws each."""
+    out: dict[str, list] = {"float": [], "uint8": []}
+    idx = np.arange(len(cache))
+    for seed in range(4):
+        plans = _plans(cache, idx, seed)
+        stored = [decode_sample(cache, int(i)) for i in idx.tolist()]  # EXIF applied
+        got = resample(stored, plans)
+        ref_float = torch.stack([_float_plan(im, p) for im, p in zip(stored, plans)])
+        ref_uint8 = decode_batch(cache, idx, plans, on_error="raise", stack=True).images
+        for name, ref in (("float", ref_float), ("uint8", ref_uint8)):
+            d = (got.int() - ref.int()).abs()
+            out[name].append((int(d.max()), float((d > 0).float().mean()), float(d.float().mean())))
+    return {name: {"max_levels": max(r[0] for r in rows),
+                   "share_differing": max(r[1] for r in rows),
+                   "mean_levels": max(r[2] for r in rows)} for name, rows in out.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--photos", default=None)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--skip-pixels", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    cache = photos(args.photos)
+    result: dict = {"photos": len(cache), "ops": {}, "host_us_per_image": {}}
+    print(f"{len(cache)} photos; RandomResizedCrop(224) + flip + Normalize")
+    print(f"{'batch':>6} {'path':>10} {'ops/batch':>10} {'ops/image':>10} {'host us/img':>12}")
+    for batch in args.batches:
+        host = host_time(cache, batch, args.rounds)
+        for path in ("per_image", "batched"):
+            ops = count_ops(cache, batch, per_image=path == "per_image")
+            result["ops"].setdefault(str(batch), {})[path] = ops
+            result["host_us_per_image"].setdefault(str(batch), {})[path] = host[path]
+            print(f"{batch:>6} {path:>10} {ops['ops_per_batch']:>10} "
+                  f"{ops['ops_per_image']:>10.2f} {host[path]:>12.1f}", flush=True)
+    if not args.skip_pixels:
+        result["pixels"] = pixels(cache)
+        for name, r in result["pixels"].items():
+            print(f"batched vs per-image {name:>5}: max {r['max_levels']} levels, "
+                  f"{100 * r['share_differing']:.3f}% of values differ, mean {r['mean_levels']:.4f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
