@@ -160,16 +160,32 @@ def test_out_of_memory_is_raised_with_advice(cache):
     assert not backend.thread_alive
 
 
-def test_torchcodec_that_fails_to_load_falls_back_to_torchvision(tmp_path, monkeypatch):
-    """An installed TorchCodec whose libraries do not load raises RuntimeError at import."""
+@pytest.fixture
+def broken_torchcodec(tmp_path, monkeypatch):
+    """A TorchCodec package first on sys.path whose decoders fail to load; the real one's
+    modules (if imported) are put back afterwards and the fake's removed, so no later test (such
+    as gpu_check's versions) meets the fake in sys.modules."""
     pkg = tmp_path / "torchcodec"
     (pkg / "decoders").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "decoders" / "__init__.py").write_text(
         'raise RuntimeError("Could not load libtorchcodec. FFmpeg libraries not found")\n')
-    for name in [m for m in sys.modules if m == "torchcodec" or m.startswith("torchcodec.")]:
-        monkeypatch.delitem(sys.modules, name)
+
+    def ours(name: str) -> bool:
+        return name == "torchcodec" or name.startswith("torchcodec.")
+
+    saved = {m: sys.modules.pop(m) for m in [m for m in sys.modules if ours(m)]}
     monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        yield pkg
+    finally:
+        for name in [m for m in sys.modules if ours(m)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def test_torchcodec_that_fails_to_load_falls_back_to_torchvision(broken_torchcodec):
+    """An installed TorchCodec whose libraries do not load raises RuntimeError at import."""
     with pytest.warns(RuntimeWarning, match="TorchCodec is installed but failed to load"):
         decoder = default_decoder(torch.device("cpu"))
     assert decoder.name == "torchvision"
@@ -192,6 +208,25 @@ def test_local_rank_differing_from_the_current_device_warns_once(cache, monkeypa
             GpuCachedLoader(cache, batch_size=4, seed=0, device="cuda:0")  # an explicit choice
             torch.cuda.set_device(1)
             assert GpuCachedLoader(cache, batch_size=4, seed=0).device == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("visible, warns", [(1, False), (4, True)])
+def test_local_rank_warns_only_when_that_gpu_is_visible(cache, monkeypatch, visible, warns):
+    """One GPU visible per rank (Slurm's per-task binding, a per-rank CUDA_VISIBLE_DEVICES):
+    every rank rightly decodes on its cuda:0, and there is no cuda:3 to advise."""
+    from gpucache import decode
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(decode, "_warned_local_rank", set())
+    with EmulatedCuda(devices=visible), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loader = GpuCachedLoader(cache, batch_size=4, seed=0, backend="nvjpeg")
+        assert loader.device == torch.device("cuda", 0)
+    said = [str(w.message) for w in seen if "LOCAL_RANK" in str(w.message)]
+    assert bool(said) is warns, said
+    if warns:
+        assert "LOCAL_RANK=3 but the current CUDA device is cuda:0" in said[0]
 
 
 def test_library_imports_and_builds_without_tqdm(jpeg_folder):

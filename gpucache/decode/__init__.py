@@ -60,10 +60,16 @@ _warned_local_rank: set[tuple[int, int]] = set()
 
 def check_local_rank() -> None:
     """Warn once when a launcher's LOCAL_RANK differs from the current CUDA device: without
-    ``torch.cuda.set_device``, every rank of a torchrun job would decode on cuda:0."""
+    ``torch.cuda.set_device``, every rank of a torchrun job would decode on cuda:0.
+
+    Only when this process sees a GPU of that index: with one GPU visible per rank (Slurm's
+    per-task binding, a per-rank ``CUDA_VISIBLE_DEVICES``) every rank rightly decodes on its
+    cuda:0, and there is no cuda:LOCAL_RANK to advise."""
     size, local_rank = _dist.local()
+    if size <= 1 or torch.cuda.device_count() <= local_rank:
+        return
     current = torch.cuda.current_device()
-    if size <= 1 or local_rank == current or (local_rank, current) in _warned_local_rank:
+    if local_rank == current or (local_rank, current) in _warned_local_rank:
         return
     _warned_local_rank.add((local_rank, current))
     warnings.warn(
