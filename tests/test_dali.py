@@ -282,3 +282,31 @@ def test_cuda_outputs_are_bound_to_the_consumer_stream(jpegs):
         assert be._pipe.handed[0] is not torch.cuda.current_stream(0)
         assert_close(out.images.cpu(), ref.images)
         be.close()
+
+
+@pytest.mark.parametrize("launcher, usable, given, want", [
+    ({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1"}, 16, None, 4),  # torchrun: 16 cores, 4 ranks
+    ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_LOCALID": "2"}, 16, None, 4),  # srun, no binding
+    ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_LOCALID": "2"}, 4, None, 4),  # 4 cores bound to it
+    ({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1"}, 16, 8, 8),  # an explicit num_workers
+    ({}, 16, None, 16),  # no launcher
+])
+def test_dali_threads_are_this_ranks_share_of_the_cores(jpegs, monkeypatch, launcher, usable,
+                                                        given, want):
+    """Every rank of a node would otherwise give DALI (and the cpu backend's workers) every core
+    of the machine; only the default divides, an explicit num_workers is taken as given."""
+    from gpucache import GpuCachedLoader
+    from gpucache.loader import _workers
+
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS_PER_NODE", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(_workers, "usable_cores", lambda: usable)
+    monkeypatch.setattr(_workers.os, "cpu_count", lambda: 16)
+    loader = GpuCachedLoader(jpegs, batch_size=8, seed=0, device="cpu", backend="dali",
+                             num_workers=given)
+    with loader:
+        assert loader.num_workers == want
+        assert loader._get_backend().num_threads == want
+        assert sum(len(y) for _, y in loader) == len(jpegs)

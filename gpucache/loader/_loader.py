@@ -18,7 +18,7 @@ from .. import decode as _decode
 from ._sampling import Sampling
 from ..store._store import JpegCache
 from ..store._targets import dense_targets, kept_rows, ragged_targets
-from ._workers import usable_cores
+from ._workers import default_workers
 from ..decode._base import Backend
 from ..decode._core import Decoded
 from ..transforms import Transform, as_compose, batch_generator
@@ -143,7 +143,7 @@ class GpuCachedLoader:
         self.transform = as_compose(transform)
         self.device = _decode.resolve_device(device)  # normalised: cuda -> cuda:<current>
         self.backend_name = _decode.resolve(backend, self.device)
-        self.num_workers = usable_cores() if num_workers is None else num_workers
+        self.num_workers = default_workers() if num_workers is None else num_workers
         self.prefetch_factor = prefetch_factor
         if pin_memory and self.device.type != "cuda":
             warnings.warn("pin_memory=True has no effect without a CUDA device; ignoring it.",

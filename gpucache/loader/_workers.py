@@ -358,3 +358,17 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
         return os.cpu_count() or 1
+
+
+def default_workers() -> int:
+    """``num_workers=None``: this rank's share of the cores. Under a launcher with several ranks
+    on the node (LOCAL_WORLD_SIZE, Slurm's tasks per node) that all see every core of the machine
+    (torchrun binds none), the usable cores divided among them, at least 1; a rank whose cores
+    were bound to it (Slurm's per-task binding: fewer usable cores than the machine's) keeps
+    its own."""
+    from ._dist import local
+
+    cores, (size, _) = usable_cores(), local()
+    if size > 1 and cores >= (os.cpu_count() or cores):
+        return max(1, cores // size)
+    return cores
