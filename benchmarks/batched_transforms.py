@@ -12,9 +12,9 @@ before its batched transforms) and the batched one (:func:`gpucache.transforms._
    (:class:`~gpucache.decode._emulated_cuda.EmulatedCuda`) and ``Normalize`` runs on it, as the
    loader does; and host synchronisations counted the same way;
 2. **host time an image** of the transform step alone (the per-image path with CUDA's float
-   arithmetic), on CPU images of the photos' sizes divided by 8: the pixel work is then a few µs
-   and what remains is Python, NumPy and dispatch, the host cost a CUDA launch queue sees;
-   median of ``--rounds``, the two paths interleaved;
+   arithmetic), on ``meta`` tensors of the photos' sizes: no pixel work, so what remains is
+   Python, NumPy and dispatch, the host cost a CUDA launch queue sees; median of ``--rounds``
+   after a warm-up round, the two paths interleaved;
 3. **pixels**: both paths on the decoded photos (CPU tensors), against the per-image path's
    float arithmetic (what CUDA runs) and the CPU backend's fixed-point uint8 resize: largest
    difference in levels and the share of differing values.
@@ -160,25 +160,24 @@ def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3
 
 
 def host_time(cache: JpegCache, batch: int, rounds: int) -> dict:
-    """Host µs an image of the transform step alone (geometry + Normalize), on CPU images of the
-    photos' sizes divided by 8 with RandomResizedCrop(28): the pixel work is then a few µs, and
-    what remains is Python, NumPy and op dispatch, the host cost a CUDA launch queue sees."""
+    """Host µs an image of the transform step alone (geometry + Normalize) on ``meta`` tensors
+    of the photos' sizes: no pixel work, so what is timed is Python, NumPy and op dispatch, the
+    host cost a CUDA launch queue sees. One warm-up round (meta kernels load on first use)."""
     idx = np.resize(np.arange(len(cache)), batch)
     s = cache.samples
-    h = np.maximum(s["height"][idx].astype(np.int64) // 8, 1)
-    w = np.maximum(s["width"][idx].astype(np.int64) // 8, 1)
-    imgs = [torch.zeros((3, int(a), int(b)), dtype=torch.uint8) for a, b in zip(h, w)]
-    small = T.Compose([T.RandomResizedCrop(28), T.RandomHorizontalFlip()])
-    plans = small.plan(h, w, np.random.default_rng(0))
+    imgs = [torch.empty((3, int(s["height"][i]), int(s["width"][i])), dtype=torch.uint8,
+                        device="meta") for i in idx.tolist()]
+    plans = _plans(cache, idx, 0)
     one = {"per_image": lambda: NORMALIZE(torch.stack([_float_plan(im, p)
                                                         for im, p in zip(imgs, plans)])),
            "batched": lambda: NORMALIZE(resample(imgs, plans))}
     times: dict[str, list[float]] = {k: [] for k in one}
-    for _ in range(rounds):  # interleaved
+    for r in range(rounds + 1):  # interleaved
         for name, fn in one.items():
             t0 = time.perf_counter()
             fn()
-            times[name].append((time.perf_counter() - t0) / batch * 1e6)
+            if r:
+                times[name].append((time.perf_counter() - t0) / batch * 1e6)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

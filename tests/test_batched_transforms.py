@@ -1,0 +1,96 @@
+"""The batched geometric transforms (gpucache/transforms/_resample.py): the same pixels as the
+per-image path, in a number of ops that does not grow with the batch, on the emulated GPU too."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks.batched_transforms import count_ops
+from gpucache import JpegCache
+from gpucache import transforms as T
+from gpucache.decode._batched import orient
+from gpucache.decode._core import apply_plan, decode_sample
+from gpucache.transforms._resample import resample
+
+PIPELINES = {
+    "train": T.Compose([T.RandomResizedCrop(48), T.RandomHorizontalFlip()]),
+    "eval": T.Compose([T.Resize(56), T.CenterCrop(48)]),
+    "pad": T.Compose([T.Resize(40), T.CenterCrop(64)]),  # crop larger than the image: zeros
+    "fixed": T.Compose([T.Resize((30, 50)), T.RandomHorizontalFlip(0.5)]),
+    "crop only": T.Compose([T.CenterCrop(32)]),
+}
+
+
+def _float_path(img: torch.Tensor, plan) -> torch.Tensor:
+    """apply_plan's arithmetic on a CUDA device (float resize, then rounded), on the CPU."""
+    t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan)
+    x = img[:, t1:t1 + h1, l1:l1 + w1]
+    if (rh, rw) != (h1, w1):
+        x = F.interpolate(x[None].float(), size=(rh, rw), mode="bilinear", antialias=True)[0]
+        x = x.round_().clamp_(0, 255).to(torch.uint8)
+    if (t2, l2, h2, w2) != (0, 0, rh, rw):
+        x = F.pad(x, (max(0, -l2), max(0, l2 + w2 - rw), max(0, -t2), max(0, t2 + h2 - rh)))
+        x = x[:, max(t2, 0):max(t2, 0) + h2, max(l2, 0):max(l2, 0) + w2]
+    return x.flip(-1) if flip else x
+
+
+@pytest.fixture(scope="module")
+def stored(photo_folder):
+    """Decoded photo-size images as a decoder that skips EXIF gives them (HWC-strided, as
+    libjpeg-turbo's), each with one of the 8 orientations, and their displayed sizes."""
+    cache = JpegCache.from_folder(photo_folder, progress=False)
+    rng = np.random.default_rng(0)
+    images = [decode_sample(cache, i) for i in range(24)]  # displayed (EXIF applied)
+    images = [im.permute(1, 2, 0).contiguous().permute(2, 0, 1) for im in images]
+    orientations = rng.integers(1, 9, len(images))
+    inverse = {6: 8, 8: 6}  # the other tags are their own inverses
+    raw = [orient(im, inverse.get(int(o), int(o))) for im, o in zip(images, orientations)]
+    assert all(torch.equal(orient(r, o), im) for r, o, im in zip(raw, orientations, images))
+    return raw, orientations, images
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_batched_equals_the_per_image_path_within_one_level(stored, name):
+    raw, orientations, shown = stored
+    h = np.array([im.shape[1] for im in shown])
+    w = np.array([im.shape[2] for im in shown])
+    plans = PIPELINES[name].plan(h, w, np.random.default_rng(7))
+    got = resample(raw, plans, orientations=orientations)
+    ref = torch.stack([_float_path(im, p) for im, p in zip(shown, plans)])
+    cpu = torch.stack([apply_plan(im, p) for im, p in zip(shown, plans)])  # fixed-point uint8
+    assert got.shape == ref.shape and got.dtype == torch.uint8 and got.is_contiguous()
+    d = (got.int() - ref.int()).abs()
+    assert d.max() <= 1 and (d > 0).float().mean() < 1e-3, name  # float rounding only
+    assert (got.int() - cpu.int()).abs().max() <= 1, name
+    if name == "pad":
+        # the zero padding of a crop larger than the image: its first row or first column
+        assert all(bool((g[:, 0, :] == 0).all() or (g[:, :, 0] == 0).all()) for g in got)
+    chunked = resample(raw, plans, orientations=orientations, budget_bytes=1)  # one a chunk
+    assert torch.equal(chunked, got)
+    contiguous = resample([r.contiguous() for r in raw], plans, orientations=orientations)
+    assert torch.equal(contiguous, got)  # CHW as nvJPEG writes it: the same gather
+
+
+def test_bad_batches_are_refused_with_the_fix():
+    img = torch.zeros((3, 8, 8), dtype=torch.uint8)
+    plans = T.Compose([T.Resize(4)]).plan(np.array([8, 8]), np.array([8, 16]),
+                                          np.random.default_rng(0))
+    with pytest.raises(ValueError, match="several output sizes.*per-image path"):
+        resample([img, torch.zeros((3, 8, 16), dtype=torch.uint8)], plans)
+    with pytest.raises(ValueError, match="2 plans"):
+        resample([img], plans)
+    with pytest.raises(ValueError, match=r"RGB \(3, H, W\)"):
+        resample([torch.zeros((1, 8, 8), dtype=torch.uint8)], plans[:1])
+
+
+def test_ops_a_batch_do_not_grow_with_the_batch_on_the_emulated_gpu(jpeg_folder):
+    """Every aten op dispatched while the nvjpeg backend decodes and transforms a batch and
+    Normalize runs (decoder excluded, views excluded): the per-image path grows with the batch,
+    the batched one does not, and stays within 64."""
+    cache = JpegCache.from_folder(jpeg_folder, progress=False)
+    small = count_ops(cache, 8, per_image=False, batches=2)["ops_per_batch"]
+    large = count_ops(cache, 32, per_image=False, batches=2)["ops_per_batch"]
+    per_image = count_ops(cache, 32, per_image=True, batches=1)["ops_per_batch"]
+    assert small == large <= 64
+    assert per_image >= 4 * 32 > large
