@@ -216,7 +216,10 @@ def ordering(c: Check, name: str) -> dict:
     backend = c.backend(name)
     side = getattr(getattr(backend, "_streams", None), "side", None)  # CUDA nvjpeg only
     n = 64 if c.args.emulate else 4096  # emulated: the same calls, a CPU-sized matrix
-    heavy = torch.randn(n, n, device=backend.device) if side is not None else None
+    heavy = None
+    if side is not None:
+        with torch.cuda.stream(side):  # made on the stream that uses it: no other stream reads it
+            heavy = torch.randn(n, n, device=backend.device)
     sums, done = [], 0
     while done < c.args.iterations and (not done or time.perf_counter() < deadline):
         for k, (_, _, got) in enumerate(c.batches(backend, tf, batch=c.args.batch, seed=2)):
