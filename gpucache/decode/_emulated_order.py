@@ -194,9 +194,11 @@ class Stream:
         return event
 
     def synchronize(self) -> None:
+        _check_stream_caller("Stream.synchronize")
         active()._host_sync("Stream.synchronize", [self], credit=True)
 
     def query(self) -> bool:
+        _check_stream_caller("Stream.query")
         _join(active()._host(), self.clock)  # always done: the host now knows it
         return True
 
@@ -222,15 +224,17 @@ class Event:
             self.clock = dict(self.stream.clock)
 
     def synchronize(self) -> None:
-        emu = active()
-        emu._host_sync("Event.synchronize", [self], credit=True)
+        _check_stream_caller("Event.synchronize")
+        active()._host_sync("Event.synchronize", [self], credit=True)
 
     def query(self) -> bool:
+        _check_stream_caller("Event.query")
         if self.clock is not None:
-            _join(active()._host(), self.clock)
+            _join(active()._host(), self.clock)  # always done: the host now knows it
         return True
 
     def wait(self, stream: Stream | None = None) -> None:
+        _check_stream_caller("Event.wait")
         emu = active()
         emu._wait(stream if stream is not None else emu.current_stream(), self.clock)
 
