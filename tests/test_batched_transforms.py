@@ -67,7 +67,8 @@ def test_batched_equals_the_per_image_path_within_one_level(stored, name):
         # the zero padding of a crop larger than the image: its first row or first column
         assert all(bool((g[:, 0, :] == 0).all() or (g[:, :, 0] == 0).all()) for g in got)
     chunked = resample(raw, plans, orientations=orientations, budget_bytes=1)  # one a chunk
-    assert torch.equal(chunked, got)
+    d = (chunked.int() - got.int()).abs()  # other padding: other float summation order
+    assert d.max() <= 1 and (d > 0).float().mean() < 1e-3
     contiguous = resample([r.contiguous() for r in raw], plans, orientations=orientations)
     assert torch.equal(contiguous, got)  # CHW as nvJPEG writes it: the same gather
 

@@ -191,14 +191,14 @@ class NvjpegBackend(Backend):
             if isinstance(img, Exception):
                 retry.append(p)
                 continue
-            shown = img if self.applies_exif else orient(img, orientation[i])
-            try:
-                check_size(self.cache, i, shown)
+            o = 1 if self.applies_exif or not 1 <= orientation[i] <= 8 else int(orientation[i])
+            try:  # the displayed size, from the shape alone (orienting is a copy on CUDA)
+                check_size(self.cache, i, img.transpose(-1, -2) if o >= 5 else img)
             except ValueError as err:
                 results.append((p, failure(self.cache, i, err, self.on_error)))
                 continue
             ok.append(p)
-            kept.append(img if stack else shown)
+            kept.append(img if stack else orient(img, o))
         parts: list[Part] = []
         if ok and stack:
             rows = indices[ok]

@@ -18,9 +18,10 @@ is linear and separable:
    padded rows and columns of ``X`` get zero weight;
 3. **round, clamp, uint8** into an (N, 3, OH, OW) batch.
 
-The filter taps are computed on the host (NumPy, vectorised over the batch) and cross in one
-copy (pinned, ``non_blocking``, on CUDA) with the index parts; dense ``A``/``B`` are made on the
-device by one ``scatter_add_`` each. The result equals the per-image float path up to float
+The host computes, per image and output row or column, where its filter window starts (NumPy over
+(N, OH + OW) values); that and the index parts cross in one copy (pinned, ``non_blocking``, on
+CUDA), and the device expands them to the taps (about ten ops for both axes together) and to dense
+``A``/``B`` (one ``scatter_add_`` each). The result equals the per-image float path up to float
 rounding (at most one level, in a few pixels) and the CPU's fixed-point uint8 path within one
 level (measured in ``benchmarks/batched_resize.py``).
 
@@ -47,44 +48,41 @@ ORIENT = {1: (False, False, False), 2: (False, False, True), 3: (False, True, Tr
 BUDGET_BYTES = 1 << 30
 
 
-def aa_taps(in_size: np.ndarray, out_size: np.ndarray, positions: np.ndarray
-            ) -> tuple[np.ndarray, np.ndarray]:
-    """Antialiased bilinear taps of output ``positions`` (N, M) of a resize ``in_size`` ->
-    ``out_size`` (N each): ``(first input index (N, M), weights (N, M, K))``, as torch's
-    ``_upsample_bilinear2d_aa`` computes them (support = the scale when shrinking, else 1; a
-    triangle filter normalised per output). Positions outside ``[0, out_size)`` get no taps."""
-    in_size = in_size.astype(np.float64)[:, None]
-    out_size = out_size.astype(np.float64)[:, None]
-    scale = in_size / out_size
-    support = np.where(scale >= 1.0, scale, 1.0)
-    invscale = np.where(scale >= 1.0, 1.0 / scale, 1.0)
-    center = scale * (positions + 0.5)
-    xmin = np.maximum(np.trunc(center - support + 0.5), 0)
-    xmax = np.minimum(np.trunc(center + support + 0.5), in_size)
-    size = np.maximum(xmax - xmin, 0)
-    k = int(size.max()) if size.size else 1
-    j = np.arange(max(k, 1), dtype=np.float64)
-    w = np.maximum(0.0, 1.0 - np.abs((j + xmin[..., None] - center[..., None] + 0.5)
-                                     * invscale[..., None]))
-    w[j >= size[..., None]] = 0.0
-    inside = (positions >= 0) & (positions < out_size)
-    w[~inside] = 0.0
-    total = w.sum(-1, keepdims=True)
-    w = np.divide(w, total, out=np.zeros_like(w), where=total != 0)
-    return xmin.astype(np.int64), w.astype(np.float32)
+def _taps_host(length: np.ndarray, resized: np.ndarray, start2: np.ndarray, out: int,
+               flip: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """One axis's filter per output position, as torch's ``_upsample_bilinear2d_aa`` defines it
+    (support = the scale when shrinking, else 1; a triangle normalised per output): a resize
+    ``length`` -> ``resized``, then ``out`` positions from ``start2`` (reversed where ``flip``).
 
-
-def _axis(length: np.ndarray, resized: np.ndarray, start2: np.ndarray, out: int,
-          flip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Scatter indices and weights (N, out, K) of one axis: resize ``length`` -> ``resized``,
-    then take ``out`` positions from ``start2`` (reversed where ``flip``); indices are within the
-    crop box ``[0, length)``."""
-    o = np.arange(out)[None, :]
+    Returns, per image and output position (N, out): the first input index of the window, its
+    offset ``first - center + 0.5``, and 1 where the position is inside the resized image (0:
+    the second crop's zero padding); per image the inverse filter scale; and the most taps a
+    window can hold. :func:`_taps_device` expands them to (N, out, K) taps."""
+    length = length.astype(np.float64)
+    scale = length / resized.astype(np.float64)
+    support = np.maximum(scale, 1.0)
+    o = np.arange(out, dtype=np.float64)[None, :]
     pos = np.where(flip[:, None], start2[:, None] + out - 1 - o, start2[:, None] + o)
-    start, w = aa_taps(length, resized, pos)
-    idx = start[..., None] + np.arange(w.shape[-1])[None, None, :]
-    idx = np.minimum(idx, (length - 1)[:, None, None])  # taps past the edge carry weight 0
-    return idx, w
+    center = scale[:, None] * (pos + 0.5)
+    first = np.maximum(np.trunc(center - support[:, None] + 0.5), 0.0)
+    inside = (pos >= 0) & (pos < resized[:, None])
+    k = int(np.ceil(2 * support.max())) + 1 if len(support) else 1
+    return (first.astype(np.float32), (first - center + 0.5).astype(np.float32),
+            inside.astype(np.float32), (1.0 / support).astype(np.float32), k)
+
+
+def _taps_device(first: torch.Tensor, offset: torch.Tensor, inside: torch.Tensor,
+                 inv: torch.Tensor, length: torch.Tensor, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input indices and normalised weights (N, out, k) from :func:`_taps_host`'s arrays, in a
+    fixed number of ops whatever N: a tap past the crop box (or the window) has weight 0."""
+    j = torch.arange(k, dtype=torch.float32, device=first.device)
+    w = torch.rsub((offset[..., None] + j).mul_(inv[:, None, None]).abs_(), 1).clamp_min_(0)
+    index = first[..., None] + j
+    w.mul_(index < length[:, None, None]).mul_(inside[..., None])
+    w.div_(w.sum(-1, keepdim=True).clamp_min_(1e-30))
+    index = torch.minimum(index, length[:, None, None] - 1).to(torch.int64)
+    return index, w
 
 
 def _gather_parts(shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray, orient: np.ndarray,
@@ -108,24 +106,6 @@ def _gather_parts(shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray, or
     cols = np.where(transpose[:, None], x * sr, x * sx)
     chans = bases[:, None] + np.arange(3)[None, :] * sc
     return rows, chans, cols
-
-
-class _Tail:
-    """A zero tail per device, appended to the flat buffer so the strided view stays in bounds
-    (grown, never shrunk; made once on the stream that first uses it, never written after)."""
-
-    def __init__(self) -> None:
-        self._by_device: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device, n: int) -> torch.Tensor:
-        t = self._by_device.get(device)
-        if t is None or t.numel() < n:
-            t = self._by_device[device] = torch.zeros(max(n, 1 << 16), dtype=torch.uint8,
-                                                      device=device)
-        return t[:n]
-
-
-_TAIL = _Tail()
 
 
 def _upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -216,20 +196,29 @@ def _resample(images: list[torch.Tensor], plans: np.ndarray, orient: np.ndarray,
     hc, wc = int(plans[:, 2].max()), int(plans[:, 3].max())
     rows, chans, cols = _gather_parts(shapes, np.array(strides, dtype=np.int64).reshape(n, 3),
                                       plans, orient, bases, hc, wc)
-    flip = plans[:, 10].astype(bool)
-    ya, yw = _axis(plans[:, 2], plans[:, 4], plans[:, 6], oh, np.zeros(n, dtype=bool))
-    xa, xw = _axis(plans[:, 3], plans[:, 5], plans[:, 7], ow, flip)
-    rows_d, chans_d, cols_d, ya_d, yw_d, xa_d, xw_d = _upload(
-        [rows, chans, cols, ya, yw, xa, xw], device)
+    # both axes' filters in one set of rows: the first N rows are heights, the next N widths
+    o = max(oh, ow)
+    hy = _taps_host(plans[:, 2], plans[:, 4], plans[:, 6], o, np.zeros(n, dtype=bool))
+    hx = _taps_host(plans[:, 3], plans[:, 5], plans[:, 7], o, plans[:, 10].astype(bool))
+    taps = [np.concatenate([a, b]) for a, b in zip(hy[:4], hx[:4])]
+    lengths = np.concatenate([plans[:, 2], plans[:, 3]]).astype(np.float32)
+    rows_d, chans_d, cols_d, first_d, off_d, in_d, inv_d, len_d = _upload(
+        [rows, chans, cols, *taps, lengths], device)
+    index, weight = _taps_device(first_d, off_d, in_d, inv_d, len_d, max(hy[4], hx[4]))
     s0, s1, s2 = int(chans.max()) + 1, int(rows.max()) + 1, int(cols.max()) + 1
     total = int(sizes.sum())
     tail = max(0, s0 + s1 + s2 - 2 - total)
-    flat = torch.cat([*flats, _TAIL.get(device, tail)])
+    # the strided view's bounds reach past the images (never read: every address is clamped
+    # inside its image), so the images are joined into the head of a longer buffer
+    flat = torch.empty(total + tail, dtype=torch.uint8, device=device)
+    torch.cat(flats, out=flat[:total])
     view = flat.as_strided((s0, s1, s2), (1, 1, 1))
     x = view[chans_d[:, None, :, None], rows_d[:, :, None, None], cols_d[:, None, None, :]]
     x = x.to(torch.float32).view(n, hc, 3 * wc)  # (N, Hc, 3, Wc): channels between rows/cols
-    a = torch.zeros((n, oh, hc), dtype=torch.float32, device=device).scatter_add_(2, ya_d, yw_d)
-    b = torch.zeros((n, ow, wc), dtype=torch.float32, device=device).scatter_add_(2, xa_d, xw_d)
+    a = torch.zeros((n, oh, hc), dtype=torch.float32, device=device).scatter_add_(
+        2, index[:n, :oh], weight[:n, :oh])
+    b = torch.zeros((n, ow, wc), dtype=torch.float32, device=device).scatter_add_(
+        2, index[n:, :ow], weight[n:, :ow])
     y = torch.bmm(a, x).view(n, oh * 3, wc)
     z = torch.bmm(y, b.transpose(1, 2)).view(n, oh, 3, ow).permute(0, 2, 1, 3)
     return z.round_().clamp_(0, 255).to(torch.uint8, memory_format=torch.contiguous_format)
