@@ -337,28 +337,9 @@ def cache(small_folder):
     return JpegCache.from_folder(small_folder, progress=False)  # baseline RGB: all on the GPU
 
 
-@pytest.fixture(autouse=True)
-def _fresh_tail(monkeypatch):
-    """The resampler's zero tail is made once per device, on the first stream that uses it, and
-    read by later backends' streams without a wait (a violation test_emulated_cuda.py's backend
-    runs report); a fresh one per test keeps these checks about one backend's own streams."""
-    from gpucache.transforms import _resample
-
-    if hasattr(_resample, "_Tail"):
-        monkeypatch.setattr(_resample, "_TAIL", _resample._Tail())
-
-
-def _new_tail() -> None:
-    from gpucache.transforms import _resample
-
-    if hasattr(_resample, "_Tail"):
-        _resample._TAIL = _resample._Tail()  # put back by _fresh_tail after the test
-
-
 def _two_batches(cache, *, threaded: bool = True):
     """Two batches of the same samples, the second submitted after the first is taken (its
     blocks are freed by then) and nothing read on the host in between; then both read."""
-    _new_tail()
     idx = np.arange(16)
     s = cache.samples
     plans = TF.plan(s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
@@ -378,7 +359,6 @@ def _two_batches(cache, *, threaded: bool = True):
 
 
 def test_the_backend_makes_no_host_sync_on_the_consumer_thread(cache):
-    _new_tail()
     with EmulatedCuda(devices=2) as emu:
         idx = np.arange(8)
         s = cache.samples
@@ -403,7 +383,6 @@ def test_the_backend_makes_no_host_sync_on_the_consumer_thread(cache):
 def test_the_backend_reports_the_decoders_out_of_memory_as_such(cache):
     """torchvision says it as a plain RuntimeError: the backend raises torch.OutOfMemoryError
     with advice, never retries the samples one by one or on the CPU."""
-    _new_tail()
     idx = np.arange(4)
     s = cache.samples
     plans = TF.plan(s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
@@ -424,7 +403,6 @@ def test_the_loader_makes_no_host_sync_per_batch_on_the_training_thread(cache):
     thread waits for the device nowhere: batches, labels and transforms are only queued."""
     from gpucache import GpuCachedLoader
 
-    _new_tail()
     tf = T.Compose([T.RandomResizedCrop(24), T.RandomHorizontalFlip(),
                     T.Normalize((0.5, 0.5, 0.5), (0.2, 0.2, 0.2))])
     with EmulatedCuda(devices=2) as emu:
