@@ -6,12 +6,19 @@
 
 The JSON is written at start and rewritten after every part, so a crash (even before the first
 part) still leaves a file; each part runs in its own try (an error is printed and recorded, the
-next part runs) and stops at its share of --budget-s:
-(env) versions, the decoder in use and whether it applies EXIF (measured, not assumed);
+next part runs), prints its whole result and its seconds, and stops at its share of --budget-s:
+(env) versions (of the installed distributions: importlib.metadata), the decoder in use and
+    whether it applies EXIF (measured, not assumed), and one image through each nvJPEG entry
+    point called directly, torchvision's ``decode_jpeg([bytes], device=cuda:N)`` and TorchCodec's
+    when installed (no backend's CPU retry in between to hide a decoder that fails): it must
+    decode, to the device asked for, at the header's size;
 (a) each backend against the CPU decode (gpucache.decode._core.decode_batch) on the batches and
     plans *as drawn* (a skipped sample shifts nothing), within TOLERANCE, EXIF-rotated samples kept;
     samples the backend lost that the CPU decoded fail the check, and samples it kept that the
-    CPU refused (corrupt scans nvJPEG decodes anyway) are counted;
+    CPU refused (corrupt scans nvJPEG decodes anyway) are counted; the GPU decoder must have
+    decoded every kept sample the backend sends it (kept - ``cpu_decoded`` of each batch): a
+    decoder that fails (to initialise, say) sends every sample to the backend's CPU retry, whose
+    pixels alone would pass;
 (b) stream-ordering stress: batch checksums vs a synchronised reference while the backend's *side*
     stream is kept busy, checksums kept on the device (no synchronisation per step);
 (c) images/s of the train pipeline: nvjpeg threaded and synchronous, dali, torchvision's
@@ -22,7 +29,14 @@ next part runs) and stops at its share of --budget-s:
 (two emulated GPUs): the same ``device="cuda"`` code paths, streams and device indices, with
 torchvision's decoder, which ignores EXIF there as on CUDA; DALI, which cannot run its GPU graph
 without a GPU, runs its CPU mode, and the overlap part a CPU device. Exit 0 all passed, 1 a check
-failed or a part raised, 2 no CUDA (not emulating). Budget: < 8 min on one H200 at the defaults.
+failed or a part raised, 2 no CUDA (not emulating). The parts' shares add up to 0.78 of
+--budget-s (270 s by default), leaving the rest for the store's build, warm-ups and the minimum
+work a part does past its share (one epoch, the memory part's five). ``--emulate`` defaults to
+64 images in batches of 16 and --budget-s 60: the same code paths and checks (every kind of
+sample: gray, CMYK, progressive, EXIF-rotated; four batches an epoch, two in flight), sized for
+the nvjpeg backend's batched transforms on CPU tensors (about 50-100 ms a photo on a 2-core VM),
+which dominate the emulated run: the parts then do about their minimum (one or two epochs;
+memory, five).
 """
 
 from __future__ import annotations
@@ -34,7 +48,7 @@ import os
 import sys
 import time
 import traceback
-import warnings
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -44,10 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.overlap import measure as measure_overlap  # noqa: E402
 from gpucache import GpuCachedLoader, JpegCache# noqa: E402
 from gpucache import transforms as T# noqa: E402
-from gpucache.decode import dali_available# noqa: E402
+from gpucache.decode import dali_available, normalize_device# noqa: E402
 from gpucache.decode._batched import default_decoder, orient, torchvision_decoder# noqa: E402
 from gpucache.decode._emulated_cuda import EmulatedCuda# noqa: E402
-from gpucache.decode._core import decode_batch# noqa: E402
+from gpucache.decode._core import decode_batch, quiet_torchvision_deprecation# noqa: E402
 from gpucache.decode.nvjpeg import NvjpegBackend# noqa: E402
 from gpucache.testing import cached_jpeg_folder# noqa: E402
 
@@ -55,6 +69,10 @@ TOLERANCE = 3.0  # mean absolute difference in levels, decoder IDCT/upsampling d
 TRAIN = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])
 VAL = T.Compose([T.Resize(256), T.CenterCrop(224)])
 NORMALIZE = T.Normalize((0.5,) * 3, (0.25,) * 3)
+#: Each part's share of --budget-s (a part runs at least its minimum past it; see the doc).
+SHARES = {"correctness": 0.05, "ordering": 0.07, "rate": 0.06, "cpu rate": 0.06, "overlap": 0.1,
+          "memory": 0.07}
+DALI_DISTRIBUTIONS = ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110")
 
 
 class Check:
@@ -64,11 +82,18 @@ class Check:
         self.args = args
         self.device = torch.device(args.device)  # as given: the library normalises it
         self.result: dict = {"emulated": args.emulate, "device": args.device, "parts": {},
-                             "errors": {}, "finished": False}
+                             "errors": {}, "seconds_per_part": {}, "finished": False}
         self.t0 = time.perf_counter()
 
-    def deadline(self, share: float) -> float:
-        return time.perf_counter() + share * self.args.budget_s
+    def deadline(self, part: str) -> float:
+        return time.perf_counter() + SHARES[part] * self.args.budget_s
+
+    @property
+    def decode_device(self) -> torch.device:
+        """The device as the backends pass it to a decoder (``cuda`` -> ``cuda:<current>``):
+        torchvision keeps one CUDA decoder and makes a new one (leaking the old) whenever the
+        device it is given differs from the last one's, so every direct call here uses this."""
+        return normalize_device(self.device)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -111,13 +136,15 @@ class Check:
     def part(self, name: str, fn, *args) -> None:
         if name in self.args.skip.split(","):
             return
-        print(f"[{time.perf_counter() - self.t0:6.1f} s] {name} ...", flush=True)
+        t0 = time.perf_counter()
+        print(f"[{t0 - self.t0:6.1f} s] {name} ...", flush=True)
         try:
             self.result["parts"][name] = fn(self, *args)
-            print(f"    {json.dumps(self.result['parts'][name], default=str)[:400]}", flush=True)
+            print(f"    {json.dumps(self.result['parts'][name], default=str)}", flush=True)
         except Exception as err:  # noqa: BLE001 - recorded; the next part still runs
             self.result["errors"][name] = "".join(traceback.format_exception(err))[-3000:]
             print(f"    ERROR in {name}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        self.result["seconds_per_part"][name] = round(time.perf_counter() - t0, 2)
         self.write()
 
     def write(self, *, finished: bool = False) -> None:
@@ -130,34 +157,89 @@ class Check:
         tmp.replace(self.args.json)
 
 
-def env(c: Check) -> dict:
-    import torchvision
+def version(*distributions: str) -> str | None:
+    """The installed version of the first of ``distributions`` found, or None; read from the
+    installed metadata, never from a module (an imported module may be a stand-in, or fail)."""
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
+
+def env(c: Check) -> dict:
     backend = c.backend("nvjpeg", threaded=False)
-    measured = backend.measure_applies_exif()  # under the backend's streams
+    try:
+        measured, exif_error = backend.measure_applies_exif(), None  # under the backend's streams
+    except Exception as err:  # noqa: BLE001 - a decoder that fails: recorded, the probes still run
+        measured, exif_error = None, _first_line(err)
     out = {"device": (torch.cuda.get_device_name(c.device) if c.device.type == "cuda" else "cpu"),
            "backend_device": str(backend.device), "current_device": (
                torch.cuda.current_device() if c.device.type == "cuda" else None),
-           "torch": torch.__version__, "torchvision": torchvision.__version__,
+           "torch": version("torch"), "torchvision": version("torchvision"),
+           "torchcodec": version("torchcodec"), "dali_version": version(*DALI_DISTRIBUTIONS),
            "decoder": backend.decoder.name, "decoder_applies_exif": measured,
+           "decoder_error": exif_error,
            "documented_applies_exif": backend.decoder.applies_exif, "dali": dali_available(),
-           "images": len(c.cache), "rotated": int((c.cache.samples["orientation"] > 1).sum()),
-           "ok": backend.decoder.applies_exif in (None, measured)}
+           "images": len(c.cache), "rotated": int((c.cache.samples["orientation"] > 1).sum())}
     backend.close()
-    try:
-        import torchcodec
+    out["probes"] = probe_decoders(c)
+    out["ok"] = (exif_error is None and backend.decoder.applies_exif in (None, measured)
+                 and all(p["ok"] for p in out["probes"].values()))
+    return out
 
-        out["torchcodec"] = torchcodec.__version__
-    except ImportError:
-        out["torchcodec"] = None
+
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def probe_decoders(c: Check) -> dict:
+    """One image through each nvJPEG entry point installed, called directly: torchvision's
+    ``decode_jpeg([bytes], device=cuda:N)``, and TorchCodec's when it is installed. Whether it
+    decoded, to which device, at which size (a sample without an EXIF rotation: its header's)."""
+    import torchvision.io
+
+    dev = c.decode_device
+    s = c.cache.samples
+    candidates = np.flatnonzero(c.cache.gpu_decodable() & (s["orientation"] <= 1))
+    if not len(candidates):
+        return {"torchvision": {"ok": False, "error": "no sample a GPU decoder takes"}}
+    i = int(candidates[0])
+    data, want = c.cache._bytes_tensor(i), [3, int(s["height"][i]), int(s["width"][i])]
+
+    def tv():
+        quiet_torchvision_deprecation()
+        return torchvision.io.decode_jpeg([data], device=dev, mode=torchvision.io.ImageReadMode.RGB)
+
+    def tc():
+        from torchcodec.decoders import decode_jpeg
+
+        return decode_jpeg([data], device=str(dev), mode="RGB")
+
+    calls = {"torchvision": tv}
+    if version("torchcodec") is not None:
+        calls["torchcodec"] = tc
+    out = {}
+    for name, call in calls.items():
+        try:
+            (img,) = call()
+            c.sync()
+            out[name] = {"ok": normalize_device(img.device) == dev and list(img.shape) == want,
+                         "device": str(img.device), "shape": list(img.shape), "want": want,
+                         "asked": str(dev)}
+        except Exception as err:  # noqa: BLE001 - recorded: the run fails on it
+            out[name] = {"ok": False, "asked": str(dev), "error": _first_line(err)}
     return out
 
 
 def correctness(c: Check, name: str) -> dict:
-    out, deadline = {}, c.deadline(0.05)
+    out, deadline = {}, c.deadline("correctness")
     for label, tf in (("val", VAL), ("train", TRAIN)):
         backend = c.backend(name)
+        to_gpu = gpu_allowed(c, backend)
         diffs, maxes, lost, kept, wrong = [], [], [], [], set()
+        gpu_decoded = allowed = cpu_decoded = 0
         for k, (idx, plans, got) in enumerate(c.batches(backend, tf, batch=c.args.batch, seed=0)):
             ref = decode_batch(c.cache, idx, plans, on_error="skip", stack=True)  # as drawn
             wrong |= _off_device(got.images, c.device_for(name))
@@ -166,6 +248,9 @@ def correctness(c: Check, name: str) -> dict:
             maxes.append(r["max_abs_diff"])
             lost += r["lost_vs_cpu"]
             kept += r["kept_not_cpu"]
+            gpu_decoded += len(got.indices) - got.cpu_decoded
+            allowed += int(to_gpu[got.indices].sum())
+            cpu_decoded += got.cpu_decoded
             if k + 1 == c.args.correctness_batches or time.perf_counter() > deadline:
                 break
         backend.close()
@@ -173,10 +258,20 @@ def correctness(c: Check, name: str) -> dict:
                       "mean_abs_diff_median": float(np.median(diffs)) if diffs else 0.0,
                       "max_abs_diff": max(maxes, default=0.0), "lost_vs_cpu": lost,
                       "kept_not_cpu": kept, "kept_not_cpu_count": len(kept),
-                      "off_device": sorted(wrong)}
+                      "off_device": sorted(wrong), "gpu_decoded": gpu_decoded,
+                      "gpu_allowed": allowed, "cpu_decoded": cpu_decoded,
+                      "gpu_ok": 0 < gpu_decoded and allowed <= gpu_decoded}
     out["ok"] = all(v["mean_abs_diff_max"] <= TOLERANCE and not v["lost_vs_cpu"] and v["samples"]
-                    and not v["off_device"] for v in out.values())
+                    and not v["off_device"] and v["gpu_ok"] for v in out.values())
     return out
+
+
+def gpu_allowed(c: Check, backend) -> np.ndarray:
+    """Per sample, whether the backend sends it to its GPU decoder (the rest take the CPU path
+    by design): the nvjpeg backend's own mask (it also sends progressive JPEGs to its CPU
+    stage), else what :func:`gpucache.decode._fallback.split` gives a GPU decoder."""
+    mask = getattr(backend, "_gpu_mask", None)
+    return np.asarray(mask if mask is not None else c.cache.gpu_decodable(), dtype=bool)
 
 
 def _off_device(images, device: torch.device) -> set[str]:
@@ -204,7 +299,7 @@ def compare(ref, got) -> dict:
 
 
 def ordering(c: Check, name: str) -> dict:
-    tf, deadline = TRAIN, c.deadline(0.08)
+    tf, deadline = TRAIN, c.deadline("ordering")
     ref_backend = c.backend(name, threaded=False)
     ref = []
     for k, (_, _, got) in enumerate(c.batches(ref_backend, tf, batch=c.args.batch, seed=2)):
@@ -237,9 +332,9 @@ def ordering(c: Check, name: str) -> dict:
             "ok": bad == 0 and done > 0}
 
 
-def _rate(c: Check, batches, share: float) -> float:
+def _rate(c: Check, batches, part: str) -> float:
     """Median images/s over epochs of ``batches()`` (a fresh iterator per epoch), warm-up first."""
-    deadline, rates = c.deadline(share), []
+    deadline, rates = c.deadline(part), []
     for epoch in range(1 + c.args.epochs):
         c.sync()
         t0, n = time.perf_counter(), 0
@@ -261,35 +356,35 @@ def throughput(c: Check) -> dict:
             label = f"gpucache {name}" + ("" if name != "nvjpeg" else
                                           " threaded" if threaded else " sync")
             out[label] = _rate(c, lambda e: (d.images for _, _, d in c.batches(
-                be, TRAIN, batch=b, seed=e, shuffle=True)), 0.06)
+                be, TRAIN, batch=b, seed=e, shuffle=True)), "rate")
             be.close()
-    out["torchvision per-image decode"] = _rate(c, lambda e: _per_image(c, e), 0.06)
+    out["torchvision per-image decode"] = _rate(c, lambda e: _per_image(c, e), "rate")
     workers = os.cpu_count() if not c.args.emulate else 1
     loader = GpuCachedLoader(c.cache, batch_size=b, shuffle=True, seed=0, device="cpu",
                              backend="cpu", num_workers=workers, transform=TRAIN)
-    out[f"gpucache cpu ({workers} workers)"] = _rate(c, lambda e: (x for x, _ in loader), 0.08)
+    out[f"gpucache cpu ({workers} workers)"] = _rate(c, lambda e: (x for x, _ in loader),
+                                                     "cpu rate")
     loader.close()
     return {"img_s": out, "batch": b}
 
 
 def _per_image(c: Check, epoch: int):
     """The usual GPU decode: torchvision decode_jpeg one image at a time on the current stream,
-    then resized_crop."""
+    then resized_crop (on the backends' indexed device: see :attr:`Check.decode_device`)."""
     import torchvision.io
     import torchvision.transforms.v2.functional as F
 
     rrc = T.RandomResizedCrop(224)
     rng = np.random.default_rng(epoch)
     order = rng.permutation(np.flatnonzero(c.cache.gpu_decodable()))
+    device = c.decode_device
+    quiet_torchvision_deprecation()  # torchvision >= 0.29's TorchCodec notice
     for start in range(0, len(order), c.args.batch):
         out = []
         for i in order[start:start + c.args.batch].tolist():
             try:
-                with warnings.catch_warnings():  # torchvision >= 0.29's TorchCodec notice
-                    warnings.filterwarnings("ignore", category=DeprecationWarning,
-                                            module="torchvision")
-                    img = torchvision.io.decode_jpeg(c.cache._bytes_tensor(i), device=c.device,
-                                                     mode=torchvision.io.ImageReadMode.RGB)
+                img = torchvision.io.decode_jpeg(c.cache._bytes_tensor(i), device=device,
+                                                 mode=torchvision.io.ImageReadMode.RGB)
             except RuntimeError:  # a corrupt sample: skipped, as a training loop would
                 continue
             img = orient(img, c.cache.samples["orientation"][i])
@@ -301,7 +396,7 @@ def _per_image(c: Check, epoch: int):
 def overlap(c: Check) -> dict:
     device = torch.device("cpu") if c.args.emulate else c.device  # CPU-sized matmul steps
     r = measure_overlap(c.cache, device, batch=c.args.batch, runs=c.args.overlap_runs,
-                        step_kind="matmul", deadline=c.deadline(0.1))
+                        step_kind="matmul", deadline=c.deadline("overlap"))
     return {k: v for k, v in r.items() if k != "all_s"}
 
 
@@ -311,7 +406,7 @@ def memory(c: Check, name: str) -> dict:
     device = c.device_for(name)
     if device.type != "cuda":
         return {"skipped": "GPU memory is measured on CUDA only"}
-    backend, deadline, allocated, reserved = c.backend(name), c.deadline(0.08), [], []
+    backend, deadline, allocated, reserved = c.backend(name), c.deadline("memory"), [], []
     for epoch in range(c.args.memory_epochs):
         for _ in c.batches(backend, TRAIN, batch=c.args.batch, seed=epoch, shuffle=True):
             pass
@@ -347,12 +442,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU only: the CUDA code paths on two emulated GPUs (EmulatedCuda)")
     ap.add_argument("--device", default="cuda",
                     help="the device as a user passes it: cuda (the current GPU) or cuda:N")
-    ap.add_argument("--images", type=int, default=1024)
+    ap.add_argument("--images", type=int, help="synthetic photos (1024; 64 emulated)")
     ap.add_argument("--folder", help="an image folder instead of the synthetic photos")
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batch", type=int, help="batch size (256; 16 emulated)")
     ap.add_argument("--backends", default="nvjpeg,dali",
                     help="GPU backends to check (dali only when importable)")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="time for all parts")
+    ap.add_argument("--budget-s", type=float,
+                    help="time for all parts (270; 60 emulated); see SHARES")
     ap.add_argument("--correctness-batches", type=int, default=4)
     ap.add_argument("--iterations", type=int, default=200, help="ordering-stress batches")
     ap.add_argument("--epochs", type=int, default=2, help="timed epochs per contender")
@@ -360,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-epochs", type=int, default=20)
     ap.add_argument("--skip", default="", help="parts to leave out, e.g. throughput,overlap")
     args = ap.parse_args(argv)
+    for name, cuda, emulated in (("images", 1024, 64), ("batch", 256, 16),
+                                 ("budget_s", 270.0, 60.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, emulated if args.emulate else cuda)
     c = Check(args)
     c.write()  # a file exists from the start, whatever happens next
     if not args.emulate and not torch.cuda.is_available():
@@ -392,6 +492,10 @@ def _run(c: Check) -> int:
     for name in names:
         c.part(f"{name} memory", memory, name)
     c.write(finished=True)
+    for name, seconds in c.result["seconds_per_part"].items():
+        state = ("ERROR" if name in c.result["errors"] else
+                 "ok" if c.result["parts"][name].get("ok", True) else "FAIL")
+        print(f"  {name:22} {state:5} {seconds:7.1f} s")
     print(f"{'PASS' if c.result['ok'] else 'FAIL'} in {c.result['seconds']:.0f} s "
           f"({len(c.result['errors'])} part errors); JSON in {args.json}")
     return 0 if c.result["ok"] else 1
