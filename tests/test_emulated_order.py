@@ -421,14 +421,13 @@ def _hand_over_without_wait(self, event, tensors):
         t.record_stream(consumer)
 
 
-def _adopt_without_wait(self, tensors):
+def _adopt_without_wait(self, tensors, ready=None):
     for t in tensors:
         t.record_stream(self.side)
 
 
 def _decoding_on_side(self):
-    self.alloc.synchronize()
-    return torch.cuda.stream(self.side)
+    return _streams._Decoding(self.side, barrier=self.alloc)
 
 
 @pytest.mark.parametrize("method, mutant, where", [

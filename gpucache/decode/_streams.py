@@ -20,6 +20,7 @@ module fails, so CI keeps them here.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -54,11 +55,14 @@ class HostStreams:
     def on_side(self):
         return contextlib.nullcontext()
 
-    def decoding(self):
-        return contextlib.nullcontext()
+    def decoding(self) -> _Decoding:
+        """The decoder's context; its ``ready`` (after the block) is what :meth:`adopt` waits
+        for (None here: no streams)."""
+        return _Decoding(None)
 
-    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Decoder outputs are used on the side stream from now on."""
+    def adopt(self, tensors: Iterable[torch.Tensor], ready=None) -> None:
+        """Decoder outputs are used on the side stream from now on (``ready``: the
+        :meth:`decoding` block's event, when the outputs were decoded on another thread)."""
 
     def record(self) -> None:
         return None
@@ -68,12 +72,21 @@ class HostStreams:
 
 
 class CudaStreams(HostStreams):
-    """A side stream for the batch's work and an allocation stream for the decoder's outputs."""
+    """A side stream for the batch's work and, for each decoding thread, an allocation stream
+    for the decoder's outputs."""
 
     def __init__(self, device: torch.device):
         super().__init__(device)
         self.side = torch.cuda.Stream(self.device)
-        self.alloc = torch.cuda.Stream(self.device)
+        self._local = threading.local()
+
+    @property
+    def alloc(self) -> torch.cuda.Stream:
+        """The calling thread's allocation stream (several decoding threads never share one)."""
+        stream = getattr(self._local, "alloc", None)
+        if stream is None:
+            stream = self._local.alloc = torch.cuda.Stream(self.device)
+        return stream
 
     def on_side(self):
         stack = contextlib.ExitStack()
@@ -81,17 +94,20 @@ class CudaStreams(HostStreams):
         stack.enter_context(torch.cuda.stream(self.side))
         return stack
 
-    def decoding(self):
-        """The decoder's context: the allocation stream, after waiting for what is queued on it.
-        ``torch.cuda.Stream()`` hands out streams from a small round-robin pool, so this stream
-        may be one a user computes on; blocks freed there are reused by the decoder's outputs,
-        which nvJPEG writes from a stream of its own that waits for nothing. Waiting here (free:
-        torchvision's decode waits for the host anyway) means no queued kernel still uses them."""
-        self.alloc.synchronize()
-        return torch.cuda.stream(self.alloc)
+    def decoding(self) -> _Decoding:
+        """The decoder's context: the calling thread's allocation stream, after waiting for what
+        is queued on it. ``torch.cuda.Stream()`` hands out streams from a small round-robin pool,
+        so this stream may be one a user computes on; blocks freed there are reused by the
+        decoder's outputs, which nvJPEG writes from a stream of its own that waits for nothing.
+        Waiting here (free: torchvision's decode waits for the host anyway) means no queued
+        kernel still uses them. After the block, ``ready`` is an event recorded on that stream."""
+        return _Decoding(self.alloc, barrier=self.alloc)
 
-    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
-        self.side.wait_stream(self.alloc)
+    def adopt(self, tensors: Iterable[torch.Tensor], ready=None) -> None:
+        if ready is not None:  # decoded on another thread, under that thread's stream
+            self.side.wait_event(ready)
+        else:
+            self.side.wait_stream(self.alloc)
         for t in tensors:
             t.record_stream(self.side)
 
@@ -105,3 +121,26 @@ class CudaStreams(HostStreams):
         consumer.wait_event(event)
         for t in check_on_device(tensors, self.device):
             t.record_stream(consumer)
+
+
+class _Decoding:
+    """``with streams.decoding() as d:`` runs the decoder under ``stream``, after synchronising
+    ``barrier``; afterwards ``d.ready`` is an event recorded on ``stream`` (None without one)."""
+
+    def __init__(self, stream, *, barrier=None) -> None:
+        self.stream, self.barrier, self.ready = stream, barrier, None
+        self._context: contextlib.AbstractContextManager = contextlib.nullcontext()
+
+    def __enter__(self) -> _Decoding:
+        if self.barrier is not None:
+            self.barrier.synchronize()
+        if self.stream is not None:
+            self._context = torch.cuda.stream(self.stream)
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._context.__exit__(*exc)
+        if self.stream is not None and exc[0] is None:
+            self.ready = torch.cuda.Event()
+            self.ready.record(self.stream)

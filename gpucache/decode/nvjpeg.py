@@ -55,6 +55,9 @@ log = logging.getLogger("gpucache")
 
 #: Threads that decode the CPU stage's samples (libjpeg-turbo releases the GIL).
 CPU_THREADS = 2
+#: What decoders say when nvJPEG cannot start (torchvision: "Failed to initialize nvjpeg with
+#: hardware backend: 5", "nvjpegCreateSimple failed"): never a bad sample.
+_BROKEN = ("Failed to initialize nvjpeg", "nvjpegCreate", "Failed to create nvjpeg")
 
 
 @dataclass
@@ -84,7 +87,7 @@ class NvjpegBackend(Backend):
 
     def __init__(self, cache, *, device: torch.device, on_error: str,
                  decoder: BatchDecoder | None = None, threaded: bool = True,
-                 cpu_threads: int = CPU_THREADS):
+                 cpu_threads: int = CPU_THREADS, decode_threads: int | None = None):
         device = normalize_device(device)
         self.cache, self.device, self.on_error = cache, device, on_error
         self.decoder = decoder if decoder is not None else default_decoder(device)
@@ -105,13 +108,25 @@ class NvjpegBackend(Backend):
         if threaded:
             self._pools = {
                 "cpu": ThreadPoolExecutor(max(1, cpu_threads), "gpucache-nvjpeg-cpu"),
-                "decode": ThreadPoolExecutor(1, "gpucache-nvjpeg-decode"),
+                "decode": ThreadPoolExecutor(self._decode_threads(decode_threads),
+                                             "gpucache-nvjpeg-decode"),
                 "transform": ThreadPoolExecutor(1, "gpucache-nvjpeg-transform")}
         self._closed = False
         self._threads: list[threading.Thread] = []  # the stages' threads, once they ran
         # garbage collection may happen on a pool's own thread: stop them without joining there
         self._finalizer = weakref.finalize(self, _shutdown, list(self._pools.values()),
                                            wait=False)
+
+    def _decode_threads(self, given: int | None) -> int:
+        """Decoding threads: TorchCodec keeps a cache of decoders per device and gives concurrent calls
+        their own instance, so two threads
+        keep the GPU's decoders busy while one waits on the host; torchvision's decoder is one
+        global instance (a second thread would only queue on it), so one."""
+        if given is not None:
+            if given < 1:
+                raise ValueError(f"decode_threads should be >= 1, got {given}.")
+            return given
+        return 2 if self.decoder.name == "torchcodec" else 1
 
     def measure_applies_exif(self) -> bool:
         """Whether the decoder applies EXIF orientation, by decoding a tagged probe image under
@@ -131,20 +146,23 @@ class NvjpegBackend(Backend):
         return decode_on_cpu(self.cache, indices, plans, positions, on_error=self.on_error)
 
     def _decode_stage(self, indices: np.ndarray, positions: np.ndarray
-                      ) -> list[torch.Tensor | Exception]:
-        """Batched decode of ``indices[positions]`` under the allocation stream."""
+                      ) -> tuple[list[torch.Tensor | Exception], object]:
+        """Batched decode of ``indices[positions]`` under this thread's allocation stream: the
+        outputs (or why each failed) and the event that marks them written (None off CUDA)."""
         self._note_thread()
         if not len(positions):
-            return []
+            return [], None
         data = [self.cache._bytes_tensor(int(i)) for i in indices[positions].tolist()]
-        with self._streams.on_side(), self._streams.decoding():
-            return self._decode_all(data)
+        with self._streams.on_side(), self._streams.decoding() as decoding:
+            images = self._decode_all(data)
+        return images, decoding.ready
 
     def _decode_all(self, data: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         try:
             return list(self.decoder.decode(data))
         except Exception as err:  # noqa: BLE001 - one bad JPEG fails the batched call: find it
             self._raise_if_oom(err, len(data))
+            self._raise_if_broken(err)
             out: list[torch.Tensor | Exception] = []
             for d in data:
                 try:
@@ -153,6 +171,19 @@ class NvjpegBackend(Backend):
                     self._raise_if_oom(one, 1)
                     out.append(one)
             return out
+
+    def _raise_if_broken(self, err: BaseException) -> None:
+        """A decoder that cannot start (nvJPEG's handle or hardware backend fails to initialise)
+        is no bad sample either: decoding every sample on the CPU, one warning each, would hide
+        a broken GPU setup behind a slow epoch."""
+        text = str(err)
+        if any(s in text for s in _BROKEN):
+            first = text.splitlines()[0]
+            raise RuntimeError(
+                f"gpucache: {self.decoder.name}'s decoder on {self.device} failed to start "
+                f"({type(err).__name__}: {first}); nvJPEG did not initialise. Check the CUDA "
+                "driver and that torchvision/TorchCodec were built with nvJPEG for this CUDA "
+                "version, or decode on the CPU with backend='cpu'.") from err
 
     def _raise_if_oom(self, err: BaseException, n: int) -> None:
         """Out of device memory is not a bad sample, however the decoder says it (torchvision
@@ -169,8 +200,8 @@ class NvjpegBackend(Backend):
                          refused: Part) -> _Done:
         self._note_thread()
         with self._streams.on_side():
-            decoded = _result(gpu)
-            self._streams.adopt(t for t in decoded if isinstance(t, torch.Tensor))
+            decoded, ready = _result(gpu)
+            self._streams.adopt((t for t in decoded if isinstance(t, torch.Tensor)), ready)
             parts = self._plan_gpu(indices, plans, stack, gpu_pos, decoded)
             parts.append((cpu_pos, _result(cpu), True))
             parts.append(refused)
