@@ -456,3 +456,38 @@ def test_each_missing_order_fails_the_backend(cache, monkeypatch, method, mutant
     assert emu.violations and any(re.search(where, str(v))
                                   for v in emu.violations), emu.violations
     assert info.value is emu.violations[0] or info.value.__cause__ is emu.violations[0]
+
+
+def test_the_allocation_stream_is_synchronised_before_decoding_even_when_pooled(cache,
+                                                                              monkeypatch):
+    """torch.cuda.Stream() hands out streams from a round-robin pool, so the backend's allocation
+    stream may be the very stream a user computes on (a pool of one here): a block the user's
+    queued kernel still writes, freed to that stream's pool, is handed to the decoder's output,
+    which nvJPEG's private stream writes at once. The backend synchronises the allocation stream
+    right before each decode; without that barrier the emulation sees the race."""
+    idx = np.arange(8)
+    s = cache.samples
+    plans = T.Compose([T.RandomResizedCrop(24)]).plan(s["height"][idx].astype(np.int64),
+                                                      s["width"][idx].astype(np.int64),
+                                                      np.random.default_rng(0))
+
+    def run() -> None:
+        with EmulatedCuda(devices=1, stream_pool=1):
+            user = torch.cuda.Stream()
+            dev = torch.device("cuda", 0)
+            backend = NvjpegBackend(cache, device=dev, on_error="raise", threaded=False,
+                                    decoder=torchvision_decoder(dev))
+            assert backend._streams.side is user  # the pool of one: every stream is the user's
+            with torch.cuda.stream(user):
+                x = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
+                x.fill_(7)  # still queued when freed: the block goes back to user's pool
+                del x
+            backend.submit(idx, plans, True)
+            backend.get().images.cpu()
+            backend.close()
+
+    run()
+    monkeypatch.setattr(_streams.CudaStreams, "decoding",
+                        lambda self: _streams._Decoding(self.alloc))  # no barrier
+    with pytest.raises(StreamOrderError, match="nvJPEG decode .* writes .*reused from a freed"):
+        run()

@@ -76,7 +76,9 @@ nvJPEG (``torchvision.io.decode_jpeg(..., device=cuda)``, TorchCodec's ``decode_
   decoding JPEG images: CUDA out of memory. Tried to allocate ...")`` (it rethrows CUDA's error as
   a plain RuntimeError), ``"init"`` makes building the decoder raise its ``"Failed to initialize
   nvjpeg with hardware backend: 5"`` (NVJPEG_STATUS_ALLOCATOR_FAILURE); ``emu.decoder_fault`` may
-  be changed inside the block.
+  be changed inside the block;
+- ``stream_pool=N`` hands out ``torch.cuda.Stream()`` as torch does, round-robin from a pool of
+  ``N`` streams a device (32 in torch), so the library's streams may be ones a user computes on.
 
 A violation raised inside the block and swallowed by the code under test (a decoder error retried
 on the CPU) is raised again, as the first of ``emu.violations``, when the block exits; a test that
@@ -165,13 +167,17 @@ class EmulatedCuda(OrderRules):
     _defaults: ClassVar[dict[int, Stream]] = {}
 
     def __init__(self, devices: int = 2, *, default_stream_decode: str = "raise",
-                 decoder_fault: str | None = None, trust_decoder_sync: bool = False):
+                 decoder_fault: str | None = None, trust_decoder_sync: bool = False,
+                 stream_pool: int | None = None):
         if decoder_fault not in (None, "oom", "init"):
             raise ValueError(f"decoder_fault={decoder_fault!r}: use None, 'oom' or 'init'.")
         self.devices = devices
         self.default_stream_decode = default_stream_decode  # "allow": isolate the other rules
         self.decoder_fault = decoder_fault
         self.trust_decoder_sync = trust_decoder_sync
+        self.stream_pool = stream_pool  # None: every Stream() its own stream
+        self._pooled: dict[int, list[Stream]] = {}
+        self._made_streams: dict[int, int] = {}
         self.decoder_rebuilds = 0
         self.reuses = 0
         self.host_syncs: list[HostSync] = []
@@ -267,6 +273,18 @@ class EmulatedCuda(OrderRules):
     def set_device(self, device) -> None:
         self._local.device = self.index_device(device).index
 
+
+    def _pool_stream(self, device=None, priority: int = 0) -> Stream:
+        """``torch.cuda.Stream()`` as torch hands it out: the next of ``stream_pool`` streams of
+        the device, round-robin, so the pool's size-plus-first one is the first one again (two
+        callers may compute on one stream without knowing it)."""
+        index = self.index_device(device).index
+        made = self._made_streams.get(index, 0)
+        self._made_streams[index] = made + 1
+        pool = self._pooled.setdefault(index, [])
+        if made < self.stream_pool:
+            pool.append(Stream(device, priority))
+        return pool[made % self.stream_pool]
 
     def get_device_properties(self, device=None):
         """What ``torch.cuda.get_device_properties`` tells: an 80 GiB device."""
@@ -534,7 +552,8 @@ class EmulatedCuda(OrderRules):
             "is_available": lambda: True, "device_count": lambda: self.devices,
             "current_device": self.current_index, "set_device": self.set_device,
             "device": self.device_context, "stream": self.stream_context,
-            "Stream": Stream, "Event": Event, "synchronize": self.synchronize,
+            "Stream": Stream if self.stream_pool is None else self._pool_stream,
+            "Event": Event, "synchronize": self.synchronize,
             "current_stream": self._current_stream_api, "default_stream": self._default_api,
             "memory_allocated": self.memory_allocated, "memory_reserved": self.memory_reserved,
             "get_device_name": lambda device=None: f"emulated CUDA ({self.devices} devices)",
