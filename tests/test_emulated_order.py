@@ -491,3 +491,61 @@ def test_the_allocation_stream_is_synchronised_before_decoding_even_when_pooled(
                         lambda self: _streams._Decoding(self.alloc))  # no barrier
     with pytest.raises(StreamOrderError, match="nvJPEG decode .* writes .*reused from a freed"):
         run()
+
+
+def test_two_decoding_threads_keep_order_each_under_its_own_allocation_stream(cache,
+                                                                            monkeypatch):
+    """decode_threads=2 (TorchCodec's default): batches come back in order and equal to one
+    thread's, each decoding thread on an allocation stream of its own, no order violation."""
+    seen: list[tuple[str, object]] = []
+    real = _streams.CudaStreams.decoding
+
+    def spy(self):
+        seen.append((threading.current_thread().name, self.alloc))
+        return real(self)
+
+    monkeypatch.setattr(_streams.CudaStreams, "decoding", spy)
+    s = cache.samples
+    batches = [np.arange(k, k + 4) % len(cache) for k in range(0, 32, 4)]
+    plans = [T.Compose([T.RandomResizedCrop(24)]).plan(s["height"][b].astype(np.int64),
+                                                       s["width"][b].astype(np.int64),
+                                                       np.random.default_rng(k))
+             for k, b in enumerate(batches)]
+    outs = {}
+    for threads in (1, 2):
+        seen.clear()
+        with EmulatedCuda(devices=1):
+            dev = torch.device("cuda", 0)
+            backend = NvjpegBackend(cache, device=dev, on_error="raise", decode_threads=threads,
+                                    decoder=torchvision_decoder(dev))
+            for b, p in zip(batches, plans):
+                backend.submit(b, p, True)
+            got = [backend.get() for _ in batches]
+            outs[threads] = [(g.indices.tolist(), g.images.cpu()) for g in got]
+            backend.close()
+    assert [i for i, _ in outs[2]] == [b.tolist() for b in batches]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(outs[1], outs[2]))
+    two = {(name, id(stream)) for name, stream in seen if "decode" in name}
+    names = {name for name, _ in two}
+    assert len(names) == 2 and len({sid for _, sid in two}) == 2  # one stream a thread
+    with pytest.raises(ValueError, match="decode_threads should be >= 1"):
+        NvjpegBackend(cache, device="cpu", on_error="raise", decode_threads=0)
+
+
+def test_a_decoder_that_cannot_start_is_an_error_not_a_bad_sample(cache):
+    """nvJPEG failing to initialise would otherwise send every sample to the CPU, one warning
+    each, and hide a broken GPU setup behind a slow epoch."""
+    idx = np.arange(8)
+    s = cache.samples
+    plans = T.Compose([T.RandomResizedCrop(24)]).plan(s["height"][idx].astype(np.int64),
+                                                      s["width"][idx].astype(np.int64),
+                                                      np.random.default_rng(0))
+    with EmulatedCuda(devices=1, decoder_fault="init"):
+        dev = torch.device("cuda", 0)
+        backend = NvjpegBackend(cache, device=dev, on_error="skip",
+                                decoder=torchvision_decoder(dev))
+        backend.submit(idx, plans, True)
+        with pytest.raises(RuntimeError, match="failed to start.*Failed to initialize nvjpeg"
+                                               ".*backend='cpu'"):
+            backend.get()
+        backend.close()
