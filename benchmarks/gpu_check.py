@@ -401,38 +401,47 @@ def overlap(c: Check) -> dict:
 
 
 def memory(c: Check, name: str) -> dict:
-    """Allocated and reserved GPU memory after each epoch; after two warm-up epochs neither may
-    grow by more than MEMORY_GROWTH_MIB (a leak, or a stream pool that never gives back)."""
+    """GPU memory after each epoch: torch's allocated and reserved, and the device's used memory
+    (``mem_get_info``: also what nvJPEG, TorchCodec and DALI allocate outside torch's caching
+    allocator); after two warm-up epochs none may grow by more than MEMORY_GROWTH_MIB (a leak, a
+    stream pool that never gives back, a decoder rebuilt and leaked)."""
     device = c.device_for(name)
     if device.type != "cuda":
         return {"skipped": "GPU memory is measured on CUDA only"}
     backend, deadline, allocated, reserved = c.backend(name), c.deadline("memory"), [], []
+    used: list[float] = []
     for epoch in range(c.args.memory_epochs):
         for _ in c.batches(backend, TRAIN, batch=c.args.batch, seed=epoch, shuffle=True):
             pass
         c.sync()
         allocated.append(torch.cuda.memory_allocated(backend.device) / 2**20)
         reserved.append(torch.cuda.memory_reserved(backend.device) / 2**20)
+        free, total = torch.cuda.mem_get_info(backend.device)
+        used.append((total - free) / 2**20)
         if time.perf_counter() > deadline and epoch >= 4:
             break
     backend.close()
-    return {"allocated_mib": allocated, "reserved_mib": reserved, **memory_growth(allocated,
-                                                                                 reserved)}
+    return {"allocated_mib": allocated, "reserved_mib": reserved, "device_used_mib": used,
+            **memory_growth(allocated, reserved, used)}
 
 
-MEMORY_GROWTH_MIB = {"allocated": 16.0, "reserved": 64.0}
+MEMORY_GROWTH_MIB = {"allocated": 16.0, "reserved": 64.0, "used": 64.0}
 
 
-def memory_growth(allocated: list[float], reserved: list[float]) -> dict:
-    """Growth after the two warm-up epochs, allocated and reserved; ok within the bounds."""
+def memory_growth(allocated: list[float], reserved: list[float],
+                  used: list[float] | None = None) -> dict:
+    """Growth after the two warm-up epochs of torch's allocated and reserved memory and of the
+    device's used memory (``used``: from ``mem_get_info``); ok within the bounds."""
     if len(allocated) < 3:
-        return {"growth_mib": None, "reserved_growth_mib": None, "ok": False,
-                "why": f"{len(allocated)} epochs measured; need 3 or more"}
+        return {"growth_mib": None, "reserved_growth_mib": None, "used_growth_mib": None,
+                "ok": False, "why": f"{len(allocated)} epochs measured; need 3 or more"}
     growth = max(allocated[2:]) - allocated[2]
     r_growth = max(reserved[2:]) - reserved[2]
-    return {"growth_mib": growth, "reserved_growth_mib": r_growth,
+    u_growth = max(used[2:]) - used[2] if used else None
+    return {"growth_mib": growth, "reserved_growth_mib": r_growth, "used_growth_mib": u_growth,
             "ok": growth <= MEMORY_GROWTH_MIB["allocated"]
-            and r_growth <= MEMORY_GROWTH_MIB["reserved"]}
+            and r_growth <= MEMORY_GROWTH_MIB["reserved"]
+            and (u_growth is None or u_growth <= MEMORY_GROWTH_MIB["used"])}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,6 +98,15 @@ def test_memory_growth_checks_reserved_as_well():
     assert not gpu_check.memory_growth(flat[:2], flat[:2])["ok"]
 
 
+def test_memory_growth_sees_what_torch_does_not_allocate():
+    """nvJPEG's and DALI's own device buffers are outside torch's caching allocator: a leak
+    there shows only in the device's used memory (mem_get_info), which the check reads too."""
+    flat = [10.0, 20.0, 20.0, 20.0]
+    assert gpu_check.memory_growth(flat, flat, [500.0, 600.0, 600.0, 610.0])["ok"]
+    leak = gpu_check.memory_growth(flat, flat, [500.0, 600.0, 600.0, 800.0])
+    assert not leak["ok"] and leak["used_growth_mib"] == 200.0
+
+
 def test_a_failing_part_is_recorded_and_the_rest_still_run(folder, tmp_path, monkeypatch):
     def boom(c):
         raise RuntimeError("emulated crash in throughput")
