@@ -11,10 +11,10 @@ before its batched transforms) and the batched one (:func:`gpucache.transforms._
    backend decodes and transforms a batch on the emulated GPU
    (:class:`~gpucache.decode._emulated_cuda.EmulatedCuda`) and ``Normalize`` runs on it, as the
    loader does; and host synchronisations counted the same way;
-2. **host time an image** of the transform step alone (the per-image path with CUDA's float
-   arithmetic), on ``meta`` tensors of the photos' sizes: no pixel work, so what remains is
-   Python, NumPy and dispatch, the host cost a CUDA launch queue sees; median of ``--rounds``
-   after a warm-up round, the two paths interleaved;
+2. **host time an image**: the batched path's NumPy part, measured on the photos' real sizes and
+   plans (median of ``--rounds``), and for both paths a model of the whole host cost: that NumPy
+   part + ops an image × ``LAUNCH_US`` (5 µs, the low end of a CUDA launch's host cost; no GPU
+   here to time launches);
 3. **pixels**: both paths on the decoded photos (CPU tensors), against the per-image path's
    float arithmetic (what CUDA runs) and the CPU backend's fixed-point uint8 resize: largest
    difference in levels and the share of differing values.
@@ -46,7 +46,7 @@ from gpucache.decode._core import apply_plan, decode_batch, decode_sample  # noq
 from gpucache.decode._emulated_cuda import EmulatedCuda  # noqa: E402
 from gpucache.decode.nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
-from gpucache.transforms._resample import resample  # noqa: E402
+from gpucache.transforms._resample import host_arrays, resample  # noqa: E402
 
 GEOMETRY = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])
 NORMALIZE = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -167,26 +167,27 @@ def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3
             "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:8])}
 
 
+#: Host time a kernel launch costs on CUDA (dispatch + launch), the figure the model uses.
+LAUNCH_US = 5.0
+
+
 def host_time(cache: JpegCache, batch: int, rounds: int) -> dict:
-    """Host µs an image of the transform step alone (geometry + Normalize) on ``meta`` tensors
-    of the photos' sizes: no pixel work, so what is timed is Python, NumPy and op dispatch, the
-    host cost a CUDA launch queue sees. One warm-up round (meta kernels load on first use)."""
+    """Host µs an image: the batched path's NumPy part measured (:func:`host_arrays`, the plans'
+    address parts and filter windows for the photos' real sizes; median of ``rounds``), and each
+    path's modelled total = that + ops an image × ``LAUNCH_US`` (the per-image path has no NumPy
+    part: its host cost is its launches)."""
     idx = np.resize(np.arange(len(cache)), batch)
     s = cache.samples
-    imgs = [torch.empty((3, int(s["height"][i]), int(s["width"][i])), dtype=torch.uint8,
-                        device="meta") for i in idx.tolist()]
+    shapes = np.stack([s["height"][idx], s["width"][idx]], axis=1).astype(np.int64)
+    strides = np.stack([shapes[:, 0] * shapes[:, 1], shapes[:, 1], np.ones(batch, np.int64)],
+                       axis=1)
     plans = _plans(cache, idx, 0)
-    one = {"per_image": lambda: NORMALIZE(torch.stack([_float_plan(im, p)
-                                                        for im, p in zip(imgs, plans)])),
-           "batched": lambda: NORMALIZE(resample(imgs, plans))}
-    times: dict[str, list[float]] = {k: [] for k in one}
-    for r in range(rounds + 1):  # interleaved
-        for name, fn in one.items():
-            t0 = time.perf_counter()
-            fn()
-            if r:
-                times[name].append((time.perf_counter() - t0) / batch * 1e6)
-    return {k: statistics.median(v) for k, v in times.items()}
+    times = []
+    for _ in range(rounds + 1):
+        t0 = time.perf_counter()
+        host_arrays(shapes, strides, plans, np.ones(batch, dtype=np.int64))
+        times.append((time.perf_counter() - t0) / batch * 1e6)
+    return {"numpy_us_per_image": statistics.median(times[1:])}
 
 
 def _float_plan(img: torch.Tensor, plan) -> torch.Tensor:
@@ -232,15 +233,19 @@ def main(argv: list[str] | None = None) -> dict:
     cache = photos(args.photos)
     result: dict = {"photos": len(cache), "ops": {}, "host_us_per_image": {}}
     print(f"{len(cache)} photos; RandomResizedCrop(224) + flip + Normalize")
-    print(f"{'batch':>6} {'path':>10} {'ops/batch':>10} {'ops/image':>10} {'host us/img':>12}")
+    print(f"{'batch':>6} {'path':>10} {'ops/batch':>10} {'ops/image':>10} {'numpy us/img':>13} "
+          f"{'model us/img':>13}")
     for batch in args.batches:
-        host = host_time(cache, batch, args.rounds)
+        numpy_us = host_time(cache, batch, args.rounds)["numpy_us_per_image"]
         for path in ("per_image", "batched"):
             ops = count_ops(cache, batch, per_image=path == "per_image")
+            prep = numpy_us if path == "batched" else 0.0
+            model = prep + ops["ops_per_image"] * LAUNCH_US
             result["ops"].setdefault(str(batch), {})[path] = ops
-            result["host_us_per_image"].setdefault(str(batch), {})[path] = host[path]
+            result["host_us_per_image"].setdefault(str(batch), {})[path] = {
+                "numpy": prep, "model": model}
             print(f"{batch:>6} {path:>10} {ops['ops_per_batch']:>10} "
-                  f"{ops['ops_per_image']:>10.2f} {host[path]:>12.1f}", flush=True)
+                  f"{ops['ops_per_image']:>10.2f} {prep:>13.1f} {model:>13.1f}", flush=True)
     if not args.skip_pixels:
         result["pixels"] = pixels(cache)
         for name, r in result["pixels"].items():

@@ -95,3 +95,13 @@ def test_ops_a_batch_do_not_grow_with_the_batch_on_the_emulated_gpu(jpeg_folder)
     per_image = count_ops(cache, 32, per_image=True, batches=1)["ops_per_batch"]
     assert small == large <= 64
     assert per_image >= 4 * 32 > large
+
+
+def test_a_batch_of_large_photos_fits_the_strided_view():
+    """256 photos of 2000x1500 in one chunk: the strided view over the joined images has a
+    size product within int64 (three view dimensions of the batch's extent overflowed it)."""
+    n, h, w = 256, 1500, 2000
+    imgs = [torch.empty((3, h, w), dtype=torch.uint8, device="meta") for _ in range(n)]
+    plans = PIPELINES["train"].plan(np.full(n, h), np.full(n, w), np.random.default_rng(0))
+    out = resample(imgs, plans, budget_bytes=1 << 50)
+    assert out.shape == (n, 3, 48, 48) and out.dtype == torch.uint8

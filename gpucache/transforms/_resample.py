@@ -5,12 +5,14 @@ flips one image at a time: five to seven ops an image, each a kernel launch on C
 batch takes the same plans in about a dozen ops whatever its size, because every step of a plan
 is linear and separable:
 
-1. **gather**: the images (each contiguous, any sizes) are joined into one flat buffer (one
+1. **gather**: the images (any sizes, any dense layout) are joined into one flat buffer (one
    ``cat``), and one advanced-indexing op reads every image's first crop box into a padded
-   ``(N, Hc, 3, Wc)`` batch. The addresses are the sum of three small broadcast index tensors
-   (row, channel, column part) over an overlapping ``as_strided`` view, so no per-pixel index is
-   ever built; EXIF orientation (transpose, flips) is folded into those parts, so a decoder that
-   skips the tag costs nothing extra;
+   ``(N, Hc, 3, Wc)`` batch. The addresses are the sum of two small broadcast index tensors
+   (where each row of each channel starts, (N, Hc, 3), and the column part, (N, Wc); affine in
+   their indices, made on the device from 8 numbers an image) over an overlapping ``as_strided``
+   view whose element ``[a, b]`` is ``flat[a + b]``, so no per-pixel index is ever built; EXIF
+   orientation (transpose, flips) is folded into those parts, so a decoder that skips the tag
+   costs nothing extra;
 2. **resize, second crop, flip** as two batched matrix products ``A @ X @ Bᵀ``: ``A`` (N, OH, Hc)
    and ``B`` (N, OW, Wc) hold, per output row and column, the antialiased bilinear filter taps
    torch's ``interpolate(mode="bilinear", antialias=True)`` uses; the second crop picks rows of
@@ -33,6 +35,7 @@ the whole batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -86,26 +89,47 @@ def _taps_device(first: torch.Tensor, offset: torch.Tensor, inside: torch.Tensor
 
 
 def _gather_parts(shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray, orient: np.ndarray,
-                  bases: np.ndarray, hc: int, wc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Row (N, Hc), channel (N, 3) and column (N, Wc) address parts of every image's first crop
-    box in the flat buffer (element strides (channel, row, column) per image), displayed under
-    its orientation (clamped inside the box)."""
+                  bases: np.ndarray) -> np.ndarray:
+    """Per image, the affine address parts of its first crop box in the flat buffer (element
+    strides (channel, row, column) per image), displayed under its orientation: row ``i`` of the
+    box starts at ``row0 + row_step * min(i, h1 - 1)`` (clamped inside the box), column ``j`` at
+    ``col0 + col_step * min(j, w1 - 1)``, channel ``c`` at ``base + c * channel_stride``.
+
+    Returns (8, N) int64: row0, row_step, h1 - 1, col0, col_step, w1 - 1, base, channel stride."""
     hs, ws = shapes[:, 0], shapes[:, 1]
-    sc, sr, sx = strides[:, 0:1], strides[:, 1:2], strides[:, 2:3]
+    sc, sr, sx = strides[:, 0], strides[:, 1], strides[:, 2]
     table = np.array([ORIENT.get(int(o), ORIENT[1]) for o in range(9)], dtype=bool)
     o = np.where((orient >= 1) & (orient <= 8), orient, 1)
     transpose, flip_r, flip_c = table[o, 0], table[o, 1], table[o, 2]
     hd = np.where(transpose, ws, hs)  # displayed size
     wd = np.where(transpose, hs, ws)
     t1, l1, h1, w1 = plans[:, 0], plans[:, 1], plans[:, 2], plans[:, 3]
-    y = t1[:, None] + np.minimum(np.arange(hc)[None, :], (h1 - 1)[:, None])
-    x = l1[:, None] + np.minimum(np.arange(wc)[None, :], (w1 - 1)[:, None])
-    y = np.where(flip_r[:, None], (hd - 1)[:, None] - y, y)  # a row of T(S) after its flips
-    x = np.where(flip_c[:, None], (wd - 1)[:, None] - x, x)
-    rows = np.where(transpose[:, None], y * sx, y * sr)  # T(S)[y, x] = S[x, y]
-    cols = np.where(transpose[:, None], x * sr, x * sx)
-    chans = bases[:, None] + np.arange(3)[None, :] * sc
+    s_row = np.where(transpose, sx, sr)  # a displayed row is a stored column when transposed
+    s_col = np.where(transpose, sr, sx)
+    row0 = np.where(flip_r, hd - 1 - t1, t1) * s_row
+    col0 = np.where(flip_c, wd - 1 - l1, l1) * s_col
+    return np.stack([row0, np.where(flip_r, -s_row, s_row), h1 - 1,
+                     col0, np.where(flip_c, -s_col, s_col), w1 - 1, bases, sc]).astype(np.int64)
+
+
+def _gather_device(parts: torch.Tensor, hc: int, wc: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row (N, Hc), channel (N, 3) and column (N, Wc) address parts from :func:`_gather_parts`'s
+    (8, N) values, in a fixed number of ops."""
+    row0, row_step, h_last, col0, col_step, w_last, base, chan = parts.unbind(0)
+    i = torch.arange(max(hc, wc, 3), dtype=torch.int64, device=parts.device)
+    rows = row0[:, None] + row_step[:, None] * torch.minimum(i[:hc], h_last[:, None])
+    cols = col0[:, None] + col_step[:, None] * torch.minimum(i[:wc], w_last[:, None])
+    chans = base[:, None] + chan[:, None] * i[:3]
     return rows, chans, cols
+
+
+def _view_size(parts: np.ndarray) -> tuple[int, int, int]:
+    """The strided view's sizes: one more than the largest channel, row and column parts."""
+    row0, row_step, h_last, col0, col_step, w_last, base, chan = parts
+    rows = np.maximum(row0, row0 + row_step * h_last)
+    cols = np.maximum(col0, col0 + col_step * w_last)
+    return int((base + 2 * chan).max()) + 1, int(rows.max()) + 1, int(cols.max()) + 1
 
 
 def _upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -185,35 +209,56 @@ def _flat(im: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return dense.reshape(-1), (im.stride(0), im.stride(1), im.stride(2))
 
 
-def _resample(images: list[torch.Tensor], plans: np.ndarray, orient: np.ndarray,
-              device: torch.device) -> torch.Tensor:
-    n = len(images)
+@dataclass
+class _Host:
+    """What the host computes for one chunk (NumPy only): the gather's address parts, the
+    filters' window starts, and the sizes the device ops need."""
+
+    arrays: list[np.ndarray]  # address parts, first, offset, inside, inverse scale, lengths
+    taps: int  # most taps a filter window holds
+    box: tuple[int, int]  # (Hc, Wc): the padded crop box
+    view: tuple[int, int, int]  # the strided view's sizes
+    total: int  # elements of the joined images
+
+
+def host_arrays(shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray,
+                orient: np.ndarray) -> _Host:
+    """The host's part of :func:`resample` for images of ``shapes`` (N, 2) with element
+    ``strides`` (N, 3), joined in order: NumPy over (N, OH + OW) values."""
+    n = len(plans)
     oh, ow = int(plans[0, 8]), int(plans[0, 9])
-    flats, strides = zip(*(_flat(im) for im in images))
-    shapes = np.array([im.shape[-2:] for im in images], dtype=np.int64).reshape(n, 2)
     sizes = shapes[:, 0] * shapes[:, 1] * 3
     bases = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     hc, wc = int(plans[:, 2].max()), int(plans[:, 3].max())
-    rows, chans, cols = _gather_parts(shapes, np.array(strides, dtype=np.int64).reshape(n, 3),
-                                      plans, orient, bases, hc, wc)
+    parts = _gather_parts(shapes, strides, plans, orient, bases)
     # both axes' filters in one set of rows: the first N rows are heights, the next N widths
     o = max(oh, ow)
     hy = _taps_host(plans[:, 2], plans[:, 4], plans[:, 6], o, np.zeros(n, dtype=bool))
     hx = _taps_host(plans[:, 3], plans[:, 5], plans[:, 7], o, plans[:, 10].astype(bool))
     taps = [np.concatenate([a, b]) for a, b in zip(hy[:4], hx[:4])]
     lengths = np.concatenate([plans[:, 2], plans[:, 3]]).astype(np.float32)
-    rows_d, chans_d, cols_d, first_d, off_d, in_d, inv_d, len_d = _upload(
-        [rows, chans, cols, *taps, lengths], device)
-    index, weight = _taps_device(first_d, off_d, in_d, inv_d, len_d, max(hy[4], hx[4]))
-    s0, s1, s2 = int(chans.max()) + 1, int(rows.max()) + 1, int(cols.max()) + 1
-    total = int(sizes.sum())
-    tail = max(0, s0 + s1 + s2 - 2 - total)
+    return _Host([parts, *taps, lengths], max(hy[4], hx[4]), (hc, wc), _view_size(parts),
+                 int(sizes.sum()))
+
+
+def _resample(images: list[torch.Tensor], plans: np.ndarray, orient: np.ndarray,
+              device: torch.device) -> torch.Tensor:
+    n = len(images)
+    oh, ow = int(plans[0, 8]), int(plans[0, 9])
+    flats, strides = zip(*(_flat(im) for im in images))
+    shapes = np.array([im.shape[-2:] for im in images], dtype=np.int64).reshape(n, 2)
+    host = host_arrays(shapes, np.array(strides, dtype=np.int64).reshape(n, 3), plans, orient)
+    parts_d, first_d, off_d, in_d, inv_d, len_d = _upload(host.arrays, device)
+    index, weight = _taps_device(first_d, off_d, in_d, inv_d, len_d, host.taps)
+    (hc, wc), (s0, s1, s2), total = host.box, host.view, host.total
+    rows_d, chans_d, cols_d = _gather_device(parts_d, hc, wc)
+    starts = rows_d[:, :, None] + chans_d[:, None, :]  # (N, Hc, 3): where each row starts
     # the strided view's bounds reach past the images (never read: every address is clamped
     # inside its image), so the images are joined into the head of a longer buffer
-    flat = torch.empty(total + tail, dtype=torch.uint8, device=device)
+    flat = torch.empty(max(total, s0 + s1 + s2 - 1), dtype=torch.uint8, device=device)
     torch.cat(flats, out=flat[:total])
-    view = flat.as_strided((s0, s1, s2), (1, 1, 1))
-    x = view[chans_d[:, None, :, None], rows_d[:, :, None, None], cols_d[:, None, None, :]]
+    view = flat.as_strided((s0 + s1 - 1, s2), (1, 1))  # view[a, b] is flat[a + b]
+    x = view[starts[..., None], cols_d[:, None, None, :]]
     x = x.to(torch.float32).view(n, hc, 3 * wc)  # (N, Hc, 3, Wc): channels between rows/cols
     a = torch.zeros((n, oh, hc), dtype=torch.float32, device=device).scatter_add_(
         2, index[:n, :oh], weight[:n, :oh])
