@@ -270,7 +270,7 @@ def gpu_allowed(c: Check, backend) -> np.ndarray:
     """Per sample, whether the backend sends it to its GPU decoder (the rest take the CPU path
     by design): the nvjpeg backend's own mask (it also sends progressive JPEGs to its CPU
     stage), else what :func:`gpucache.decode._fallback.split` gives a GPU decoder."""
-    mask = getattr(backend, "_gpu_mask", None)
+    mask = getattr(backend, "gpu_mask", None)
     return np.asarray(mask if mask is not None else c.cache.gpu_decodable(), dtype=bool)
 
 

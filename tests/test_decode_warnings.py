@@ -163,3 +163,29 @@ def test_torchvisions_notice_never_reaches_the_user(monkeypatch, jpeg_folder):
                     assert sum(len(y) for _, y in loader) == len(cache)
                     assert loader.stats.skipped == 0
     assert not [w for w in seen if issubclass(w.category, DeprecationWarning)], seen
+
+
+def test_the_stores_read_only_view_warns_nobody_and_keeps_every_filter(tmp_path):
+    """The first byte view of a store (made in a decode thread by the nvjpeg backend) silences
+    torch's read-only-buffer notice by one scoped filter, never by swapping the filter list:
+    with warnings as errors it does not raise, and the filters set before it all stay."""
+    import subprocess
+    import sys
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.jpg").write_bytes(make_jpeg_bytes(32, 24, seed=2))
+    code = (
+        "import threading, warnings\n"
+        "from gpucache import JpegCache\n"
+        f"cache = JpegCache.from_folder({str(tmp_path)!r}, progress=False)\n"
+        "warnings.filterwarnings('ignore', message='mine')\n"
+        "before = list(warnings.filters)\n"
+        "out = []\n"
+        "t = threading.Thread(target=lambda: out.append(len(cache._bytes_tensor(0))))\n"
+        "t.start(); t.join()\n"
+        "assert out and out[0] > 0, out\n"
+        "assert all(f in warnings.filters for f in before)\n"
+        "print('ok')\n")
+    run = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

@@ -549,3 +549,23 @@ def test_a_decoder_that_cannot_start_is_an_error_not_a_bad_sample(cache):
                                                ".*backend='cpu'"):
             backend.get()
         backend.close()
+
+
+def test_an_emulation_that_fails_to_enter_leaves_nothing_behind(monkeypatch):
+    """A block whose entry raises after torch.cuda is patched (here: wrapping the decoder) puts
+    back what it patched, so torch.cuda is the real one again and the next block enters."""
+    from gpucache.decode import _emulated_cuda
+
+    real = torch.cuda.is_available
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(_emulated_cuda, "emulated_decode_jpeg", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedCuda(devices=1):
+            pass
+    monkeypatch.undo()
+    assert torch.cuda.is_available is real and EmulatedCuda._active is None
+    with EmulatedCuda(devices=1):
+        assert torch.cuda.device_count() == 1

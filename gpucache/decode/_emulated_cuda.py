@@ -547,6 +547,13 @@ class EmulatedCuda(OrderRules):
         if EmulatedCuda._active is not None:
             raise RuntimeError("EmulatedCuda is already active")
         EmulatedCuda._active = _Current.emu = self
+        try:
+            return self._enter()
+        except BaseException:  # half entered: put everything back, so a later block can enter
+            self._restore()
+            raise
+
+    def _enter(self):
         c = torch.cuda
         for name, value in {
             "is_available": lambda: True, "device_count": lambda: self.devices,
@@ -584,12 +591,15 @@ class EmulatedCuda(OrderRules):
         self._mode.__enter__()
         return self
 
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
+    def _restore(self) -> None:
         for obj, name, value in reversed(self._saved):
             setattr(obj, name, value)
         self._saved.clear()
         EmulatedCuda._active = _Current.emu = None
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self._restore()
         if exc[0] is None and self.violations:
             first = self.violations[0]
             raise StreamOrderError(f"{first} [{len(self.violations)} stream-order violation(s) "

@@ -313,6 +313,12 @@ class NvjpegBackend(Backend):
         _shutdown(list(self._pools.values()), wait=True)
 
     @property
+    def gpu_mask(self) -> np.ndarray:
+        """Per sample of the store, whether this backend sends it to its batched GPU decoder
+        (the rest, progressive JPEGs included, take its CPU stage by design)."""
+        return self._gpu_mask
+
+    @property
     def thread_alive(self) -> bool:
         """Whether any of the pipeline's threads is running (for shutdown checks)."""
         return any(t.is_alive() for t in self._threads)
