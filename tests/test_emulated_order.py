@@ -569,3 +569,33 @@ def test_an_emulation_that_fails_to_enter_leaves_nothing_behind(monkeypatch):
     assert torch.cuda.is_available is real and EmulatedCuda._active is None
     with EmulatedCuda(devices=1):
         assert torch.cuda.device_count() == 1
+
+
+@pytest.mark.parametrize("pageable", [False, True])
+def test_cpu_path_images_cross_in_one_pinned_copy_without_a_host_sync(bad_folder, monkeypatch,
+                                                                       pageable):
+    """PNG, CMYK and other CPU-path samples of a batch are stacked on the CPU and cross to the
+    device in one pinned non_blocking copy: the transform thread never waits on the host for
+    them (a pageable .to(device) an image synchronised once per image)."""
+    cache = JpegCache.from_files(sorted(bad_folder["cases"]), progress=False)
+    idx = np.arange(len(cache))
+    on_cpu = int((~cache.gpu_decodable()).sum())
+    assert on_cpu >= 2
+    s = cache.samples
+    plans = T.Compose([T.Resize((24, 24))]).plan(s["height"].astype(np.int64),
+                                                 s["width"].astype(np.int64),
+                                                 np.random.default_rng(0))
+    if pageable:  # the join as it was: a plain .to(device)
+        from gpucache.decode import _fallback
+
+        monkeypatch.setattr(_fallback, "to_device", lambda x, device: x.to(device))
+    with EmulatedCuda(devices=1) as emu:
+        dev = torch.device("cuda", 0)
+        backend = NvjpegBackend(cache, device=dev, on_error="skip",
+                                decoder=torchvision_decoder(dev))
+        backend.submit(idx, plans, True)
+        out = backend.get()
+        assert out.cpu_decoded >= on_cpu and out.images.shape[0] == len(out.indices)
+        backend.close()
+        waits = [h for h in emu.host_syncs if "transform" in h.thread]
+    assert bool(waits) == pageable, waits
