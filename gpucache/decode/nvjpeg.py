@@ -43,7 +43,7 @@ import torch
 
 from ..build._sniff import Kind
 from ..store._oom import is_out_of_memory
-from ..transforms._resample import BUDGET_BYTES, resample
+from ..transforms._resample import BUDGET_BYTES, Scratch, resample
 from . import normalize_device
 from ._base import Backend
 from ._batched import BatchDecoder, applies_exif, default_decoder, orient
@@ -103,6 +103,7 @@ class NvjpegBackend(Backend):
         # padded input of the batched transforms held at once: a sixteenth of the GPU's memory
         self._budget = max(BUDGET_BYTES, torch.cuda.get_device_properties(device).total_memory
                            // 16 if device.type == "cuda" else 0)
+        self._scratch = Scratch()  # the transform stage's work buffer (its one thread and stream)
         self._pending: list[_Job] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}
         if threaded:
@@ -235,7 +236,8 @@ class NvjpegBackend(Backend):
             rows = indices[ok]
             parts.append((np.asarray(ok, dtype=np.int64),
                           resample(kept, plans[ok], orientations=None if self.applies_exif
-                                   else orientation[rows], budget_bytes=self._budget), False))
+                                   else orientation[rows], budget_bytes=self._budget,
+                                   scratch=self._scratch), False))
         elif ok:
             parts.append((np.asarray(ok, dtype=np.int64),
                           [apply_plan(x, plans[p]) for x, p in zip(kept, ok)], False))

@@ -154,16 +154,43 @@ def _upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Te
     return out
 
 
+class Scratch:
+    """A work buffer that grows (by a quarter more than asked) and is never given back, for a
+    batch's intermediates: batches of varying crop sizes then reuse one block instead of asking
+    the caching allocator for new sizes each time (whose reserved memory would creep up epoch
+    after epoch). Use it from one stream only: the batches that share it run in order."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
+             device: torch.device) -> list[torch.Tensor]:
+        """Disjoint views of the buffer, one of each (shape, dtype), uninitialised."""
+        sizes = [int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs]
+        spans = [(size + 63) // 64 * 64 for size in sizes]  # every view 64-byte aligned
+        need = sum(spans)
+        if (self._buffer is None or self._buffer.numel() < need
+                or self._buffer.device != device):
+            self._buffer = None  # the old block goes back before the new one is asked for
+            self._buffer = torch.empty(need + need // 4, dtype=torch.uint8, device=device)
+        out, offset = [], 0
+        for (shape, dtype), size, span in zip(specs, sizes, spans):
+            out.append(self._buffer[offset:offset + size].view(dtype).view(shape))
+            offset += span
+        return out
+
+
 def resample(images: Sequence[torch.Tensor], plans: np.ndarray, *,
              orientations: np.ndarray | None = None,
-             budget_bytes: int = BUDGET_BYTES) -> torch.Tensor:
+             budget_bytes: int = BUDGET_BYTES, scratch: Scratch | None = None) -> torch.Tensor:
     """Run every image's plan (crop, antialiased bilinear resize, zero-padded crop, flip) on a
     batch whose plans share one output size: ``(N, 3, OH, OW)`` uint8 on the images' device.
 
     ``images``: RGB uint8 (3, H, W) tensors as *stored* (before EXIF orientation), on one device;
     ``orientations``: each image's EXIF orientation (1-8; None: all 1, e.g. a decoder that
     applied it). ``plans``: the (N, 11) plans of :mod:`gpucache.transforms`, in displayed
-    coordinates. Device-agnostic: the same function runs on CPU tensors in CI."""
+    coordinates. ``scratch``: where the float intermediates live (a fresh allocation each
+    otherwise). Device-agnostic: the same function runs on CPU tensors in CI."""
     plans = np.asarray(plans, dtype=np.int64).reshape(-1, 11)
     n = len(images)
     if n != len(plans):
@@ -188,12 +215,13 @@ def resample(images: Sequence[torch.Tensor], plans: np.ndarray, *,
                 start, acc_h, acc_w = k, int(plans[i, 2]), int(plans[i, 3])
         chunks.append(order[start:])
         if len(chunks) > 1:
-            parts = [_resample([images[i] for i in c.tolist()], plans[c], orient[c], device)
+            parts = [_resample([images[i] for i in c.tolist()], plans[c], orient[c], device,
+                               scratch)
                      for c in chunks]
             inverse = np.argsort(np.concatenate(chunks), kind="stable")
             (perm,) = _upload([inverse.astype(np.int64)], device)
             return torch.cat(parts).index_select(0, perm)
-    return _resample(list(images), plans, orient, device)
+    return _resample(list(images), plans, orient, device, scratch)
 
 
 def _flat(im: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -242,7 +270,7 @@ def host_arrays(shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray,
 
 
 def _resample(images: list[torch.Tensor], plans: np.ndarray, orient: np.ndarray,
-              device: torch.device) -> torch.Tensor:
+              device: torch.device, scratch: Scratch | None) -> torch.Tensor:
     n = len(images)
     oh, ow = int(plans[0, 8]), int(plans[0, 9])
     flats, strides = zip(*(_flat(im) for im in images))
@@ -255,15 +283,20 @@ def _resample(images: list[torch.Tensor], plans: np.ndarray, orient: np.ndarray,
     starts = rows_d[:, :, None] + chans_d[:, None, :]  # (N, Hc, 3): where each row starts
     # the strided view's bounds reach past the images (never read: every address is clamped
     # inside its image), so the images are joined into the head of a longer buffer
-    flat = torch.empty(max(total, s0 + s1 + s2 - 1), dtype=torch.uint8, device=device)
+    f32, u8 = torch.float32, torch.uint8
+    specs = [((max(total, s0 + s1 + s2 - 1),), u8), ((n, hc, 3, wc), u8), ((n, hc, 3 * wc), f32),
+             ((n, oh, hc), f32), ((n, ow, wc), f32), ((n, oh, 3 * wc), f32)]
+    if scratch is None:
+        flat, gathered, x, a, b, y = (torch.empty(sh, dtype=dt, device=device) for sh, dt in specs)
+    else:
+        flat, gathered, x, a, b, y = scratch.take(specs, device)
     torch.cat(flats, out=flat[:total])
     view = flat.as_strided((s0 + s1 - 1, s2), (1, 1))  # view[a, b] is flat[a + b]
-    x = view[starts[..., None], cols_d[:, None, None, :]]
-    x = x.to(torch.float32).view(n, hc, 3 * wc)  # (N, Hc, 3, Wc): channels between rows/cols
-    a = torch.zeros((n, oh, hc), dtype=torch.float32, device=device).scatter_add_(
-        2, index[:n, :oh], weight[:n, :oh])
-    b = torch.zeros((n, ow, wc), dtype=torch.float32, device=device).scatter_add_(
-        2, index[n:, :ow], weight[n:, :ow])
-    y = torch.bmm(a, x).view(n, oh * 3, wc)
-    z = torch.bmm(y, b.transpose(1, 2)).view(n, oh, 3, ow).permute(0, 2, 1, 3)
+    torch.ops.aten.index.Tensor_out(view, [starts[..., None], cols_d[:, None, None, :]],
+                                    out=gathered)  # (N, Hc, 3, Wc): channels between rows/cols
+    x.view(n, hc, 3, wc).copy_(gathered)
+    a.zero_().scatter_add_(2, index[:n, :oh], weight[:n, :oh])
+    b.zero_().scatter_add_(2, index[n:, :ow], weight[n:, :ow])
+    torch.bmm(a, x, out=y)
+    z = torch.bmm(y.view(n, oh * 3, wc), b.transpose(1, 2)).view(n, oh, 3, ow).permute(0, 2, 1, 3)
     return z.round_().clamp_(0, 255).to(torch.uint8, memory_format=torch.contiguous_format)
