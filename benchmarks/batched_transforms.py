@@ -190,7 +190,7 @@ def host_time(cache: JpegCache, batch: int, rounds: int) -> dict:
     return {"numpy_us_per_image": statistics.median(times[1:])}
 
 
-def _float_plan(img: torch.Tensor, plan) -> torch.Tensor:
+def float_plan(img: torch.Tensor, plan) -> torch.Tensor:
     """apply_plan's arithmetic on a CUDA device (float resize, rounded), on a CPU tensor."""
     t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan)
     x = img[:, t1:t1 + h1, l1:l1 + w1]
@@ -211,7 +211,7 @@ def pixels(cache: JpegCache) -> dict:
         plans = _plans(cache, idx, seed)
         stored = [decode_sample(cache, int(i)) for i in idx.tolist()]  # EXIF applied
         got = resample(stored, plans)
-        ref_float = torch.stack([_float_plan(im, p) for im, p in zip(stored, plans)])
+        ref_float = torch.stack([float_plan(im, p) for im, p in zip(stored, plans)])
         ref_uint8 = decode_batch(cache, idx, plans, on_error="raise", stack=True).images
         for name, ref in (("float", ref_float), ("uint8", ref_uint8)):
             d = (got.int() - ref.int()).abs()

@@ -4,9 +4,8 @@ per-image path, in a number of ops that does not grow with the batch, on the emu
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from benchmarks.batched_transforms import count_ops
+from benchmarks.batched_transforms import count_ops, float_plan
 from gpucache import JpegCache
 from gpucache import transforms as T
 from gpucache.decode._batched import orient
@@ -20,19 +19,6 @@ PIPELINES = {
     "fixed": T.Compose([T.Resize((30, 50)), T.RandomHorizontalFlip(0.5)]),
     "crop only": T.Compose([T.CenterCrop(32)]),
 }
-
-
-def _float_path(img: torch.Tensor, plan) -> torch.Tensor:
-    """apply_plan's arithmetic on a CUDA device (float resize, then rounded), on the CPU."""
-    t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan)
-    x = img[:, t1:t1 + h1, l1:l1 + w1]
-    if (rh, rw) != (h1, w1):
-        x = F.interpolate(x[None].float(), size=(rh, rw), mode="bilinear", antialias=True)[0]
-        x = x.round_().clamp_(0, 255).to(torch.uint8)
-    if (t2, l2, h2, w2) != (0, 0, rh, rw):
-        x = F.pad(x, (max(0, -l2), max(0, l2 + w2 - rw), max(0, -t2), max(0, t2 + h2 - rh)))
-        x = x[:, max(t2, 0):max(t2, 0) + h2, max(l2, 0):max(l2, 0) + w2]
-    return x.flip(-1) if flip else x
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +43,7 @@ def test_batched_equals_the_per_image_path_within_one_level(stored, name):
     w = np.array([im.shape[2] for im in shown])
     plans = PIPELINES[name].plan(h, w, np.random.default_rng(7))
     got = resample(raw, plans, orientations=orientations)
-    ref = torch.stack([_float_path(im, p) for im, p in zip(shown, plans)])
+    ref = torch.stack([float_plan(im, p) for im, p in zip(shown, plans)])
     cpu = torch.stack([apply_plan(im, p) for im, p in zip(shown, plans)])  # fixed-point uint8
     assert got.shape == ref.shape and got.dtype == torch.uint8 and got.is_contiguous()
     d = (got.int() - ref.int()).abs()
