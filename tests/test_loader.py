@@ -279,6 +279,30 @@ def test_reiterations_and_early_breaks_leak_nothing(cache):
     assert _our_shm() == shm_before
 
 
+def test_a_closed_loader_refuses_to_iterate_and_starts_no_workers(cache):
+    loader = GpuCachedLoader(cache, batch_size=4, num_workers=2, device="cpu",
+                             multiprocessing_context="fork")
+    assert sum(len(labels) for _, labels in loader) == len(cache)
+    pids = set(loader.worker_pids)
+    assert len(pids) == 2
+    loader.close()
+    loader.close()  # idempotent
+    before = _children()
+    with pytest.raises(RuntimeError, match=r"closed \(close\(\) was called.*"
+                                           r"Make a new GpuCachedLoader"):
+        next(iter(loader))
+    assert loader.worker_pids == [] and _children() - before == set()
+    with GpuCachedLoader(cache, batch_size=4, num_workers=2, device="cpu",
+                         multiprocessing_context="fork") as loader:
+        next(iter(loader))
+        assert len(loader.worker_pids) == 2
+    with pytest.raises(RuntimeError, match="`with` block ended"):
+        for _ in loader:
+            pass
+    assert loader.worker_pids == [] and _children() - before == set()
+    loader.close()  # still idempotent after the `with` block
+
+
 def test_killed_worker_raises_within_the_timeout(cache):
     loader = GpuCachedLoader(cache, batch_size=2, num_workers=2, device="cpu", timeout=20,
                              multiprocessing_context="fork")

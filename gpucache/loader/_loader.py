@@ -70,40 +70,90 @@ class GpuCachedLoader:
 
     Yields ``(images, labels)`` on ``device`` (``(images, labels, BatchInfo)`` with
     ``return_metadata=True``). ``transform=None`` yields a list of variable-size uint8 CHW tensors;
-    a transform that fixes the output size yields one (N, C, H, W) batch.
+    a transform that fixes the output size yields one (N, C, H, W) batch. Every argument but the
+    store is keyword-only; they come in four groups.
+
+    Args:
+        cache: The store to read (``JpegCache.from_folder``, ``JpegCache.open``, ...).
+        batch_size: *Order and sharding.* Samples a batch (per rank).
+        shuffle: A new order every epoch, drawn from ``(seed, epoch)``.
+        drop_last: Leave out the last, short batch (and, across ranks, the samples that do not
+            divide evenly) instead of padding like ``DistributedSampler``.
+        seed: Order, crops and augmentation draws come from it; the same seed gives the same
+            batches on every backend and worker count. None: one is drawn (the same on every
+            rank of a job).
+        generator: Instead of ``seed``, its ``initial_seed()`` (not both).
+        num_replicas: Ranks the epoch is split across; None: the process group's world size
+            (or ``WORLD_SIZE``), else 1.
+        rank: This process's rank; None: the process group's (or ``RANK``), else 0.
+        indices: Iterate this subset of the store (store indices) instead of all of it.
+        weights: Draw ``num_samples`` samples an epoch with these probabilities (with
+            replacement), like ``WeightedRandomSampler``.
+        num_samples: Samples an epoch with ``weights`` (default: the subset's size).
+        num_workers: *Workers.* CPU decode processes (``backend="cpu"``; DALI's CPU threads
+            for ``"dali"``). None: this rank's share of the usable cores. 0 decodes in the
+            main process.
+        prefetch_factor: Batches each worker works on ahead (GPU backends: batches in flight,
+            at least 2).
+        persistent_workers: Always on (workers live until ``close()``); False warns.
+        multiprocessing_context: ``"fork"``, ``"spawn"`` or ``"forkserver"``; None: the
+            platform's default. Workers attach to the same store pages under each.
+        worker_init_fn: Called as ``fn(worker_id)`` in each worker after seeding it.
+        timeout: Seconds to wait for a batch before a hung worker becomes a ``WorkerError``;
+            None waits as long as the workers live.
+        device: *Decoding.* Where batches end up: None is CUDA when present, else the CPU;
+            ``"cuda"`` means the current CUDA device.
+        backend: ``"cpu"`` (worker processes, libjpeg-turbo), ``"nvjpeg"`` (batched GPU decode
+            and transforms), ``"dali"`` (an NVIDIA DALI pipeline), or ``"auto"``: dali when
+            installed and on CUDA, else nvjpeg on CUDA, else cpu.
+        exact: True decodes every JPEG in full before its plan (bit-exact with a full decode);
+            False (default) lets the CPU decode at a reduced DCT scale and cut an eval crop
+            before its resize, within the tolerance the manual states.
+        hw_decoder_load: DALI only: the share of JPEGs sent to the GPU's hardware decoder.
+        on_error: A sample that fails to decode is left out and reported (``"skip"``), stops
+            the run (``"raise"``: ``SampleError``), or, with ``"skip_warned"``, also left out
+            when libjpeg warned about corrupt data it decoded anyway.
+        transform: *Output.* Geometric transforms (planned per sample from stored sizes),
+            then batch steps (Normalize, ColorJitter, MixUp, any callable); torchvision
+            pipelines are translated. None yields the decoded images.
+        pin_memory: Move batches to CUDA through pinned memory with ``non_blocking`` (default
+            on CUDA); no effect on the CPU.
+        return_metadata: Also yield a :class:`BatchInfo` (indices, paths, metadata, skipped
+            samples, plans, ragged targets) with each batch.
     """
 
     def __init__(
         self,
         cache: JpegCache,
         *,
+        # order and sharding
         batch_size: int,
         shuffle: bool = False,
         drop_last: bool = False,
         seed: int | None = None,
         generator: torch.Generator | None = None,
-        transform: Transform | Sequence[Transform] | None = None,
-        # where and how to decode
-        device: str | torch.device | None = None,
-        backend: Literal["auto", "cpu", "nvjpeg", "dali"] = "auto",
-        num_workers: int | None = None,
-        prefetch_factor: int = 2,
-        pin_memory: bool | None = None,
-        worker_init_fn: Callable[[int], None] | None = None,
-        persistent_workers: bool = True,
-        multiprocessing_context: str | None = None,
-        timeout: float | None = 300.0,
-        hw_decoder_load: float = 0.65,
-        # bad samples, metadata, sharding
-        on_error: Literal["skip", "raise", "skip_warned"] = "skip",
-        exact: bool = False,
-        return_metadata: bool = False,
         num_replicas: int | None = None,
         rank: int | None = None,
-        # subsets and sampling (gpucache.loader._sampling)
         indices: Sequence[int] | np.ndarray | None = None,
         weights: Sequence[float] | np.ndarray | None = None,
         num_samples: int | None = None,
+        # workers
+        num_workers: int | None = None,
+        prefetch_factor: int = 2,
+        persistent_workers: bool = True,
+        multiprocessing_context: str | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        timeout: float | None = 300.0,
+        # decoding
+        device: str | torch.device | None = None,
+        backend: Literal["auto", "cpu", "nvjpeg", "dali"] = "auto",
+        exact: bool = False,
+        hw_decoder_load: float = 0.65,
+        on_error: Literal["skip", "raise", "skip_warned"] = "skip",
+        # output
+        transform: Transform | Sequence[Transform] | None = None,
+        pin_memory: bool | None = None,
+        return_metadata: bool = False,
     ) -> None:
         if not isinstance(cache, JpegCache):
             raise TypeError(f"cache must be a gpucache.JpegCache, got {type(cache).__name__}; "
@@ -161,6 +211,7 @@ class GpuCachedLoader:
         self._pass: _Pass | None = None  # the pass under way (or abandoned), for state_dict()
         self._passes = 0  # counts passes, so a superseded iterator can tell
         self._backend: Backend | None = None
+        self._closed = False  # close() was called: iterating raises instead of restarting
 
     # ------------------------------------------------------------------ order and sharding
     def _global_size(self) -> int:
@@ -243,7 +294,7 @@ class GpuCachedLoader:
         seed, epoch, position = _state.parse(state, samples=self._global_size(),
                                              shuffle=self.shuffle, store=store, sampling=sampling)
         if seed != self.seed:
-            self.close()  # workers are seeded from the loader's seed: restart them with it
+            self._stop_backend()  # workers are seeded from the loader's seed: restart them with it
             self.seed = seed
         self._resume, self._pass = (epoch, position), None
 
@@ -268,6 +319,12 @@ class GpuCachedLoader:
 
     def __iter__(self) -> Iterator:
         """A fresh pass: the next epoch from batch 0, or where ``load_state_dict`` said."""
+        if self._closed:
+            raise RuntimeError(
+                "gpucache: this GpuCachedLoader is closed (close() was called, or its `with` "
+                "block ended): its workers are stopped and it does not start new ones behind "
+                "your back. Make a new GpuCachedLoader(...) to iterate again, or keep this one "
+                "open (no close(), no `with`) for as many epochs as you need.")
         backend = self._get_backend()
         backend.drain()  # results of a pass left early
         epoch, start = self._resume if self._resume is not None else (self._next_epoch, 0)
@@ -295,7 +352,7 @@ class GpuCachedLoader:
             try:
                 out = backend.get()
             except BaseException:
-                self.close()  # a failed backend is not reused; the next iteration starts afresh
+                self._stop_backend()  # a failed backend is not reused; the next pass starts afresh
                 raise
             pos.batches_done = b + 1
             yield self._finish(out, epoch, first + b, *in_flight.popleft())
@@ -345,7 +402,12 @@ class GpuCachedLoader:
         return self._backend.pids if self._backend is not None else []
 
     def close(self) -> None:
-        """Stop workers and free the backend's resources. Idempotent; iterating again restarts."""
+        """Stop workers and free the backend's resources. Idempotent. A closed loader cannot be
+        iterated again (``RuntimeError``): make a new one."""
+        self._closed = True
+        self._stop_backend()
+
+    def _stop_backend(self) -> None:
         if self._backend is not None:
             self._backend.close()
             self._backend = None
