@@ -1,4 +1,5 @@
-"""Optional compiled part (gpucache/decode/_roi_c.c): region decode and the restart-marker transcoder.
+"""Optional compiled part (gpucache/decode/_jpeg_regions.c): region decode, the restart-marker transcoder,
+the restart scan and segment decode.
 
 Built when a C compiler and the libjpeg headers are there (Debian: ``apt-get install gcc
 libjpeg-dev``); otherwise the package installs without it, everything else works, and only
@@ -27,7 +28,7 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("gpucache.decode._roi_c", ["gpucache/decode/_roi_c.c"],
+    ext_modules=[Extension("gpucache.decode._jpeg_regions", ["gpucache/decode/_jpeg_regions.c"],
                            libraries=["jpeg"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )
