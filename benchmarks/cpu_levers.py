@@ -39,7 +39,7 @@ def main() -> None:
 
     from gpucache import JpegCache
     from gpucache import transforms as T
-    from gpucache.build._restart import restart_store
+    from gpucache.ingest._restart import restart_store
     from gpucache.decode import _roi, _roi_rst
     from gpucache.decode._core import apply_plan, decode_batch, decode_sample
 

@@ -23,7 +23,7 @@ import numpy as np
 def make_store(path: Path, n: int, sections: bool = False) -> None:
     from gpucache import JpegCache
     from gpucache.store._format import pack_strings
-    from gpucache.build._sniff import SAMPLE_DTYPE, Kind
+    from gpucache.ingest._sniff import SAMPLE_DTYPE, Kind
 
     sample = bytes.fromhex("ffd8ffd9")  # 4 bytes: only the index matters here
     data = np.frombuffer(sample * n, dtype=np.uint8)

@@ -2,7 +2,7 @@
 
     python benchmarks/scan_limit.py [--photos DIR] [--size 4000]
 
-1. Sniffing (``gpucache.build._sniff.sniff``) over the photos in ``--photos`` as they are and
+1. Sniffing (``gpucache.ingest._sniff.sniff``) over the photos in ``--photos`` as they are and
    re-encoded as progressive JPEG (PIL, quality 90): microseconds per file, and what counting the
    scans of the progressive ones costs (``count_scans`` alone on the same bytes). A sequential
    JPEG whose first scan holds every component is not counted.
@@ -29,7 +29,7 @@ except ImportError:  # run from a source checkout
 import torch
 from PIL import Image
 
-from gpucache.build._sniff import MAX_SCANS, Kind, SniffError, count_scans, sniff
+from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, count_scans, sniff
 from gpucache.decode._core import decode_jpeg
 from gpucache.testing import make_jpeg_bytes
 from gpucache.testing._hostile import extra_scans

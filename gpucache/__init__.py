@@ -4,7 +4,7 @@ The public surface is exactly ``__all__``; modules starting with ``_`` are priva
 """
 
 from . import testing, transforms
-from .build._build import (
+from .ingest._build import (
     BuildError,
     BuildReport,
     BytesSource,
@@ -15,7 +15,7 @@ from .build._build import (
 from .store._format import CacheFormatError
 from .loader._loader import BatchInfo, GpuCachedLoader, LoaderStats
 from .store._shm import SharedMemoryError
-from .build._sniff import Kind
+from .ingest._sniff import Kind
 from .store._store import JpegCache
 from .store._targets import with_targets
 from .dataset import JpegDataset

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gpucache import BuildError, JpegCache
-from gpucache.build._build import build
+from gpucache.ingest._build import build
 from gpucache.cli import main as cli_main
 from gpucache.testing import make_jpeg_bytes
 
@@ -170,7 +170,7 @@ def test_build_that_keeps_nothing_is_an_error(tmp_path, caplog):
 
 
 def test_scan_folder_paths_are_the_os_names(tmp_path):
-    from gpucache.build._build import scan_folder
+    from gpucache.ingest._build import scan_folder
 
     names = ["b.jpg", "a.JPEG", "caf\udce9.png", "z.txt"]
     for c in ("x", "y"):

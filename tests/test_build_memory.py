@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from gpucache import JpegCache
-from gpucache.build import _resize
-from gpucache.build._build import BytesSource, build
+from gpucache.ingest import _resize
+from gpucache.ingest._build import BytesSource, build
 from gpucache.decode import _roi_rst
 from gpucache.testing import make_jpeg_bytes
 from gpucache.testing._memory import reset_peak_rss, status_bytes

@@ -1,4 +1,4 @@
-"""Inputs that once crashed or misled the compiled decoder (gpucache/decode/_roi_c.c).
+"""Inputs that once crashed or misled the compiled decoder (gpucache/decode/_jpeg_regions.c).
 
 Each runs in a subprocess, so a crash (double free, out-of-bounds read) shows as a failed test with
 the signal, not a dead pytest. The inputs are real JPEGs made here (or kept under tests/data/).
@@ -144,7 +144,7 @@ def test_fuzz_harness_holds_inputs_to_the_library_s_limits(tmp_path):
     bytes (and a JPEG with more than MAX_SCANS scans) before any decoder sees them; the loop
     now does too, and still runs a good input through every target. Replayed with the installed
     (unsanitized) library under a 2 GiB address-space limit."""
-    from gpucache.build._sniff import MAX_SCANS
+    from gpucache.ingest._sniff import MAX_SCANS
     from gpucache.testing import make_jpeg_bytes
     from gpucache.testing._hostile import extra_scans, patch_sof
 
@@ -154,7 +154,7 @@ def test_fuzz_harness_holds_inputs_to_the_library_s_limits(tmp_path):
     for name, data in [("bomb", bomb), ("scans", scans), ("good", big_metadata_jpeg())]:
         files.append(tmp_path / f"{name}.jpg")
         files[-1].write_bytes(data)
-    lib = importlib.util.find_spec("gpucache.decode._roi_c").origin
+    lib = importlib.util.find_spec("gpucache.decode._jpeg_regions").origin
     r = subprocess.run([sys.executable, str(LOOP), lib, "--replay", *map(str, files)],
                        capture_output=True, text=True, timeout=120,
                        preexec_fn=_two_gib_of_address_space)
@@ -167,8 +167,8 @@ def test_fuzz_harness_holds_inputs_to_the_library_s_limits(tmp_path):
 RESTART = """
     import numpy as np
     from gpucache import BuildError, JpegCache
-    from gpucache.build._build import BytesSource, build
-    from gpucache.build._restart import restart_store
+    from gpucache.ingest._build import BytesSource, build
+    from gpucache.ingest._restart import restart_store
     from gpucache.testing import make_jpeg_bytes
     from gpucache.testing._hostile import patch_sof
 

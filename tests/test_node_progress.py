@@ -27,7 +27,7 @@ import os, sys
 from pathlib import Path
 from gpucache import JpegCache
 from gpucache.node import _cache as _node
-from gpucache.build._build import build
+from gpucache.ingest._build import build
 
 paths, cdir, fifo = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 gate = os.open(fifo, os.O_RDONLY)

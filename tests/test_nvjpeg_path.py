@@ -9,7 +9,7 @@ import torch
 
 from gpucache import GpuCachedLoader, JpegCache, SampleError
 from gpucache import transforms as T
-from gpucache.build._sniff import Kind
+from gpucache.ingest._sniff import Kind
 from gpucache.decode._batched import default_decoder, make_decoder, orient, torchvision_decoder
 from gpucache.decode._streams import HostStreams
 from gpucache.decode._core import decode_batch

@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from gpucache import JpegCache
-from gpucache.build._resize import Budget, Reencode, resized
-from gpucache.build._sniff import sniff
+from gpucache.ingest._resize import Budget, Reencode, resized
+from gpucache.ingest._sniff import sniff
 from gpucache.decode._core import decode_sample
 from gpucache.testing import make_jpeg_bytes
 from gpucache.testing._hostile import after_soi, exif_app1, xmp_app1

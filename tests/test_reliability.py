@@ -332,7 +332,7 @@ def _write(tmp_path, data: bytes) -> Path:
     ("height", 0, "invalid record"), ("width", 0, "invalid record"),
     ("kind", 99, "invalid record"), ("components", 9, "invalid record")])
 def test_invalid_sample_records_are_refused_at_open(small_store, tmp_path, field, value, match):
-    from gpucache.build._sniff import SAMPLE_DTYPE
+    from gpucache.ingest._sniff import SAMPLE_DTYPE
 
     raw, spans = small_store
     b = bytearray(raw)

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from gpucache import JpegCache
-from gpucache.build._restart import restart_store
+from gpucache.ingest._restart import restart_store
 from gpucache.decode import _roi, _roi_rst
 from gpucache.decode._core import apply_plan, decode_batch, decode_jpeg, decode_sample
 from gpucache.testing import natural_image
@@ -248,7 +248,7 @@ NO_TRANSCODER = textwrap.dedent("""
     import numpy as np
     sys.modules["nvidia.nvimgcodec"] = None  # neither optional decoder part is here
     from gpucache import JpegCache
-    from gpucache.build._restart import restart_store
+    from gpucache.ingest._restart import restart_store
     from gpucache.decode import _roi, _roi_rst
     from gpucache.decode._core import decode_batch
     _roi._state["lib"] = None  # the compiled part was not built

@@ -13,10 +13,10 @@ import torch
 from PIL import Image
 
 from gpucache import JpegCache
-from gpucache.build._build import BytesSource, FileObjSource, FileRangeSource, build
+from gpucache.ingest._build import BytesSource, FileObjSource, FileRangeSource, build
 from gpucache.testing._hostile import before_marker, extra_scans
 from gpucache.store._limits import check_pixels
-from gpucache.build._sniff import MAX_SCANS, Kind, SniffError, count_scans, sniff
+from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, count_scans, sniff
 from gpucache.decode._core import decode_jpeg, decode_pil, decode_sample
 from gpucache.testing import hostile_image_bytes, make_hostile_folder, make_jpeg_bytes
 

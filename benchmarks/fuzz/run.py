@@ -1,9 +1,9 @@
-"""Fuzz gpucache's compiled decoder (gpucache/decode/_roi_c.c) under AddressSanitizer + UBSan.
+"""Fuzz gpucache's compiled decoder (gpucache/decode/_jpeg_regions.c) under AddressSanitizer + UBSan.
 
     python benchmarks/fuzz/run.py --minutes 30          # the long run
     python benchmarks/fuzz/run.py --seconds 5 --out DIR # a smoke run (tests/test_fuzz_smoke.py)
 
-It compiles _roi_c.c with ``-fsanitize=address,undefined -fno-sanitize-recover=all`` into
+It compiles _jpeg_regions.c with ``-fsanitize=address,undefined -fno-sanitize-recover=all`` into
 ``<out>/build`` (the installed extension is untouched), and runs the fuzz loop in a child process
 with the ASan runtime preloaded (``LD_PRELOAD=$(gcc -print-file-name=libasan.so)``: a sanitized
 library loaded by ctypes into an uninstrumented python needs it; leak detection is off because
@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SRC = HERE.parents[1] / "gpucache" / "decode" / "_roi_c.c"
+SRC = HERE.parents[1] / "gpucache" / "decode" / "_jpeg_regions.c"
 FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
          "-g", "-O1", "-shared", "-fPIC"]
 
@@ -60,7 +60,7 @@ def asan_runtime() -> str | None:
 
 def build(out: Path) -> Path:
     """The sanitized shared library, compiled into ``out/build``."""
-    lib = out / "build" / "_roi_c_asan.so"
+    lib = out / "build" / "_jpeg_regions_asan.so"
     lib.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(["gcc", *FLAGS, "-o", str(lib), str(SRC), "-ljpeg"], check=True)
     return lib

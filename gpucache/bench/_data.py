@@ -35,7 +35,7 @@ def _export_store(store: Path, tmp: Path) -> Path:
 
 def prepare_source(args, tmp: Path, need_store: bool) -> Source:
     """The run's Source; with ``need_store``, a saved store of it in ``tmp`` (build/save timed)."""
-    from ..build._build import scan_folder
+    from ..ingest._build import scan_folder
 
     t0 = time.perf_counter()
     info: dict = {}

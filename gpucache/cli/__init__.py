@@ -13,13 +13,13 @@ import numpy as np
 from . import _cache as _cache_cli
 from .. import bench
 from ..store._format import CacheFormatError
-from ..build._resize import SECTION as RESIZED, max_side_of, resized
-from ..build._sniff import Kind
+from ..ingest._resize import SECTION as RESIZED, max_side_of, resized
+from ..ingest._sniff import Kind
 from ..store._store import JpegCache
 
 
 def _build(args) -> int:
-    from ..build._sources import cli_build
+    from ..ingest._sources import cli_build
 
     t0 = time.perf_counter()
     try:

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from ..store._limits import check_pixels
 from ..store._oom import raise_if_out_of_memory
-from ..build._pixels import eight_bit
-from ..build._sniff import JPEG_KINDS, Kind
+from ..ingest._pixels import eight_bit
+from ..ingest._sniff import JPEG_KINDS, Kind
 from . import _roi, _roi_rst
 from ._scaled import fast_plan
 
@@ -75,7 +75,7 @@ def decode_jpeg(data: torch.Tensor, *, use_torchcodec: bool | None = None) -> to
 
 def decode_pil(data: np.ndarray) -> torch.Tensor:
     """PNG, GIF (first frame), WebP, BMP, TIFF, PNM -> RGB uint8 CHW, EXIF orientation applied,
-    16-bit samples scaled to 8 bits (:func:`gpucache.build._pixels.eight_bit`)."""
+    16-bit samples scaled to 8 bits (:func:`gpucache.ingest._pixels.eight_bit`)."""
     from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(data)) as im:

@@ -5,7 +5,7 @@ TorchCodec's ``decode_jpeg``, so the box comes out bit-identical to a full decod
 (``tests/test_roi.py`` checks it per chroma subsampling, progressive, gray, CMYK and all eight EXIF
 orientations, and on real photos):
 
-1. ``libjpeg-turbo``: gpucache's own compiled function (``_roi_c.c``, built at install when a C
+1. ``libjpeg-turbo``: gpucache's own compiled function (``_jpeg_regions.c``, built at install when a C
    compiler and libjpeg-turbo's headers exist), called through ctypes in the calling thread:
    ``jpeg_crop_scanline`` to the box's iMCU columns, ``jpeg_skip_scanlines`` to its first row, and it
    stops after the last. Checked against ``decode_jpeg`` once per process before it is trusted.
@@ -59,7 +59,7 @@ def clib():
     """gpucache's compiled helpers (ctypes), or None when they were not built at install."""
     with _lock:
         if "lib" not in _state:
-            spec = importlib.util.find_spec("gpucache.decode._roi_c")
+            spec = importlib.util.find_spec("gpucache.decode._jpeg_regions")
             lib = ctypes.CDLL(spec.origin) if spec is not None and spec.origin else None
             if lib is not None and hasattr(lib, "gc_decode_region"):
                 lib.gc_decode_region.argtypes = [ctypes.c_char_p, ctypes.c_ulong] + [
@@ -128,7 +128,7 @@ def coded_box(top: int, left: int, h: int, w: int, orientation: int, height: int
 
 
 class ScaleRefused(ValueError):
-    """The compiled decoder does not scale JPEGs with these sampling factors (see _roi_c.c)."""
+    """The compiled decoder does not scale JPEGs with these sampling factors (see _jpeg_regions.c)."""
 
 
 def _c_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *, height: int,

@@ -2,7 +2,7 @@
 
 At build (``restart_markers=True``) each baseline/progressive 8-bit JPEG is transcoded losslessly
 (same DCT coefficients, so the same pixels from any decoder) to baseline with a restart marker every
-``k`` <= 4 MCUs, ``k`` dividing the MCUs per row (the C function in ``_roi_c.c``, through ctypes).
+``k`` <= 4 MCUs, ``k`` dividing the MCUs per row (the C function in ``_jpeg_regions.c``, through ctypes).
 Every MCU row is then a whole number of segments, each decodable on its own (a restart resets the DC
 predictors). At decode, the segments covering the crop box plus a 1-pixel margin (the context of
 chroma upsampling) are copied, renumbered, under the original headers with the SOF size patched,

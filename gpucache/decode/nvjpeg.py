@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..build._sniff import Kind
+from ..ingest._sniff import Kind
 from ..store._oom import is_out_of_memory
 from ..transforms._resample import BUDGET_BYTES, Scratch, resample
 from . import normalize_device

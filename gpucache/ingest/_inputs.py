@@ -166,7 +166,7 @@ def size_of(x: Input, max_pixels: int | None) -> int:
             raise SniffError(f"the source reports a negative size ({size} bytes)")
     else:
         raise TypeError(f"expected a path (str or os.PathLike) or a source with name, nbytes and "
-                        f"readinto (e.g. gpucache.build._build.BytesSource), got {type(x).__name__}")
+                        f"readinto (e.g. gpucache.ingest._build.BytesSource), got {type(x).__name__}")
     why = too_big(size, max_pixels)
     if why is not None:
         raise SniffError(why)

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _checksum
 from ._mapped import CacheFormatError
-from ..build._sniff import SAMPLE_DTYPE
+from ..ingest._sniff import SAMPLE_DTYPE
 
 __all__ = ["CacheFormatError", "write", "save_atomic", "pack_strings", "check_extra"]
 

@@ -95,7 +95,7 @@ def stated_size(b: memoryview) -> tuple[int, int, int] | None:
     """``(height, width, scans)`` the encoded bytes state (size before EXIF orientation; scans
     0 for a PNG), or None where that is not cheap to read (other formats, a PNG whose first chunk
     is not its header)."""
-    from ..build._sniff import jpeg_header
+    from ..ingest._sniff import jpeg_header
 
     if b[:2] == b"\xff\xd8":
         return jpeg_header(b)
@@ -106,7 +106,7 @@ def stated_size(b: memoryview) -> tuple[int, int, int] | None:
 
 
 def _refused(stated: tuple[int, int, int] | None, limit: int | None) -> str | None:
-    from ..build._sniff import MAX_SCANS, TOO_MANY_SCANS
+    from ..ingest._sniff import MAX_SCANS, TOO_MANY_SCANS
 
     if stated is None:
         return None

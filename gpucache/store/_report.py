@@ -18,7 +18,7 @@ from ._mapped import CacheFormatError
 
 def report_sections(report) -> dict[str, np.ndarray]:
     """A build report as the ``report.*`` sections (numbers and a string table; no pickle)."""
-    from ..build._sniff import Kind
+    from ..ingest._sniff import Kind
 
     kinds = [(int(Kind[k]), v) for k, v in sorted(report.counts.items())]
     texts = [t for s in report.skipped for t in (s.path, s.reason)]
@@ -31,8 +31,8 @@ def report_sections(report) -> dict[str, np.ndarray]:
 
 def read_report(extra: Mapping[str, np.ndarray], where: str):
     """The build report kept in ``extra`` (see :func:`report_sections`), or None without one."""
-    from ..build._build import BuildReport, Skipped
-    from ..build._sniff import Kind
+    from ..ingest._build import BuildReport, Skipped
+    from ..ingest._sniff import Kind
 
     if "report.totals" not in extra:
         return None

@@ -26,7 +26,7 @@ import torch
 from . import _format, _parse, _readonly, _report, _sections, _shm
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
-from ..build._sniff import Kind
+from ..ingest._sniff import Kind
 
 
 class _Strings(Sequence[str]):
@@ -106,7 +106,7 @@ class JpegCache:
         ``max_side``: images with a longer side re-encoded once to it; ``jpeg_quality``: their
         quality, and every other image re-encoded at it where that is smaller (lossy, opt-in;
         docs/guides/stores.md)."""
-        from ..build._build import build, scan_folder
+        from ..ingest._build import build, scan_folder
         from ..node._cache import built_once
 
         def scan():
@@ -135,7 +135,7 @@ class JpegCache:
                    jpeg_quality: int | None = None) -> JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
         ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder."""
-        from ..build import _sources
+        from ..ingest import _sources
         from ..node._cache import built_once
 
         extra = (labels, metadata, classes, on_error, max_pixels, restart_markers, max_side,
@@ -158,7 +158,7 @@ class JpegCache:
         """Pack the files a CSV lists as ``path,label[,metadata]`` (paths relative to the CSV).
         ``build_options``: ``max_pixels``, ``restart_markers``, ``max_side``, ``jpeg_quality``
         as in from_folder."""
-        from ..build import _sources
+        from ..ingest import _sources
 
         return _sources.from_csv(cls, path, classes=classes, delimiter=delimiter, header=header,
                                  on_error=on_error, num_threads=num_threads, progress=progress,
@@ -172,7 +172,7 @@ class JpegCache:
                         **build_options) -> JpegCache:
         """Pack WebDataset tar shards (images and ``.cls`` labels), read in place from the tars;
         ``build_options`` as in from_csv."""
-        from ..build import _sources
+        from ..ingest import _sources
 
         return _sources.from_webdataset(cls, shards, classes=classes, metadata_ext=metadata_ext,
                                         on_error=on_error, num_threads=num_threads,
@@ -185,7 +185,7 @@ class JpegCache:
                 **build_options) -> JpegCache:
         """Pack a Hugging Face ``datasets.Dataset``'s ``Image`` column, bytes taken as stored;
         ``build_options`` as in from_csv."""
-        from ..build import _sources
+        from ..ingest import _sources
 
         return _sources.from_hf(cls, dataset, image_column=image_column,
                                 label_column=label_column, classes=classes, on_error=on_error,
