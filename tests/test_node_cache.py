@@ -192,3 +192,23 @@ def test_clean_and_the_size_cap_remove_only_the_node_caches_own_files(two, capsy
     assert {n: (cdir / n).read_bytes() for n in users} == users  # the user's files, untouched
     assert _stores(cdir) == sorted([kept.path, cdir / "train.gpucache"])
     assert len(JpegCache.open(cdir / "train.gpucache")) == 3
+
+
+def test_one_folder_through_a_symlink_is_one_node_store(tmp_path, caplog):
+    real = make_jpeg_folder(tmp_path / "photos", 4, seed=3)
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    cdir = tmp_path / "c"
+    with caplog.at_level(logging.WARNING, logger="gpucache"):
+        first = JpegCache.from_folder(real, cache_dir=cdir, progress=False)
+    assert len(_stores(cdir)) == 1
+    made = [r.getMessage() for r in caplog.records if "node store" in r.getMessage()]
+    assert len(made) == 1  # one line: where, how big, how to remove it
+    assert str(first.path) in made[0] and " MB)" in made[0] and "4 samples" in made[0]
+    assert f"gpucache cache clean --all --dir {cdir}" in made[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpucache"):
+        again = JpegCache.from_folder(link, cache_dir=cdir, progress=False)
+        relative = JpegCache.from_folder(os.path.relpath(link), cache_dir=cdir, progress=False)
+    assert _stores(cdir) == [first.path] == [again.path] == [relative.path]
+    assert not [r for r in caplog.records if "node store" in r.getMessage()]  # opened, not made

@@ -64,11 +64,18 @@ def _hash(h, extra: Sequence) -> None:
 
 def listing_key(paths: Sequence[str], extra: Sequence,
                 on_progress: Callable[..., None] | None = None) -> str:
-    """A hash of every path with its size and mtime, plus ``extra`` (labels, classes, options)."""
+    """A hash of every path (its folder resolved: symlinks, ``..``, relative to absolute) with its
+    size and mtime, plus ``extra`` (labels, classes, options)."""
     h = hashlib.blake2b(_KEY_VERSION, digest_size=16)
+    real: dict[str, str] = {}  # folder as named -> resolved (one realpath a folder, not a file)
     for i, p in enumerate(paths):
         st = os.stat(p)
-        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+        head, tail = os.path.split(os.fspath(p))
+        if head not in real:
+            real[head] = os.path.realpath(head or ".")
+        # resolved folders: one folder reached through a symlink or a relative path is one store
+        q = os.path.join(real[head], tail)
+        h.update(f"{q}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
         if on_progress is not None and i % 4096 == 4095:
             on_progress("stat", i + 1, len(paths))
     _hash(h, extra)
@@ -127,7 +134,11 @@ def built_once(cls, scan: Callable[[], Listing], build: Callable[..., object], r
             if cache is None:
                 raise CacheFormatError(f"{store}: the store just saved does not open again")
             cache.report = built.report
-            log.info("gpucache: built %s once for the ranks of this node", store)
+            clean_cmd = "gpucache cache clean --all" + (
+                "" if cache_dir is None else f" --dir {os.fspath(cache_dir)}")
+            log.warning("gpucache: built the node store %s (%s samples, %.1f MB) once for the ranks "
+                        "of this node; it stays for later runs, remove it with `%s`",
+                        store, len(built), store.stat().st_size / 1e6, clean_cmd)
         if max_bytes is not None:
             clean(folder, max_bytes=max_bytes)
         return cache
