@@ -19,9 +19,9 @@ from gpucache.decode._batched import make_decoder
 from gpucache.decode._core import Decoded
 from gpucache.decode._emulated_cuda import EmulatedCuda
 
+from benchmarks import gpu_check
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder
 
-gpu_check = pytest.importorskip("benchmarks.gpu_check")
 
 FAST = ["--emulate", "--batch", "8", "--iterations", "3", "--epochs", "1", "--overlap-runs", "1",
         "--correctness-batches", "2", "--memory-epochs", "3", "--budget-s", "30"]

@@ -1,6 +1,8 @@
 """The public surface is exactly gpucache.__all__: every name resolves and is documented."""
 
 import inspect
+import re
+from pathlib import Path
 
 import numpy as np
 
@@ -9,12 +11,36 @@ from gpucache import JpegCache
 from gpucache.testing import make_jpeg_bytes
 
 
+ERRORS = {"BuildError", "CacheFormatError", "SharedMemoryError", "SampleError", "WorkerError"}
+MODULES = {"transforms", "testing"}
+
+
 def test_every_public_name_resolves_and_has_a_docstring():
     for module in (gpucache, gpucache.transforms):
         for name in module.__all__:
             obj = getattr(module, name)  # AttributeError names what is missing
-            if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.ismodule(obj):
-                assert inspect.getdoc(obj), f"{module.__name__}.{name} has no docstring"
+            where = f"{module.__name__}.{name}"
+            if name == "__version__":
+                assert isinstance(obj, str) and re.fullmatch(r"\d+\.\d+(\.\d+)?\S*", obj), obj
+                continue
+            if name in MODULES:
+                assert inspect.ismodule(obj) and obj.__name__ == where, where
+            elif name in ERRORS:
+                assert inspect.isclass(obj) and issubclass(obj, Exception), where
+            else:  # a class or a function: something a user calls
+                assert (inspect.isclass(obj) or inspect.isfunction(obj)) and callable(obj), where
+                assert obj.__module__.startswith("gpucache"), where  # not a re-export of torch's
+            assert inspect.getdoc(obj), f"{where} has no docstring"
+
+
+def test_every_public_name_is_in_the_api_reference():
+    """``docs/reference/api.md`` renders each name of ``gpucache.__all__`` (``::: gpucache.X``);
+    ``::: gpucache.transforms`` renders that module's ``__all__``."""
+    api = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "api.md").read_text()
+    shown = set(re.findall(r"^::: gpucache\.(\w+)\s*$", api, flags=re.M))
+    missing = set(gpucache.__all__) - {"__version__"} - shown
+    assert not missing, f"public names missing from docs/reference/api.md: {sorted(missing)}"
+    assert not shown - set(gpucache.__all__), "the reference shows names that are not public"
 
 
 def test_build_sources_are_public_and_build_a_store(tmp_path):

@@ -269,13 +269,62 @@ def test_out_of_range_offsets_and_sections(saved, tmp_path):
         _open_bytes(tmp_path, _with_header_crc(bad))
 
 
-def test_save_is_atomic_and_leaves_no_temp(jpeg_folder, tmp_path):
+def test_save_replaces_the_old_file_and_leaves_no_temp(jpeg_folder, tmp_path):
     cache = JpegCache.from_folder(jpeg_folder, progress=False)
     target = tmp_path / "a.gpucache"
     target.write_bytes(b"old contents")
     cache.save(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gpucache"]
     assert JpegCache.open(target)[0].tobytes() == cache[0].tobytes()
+
+
+_SAVE_IN_CHILD = """
+import resource, signal, sys
+from gpucache import JpegCache
+src, target, limit, die = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "die"
+cache = JpegCache.open(src)
+# Python ignores SIGXFSZ (a write past the limit fails with EFBIG); its default action kills
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL if die else signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # else SIGXFSZ kills mid-write
+try:
+    cache.save(target)
+except OSError as err:
+    print(err.errno, file=sys.stderr)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("how", ["killed", "failed"])
+def test_a_save_that_dies_or_fails_midway_leaves_the_old_file_intact(jpeg_folder, tmp_path, how):
+    """A writer killed halfway through (SIGXFSZ at the file-size limit: the kernel stops it inside
+    a write, the way a SIGKILL or a crash would) or failing halfway (EFBIG) never replaces the
+    old file; a failed writer removes its temporary file, a killed one's is removed by the next
+    save."""
+    import errno
+    import signal
+    import subprocess
+    import sys
+
+    src = JpegCache.from_folder(jpeg_folder, progress=False).save(tmp_path / "src.gpucache")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    target = folder / "a.gpucache"
+    target.write_bytes(b"old contents")
+    size = src.stat().st_size
+    child = subprocess.run(
+        [sys.executable, "-c", _SAVE_IN_CHILD, str(src), str(target), str(size // 2),
+         "die" if how == "killed" else "fail"], capture_output=True, text=True, timeout=300)
+    assert target.read_bytes() == b"old contents"
+    temps = [p for p in folder.iterdir() if p != target]
+    if how == "killed":
+        assert child.returncode == -signal.SIGXFSZ, child.stderr
+        assert len(temps) == 1 and 0 < temps[0].stat().st_size <= size // 2  # written partly
+        JpegCache.open(src).save(target)  # the next save removes the dead writer's file
+        assert sorted(folder.iterdir()) == [target]
+        assert JpegCache.open(target)[0].tobytes() == JpegCache.open(src)[0].tobytes()
+    else:
+        assert child.returncode == 3 and child.stderr.strip() == str(errno.EFBIG)
+        assert temps == []
 
 
 def test_cli_build_info_verify(jpeg_folder, tmp_path, capsys):
