@@ -1,4 +1,4 @@
-"""Optional compiled part (gpucache/decode/_jpeg_regions.c): region decode, the restart-marker transcoder,
+"""Optional compiled part (gpucache/_jpeg_regions.c): region decode, the restart-marker transcoder,
 the restart scan and segment decode.
 
 Built when a C compiler and the libjpeg headers are there (Debian: ``apt-get install gcc
@@ -28,7 +28,7 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("gpucache.decode._jpeg_regions", ["gpucache/decode/_jpeg_regions.c"],
+    ext_modules=[Extension("gpucache._jpeg_regions", ["gpucache/_jpeg_regions.c"],
                            libraries=["jpeg"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -23,7 +23,7 @@ def main() -> None:
     args = ap.parse_args()
     from gpucache import JpegCache
     from gpucache.store._checksum import default_threads
-    from gpucache.store._verify import check_checksums, check_decodes
+    from gpucache.cli._checks import check_checksums, check_decodes
 
     many = args.threads or default_threads()
     cache = JpegCache.open(args.store)

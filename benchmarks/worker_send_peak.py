@@ -3,7 +3,7 @@
     python benchmarks/worker_send_peak.py [--images 8] [--side 1000]
 
 A batch that is not one stacked tensor (no fixed output size) goes to the socket as one buffer
-that ``gpucache.loader._worker_main._result`` fills image by image, before the first byte is sent
+that ``gpucache.decode._worker_main._result`` fills image by image, before the first byte is sent
 (so an allocation that fails is reported in place of the result). This prints the peak RSS that
 step adds, as a multiple of the batch's bytes, over ``--images`` CHW views of HWC images (as the
 decoders return them) of ``--side`` x ``--side`` + 10k pixels, and checks the buffer holds each
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from gpucache.decode._core import Decoded
-from gpucache.loader._worker_main import _result
+from gpucache.decode._worker_main import _result
 from gpucache.testing._memory import reset_peak_rss, status_bytes
 
 

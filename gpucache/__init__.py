@@ -3,7 +3,7 @@
 The public surface is exactly ``__all__``; modules starting with ``_`` are private.
 """
 
-from . import testing, transforms
+from . import transforms
 from .ingest._build import (
     BuildError,
     BuildReport,
@@ -17,12 +17,23 @@ from .loader._loader import BatchInfo, GpuCachedLoader, LoaderStats
 from .store._shm import SharedMemoryError
 from .ingest._sniff import Kind
 from .store._store import JpegCache
+from .node import _builders  # noqa: F401 - the from_* builders of JpegCache (see there)
 from .store._targets import with_targets
 from .dataset import JpegDataset
-from .loader._workers import WorkerError
+from .decode._workers import WorkerError
 from .decode._core import SampleError
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``gpucache.testing`` (synthetic photos for tests and benchmarks) is imported on first use,
+    so ``import gpucache`` stays without it (and without the PIL modules it draws with)."""
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.testing")  # then an attribute: no more calls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "JpegCache",

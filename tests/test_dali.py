@@ -296,7 +296,7 @@ def test_dali_threads_are_this_ranks_share_of_the_cores(jpegs, monkeypatch, laun
     """Every rank of a node would otherwise give DALI (and the cpu backend's workers) every core
     of the machine; only the default divides, an explicit num_workers is taken as given."""
     from gpucache import GpuCachedLoader
-    from gpucache.loader import _workers
+    from gpucache.decode import _workers
 
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS_PER_NODE", "SLURM_LOCALID"):
         monkeypatch.delenv(name, raising=False)

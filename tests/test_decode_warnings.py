@@ -144,13 +144,13 @@ def test_decoding_in_a_thread_keeps_the_main_threads_warning_filters():
 def test_torchvisions_notice_never_reaches_the_user(monkeypatch, jpeg_folder):
     """With the strictest filter of the user's ("error" for every warning), decoding with
     torchvision's decoders through the loader neither raises nor shows the notice."""
-    from gpucache.decode import _batched, _core
+    from gpucache.decode import _batched, _jpeg
     from gpucache.decode._emulated_cuda import EmulatedCuda
 
     def no_torchcodec(device):
         raise ImportError("TorchCodec left out by the test")
 
-    monkeypatch.setattr(_core, "_codec_decode_jpeg", None)  # the CPU path: torchvision's
+    monkeypatch.setattr(_jpeg, "_codec_decode_jpeg", None)  # the CPU path: torchvision's
     monkeypatch.setattr(_batched, "torchcodec_decoder", no_torchcodec)
     cache = JpegCache.from_folder(jpeg_folder, progress=False)
     tf = T.RandomResizedCrop(24)

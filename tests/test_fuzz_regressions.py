@@ -1,4 +1,4 @@
-"""Inputs that once crashed or misled the compiled decoder (gpucache/decode/_jpeg_regions.c).
+"""Inputs that once crashed or misled the compiled decoder (gpucache/_jpeg_regions.c).
 
 Each runs in a subprocess, so a crash (double free, out-of-bounds read) shows as a failed test with
 the signal, not a dead pytest. The inputs are real JPEGs made here (or kept under tests/data/).
@@ -154,7 +154,7 @@ def test_fuzz_harness_holds_inputs_to_the_library_s_limits(tmp_path):
     for name, data in [("bomb", bomb), ("scans", scans), ("good", big_metadata_jpeg())]:
         files.append(tmp_path / f"{name}.jpg")
         files[-1].write_bytes(data)
-    lib = importlib.util.find_spec("gpucache.decode._jpeg_regions").origin
+    lib = importlib.util.find_spec("gpucache._jpeg_regions").origin
     r = subprocess.run([sys.executable, str(LOOP), lib, "--replay", *map(str, files)],
                        capture_output=True, text=True, timeout=120,
                        preexec_fn=_two_gib_of_address_space)

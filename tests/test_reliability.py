@@ -455,7 +455,7 @@ def _build_reencoded(png: bytes) -> tuple[int, int]:
 
 
 def _verify(cache) -> list:
-    from gpucache.store._verify import check_decodes
+    from gpucache.cli._checks import check_decodes
 
     return [p.reason for p in check_decodes(cache, threads=1, progress=False)]
 

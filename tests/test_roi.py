@@ -144,9 +144,10 @@ FALLBACK = textwrap.dedent("""
     sys.modules["nvidia.nvimgcodec"] = None  # the package is absent: its import fails
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from gpucache import JpegCache
+    from gpucache import _native
     from gpucache.decode import _roi
     from gpucache.decode._core import decode_batch
-    _roi._state["lib"] = None  # the compiled part was not built (no compiler at install)
+    _native._state["lib"] = None  # the compiled part was not built (no compiler at install)
     assert _roi.route() is None
     cache = JpegCache.open(sys.argv[1])
     plans = np.load(sys.argv[2])
@@ -249,9 +250,10 @@ NO_TRANSCODER = textwrap.dedent("""
     sys.modules["nvidia.nvimgcodec"] = None  # neither optional decoder part is here
     from gpucache import JpegCache
     from gpucache.ingest._restart import restart_store
+    from gpucache import _native
     from gpucache.decode import _roi, _roi_rst
     from gpucache.decode._core import decode_batch
-    _roi._state["lib"] = None  # the compiled part was not built
+    _native._state["lib"] = None  # the compiled part was not built
     plain = JpegCache.open(sys.argv[1])
     try:
         restart_store(plain)

@@ -1,4 +1,4 @@
-"""Fuzz gpucache's compiled decoder (gpucache/decode/_jpeg_regions.c) under AddressSanitizer + UBSan.
+"""Fuzz gpucache's compiled decoder (gpucache/_jpeg_regions.c) under AddressSanitizer + UBSan.
 
     python benchmarks/fuzz/run.py --minutes 30          # the long run
     python benchmarks/fuzz/run.py --seconds 5 --out DIR # a smoke run (tests/test_fuzz_smoke.py)
@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SRC = HERE.parents[1] / "gpucache" / "decode" / "_jpeg_regions.c"
+SRC = HERE.parents[1] / "gpucache" / "_jpeg_regions.c"
 FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
          "-g", "-O1", "-shared", "-fPIC"]
 

@@ -131,7 +131,7 @@ def run(args) -> int:
     """Entry point of ``gpucache bench`` (after argument parsing); returns the exit status."""
     import torch
 
-    from ..loader._workers import usable_cores
+    from ..decode._workers import usable_cores
 
     problem = _invalid(args)
     if problem:

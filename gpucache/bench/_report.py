@@ -24,7 +24,7 @@ def machine_info() -> dict:
     import torch
 
     from .. import __version__
-    from ..loader._workers import usable_cores
+    from ..decode._workers import usable_cores
     from ..decode._core import jpeg_decoder_name
 
     model = platform.processor() or platform.machine()

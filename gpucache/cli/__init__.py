@@ -85,7 +85,7 @@ def _info(args) -> int:
 
 
 def _verify(args) -> int:
-    from ..store import _verify as verify
+    from . import _checks as verify
 
     t0 = time.perf_counter()
     cache = JpegCache.open(args.file)

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from ..loader import _dist
+from .. import _dist
 
 BACKENDS = ("auto", "cpu", "nvjpeg", "dali")
 

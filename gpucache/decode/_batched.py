@@ -83,7 +83,7 @@ def torchvision_decoder(device: torch.device) -> BatchDecoder:
     from torchvision.io import ImageReadMode
     from torchvision.io import decode_jpeg
 
-    from ._core import quiet_torchvision_deprecation  # here: _core imports this module
+    from ._jpeg import quiet_torchvision_deprecation
 
     device = normalize_device(device)
 

@@ -5,7 +5,7 @@ TorchCodec's ``decode_jpeg``, so the box comes out bit-identical to a full decod
 (``tests/test_roi.py`` checks it per chroma subsampling, progressive, gray, CMYK and all eight EXIF
 orientations, and on real photos):
 
-1. ``libjpeg-turbo``: gpucache's own compiled function (``_jpeg_regions.c``, built at install when a C
+1. ``libjpeg-turbo``: gpucache's own compiled function (``gpucache/_jpeg_regions.c``, built at install when a C
    compiler and libjpeg-turbo's headers exist), called through ctypes in the calling thread:
    ``jpeg_crop_scanline`` to the box's iMCU columns, ``jpeg_skip_scanlines`` to its first row, and it
    stops after the last. Checked against ``decode_jpeg`` once per process before it is trusted.
@@ -21,7 +21,7 @@ oriented image; it is mapped to the coded image here, and the region is oriented
 from __future__ import annotations
 
 import ctypes
-import importlib.util
+import io
 import logging
 import os
 import threading
@@ -30,7 +30,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .. import _native
 from ._batched import orient  # the one EXIF transform (shared with the nvjpeg backend)
+from ._jpeg import decode_jpeg
 
 try:
     from nvidia import nvimgcodec as _nvimgcodec
@@ -57,16 +59,21 @@ Region = Callable[..., torch.Tensor]
 
 def clib():
     """gpucache's compiled helpers (ctypes), or None when they were not built at install."""
-    with _lock:
-        if "lib" not in _state:
-            spec = importlib.util.find_spec("gpucache.decode._jpeg_regions")
-            lib = ctypes.CDLL(spec.origin) if spec is not None and spec.origin else None
-            if lib is not None and hasattr(lib, "gc_decode_region"):
-                lib.gc_decode_region.argtypes = [ctypes.c_char_p, ctypes.c_ulong] + [
-                    ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
-                                         ctypes.c_char_p, ctypes.c_int]
-            _state["lib"] = lib
-    return _state["lib"]
+    return _native.lib()
+
+
+def _check_jpeg() -> bytes:
+    """A 53 x 37 4:2:0 JPEG (partial MCUs both ways) of a smooth picture with some texture,
+    encoded here by PIL (quality 90): the self-check's input, the same in every process."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:37, 0:53].astype(np.float32)
+    rng = np.random.default_rng(1)
+    rgb = np.stack([x * 4.5, y * 6.5, (x + y) * 2.8], axis=-1) + rng.normal(0, 12, (37, 53, 3))
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8), "RGB").save(
+        buf, "JPEG", quality=90, subsampling=2)
+    return buf.getvalue()
 
 
 def _c_ok() -> bool:
@@ -75,10 +82,7 @@ def _c_ok() -> bool:
         lib = clib()
         ok = lib is not None and hasattr(lib, "gc_decode_region")
         if ok:  # once per process: a 4:2:0 JPEG with partial MCUs, an inner box
-            from ..testing import make_jpeg_bytes
-            from ._core import decode_jpeg
-
-            data = make_jpeg_bytes(53, 37, seed=1)
+            data = _check_jpeg()
             full = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
             ok = torch.equal(_c_region(data, 9, 17, 20, 30, height=37, width=53),
                              full[:, 9:29, 17:47])
@@ -141,7 +145,7 @@ def _c_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *, 
     arr = data if isinstance(data, bytes) else np.ascontiguousarray(data)
     buf = arr if isinstance(arr, bytes) else arr.ctypes.data_as(ctypes.c_char_p)
     warned = ctypes.c_int()
-    ret = _state["lib"].gc_decode_region(buf, len(arr), denom, top, left, h, w, out.ctypes.data,
+    ret = _native._state["lib"].gc_decode_region(buf, len(arr), denom, top, left, h, w, out.ctypes.data,
                                          ctypes.byref(warned), err, 200)
     if ret == 3:
         raise ScaleRefused(err.value.decode(errors="replace"))

@@ -2,7 +2,7 @@
 
 At build (``restart_markers=True``) each baseline/progressive 8-bit JPEG is transcoded losslessly
 (same DCT coefficients, so the same pixels from any decoder) to baseline with a restart marker every
-``k`` <= 4 MCUs, ``k`` dividing the MCUs per row (the C function in ``_jpeg_regions.c``, through ctypes).
+``k`` <= 4 MCUs, ``k`` dividing the MCUs per row (the C function in ``gpucache/_jpeg_regions.c``, through ctypes).
 Every MCU row is then a whole number of segments, each decodable on its own (a restart resets the DC
 predictors). At decode, the segments covering the crop box plus a 1-pixel margin (the context of
 chroma upsampling) are copied, renumbered, under the original headers with the SOF size patched,
@@ -14,60 +14,19 @@ nvImageCodec. Nothing outside the box's segments is entropy-decoded.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 import torch
 
+from .. import _native
+from .._native import MISSING, transcode, transcoder_available  # noqa: F401 - the build's names
+from ..ingest._restart import SECTION  # the store's optional section: int32 restart interval per sample
 from . import _roi
 
-SECTION = "rst"  # the store's optional section: int32 restart interval per sample
-MISSING = ("restart_markers=True needs gpucache's compiled transcoder, which was not built when "
-           "gpucache was installed (no C compiler or libjpeg headers). Install them (Debian: "
-           "apt-get install gcc libjpeg-dev) and reinstall gpucache, or build without "
-           "restart_markers.")
-_sig: list = []  # argtypes set once
 
 
 def _load():
-    lib = _roi.clib()
-    if lib is not None and not _sig:
-        lib.gc_transcode_restart.argtypes = [
-            ctypes.c_char_p, ctypes.c_ulong, ctypes.POINTER(ctypes.c_void_p),
-            ctypes.POINTER(ctypes.c_ulong), ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
-            ctypes.c_int]
-        lib.gc_free.argtypes = [ctypes.c_void_p]
-        lib.gc_find_restarts.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong,
-                                         ctypes.c_void_p, ctypes.c_long,
-                                         ctypes.POINTER(ctypes.c_longlong)]
-        lib.gc_find_restarts.restype = ctypes.c_long
-        if hasattr(lib, "gc_decode_segments"):
-            lib.gc_decode_segments.argtypes = [ctypes.c_void_p, ctypes.c_ulong] + [
-                ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
-                                     ctypes.c_char_p, ctypes.c_int]
-        _sig.append(True)
-    return lib
-
-
-def transcoder_available() -> bool:
-    """Whether the compiled transcoder (built at install with a C compiler and libjpeg) is here."""
-    return _load() is not None
-
-
-def transcode(data: bytes) -> tuple[bytes, int]:
-    """``data`` re-encoded losslessly as baseline with restart markers; and the interval in MCUs."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(MISSING)
-    out, n, k = ctypes.c_void_p(), ctypes.c_ulong(), ctypes.c_int()
-    err = ctypes.create_string_buffer(256)
-    if lib.gc_transcode_restart(bytes(data), len(data), ctypes.byref(out), ctypes.byref(n),
-                                ctypes.byref(k), err, len(err)):
-        raise ValueError(f"lossless transcode failed: {err.value.decode(errors='replace')}")
-    try:
-        return ctypes.string_at(out, n.value), k.value
-    finally:
-        lib.gc_free(out)
+    return _native.lib()
 
 
 class Layout:

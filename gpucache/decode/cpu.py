@@ -10,7 +10,7 @@ from collections import deque
 
 import numpy as np
 
-from ..loader._workers import WorkerPool
+from ._workers import WorkerPool
 from ._base import Backend
 from ..store._oom import raise_if_out_of_memory
 from ._core import Decoded, decode_batch

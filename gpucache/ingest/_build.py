@@ -16,7 +16,6 @@ import os
 from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from .._progress import tqdm
 from . import _pipeline
 from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Source, name_of
 from ..store._limits import DEFAULT_MAX_PIXELS
+from ..store._report import BuildReport, Skipped
 from ._sniff import Kind
 
 __all__ = ["BytesSource", "FileObjSource", "FileRangeSource", "Input", "Source", "Skipped",
@@ -35,29 +35,6 @@ log = logging.getLogger("gpucache")
 
 #: The extensions torchvision's ImageFolder accepts (same filter, same order of classes/files).
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
-@dataclass(frozen=True)
-class Skipped:
-    index: int  # position in the input list
-    path: str  # the path, or the source's name
-    reason: str
-
-
-@dataclass
-class BuildReport:
-    """What a build kept and left out. ``total == kept + len(skipped)`` always."""
-
-    total: int = 0
-    kept: int = 0
-    counts: dict[str, int] = field(default_factory=dict)  # kept samples by kind
-    skipped: list[Skipped] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items()))
-        lines = [f"{self.total} files: {self.kept} kept ({kinds}), {len(self.skipped)} skipped"]
-        lines += [f"  skipped #{s.index} {s.path}: {s.reason}" for s in self.skipped]
-        return "\n".join(lines)
 
 
 class BuildError(ValueError):

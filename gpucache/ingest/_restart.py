@@ -1,7 +1,7 @@
 """Building restart-marker stores (``restart_markers=True``): the transcode, at build time.
 
 Each 8-bit Huffman JPEG (baseline or progressive) is transcoded losslessly to baseline with a
-restart marker every few MCUs (``decode._roi_rst.transcode``, C through ctypes, which releases the
+restart marker every few MCUs (``gpucache._native.transcode``, C through ctypes, which releases the
 GIL), as the build reads it: the build's threads transcode their chunk and the transcoded bytes
 go straight into the store's buffer, so the build peaks near one copy of the (transcoded) data,
 not four. Other samples (PNG, arithmetic-coded, one libjpeg would not transcode) keep their bytes
@@ -14,19 +14,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 import numpy as np
 
+from .. import _native
 from ..store._oom import BUILD_FIX, raise_if_out_of_memory
 from ._sniff import Info, Kind
+
+SECTION = "rst"  # the store's optional section: int32 restart interval per sample
 
 
 class RestartMarkers:
     """A build rewriter (see ``_pipeline.read_chunk``): the lossless restart-marker transcode."""
 
     def __init__(self) -> None:
-        from ..decode import _roi_rst
-
-        if not _roi_rst.transcoder_available():
-            raise RuntimeError(_roi_rst.MISSING)
-        self._transcode, self.section = _roi_rst.transcode, _roi_rst.SECTION
+        if not _native.transcoder_available():
+            raise RuntimeError(_native.MISSING)
+        self._transcode, self.section = _native.transcode, SECTION
         self.columns = {self.section: ("<i4", 0)}
 
     def __call__(self, data, info: Info):

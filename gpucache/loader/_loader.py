@@ -13,12 +13,13 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
-from . import _dist, _state
+from .. import _dist
+from . import _state
 from .. import decode as _decode
 from ._sampling import Sampling
 from ..store._store import JpegCache
 from ..store._targets import dense_targets, kept_rows, ragged_targets
-from ._workers import default_workers
+from ..decode._workers import default_workers
 from ..decode._base import Backend
 from ..decode._core import Decoded
 from ..transforms import Transform, as_compose, batch_generator

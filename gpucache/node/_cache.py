@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..loader import _dist
+from .. import _dist
 from ..store._format import CacheFormatError
 from ._clean import clean
 from ._dir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private

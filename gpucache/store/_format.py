@@ -23,6 +23,7 @@ import os
 import re
 import stat
 import struct
+from enum import IntEnum
 import tempfile
 import threading
 import zlib
@@ -34,9 +35,29 @@ import numpy as np
 
 from . import _checksum
 from ._mapped import CacheFormatError
-from ..ingest._sniff import SAMPLE_DTYPE
 
-__all__ = ["CacheFormatError", "write", "save_atomic", "pack_strings", "check_extra"]
+__all__ = ["Kind", "JPEG_KINDS", "SAMPLE_DTYPE", "CacheFormatError", "write", "save_atomic", "pack_strings", "check_extra"]
+
+class Kind(IntEnum):
+    """What a stored sample is. Stored as one byte per sample in the file format."""
+
+    JPEG = 1  # baseline / extended sequential Huffman JPEG
+    JPEG_PROGRESSIVE = 2
+    JPEG_ARITHMETIC = 3  # arithmetic-coded JPEG (libjpeg-turbo decodes it; nvJPEG does not)
+    PNG = 4
+    GIF = 5
+    WEBP = 6
+    OTHER = 7  # another format PIL reads (BMP, TIFF, PPM/PGM)
+
+
+JPEG_KINDS = (Kind.JPEG, Kind.JPEG_PROGRESSIVE, Kind.JPEG_ARITHMETIC)
+
+#: Per-sample record, little-endian, 12 bytes. Also the on-disk layout of the "samples" section.
+SAMPLE_DTYPE = np.dtype(
+    [("kind", "u1"), ("components", "u1"), ("orientation", "u1"), ("precision", "u1"),
+     ("height", "<u4"), ("width", "<u4")]
+)
+
 
 log = logging.getLogger("gpucache")
 

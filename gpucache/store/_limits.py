@@ -3,7 +3,7 @@
 A few-KB JPEG can claim 65500 x 65500 pixels in its header (a decompression bomb: 12 GiB of RGB).
 The bound is checked from the header when a store is built and again, from the stored record,
 before every decode on every backend and every CPU fallback, so no decoder ever allocates for it.
-The same re-check refuses a JPEG with more scans than the sniffer allows (``_sniff.MAX_SCANS``),
+The same re-check refuses a JPEG with more scans than the sniffer allows (``_jpeg.MAX_SCANS``),
 which would cost a decoder a pass over the whole image per scan.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 
+from ._jpeg import MAX_SCANS, TOO_MANY_SCANS, jpeg_header
 from ._mapped import CacheFormatError
 
 #: PIL's ``Image.MAX_IMAGE_PIXELS`` (about 89.5 Mpx, 268 MB as RGB): the bound people already know.
@@ -57,7 +58,7 @@ def over_budget(height: int, width: int, limit: int | None) -> str | None:
 
 def check_pixels(cache, i: int) -> None:
     """Raise ``ValueError`` if sample ``i`` would cost a decoder more than the store allows: more
-    pixels than its budget, or a JPEG with more than ``MAX_SCANS`` scans (``_sniff.count_scans``);
+    pixels than its budget, or a JPEG with more than ``MAX_SCANS`` scans (``_jpeg.count_scans``);
     :class:`CacheFormatError` if its record's size is not the size its bytes state.
 
     Checks the stored record and the sample's own bytes (JPEG and PNG: a few microseconds, tens
@@ -95,8 +96,6 @@ def stated_size(b: memoryview) -> tuple[int, int, int] | None:
     """``(height, width, scans)`` the encoded bytes state (size before EXIF orientation; scans
     0 for a PNG), or None where that is not cheap to read (other formats, a PNG whose first chunk
     is not its header)."""
-    from ..ingest._sniff import jpeg_header
-
     if b[:2] == b"\xff\xd8":
         return jpeg_header(b)
     if b[:8] == b"\x89PNG\r\n\x1a\n" and len(b) >= 24 and b[12:16] == b"IHDR":
@@ -106,8 +105,6 @@ def stated_size(b: memoryview) -> tuple[int, int, int] | None:
 
 
 def _refused(stated: tuple[int, int, int] | None, limit: int | None) -> str | None:
-    from ..ingest._sniff import MAX_SCANS, TOO_MANY_SCANS
-
     if stated is None:
         return None
     height, width, scans = stated

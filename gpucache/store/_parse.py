@@ -36,7 +36,7 @@ from ._format import (
     decode,
 )
 from ._mapped import CacheFormatError, Handle, open_path
-from ..ingest._sniff import SAMPLE_DTYPE, Kind
+from ._format import SAMPLE_DTYPE, Kind
 
 _KINDS = np.array([int(k) for k in Kind], dtype=np.uint8)
 

@@ -10,16 +10,39 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
-from ._format import decode, pack_strings
+from ._format import Kind, decode, pack_strings
 from ._mapped import CacheFormatError
+
+
+@dataclass(frozen=True)
+class Skipped:
+    index: int  # position in the input list
+    path: str  # the path, or the source's name
+    reason: str
+
+
+@dataclass
+class BuildReport:
+    """What a build kept and left out. ``total == kept + len(skipped)`` always."""
+
+    total: int = 0
+    kept: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # kept samples by kind
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items()))
+        lines = [f"{self.total} files: {self.kept} kept ({kinds}), {len(self.skipped)} skipped"]
+        lines += [f"  skipped #{s.index} {s.path}: {s.reason}" for s in self.skipped]
+        return "\n".join(lines)
 
 
 def report_sections(report) -> dict[str, np.ndarray]:
     """A build report as the ``report.*`` sections (numbers and a string table; no pickle)."""
-    from ..ingest._sniff import Kind
-
     kinds = [(int(Kind[k]), v) for k, v in sorted(report.counts.items())]
     texts = [t for s in report.skipped for t in (s.path, s.reason)]
     offsets, blob = pack_strings(texts)
@@ -31,9 +54,6 @@ def report_sections(report) -> dict[str, np.ndarray]:
 
 def read_report(extra: Mapping[str, np.ndarray], where: str):
     """The build report kept in ``extra`` (see :func:`report_sections`), or None without one."""
-    from ..ingest._build import BuildReport, Skipped
-    from ..ingest._sniff import Kind
-
     if "report.totals" not in extra:
         return None
     try:

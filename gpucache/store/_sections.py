@@ -12,7 +12,7 @@ Shape, type and group checks are O(1); the value checks are vectorised, O(N) wit
 constants, and skipped on a worker's trusted reopen. Names not listed here are the user's own:
 only their directory entry (name, type, size, bounds, CRC) is checked. The names of the store's
 own sections come from their owners here (``_format``, ``_targets``); those of the layers above
-(``ingest._resize``, ``decode._roi_rst``) are the same strings, which a test holds equal. ``docs/reference/format.md`` lists the rules.
+(``ingest._resize``, ``ingest._restart``) are the same strings, which a test holds equal. ``docs/reference/format.md`` lists the rules.
 """
 
 from __future__ import annotations

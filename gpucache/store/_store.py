@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
@@ -26,7 +26,22 @@ import torch
 from . import _format, _parse, _readonly, _report, _sections, _shm
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
-from ..ingest._sniff import Kind
+from ._format import Kind
+
+
+#: The builders behind ``JpegCache.from_folder`` and the other ``from_*`` classmethods, by name.
+#: They orchestrate the layers above the store (scan, build once per node, sources), so they live
+#: in ``gpucache.node._builders``, which fills this table when imported (``import gpucache`` does,
+#: before any of its modules runs); the classmethods stay thin entry points into it.
+BUILDERS: dict[str, Callable[..., JpegCache]] = {}
+
+
+def _builder(name: str) -> Callable[..., JpegCache]:
+    try:
+        return BUILDERS[name]
+    except KeyError:  # gpucache/__init__.py always imports gpucache.node._builders first
+        raise RuntimeError(f"JpegCache.{name} has no builder: gpucache.node._builders was not "
+                           "imported (import gpucache)") from None
 
 
 class _Strings(Sequence[str]):
@@ -106,23 +121,10 @@ class JpegCache:
         ``max_side``: images with a longer side re-encoded once to it; ``jpeg_quality``: their
         quality, and every other image re-encoded at it where that is smaller (lossy, opt-in;
         docs/guides/stores.md)."""
-        from ..ingest._build import build, scan_folder
-        from ..node._cache import built_once
-
-        def scan():
-            paths, labels, classes = scan_folder(Path(root))
-            return paths, (labels, classes, on_error, max_pixels, restart_markers, max_side,
-                           jpeg_quality)
-
-        cache = built_once(cls, scan, lambda paths, extra, on_progress: build(
-            cls, paths, extra[0], extra[1], None, on_error=on_error, num_threads=num_threads,
-            progress=progress, max_pixels=max_pixels, on_progress=on_progress,
-            restart_markers=restart_markers, max_side=max_side, jpeg_quality=jpeg_quality),
-            (os.path.abspath(root), on_error, max_pixels, restart_markers, max_side, jpeg_quality),
-            cache_dir=cache_dir,
-            max_bytes=cache_max_bytes)
-        cache.max_pixels = max_pixels
-        return cache
+        return _builder("from_folder")(cls, root, on_error=on_error, num_threads=num_threads,
+                                  progress=progress, max_pixels=max_pixels, cache_dir=cache_dir,
+                                  cache_max_bytes=cache_max_bytes, restart_markers=restart_markers,
+                                  max_side=max_side, jpeg_quality=jpeg_quality)
 
     @classmethod
     def from_files(cls, paths: Sequence[str | os.PathLike], labels: Sequence[int] | None = None,
@@ -135,20 +137,11 @@ class JpegCache:
                    jpeg_quality: int | None = None) -> JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
         ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder."""
-        from ..ingest import _sources
-        from ..node._cache import built_once
-
-        extra = (labels, metadata, classes, on_error, max_pixels, restart_markers, max_side,
-                 jpeg_quality)
-        cache = built_once(cls, lambda: (paths, extra), lambda paths, _, on_progress:
-            _sources.from_files(cls, paths, labels, metadata, classes=classes, on_error=on_error,
-                                num_threads=num_threads, progress=progress, max_pixels=max_pixels,
-                                on_progress=on_progress, restart_markers=restart_markers,
-                                max_side=max_side, jpeg_quality=jpeg_quality), (paths, *extra),
-            cache_dir=cache_dir,
-            max_bytes=cache_max_bytes)
-        cache.max_pixels = max_pixels
-        return cache
+        return _builder("from_files")(cls, paths, labels, metadata, classes=classes,
+                                  on_error=on_error, num_threads=num_threads, progress=progress,
+                                  max_pixels=max_pixels, cache_dir=cache_dir,
+                                  cache_max_bytes=cache_max_bytes, restart_markers=restart_markers,
+                                  max_side=max_side, jpeg_quality=jpeg_quality)
 
     @classmethod
     def from_csv(cls, path: str | os.PathLike, *, classes: Sequence[str] | None = None,
@@ -158,11 +151,9 @@ class JpegCache:
         """Pack the files a CSV lists as ``path,label[,metadata]`` (paths relative to the CSV).
         ``build_options``: ``max_pixels``, ``restart_markers``, ``max_side``, ``jpeg_quality``
         as in from_folder."""
-        from ..ingest import _sources
-
-        return _sources.from_csv(cls, path, classes=classes, delimiter=delimiter, header=header,
-                                 on_error=on_error, num_threads=num_threads, progress=progress,
-                                 **build_options)
+        return _builder("from_csv")(cls, path, classes=classes, delimiter=delimiter, header=header,
+                                  on_error=on_error, num_threads=num_threads, progress=progress,
+                                  **build_options)
 
     @classmethod
     def from_webdataset(cls, shards: str | os.PathLike | Sequence[str | os.PathLike], *,
@@ -172,11 +163,9 @@ class JpegCache:
                         **build_options) -> JpegCache:
         """Pack WebDataset tar shards (images and ``.cls`` labels), read in place from the tars;
         ``build_options`` as in from_csv."""
-        from ..ingest import _sources
-
-        return _sources.from_webdataset(cls, shards, classes=classes, metadata_ext=metadata_ext,
-                                        on_error=on_error, num_threads=num_threads,
-                                        progress=progress, **build_options)
+        return _builder("from_webdataset")(cls, shards, classes=classes, metadata_ext=metadata_ext,
+                                  on_error=on_error, num_threads=num_threads, progress=progress,
+                                  **build_options)
 
     @classmethod
     def from_hf(cls, dataset, *, image_column: str = "image", label_column: str | None = "label",
@@ -185,11 +174,9 @@ class JpegCache:
                 **build_options) -> JpegCache:
         """Pack a Hugging Face ``datasets.Dataset``'s ``Image`` column, bytes taken as stored;
         ``build_options`` as in from_csv."""
-        from ..ingest import _sources
-
-        return _sources.from_hf(cls, dataset, image_column=image_column,
-                                label_column=label_column, classes=classes, on_error=on_error,
-                                num_threads=num_threads, progress=progress, **build_options)
+        return _builder("from_hf")(cls, dataset, image_column=image_column,
+                                  label_column=label_column, classes=classes, on_error=on_error,
+                                  num_threads=num_threads, progress=progress, **build_options)
 
     @classmethod
     def open(cls, path: str | os.PathLike, *,

@@ -1,4 +1,4 @@
-"""The worker-process side of the CPU worker pool (the protocol is described in ``loader/_workers.py``).
+"""The worker-process side of the CPU worker pool (the protocol is described in ``decode/_workers.py``).
 
 A worker runs two threads: a reader that drains every task the parent sends into a local queue, so
 the parent's sends always make progress, and the main thread that decodes and sends results. The
@@ -29,7 +29,7 @@ import traceback
 import numpy as np
 import torch
 
-from ..decode._core import Decoded, SampleError, decode_batch
+from ._core import Decoded, SampleError, decode_batch
 from ..store._oom import OutOfMemory, is_out_of_memory, said
 
 LEN = struct.Struct("<Q")  # every message: 8-byte little-endian length, then a pickle

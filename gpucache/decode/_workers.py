@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
-from ..decode._core import Decoded, SampleError
+from ._core import Decoded, SampleError
 from ..store._oom import FIX, raise_if_out_of_memory
 
 log = logging.getLogger("gpucache")
@@ -221,12 +221,15 @@ class WorkerPool:
             try:
                 n = link.sock.recv_into(bytes_into[got:])
             except BlockingIOError:
-                if exited:  # nothing left to read from a dead worker
-                    raise self._died(link, indices, got, len(bytes_into)) from None
-                exited = self._wait(link, indices, deadline, got, len(bytes_into))
-                continue
+                n = None  # nothing yet: wait below, outside this handler, so that a Ctrl-C
+                # while waiting is a plain KeyboardInterrupt, not one chained to this error
             except OSError as err:  # ConnectionResetError: killed mid-send
                 raise self._died(link, indices, got, len(bytes_into)) from err
+            if n is None:
+                if exited:  # nothing left to read from a dead worker
+                    raise self._died(link, indices, got, len(bytes_into))
+                exited = self._wait(link, indices, deadline, got, len(bytes_into))
+                continue
             if n == 0:
                 raise self._died(link, indices, got, len(bytes_into))
             got += n
@@ -366,7 +369,7 @@ def default_workers() -> int:
     (torchrun binds none), the usable cores divided among them, at least 1; a rank whose cores
     were bound to it (Slurm's per-task binding: fewer usable cores than the machine's) keeps
     its own."""
-    from ._dist import local
+    from .._dist import local
 
     cores, (size, _) = usable_cores(), local()
     if size > 1 and cores >= (os.cpu_count() or cores):

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 from .._progress import tqdm
 
-from . import _checksum
-from ._format import SAMPLE_CRC
-from ._oom import BUILD_FIX, raise_if_out_of_memory
+from ..store import _checksum
+from ..store._format import SAMPLE_CRC
+from ..store._oom import BUILD_FIX, raise_if_out_of_memory
 
 DECODE_CHUNK = 64  # samples per decode task
 

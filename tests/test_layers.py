@@ -1,0 +1,136 @@
+"""The package's layers (docs/design.md, "Shape"): a module imports from its own layer and the layers
+below it, never above, imports inside functions included; so no cycle runs between layers.
+
+Every module of ``gpucache/`` is parsed with ``ast`` (nothing is imported), each ``import`` and
+``from ... import`` anywhere in it resolved (relative ones too; ``from .. import x`` to the module
+``x`` when there is one), and the two modules' layers compared.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "gpucache"
+
+#: Top to bottom. A module belongs to the first entry whose name is it or a package above it.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("cli", ("gpucache.cli", "gpucache.bench")),  # the commands; the benchmark users run
+    ("api", ("gpucache",)),  # the package's __init__: it wires the public names, nothing else
+    # synthetic photos for tests and benchmarks: public (gpucache.testing, imported on first use),
+    # used by nothing in the library below
+    ("testing", ("gpucache.testing",)),
+    ("node", ("gpucache.node",)),
+    ("loader", ("gpucache.loader", "gpucache.dataset")),
+    ("decode", ("gpucache.decode",)),
+    ("transforms", ("gpucache.transforms",)),
+    ("ingest", ("gpucache.ingest",)),
+    ("store", ("gpucache.store",)),
+    # leaf helpers any layer may use; they import nothing of gpucache's: distributed ranks, the
+    # compiled part's binding, the progress bar
+    ("base", ("gpucache._dist", "gpucache._native", "gpucache._progress")),
+]
+
+
+def module_names(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def layer_of(module: str) -> int:
+    best, best_len = None, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best_len:
+                best, best_len = i, len(p)
+    assert best is not None, f"{module} is in no layer: place it in tests/test_layers.py LAYERS"
+    return best
+
+
+def imports(module: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
+    """``(imported gpucache module, line)`` for every import statement in the file."""
+    is_pkg = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_pkg else module.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for a in node.names:  # `from pkg import mod` depends on mod, not on all of pkg
+                sub = f"{target}.{a.name}"
+                out.append((sub if sub in known else target, node.lineno))
+    return [(m, line) for m, line in out if m == "gpucache" or m.startswith("gpucache.")]
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    mods = module_names(root)
+    known = set(mods)
+    bad, edges = [], set()
+    for mod, path in sorted(mods.items()):
+        here = layer_of(mod)
+        for target, line in imports(mod, path, known):
+            while target not in known and "." in target:  # a name inside a module
+                target = target.rsplit(".", 1)[0]
+            there = layer_of(target)
+            if there != here:
+                edges.add((here, there))
+            if there < here:
+                bad.append(f"{path.relative_to(root.parent)}:{line}: {mod} ({LAYERS[here][0]}) "
+                           f"imports {target} ({LAYERS[there][0]}), a higher layer")
+    # no cycle between layers (implied by the order above; checked on its own all the same)
+    graph: dict[int, set[int]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+    state: dict[int, int] = {}
+
+    def visit(n: int, trail: list[int]) -> None:
+        state[n] = 1
+        for m in graph.get(n, ()):
+            if state.get(m) == 1:
+                cycle = trail[trail.index(m):] + [m] if m in trail else [n, m]
+                bad.append("cycle between layers: " + " -> ".join(LAYERS[i][0] for i in cycle))
+            elif m not in state:
+                visit(m, trail + [m])
+        state[n] = 2
+
+    for n in list(graph):
+        if n not in state:
+            visit(n, [n])
+    return list(dict.fromkeys(bad))
+
+
+def test_every_import_goes_to_the_same_or_a_lower_layer():
+    bad = violations()
+    assert not bad, "\n".join(bad)
+
+
+def test_every_module_has_a_layer_and_the_base_imports_nothing_of_gpucache():
+    mods = module_names(ROOT)
+    base = len(LAYERS) - 1
+    for mod, path in mods.items():
+        layer_of(mod)
+        if layer_of(mod) == base:
+            assert not imports(mod, path, set(mods)), f"{mod} is a leaf helper"
+
+
+def test_the_check_sees_imports_inside_functions(tmp_path):
+    pkg = tmp_path / "gpucache"
+    for sub in ("store", "node"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "node" / "_cache.py").write_text("from ..store import _store\n")
+    (pkg / "store" / "_store.py").write_text("def f():\n    from ..node import _cache\n")
+    bad = violations(pkg)
+    assert any("gpucache.store._store (store) imports gpucache.node._cache" in b for b in bad), bad
+    assert any(b.startswith("cycle between layers") for b in bad), bad
