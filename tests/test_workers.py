@@ -411,3 +411,50 @@ def test_no_worker_survives_its_parent(parents_killed, case):
     assert left == [], f"still running {took:.1f} s after {case[1]}: {left}"
     assert took < 3, f"{case}: the workers took {took:.2f} s to go"
     assert len(workers) == case[2]
+
+
+_CTRL_C_CHILD = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    from gpucache import GpuCachedLoader, JpegCache
+    loader = GpuCachedLoader(JpegCache.open(sys.argv[1]), batch_size=50, num_workers=2,
+                             device="cpu", multiprocessing_context="fork")
+    it = iter(loader)
+    next(it)
+    print(*loader.worker_pids, flush=True)
+    for pid in loader.worker_pids:  # no more results: the next batch is waited for
+        os.kill(pid, signal.SIGSTOP)
+    main = threading.get_ident()
+
+    def announce():  # once the main thread waits in the pool, say so (a deadline, no sleep)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            f = sys._current_frames().get(main)
+            if f is not None and f.f_code.co_name == "_wait":
+                print("waiting", flush=True)
+                return
+            time.sleep(0.01)  # polling interval, under a deadline
+
+    threading.Thread(target=announce, daemon=True).start()
+    for _ in it:
+        pass
+""")
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_while_waiting_for_a_batch_is_one_plain_keyboard_interrupt(store_path):
+    """Ctrl-C in a loop waiting for workers: a KeyboardInterrupt traceback with nothing chained
+    (no BlockingIOError from the non-blocking socket that reads like a second failure), and the
+    workers stop with it."""
+    child = subprocess.Popen([sys.executable, "-c", _CTRL_C_CHILD, store_path],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in child.stdout.readline().split()]
+        assert len(pids) == 2, child.stderr.read()
+        assert child.stdout.readline().strip() == "waiting"
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode != 0 and err.rstrip().endswith("KeyboardInterrupt"), err
+    assert "BlockingIOError" not in err and "During handling" not in err, err
+    assert _gone(pids, 10) == []

@@ -95,7 +95,11 @@ class NodeLock:
             fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = False
             except BlockingIOError:
+                held = True
+            # waited on outside the handler: a Ctrl-C while waiting chains no BlockingIOError
+            if held:
                 record = _read(fd)
                 os.close(fd)
                 now = time.monotonic()
