@@ -9,7 +9,7 @@ before its batched transforms) and the batched one (:func:`gpucache.transforms._
 1. **ops a batch** at batch 64, 128 and 256: every aten op dispatched in every thread (views and
    the decoder's own calls excluded; each is at least one kernel launch on CUDA) while the nvjpeg
    backend decodes and transforms a batch on the emulated GPU
-   (:class:`~gpucache.decode._emulated_cuda.EmulatedCuda`) and ``Normalize`` runs on it, as the
+   (:class:`~tests.support.emulated_cuda.EmulatedCuda`) and ``Normalize`` runs on it, as the
    loader does; and host synchronisations counted the same way;
 2. **host time an image**: the batched path's NumPy part, measured on the photos' real sizes and
    plans (median of ``--rounds``), and for both paths a model of the whole host cost: that NumPy
@@ -43,7 +43,7 @@ from gpucache import JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode._batched import make_decoder, orient, torchvision_decoder  # noqa: E402
 from gpucache.decode._core import apply_plan, decode_batch, decode_sample  # noqa: E402
-from gpucache.decode._emulated_cuda import EmulatedCuda  # noqa: E402
+from tests.support.emulated_cuda import EmulatedCuda  # noqa: E402
 from gpucache.decode.nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
 from gpucache.transforms._resample import host_arrays, resample  # noqa: E402

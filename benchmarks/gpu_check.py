@@ -25,7 +25,7 @@ next part runs), prints its whole result and its seconds, and stops at its share
     per-image GPU decode, the cpu backend with every core;
 (d) overlap: the nvjpeg epoch with a training step, threaded vs synchronous (benchmarks/overlap.py);
 (e) GPU memory, allocated and reserved (each stream keeps its own pool), after each epoch.
-``--emulate`` runs all of it on the CPU under :class:`~gpucache.decode._emulated_cuda.EmulatedCuda`
+``--emulate`` runs all of it on the CPU under :class:`~tests.support.emulated_cuda.EmulatedCuda`
 (two emulated GPUs): the same ``device="cuda"`` code paths, streams and device indices, with
 torchvision's decoder, which ignores EXIF there as on CUDA; DALI, which cannot run its GPU graph
 without a GPU, runs its CPU mode, and the overlap part a CPU device. Exit 0 all passed, 1 a check
@@ -60,7 +60,7 @@ from gpucache import GpuCachedLoader, JpegCache# noqa: E402
 from gpucache import transforms as T# noqa: E402
 from gpucache.decode import dali_available, normalize_device# noqa: E402
 from gpucache.decode._batched import default_decoder, orient, torchvision_decoder# noqa: E402
-from gpucache.decode._emulated_cuda import EmulatedCuda# noqa: E402
+from tests.support.emulated_cuda import EmulatedCuda# noqa: E402
 from gpucache.decode._core import decode_batch, quiet_torchvision_deprecation# noqa: E402
 from gpucache.decode.nvjpeg import NvjpegBackend# noqa: E402
 from gpucache.testing import cached_jpeg_folder# noqa: E402

@@ -36,7 +36,7 @@ RANK = """
 import json, os, sys, time
 import torch.distributed as dist
 root, cdir, out = sys.argv[1], sys.argv[2], sys.argv[3]
-from gpucache.testing._audit import count_listing_calls
+from tests.support.audit import count_listing_calls
 counts = count_listing_calls(root)
 dist.init_process_group("gloo")
 from gpucache import JpegCache

@@ -7,7 +7,7 @@
    scans of the progressive ones costs (``count_scans`` alone on the same bytes). A sequential
    JPEG whose first scan holds every component is not counted.
 2. Decoding (``decode_jpeg``, libjpeg-turbo) a ``--size`` x ``--size`` progressive JPEG as encoded
-   and with extra end-of-band scans (``gpucache.testing._hostile.extra_scans``): seconds per
+   and with extra end-of-band scans (``tests.support.hostile.extra_scans``): seconds per
    decode and per scan, at the limit (``MAX_SCANS`` scans) and beyond; and the time the sniffer
    takes to refuse one with 20,000 scans. Timings are best of 3, CPU time of this process.
 """
@@ -32,7 +32,7 @@ from PIL import Image
 from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, count_scans, sniff
 from gpucache.decode._core import decode_jpeg
 from gpucache.testing import make_jpeg_bytes
-from gpucache.testing._hostile import extra_scans
+from tests.support.hostile import extra_scans
 
 
 def best(fn, repeat: int = 3) -> float:

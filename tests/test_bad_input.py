@@ -99,7 +99,8 @@ _BOMB_RUN = r"""
 import json, resource, sys
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
-from gpucache.testing import make_hostile_folder, make_jpeg_folder
+from gpucache.testing import make_jpeg_folder
+from tests.support.hostile import make_hostile_folder
 from gpucache.testing._memory import status_bytes
 
 root = sys.argv[1]

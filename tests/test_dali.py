@@ -252,7 +252,7 @@ def test_cuda_outputs_are_bound_to_the_consumer_stream(jpegs):
     stream their copy runs on), so DALI cannot reuse a buffer before the copy has run. No GPU
     here: DALI runs its CPU graph, torch's side is EmulatedCuda, and the stream DALI is handed
     is recorded (DALI's CPU graph cannot take one)."""
-    from gpucache.decode._emulated_cuda import EmulatedCuda
+    from tests.support.emulated_cuda import EmulatedCuda
 
     class CpuGraph(DaliBackend):
         def _graph_on_gpu(self):

@@ -145,7 +145,7 @@ def test_torchvisions_notice_never_reaches_the_user(monkeypatch, jpeg_folder):
     """With the strictest filter of the user's ("error" for every warning), decoding with
     torchvision's decoders through the loader neither raises nor shows the notice."""
     from gpucache.decode import _batched, _jpeg
-    from gpucache.decode._emulated_cuda import EmulatedCuda
+    from tests.support.emulated_cuda import EmulatedCuda
 
     def no_torchcodec(device):
         raise ImportError("TorchCodec left out by the test")

@@ -1,4 +1,4 @@
-"""The GPU paths' device handling on the CPU, under EmulatedCuda (decode/_emulated_cuda.py): device
+"""The GPU paths' device handling on the CPU, under EmulatedCuda (tests/support/emulated_cuda.py): device
 indices as CUDA reports them (``cuda`` -> ``cuda:N``), a non-current GPU, tensors on the wrong
 device, stream calls outside the stream helper, the EXIF probe's stream, out-of-memory, a
 TorchCodec that cannot load, the launcher's LOCAL_RANK, and the library without tqdm."""
@@ -24,7 +24,7 @@ from gpucache.decode._batched import (
     make_decoder,
     torchvision_decoder,
 )
-from gpucache.decode._emulated_cuda import EmulatedCuda
+from tests.support.emulated_cuda import EmulatedCuda
 from gpucache.decode._streams import CudaStreams
 from gpucache.decode._core import decode_batch
 from gpucache.decode.nvjpeg import NvjpegBackend
@@ -120,7 +120,7 @@ def test_emulation_enforces_cuda_device_rules():
             exec("torch.cuda.Stream()", stray)
         with pytest.raises(RuntimeError, match="belong in gpucache.decode._streams"):
             exec("torch.cuda.current_stream()", stray)
-    from gpucache.decode import _emulated_cuda
+    from tests.support import emulated_cuda as _emulated_cuda
 
     assert torch.cuda.Stream is not _emulated_cuda.Stream  # restored on exit
 

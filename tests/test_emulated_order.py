@@ -1,4 +1,4 @@
-"""EmulatedCuda's stream-order rules (decode/_emulated_cuda.py): happens-before between streams,
+"""EmulatedCuda's stream-order rules (tests/support/emulated_cuda.py): happens-before between streams,
 the caching allocator's reuse of freed blocks, pinned and non_blocking copies, host syncs, the
 emulated nvJPEG decoder (private stream, faults, rebuilds), and three mutations of the stream
 helper that each make the real nvjpeg backend fail."""
@@ -16,7 +16,7 @@ from gpucache import JpegCache
 from gpucache import transforms as T
 from gpucache.decode import _streams
 from gpucache.decode._batched import torchvision_decoder
-from gpucache.decode._emulated_cuda import EmulatedCuda, StreamOrderError
+from tests.support.emulated_cuda import EmulatedCuda, StreamOrderError
 from gpucache.decode.nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes
 
@@ -554,7 +554,7 @@ def test_a_decoder_that_cannot_start_is_an_error_not_a_bad_sample(cache):
 def test_an_emulation_that_fails_to_enter_leaves_nothing_behind(monkeypatch):
     """A block whose entry raises after torch.cuda is patched (here: wrapping the decoder) puts
     back what it patched, so torch.cuda is the real one again and the next block enters."""
-    from gpucache.decode import _emulated_cuda
+    from tests.support import emulated_cuda as _emulated_cuda
 
     real = torch.cuda.is_available
 

@@ -146,7 +146,7 @@ def test_fuzz_harness_holds_inputs_to_the_library_s_limits(tmp_path):
     (unsanitized) library under a 2 GiB address-space limit."""
     from gpucache.ingest._sniff import MAX_SCANS
     from gpucache.testing import make_jpeg_bytes
-    from gpucache.testing._hostile import extra_scans, patch_sof
+    from tests.support.hostile import extra_scans, patch_sof
 
     bomb = patch_sof(make_jpeg_bytes(16, 16, seed=2, quality=50), height=35830, width=58024)
     scans = extra_scans(make_jpeg_bytes(48, 32, seed=1, progressive=True), MAX_SCANS)
@@ -170,7 +170,7 @@ RESTART = """
     from gpucache.ingest._build import BytesSource, build
     from gpucache.ingest._restart import restart_store
     from gpucache.testing import make_jpeg_bytes
-    from gpucache.testing._hostile import patch_sof
+    from tests.support.hostile import patch_sof
 
     import resource  # 2 GiB of address space beyond what is mapped now: 12 GB fails fast
     with open("/proc/self/status") as f:

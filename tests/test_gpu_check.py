@@ -17,7 +17,7 @@ import torch
 from gpucache.decode import dali_available
 from gpucache.decode._batched import make_decoder
 from gpucache.decode._core import Decoded
-from gpucache.decode._emulated_cuda import EmulatedCuda
+from tests.support.emulated_cuda import EmulatedCuda
 
 from benchmarks import gpu_check
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder

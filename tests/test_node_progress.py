@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucache.testing._hostile import before_marker
+from tests.support.hostile import before_marker
 from gpucache.testing import make_jpeg_bytes
 
 REPO = Path(__file__).resolve().parent.parent

@@ -25,7 +25,7 @@ RANKS, CLASSES, PER_CLASS = 3, 4, 30
 RANK = """
 import json, os, sys
 root, cdir = sys.argv[1], sys.argv[2]
-from gpucache.testing._audit import count_listing_calls
+from tests.support.audit import count_listing_calls
 counts = count_listing_calls(root)
 from gpucache import JpegCache
 cache = JpegCache.from_folder(root, cache_dir=cdir, progress=False)

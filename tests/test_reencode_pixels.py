@@ -18,7 +18,7 @@ from gpucache.ingest._resize import Budget, Reencode, resized
 from gpucache.ingest._sniff import sniff
 from gpucache.decode._core import decode_sample
 from gpucache.testing import make_jpeg_bytes
-from gpucache.testing._hostile import after_soi, exif_app1, xmp_app1
+from tests.support.hostile import after_soi, exif_app1, xmp_app1
 
 
 def _jpeg(*segments: bytes) -> bytes:

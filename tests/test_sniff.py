@@ -14,11 +14,12 @@ from PIL import Image
 
 from gpucache import JpegCache
 from gpucache.ingest._build import BytesSource, FileObjSource, FileRangeSource, build
-from gpucache.testing._hostile import before_marker, extra_scans
+from tests.support.hostile import before_marker, extra_scans
 from gpucache.store._limits import check_pixels
 from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, count_scans, sniff
 from gpucache.decode._core import decode_jpeg, decode_pil, decode_sample
-from gpucache.testing import hostile_image_bytes, make_hostile_folder, make_jpeg_bytes
+from gpucache.testing import make_jpeg_bytes
+from tests.support.hostile import hostile_image_bytes, make_hostile_folder
 
 CASES = hostile_image_bytes(fill_bytes=4096)
 

@@ -13,7 +13,7 @@ stream must never be handed to it. Blocks of the allocation stream are only reus
 stream's work on them is done (``record_stream``), and the side stream waits for that stream.
 
 The DALI backend takes its outputs bound to :func:`consumer_stream`, the stream its copies run on.
-Under :class:`~gpucache.decode._emulated_cuda.EmulatedCuda` a stream call from any other gpucache
+Under :class:`~tests.support.emulated_cuda.EmulatedCuda` a stream call from any other gpucache
 module fails, so CI keeps them here.
 """
 

@@ -7,9 +7,9 @@ huge files whose entropy decoding dominates, unlike real data.
 
 `make_jpeg_folder` writes an ImageFolder tree with an ImageNet-like spread of
 sizes (median about 500x375, a ~3% tail up to 2000 px on the long side, short
-side at least 100 px) and special cases at fixed indices (see its docstring). `make_hostile_folder` writes
-decompression bombs, JPEG oddities libjpeg-turbo accepts, EXIF layouts and a FIFO,
-each with the outcome gpucache promises (see `hostile_image_bytes`).
+side at least 100 px) and special cases at fixed indices (see its docstring).
+Hostile files (decompression bombs, JPEG oddities, EXIF layouts) are the tests' own
+(``tests/support/hostile.py``), not part of the package.
 Everything is a pure function of the arguments: the same call gives the same
 bytes (for a given numpy/Pillow/libjpeg build).
 """
@@ -27,10 +27,7 @@ from typing import Sequence
 import numpy as np
 from PIL import Image, ImageChops, ImageDraw, ImageFilter
 
-from ._hostile import hostile_image_bytes, make_hostile_folder
-
-__all__ = ["make_jpeg_folder", "cached_jpeg_folder", "make_jpeg_bytes", "natural_image",
-           "hostile_image_bytes", "make_hostile_folder"]
+__all__ = ["make_jpeg_folder", "cached_jpeg_folder", "make_jpeg_bytes", "natural_image"]
 
 _LOW = 256  # long side of the low-resolution canvas the shapes are drawn on
 _TEXTURE_GAIN = (1.5, 3.5)  # contrast range of the fine texture

@@ -1,6 +1,6 @@
-"""Stream order for :class:`~gpucache.decode._emulated_cuda.EmulatedCuda`: streams and events with
+"""Stream order for :class:`~tests.support.emulated_cuda.EmulatedCuda`: streams and events with
 vector clocks, the caching allocator's blocks and their access history, pinned host memory, host
-syncs. The rules are described in :mod:`gpucache.decode._emulated_cuda`; this module holds their
+syncs. The rules are described in :mod:`tests.support.emulated_cuda`; this module holds their
 state and checks (:class:`OrderRules`, which ``EmulatedCuda`` extends).
 """
 
@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_flatten
 #: Modules allowed to call stream and event APIs (besides code outside the gpucache package).
 STREAM_HELPER = "gpucache.decode._streams"
 _SKIP_FRAMES = ("torch", "contextlib", "threading", "concurrent.futures")
-_HERE = ("gpucache.decode._emulated_cuda", "gpucache.decode._emulated_order",
-         "gpucache.decode._emulated_nvjpeg")
+_PACKAGE = __name__.rpartition(".")[0]  # the emulation's own frames, wherever it is imported from
+_HERE = tuple(f"{_PACKAGE}.{m}" for m in ("emulated_cuda", "emulated_order", "emulated_nvjpeg"))
 _BLOCK = 512  # CUDA's caching allocator rounds every size up to 512 bytes
 
 

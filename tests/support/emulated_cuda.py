@@ -85,7 +85,7 @@ on the CPU) is raised again, as the first of ``emu.violations``, when the block 
 expects one inside the block clears ``emu.violations``. Tensors "on" an emulated GPU are CPU
 tensors of a subclass that carries the index; a ``TorchFunctionMode`` (entered in every thread
 started inside the block) applies the rules: devices and copies here, stream order in
-:mod:`._emulated_order`, the decoder in :mod:`._emulated_nvjpeg`. Nothing here is imported by the
+:mod:`.emulated_order`, the decoder in :mod:`.emulated_nvjpeg`. Nothing here is imported by the
 library itself.
 """
 
@@ -102,8 +102,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._emulated_nvjpeg import emulated_decode_jpeg
-from ._emulated_order import (
+from .emulated_nvjpeg import emulated_decode_jpeg
+from .emulated_order import (
     STREAM_HELPER,
     Event,
     HostSync,

@@ -1,6 +1,6 @@
 """Hostile and odd image files, generated (never downloaded), with the outcome gpucache promises.
 
-Used through :mod:`gpucache.testing` (``hostile_image_bytes``, ``make_hostile_folder``) by the
+Used (``hostile_image_bytes``, ``make_hostile_folder``) by the
 bad-input, sniffing and fuzz tests. Outcomes: ``"kept"`` (kept at build and decodes to the stored
 size), ``"skip"`` (left out at build with a reason), ``"decode-fails"`` (kept, reported at decode).
 """
@@ -19,7 +19,7 @@ SOF0 = b"\xff\xc0"
 
 
 def _jpeg(width: int, height: int, seed: int, **kw) -> bytes:
-    from . import make_jpeg_bytes
+    from gpucache.testing import make_jpeg_bytes
 
     return make_jpeg_bytes(width, height, seed=seed, **kw)
 

@@ -1,4 +1,4 @@
-"""nvJPEG under :class:`~gpucache.decode._emulated_cuda.EmulatedCuda`: torchvision's (and
+"""nvJPEG under :class:`~tests.support.emulated_cuda.EmulatedCuda`: torchvision's (and
 TorchCodec's) CUDA ``decode_jpeg`` as they run (see that module's doc): outputs allocated on the
 current stream and written from the decoder's private stream, the decoder's host syncs, one global
 torchvision decoder rebuilt on a device change, and the faults switched on by ``decoder_fault``.
@@ -11,7 +11,7 @@ import io
 
 import torch
 
-from ._emulated_order import Stream, _caller, _join, _what, active
+from .emulated_order import Stream, _caller, _join, _what, active
 
 NVJPEG_ALLOCATOR_FAILURE = 5
 
