@@ -152,6 +152,33 @@ def run(args) -> int:
         return 1
 
 
+# Rough costs for the up-front estimate, from runs on a 2-core development machine: images a
+# second a worker (train pipeline, ~500x375 to ImageNet-size photos), a loader's start (workers
+# importing torch), and one copies-held probe process (imports torch, builds its data).
+_IMG_S_A_WORKER, _START_S, _PROBE_S = 200.0, 5.0, 30.0
+
+
+def plan(names: list[str], images: int, cfg: Config, args, cases: list[str]) -> str:
+    """What the run will do and about how long it takes, printed before anything is timed."""
+    epochs = cfg.epochs + 1  # the warm-up epoch, then the measured ones
+    per = _START_S + epochs * images / (_IMG_S_A_WORKER * max(1, cfg.workers))
+    probes = 0 if args.no_memory or "main" not in cases else 2
+    seconds = len(names) * (per + probes * _PROBE_S) if "main" in cases else 0.0
+    if "batch100" in cases:
+        seconds += len(names) * per
+    lines = [f"plan: {len(names)} contenders ({', '.join(names)}), each 1 warm-up + {cfg.epochs} "
+             f"measured epochs of {images} images (batch {cfg.batch_size}, {cfg.workers} "
+             f"workers); cases: {', '.join(cases)}"]
+    if probes:
+        lines.append(f"      copies held: {probes} fresh probe processes a contender "
+                     f"({args.probe_mb[0]:g} and {args.probe_mb[1]:g} MB of data)")
+    rough = f"about {seconds / 60:.0f} min" if seconds >= 90 else f"about {seconds:.0f} s"
+    extra = " plus the scaling cases" if {"scaling-workers", "scaling-size"} & set(cases) else ""
+    lines.append(f"      estimated time: {rough}{extra} (rough; shorter: --contenders, --epochs, "
+                 "--no-memory)")
+    return "\n".join(lines)
+
+
 def _run(args, names: list[str], cfg: Config) -> int:
     from . import _cases, _report
     from ._data import prepare_source
@@ -175,6 +202,7 @@ def _run(args, names: list[str], cfg: Config) -> int:
         report["data"] = source.info
         title = _report.header(source, cfg, machine)
         print(f"gpucache bench: {title}")
+        print(plan(names, int(source.info["images"]), cfg, args, cases), flush=True)
         for case in cases:
             if case == "main":
                 report["main"], results = _cases.case_main(names, source, cfg, args, tmp)

@@ -1,4 +1,4 @@
-"""``gpucache build | info | verify | bench`` -- the command line."""
+"""``gpucache build | info | verify | bench | cache`` -- the command line."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ from ..store._format import CacheFormatError
 from ..ingest._resize import SECTION as RESIZED, max_side_of, resized
 from ..ingest._sniff import Kind
 from ..store._store import JpegCache
+
+
+DESCRIPTION = ("gpucache build | info | verify | bench | cache: pack images into one store file, "
+               "summarize and check stores, compare loaders' speed, and list or clean the node "
+               "cache. Each command: gpucache COMMAND --help.")
 
 
 def _build(args) -> int:
@@ -93,9 +98,14 @@ def _verify(args) -> int:
     checked = "checksums ok" if not problems else f"{len(problems)} checksum problem(s)"
     decoded = ""
     if args.decode:
-        failed = verify.check_decodes(cache, threads=args.threads)
+        warned: list = []
+        failed = verify.check_decodes(cache, threads=args.threads, warned=warned)
         problems += failed
         decoded = f"; {len(cache) - len(failed)} of {len(cache)} samples decode"
+        for w in sorted(warned, key=lambda w: w.index):
+            print(f"{args.file}: {w}", file=sys.stderr)
+        if warned:
+            decoded += f" ({len(warned)} with corrupt data that libjpeg decoded anyway)"
     for p in sorted(problems, key=lambda p: -1 if p.index is None else p.index):
         print(f"{args.file}: {p}", file=sys.stderr)
     print(f"{args.file}: {checked}{decoded} ({time.perf_counter() - t0:.1f} s)")
@@ -110,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     logging.basicConfig(format="%(message)s", level=logging.WARNING)
-    parser = argparse.ArgumentParser(prog="gpucache", description=__doc__)
+    parser = argparse.ArgumentParser(prog="gpucache", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="pack an ImageFolder tree into one store file")
     p.add_argument("src", nargs="?", help="ImageFolder root (root/<class>/<image>)")
@@ -118,10 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--webdataset", nargs="+", metavar="SHARD", help="WebDataset .tar shards")
     p.add_argument("--hf", metavar="DATASET", help="a Hugging Face dataset: a save_to_disk "
                    "folder or a hub name (with --hf-split, --hf-image-column)")
-    p.add_argument("--hf-split", default="train")
-    p.add_argument("--hf-image-column", default="image")
+    p.add_argument("--hf-split", default="train", metavar="SPLIT",
+                   help="with --hf: the split to pack (default: train)")
+    p.add_argument("--hf-image-column", default="image", metavar="COLUMN",
+                   help="with --hf: the column holding the images (default: image)")
     p.add_argument("-o", "--output", required=True, help="store file to write")
-    p.add_argument("--on-error", choices=("skip", "raise"), default="skip")
+    p.add_argument("--on-error", choices=("skip", "raise"), default="skip",
+                   help="a corrupt, truncated or non-image file: skip it and list it in the "
+                        "build report (default), or stop the build with an error naming it")
     p.add_argument("--threads", type=int, default=None, help="reader threads")
     p.add_argument("--restart-markers", action="store_true",
                    help="transcode JPEGs losslessly with restart markers: random crops decode "

@@ -66,10 +66,31 @@ def check_checksums(cache, *, threads: int | None = None, progress: bool = True
                     f"computed {int(computed[i]):08x}): its bytes are corrupt") for i in bad]
 
 
-def check_decodes(cache, *, threads: int | None = None, progress: bool = True
-                  ) -> list[Problem]:
-    """Problems found by decoding every sample in full (and checking its size)."""
-    from ..decode._core import check_size, decode_sample
+def _decode_noting(cache, i: int):
+    """Sample ``i`` decoded in full, and libjpeg's warning about it (corrupt data decoded anyway)
+    or None. Through the compiled decoder where it takes the sample, which hands the warning back
+    instead of printing it unattributed on stderr; otherwise as the loader decodes in full."""
+    from ..decode import _roi
+    from ..decode._core import _ROI_KINDS, decode_sample
+    from ..store._limits import check_pixels
+
+    rec = cache.samples[i]
+    height, width = int(rec["height"]), int(rec["width"])
+    if (_roi.region_decoder(int(rec["components"])) is _roi._c_region
+            and rec["kind"] in _ROI_KINDS and rec["precision"] == 8):
+        check_pixels(cache, i)
+        _roi.take_warning()
+        img = _roi.decode_crop(cache[i], 0, 0, height, width, orientation=int(rec["orientation"]),
+                               height=height, width=width, region=_roi._c_region)
+        return img, _roi.take_warning()
+    return decode_sample(cache, i), None
+
+
+def check_decodes(cache, *, threads: int | None = None, progress: bool = True,
+                  warned: list[Problem] | None = None) -> list[Problem]:
+    """Problems found by decoding every sample in full (and checking its size). Samples that
+    decode with a libjpeg warning (corrupt data decoded anyway) are appended to ``warned``."""
+    from ..decode._core import check_size
 
     n = len(cache)
     paths = cache.paths
@@ -78,7 +99,10 @@ def check_decodes(cache, *, threads: int | None = None, progress: bool = True
         found = []
         for i in range(first, min(first + DECODE_CHUNK, n)):
             try:
-                check_size(cache, i, decode_sample(cache, i))
+                img, note = _decode_noting(cache, i)
+                check_size(cache, i, img)
+                if note is not None and warned is not None:
+                    warned.append(Problem(i, paths[i], f"libjpeg: {note} (decoded anyway)"))
             except Exception as err:  # report every sample, keep going
                 # the machine's problem: no sample reported for it
                 raise_if_out_of_memory(err, f"verifying sample {i} ({paths[i]})", fix=BUILD_FIX)

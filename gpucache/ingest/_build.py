@@ -210,7 +210,9 @@ def build(cls, inputs: Sequence[Input], labels: np.ndarray, classes: list[str],
     if errors and on_error == "raise" or k == 0:
         raise BuildError(report)
     if errors:
-        log.warning("gpucache: skipped %d of %d files (see cache.report):\n%s", len(errors), n,
+        log.warning("gpucache: skipped %d of %d files (all of them in the build report: "
+                    "cache.report in Python, gpucache info --skipped STORE for a saved store)"
+                    ":\n%s", len(errors), n,
                     "\n".join(f"  #{s.index} {s.path}: {s.reason}" for s in report.skipped[:20]))
     paths = out.strings(out.name_ends, lambda i: name_of(inputs[i]))
     meta = None if metadata is None else out.strings(out.meta_ends, lambda i: str(metadata[i]))
