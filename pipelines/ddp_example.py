@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +39,10 @@ def main(argv=None) -> None:
     p.add_argument("--fail-rank", type=int, help="this rank raises after its first batch")
     p.add_argument("--hang", action="store_true", help="wait after the first batch (for SIGTERM)")
     args = p.parse_args(argv)
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit("pipelines.ddp_example: start it with torchrun, one process a rank, e.g. "
+                 "torchrun --standalone --nproc_per_node=2 -m pipelines.ddp_example --data ROOT "
+                 "(LOCAL_RANK is not set: this process was not started by a launcher)")
 
     # ---- the README's code
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -52,7 +58,7 @@ def main(argv=None) -> None:
         loader.load_state_dict(torch.load(args.resume))
     rank, seen = dist.get_rank(), []
     for epoch in range(args.epochs):
-        labels_seen = []
+        labels_seen, t0 = [], time.perf_counter()
         for b, (images, labels) in enumerate(loader):
             labels_seen += labels.tolist()  # the checks' data sets have one image per class
             if b == 0:
@@ -60,6 +66,10 @@ def main(argv=None) -> None:
             if args.save_at == b + 1 and epoch == args.epochs - 1 and rank == 0:
                 torch.save(loader.state_dict(), args.record / "state.pt")  # a checkpoint
         seen.append(labels_seen)
+        if rank == 0:  # this rank's share; every rank sees about as many
+            print(f"epoch {epoch + 1}/{args.epochs}: rank 0 of {dist.get_world_size()}, "
+                  f"{len(loader)} batches, {len(labels_seen) / (time.perf_counter() - t0):.0f} "
+                  "img/s", flush=True)
     if args.record is not None:
         (args.record / f"seen-{rank}.json").write_text(json.dumps(seen))
         dist.barrier()  # every rank has finished its epochs, workers alive

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -117,7 +118,11 @@ def _assert_nothing_left(job, pids: list[int], shm_before: set[str]) -> None:
 
 def test_readme_code_on_three_ranks(job):
     small, big = job["base"] / "run-small", job["base"] / "run-big"
-    _run(job, 3, job["sets"][2], small, "--epochs", str(SMALL_EPOCHS), "--save-at", str(SAVE_AT))
+    run = _run(job, 3, job["sets"][2], small, "--epochs", str(SMALL_EPOCHS),
+               "--save-at", str(SAVE_AT))
+    for epoch in range(1, SMALL_EPOCHS + 1):  # progress: a line an epoch, from rank 0
+        assert re.search(rf"^epoch {epoch}/{SMALL_EPOCHS}: rank 0 of 3, \d+ batches, \d+ img/s$",
+                         run.stdout, re.M), run.stdout
     n = 80
     for epoch in range(SMALL_EPOCHS):
         per_rank = [s[epoch] for s in _seen(small, 3)]

@@ -1,0 +1,37 @@
+"""The examples in pipelines/ as a user runs them: a progress line an epoch, and a clear error
+when the torchrun example is started without torchrun."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _example(module: str, *args: str, tmp: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TMPDIR": str(tmp)}  # the synthetic photos are kept there
+    env.pop("LOCAL_RANK", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_train_example_prints_a_line_an_epoch(tmp_path):
+    run = _example("pipelines.train_example", "--synthetic", "16", "--epochs", "2", "--size",
+                   "32", "--batch-size", "8", "--workers", "0", tmp=tmp_path)
+    assert run.returncode == 0, run.stderr
+    for epoch in (1, 2):  # logged (stderr): epoch, batches, images/s, loss, train-set accuracy
+        assert re.search(rf"^epoch {epoch}/2: 2 batches, \d+ img/s \(cpu backend, cpu\), "
+                         r"loss \d+\.\d+, train-set acc \d\.\d+$", run.stderr, re.M), run.stderr
+    assert "val acc" not in run.stderr  # measured on the training images: named so
+
+
+def test_ddp_example_without_torchrun_says_how_to_start_it(tmp_path):
+    run = _example("pipelines.ddp_example", "--data", str(tmp_path), tmp=tmp_path)
+    assert run.returncode == 1
+    assert "start it with torchrun" in run.stderr and "LOCAL_RANK is not set" in run.stderr
+    assert "Traceback" not in run.stderr
