@@ -44,7 +44,7 @@ from gpucache import transforms as T  # noqa: E402
 from gpucache.decode._batched import make_decoder, orient, torchvision_decoder  # noqa: E402
 from gpucache.decode._core import apply_plan, decode_batch, decode_sample  # noqa: E402
 from tests.support.emulated_cuda import EmulatedCuda  # noqa: E402
-from gpucache.decode.nvjpeg import NvjpegBackend  # noqa: E402
+from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
 from gpucache.transforms._resample import host_arrays, resample  # noqa: E402
 

@@ -62,7 +62,7 @@ from gpucache.decode import dali_available, normalize_device# noqa: E402
 from gpucache.decode._batched import default_decoder, orient, torchvision_decoder# noqa: E402
 from tests.support.emulated_cuda import EmulatedCuda# noqa: E402
 from gpucache.decode._core import decode_batch, quiet_torchvision_deprecation# noqa: E402
-from gpucache.decode.nvjpeg import NvjpegBackend# noqa: E402
+from gpucache.decode._nvjpeg import NvjpegBackend# noqa: E402
 from gpucache.testing import cached_jpeg_folder# noqa: E402
 
 TOLERANCE = 3.0  # mean absolute difference in levels, decoder IDCT/upsampling differences
@@ -108,7 +108,7 @@ class Check:
         if name == "nvjpeg":
             return NvjpegBackend(self.cache, device=self.device, on_error="skip",
                                  decoder=self.decoder(), threaded=threaded)
-        from gpucache.decode.dali import DaliBackend
+        from gpucache.decode._dali import DaliBackend
 
         return DaliBackend(self.cache, device=self.device_for(name),
                            batch_size=batch or self.args.batch, on_error="skip", seed=0,

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpucache import JpegCache# noqa: E402
 from gpucache import transforms as T# noqa: E402
-from gpucache.decode.nvjpeg import NvjpegBackend# noqa: E402
+from gpucache.decode._nvjpeg import NvjpegBackend# noqa: E402
 from gpucache.testing import cached_jpeg_folder# noqa: E402
 
 TRAIN = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])

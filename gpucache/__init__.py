@@ -4,6 +4,7 @@ The public surface is exactly ``__all__``; modules starting with ``_`` are priva
 """
 
 from . import transforms
+from ._errors import GpucacheError
 from .ingest._build import (
     BuildError,
     BuildReport,
@@ -19,7 +20,7 @@ from .ingest._sniff import Kind
 from .store._store import JpegCache
 from .node import _builders  # noqa: F401 - the from_* builders of JpegCache (see there)
 from .store._targets import with_targets
-from .dataset import JpegDataset
+from ._dataset import JpegDataset
 from .decode._workers import WorkerError
 from .decode._core import SampleError
 
@@ -48,6 +49,7 @@ __all__ = [
     "BuildReport",
     "Skipped",
     "Kind",
+    "GpucacheError",
     "BuildError",
     "CacheFormatError",
     "SharedMemoryError",

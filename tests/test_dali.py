@@ -19,7 +19,7 @@ from gpucache import JpegCache, Kind, SampleError# noqa: E402
 from gpucache import transforms as T# noqa: E402
 from gpucache.decode._fallback import join, split# noqa: E402
 from gpucache.decode._core import decode_batch# noqa: E402
-from gpucache.decode.dali import DaliBackend# noqa: E402
+from gpucache.decode._dali import DaliBackend# noqa: E402
 
 CPU = torch.device("cpu")
 TOLERANCE = 2.0  # mean abs difference, uint8 levels, per image

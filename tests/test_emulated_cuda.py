@@ -27,7 +27,7 @@ from gpucache.decode._batched import (
 from tests.support.emulated_cuda import EmulatedCuda
 from gpucache.decode._streams import CudaStreams
 from gpucache.decode._core import decode_batch
-from gpucache.decode.nvjpeg import NvjpegBackend
+from gpucache.decode._nvjpeg import NvjpegBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 TF = T.Compose([T.RandomResizedCrop(24), T.RandomHorizontalFlip()])

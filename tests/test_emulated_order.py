@@ -17,7 +17,7 @@ from gpucache import transforms as T
 from gpucache.decode import _streams
 from gpucache.decode._batched import torchvision_decoder
 from tests.support.emulated_cuda import EmulatedCuda, StreamOrderError
-from gpucache.decode.nvjpeg import NvjpegBackend
+from gpucache.decode._nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes
 
 TF = T.Compose([T.RandomResizedCrop(24), T.RandomHorizontalFlip()])

@@ -21,14 +21,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # used by nothing in the library below
     ("testing", ("gpucache.testing",)),
     ("node", ("gpucache.node",)),
-    ("loader", ("gpucache.loader", "gpucache.dataset")),
+    ("loader", ("gpucache.loader", "gpucache._dataset")),
     ("decode", ("gpucache.decode",)),
     ("transforms", ("gpucache.transforms",)),
     ("ingest", ("gpucache.ingest",)),
     ("store", ("gpucache.store",)),
     # leaf helpers any layer may use; they import nothing of gpucache's: distributed ranks, the
-    # compiled part's binding, the progress bar
-    ("base", ("gpucache._dist", "gpucache._native", "gpucache._progress")),
+    # compiled part's binding, the progress bar, the errors' base
+    ("base", ("gpucache._dist", "gpucache._native", "gpucache._progress", "gpucache._errors")),
 ]
 
 

@@ -13,7 +13,7 @@ from gpucache.ingest._sniff import Kind
 from gpucache.decode._batched import default_decoder, make_decoder, orient, torchvision_decoder
 from gpucache.decode._streams import HostStreams
 from gpucache.decode._core import decode_batch
-from gpucache.decode.nvjpeg import NvjpegBackend
+from gpucache.decode._nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes
 
 CPU = torch.device("cpu")

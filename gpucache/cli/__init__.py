@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _cache as _cache_cli
 from .. import bench
-from ..store._format import CacheFormatError
+from .._errors import GpucacheError
 from ..ingest._resize import SECTION as RESIZED, max_side_of, resized
 from ..ingest._sniff import Kind
 from ..store._store import JpegCache
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (CacheFormatError, OSError) as err:  # says what, where and the fix
+    except (GpucacheError, OSError) as err:  # says what, where and the fix
         why = err.strerror if isinstance(err, OSError) and err.strerror else err
         print(f"gpucache {args.command}: {why}", file=sys.stderr)
         return 2

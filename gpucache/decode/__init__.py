@@ -1,8 +1,8 @@
 """Decode backends behind one interface (:class:`~gpucache.decode._base.Backend`).
 
-- ``cpu``: worker processes decoding with libjpeg-turbo (``cpu_backend``)
-- ``nvjpeg``: batched nvJPEG in a background thread with its own CUDA streams (``nvjpeg``)
-- ``dali``: an NVIDIA DALI pipeline; CPU-only mode on a CPU device (``dali``)
+- ``cpu``: worker processes decoding with libjpeg-turbo (``_cpu``, its pool in ``_workers``)
+- ``nvjpeg``: batched nvJPEG in a background thread with its own CUDA streams (``_nvjpeg``)
+- ``dali``: an NVIDIA DALI pipeline; CPU-only mode on a CPU device (``_dali``)
 
 ``auto`` picks dali when it is importable and the device is CUDA, else nvjpeg on CUDA, else cpu.
 
@@ -39,7 +39,7 @@ def normalize_device(device: str | int | torch.device) -> torch.device:
     return dev
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
+def _resolve_device(device: str | torch.device | None) -> torch.device:
     """None -> cuda when present, else cpu; "cuda" without CUDA is a clear error. Normalised
     (:func:`normalize_device`); under a launcher, warns when the current CUDA device is not
     this rank's (see :func:`check_local_rank`)."""

@@ -21,6 +21,7 @@ from ..store._limits import check_pixels
 from ..store._oom import raise_if_out_of_memory
 from ..ingest._pixels import eight_bit
 from ..ingest._sniff import JPEG_KINDS, Kind
+from .._errors import GpucacheError
 from . import _roi, _roi_rst
 from ._jpeg import (  # noqa: F401 - the full JPEG decode, shared with the region decoder's check
     TV_DEPRECATION, decode_jpeg, jpeg_decoder_name, quiet_torchvision_deprecation)
@@ -91,7 +92,7 @@ class Decoded:
     warned: list[tuple[int, str]] = field(default_factory=list)  # kept, but libjpeg warned
 
 
-class SampleError(RuntimeError):
+class SampleError(GpucacheError, RuntimeError):
     """A sample could not be decoded; names the index, the file and the reason."""
 
 

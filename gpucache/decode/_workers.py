@@ -38,6 +38,7 @@ from multiprocessing.connection import wait
 import numpy as np
 import torch
 
+from .._errors import GpucacheError
 from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
 from ._core import Decoded, SampleError
 from ..store._oom import FIX, raise_if_out_of_memory
@@ -50,7 +51,7 @@ _REAP = 5.0  # for a worker whose connection ended to be reaped, so its exit cod
 _LEAVE = 10.0  # for a get() woken by close() in another thread to leave the pool
 
 
-class WorkerError(RuntimeError):
+class WorkerError(GpucacheError, RuntimeError):
     """A worker raised, ran out of memory, died or hung; the message names the worker, its pid,
     the samples and the cause (for out of memory, the fix)."""
 

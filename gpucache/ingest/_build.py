@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+from .._errors import GpucacheError
 from .._progress import tqdm
 
 from . import _pipeline
@@ -37,7 +38,7 @@ log = logging.getLogger("gpucache")
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
-class BuildError(ValueError):
+class BuildError(GpucacheError, ValueError):
     """Raised by ``on_error="raise"``, and by any build that would keep no sample; ``.report``
     lists every bad file with its reason."""
 

@@ -192,7 +192,7 @@ class GpuCachedLoader:
             warnings.warn("persistent_workers=False is ignored: GpuCachedLoader always keeps its "
                           "workers for the next epoch (call close() to stop them).", stacklevel=2)
         self.transform = as_compose(transform)
-        self.device = _decode.resolve_device(device)  # normalised: cuda -> cuda:<current>
+        self.device = _decode._resolve_device(device)  # normalised: cuda -> cuda:<current>
         self.backend_name = _decode.resolve(backend, self.device)
         self.num_workers = default_workers() if num_workers is None else num_workers
         self.prefetch_factor = prefetch_factor
@@ -445,17 +445,17 @@ def _make_backend(loader: GpuCachedLoader) -> Backend:
     name = loader.backend_name
     common = dict(seed=loader.seed, on_error=loader.on_error)
     if name == "cpu":
-        from ..decode.cpu import CpuBackend
+        from ..decode._cpu import CpuBackend
 
         return CpuBackend(loader.cache, num_workers=loader.num_workers,
                           context=loader.multiprocessing_context,
                           worker_init_fn=loader.worker_init_fn, timeout=loader.timeout,
                           pin_memory=loader.pin_memory, exact=loader.exact, **common)
     if name == "nvjpeg":
-        from ..decode.nvjpeg import NvjpegBackend
+        from ..decode._nvjpeg import NvjpegBackend
 
         return NvjpegBackend(loader.cache, device=loader.device, on_error=loader.on_error)
-    from ..decode.dali import DaliBackend
+    from ..decode._dali import DaliBackend
 
     return DaliBackend(loader.cache, device=loader.device, batch_size=loader.batch_size,
                        num_threads=max(1, loader.num_workers), prefetch=max(2, loader.prefetch_factor),

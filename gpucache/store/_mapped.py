@@ -19,8 +19,10 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._errors import GpucacheError
 
-class CacheFormatError(ValueError):
+
+class CacheFormatError(GpucacheError, ValueError):
     """A file is not a valid gpucache store (bad magic, version, sizes, bounds or checksum)."""
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import errno
 
+from .._errors import GpucacheError
+
 MORE = ("more memory (a higher address-space limit, RLIMIT_AS / ulimit -v, or the container's "
         "memory limit)")
 #: What to change when a decode runs out of memory (in a worker or in the main process).
@@ -57,7 +59,7 @@ def said(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
-class OutOfMemory(MemoryError):
+class OutOfMemory(GpucacheError, MemoryError):
     """A ``MemoryError`` that says what ran out (``what``), what the allocator said
     (``detail``) and the fix; raised ``from`` the allocator's error."""
 

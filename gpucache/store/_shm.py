@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from .._errors import GpucacheError
 from ._mapped import proc_fd_usable
 
 MARGIN_BYTES = 8 << 20  # room left for others (NCCL, torch) beside the store
@@ -29,7 +30,7 @@ _FIXES = ("Fixes: save the cache to a file and use that (cache.save('train.gpuca
           "multiprocessing_context='fork' or num_workers=0, which need no shared memory")
 
 
-class SharedMemoryError(RuntimeError):
+class SharedMemoryError(GpucacheError, RuntimeError):
     """Not enough room (or no permission) to place a store in shared memory."""
 
 

@@ -16,7 +16,7 @@ from gpucache import transforms as T# noqa: E402
 from gpucache.decode import dali_available# noqa: E402
 from gpucache.decode._batched import default_decoder, make_decoder# noqa: E402
 from gpucache.decode._core import decode_batch# noqa: E402
-from gpucache.decode.nvjpeg import NvjpegBackend# noqa: E402
+from gpucache.decode._nvjpeg import NvjpegBackend# noqa: E402
 from gpucache.testing import make_jpeg_bytes# noqa: E402
 
 BACKENDS = ["nvjpeg"] + (["dali"] if dali_available() else [])
