@@ -1,0 +1,145 @@
+"""Every ```python block of README.md and the manual (docs/**/*.md) runs as written.
+
+The blocks run in a folder laid out as the manual names its data: ``imagenet/train`` (an
+ImageFolder), ``train.gpucache`` (a saved store), ``shards/train-*.tar`` (WebDataset),
+``lists/train.csv`` and ``beans`` (a Hugging Face ``save_to_disk`` folder, made when ``datasets``
+is installed), small photos made here. Each block runs as a script (``__name__ == "__main__"``,
+``sys.argv[1:] == ["imagenet/train"]``, its own globals: a block stands alone), all in one child
+process, one after another. A comment line right before a block's fence says how it runs instead:
+
+- ``<!-- needs: torchrun -->``: under ``torchrun --standalone --nproc_per_node=2`` on the CPU (gloo);
+- ``<!-- needs: gpu -->``: only where CUDA is present;
+- ``<!-- not run: signature -->``: a signature listing, not a program.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpucache import JpegCache
+from gpucache.testing import make_jpeg_bytes, make_jpeg_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+BLOCK = re.compile(r"(?:^<!-- (?P<mark>[^>]*?) -->\n)?^```python\n(?P<code>.*?)^```", re.S | re.M)
+
+_DRIVER = r'''
+import json, runpy, sys, traceback
+blocks = json.loads(sys.stdin.read())
+for name, path in blocks:
+    sys.argv = [path, "imagenet/train"]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except BaseException:
+        print(f"BLOCK FAILED: {name}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    print(f"ran {name}", flush=True)
+'''
+
+
+def blocks() -> list[tuple[str, str, str]]:
+    """(page, mark, code) of every python block, in page order; ``page`` names the line."""
+    out = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in BLOCK.finditer(text):
+            line = text.count("\n", 0, m.start("code"))
+            out.append((f"{page.relative_to(ROOT)}:{line}", m.group("mark") or "", m.group("code")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """The folder the blocks run in, with the data the manual names."""
+    base = tmp_path_factory.mktemp("project")
+    root = make_jpeg_folder(base / "imagenet" / "train", 12, classes=("ants", "bees"), seed=5)
+    JpegCache.from_folder(root, progress=False).save(base / "train.gpucache")
+    (base / "shards").mkdir()
+    with tarfile.open(base / "shards" / "train-000000.tar", "w") as tar:
+        for k in range(6):
+            for ext, data in (("jpg", make_jpeg_bytes(48, 32, seed=k)), ("cls", str(k % 2).encode())):
+                info = tarfile.TarInfo(f"{k:06d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (base / "lists").mkdir()
+    rows = [f"../imagenet/train/{p.parent.name}/{p.name},{p.parent.name}"
+            for p in sorted(root.glob("*/*.jpg"))]
+    (base / "lists" / "train.csv").write_text("path,label\n" + "\n".join(rows) + "\n")
+    try:
+        import datasets
+    except ImportError:
+        pass
+    else:
+        files = sorted(root.glob("*/*.jpg"))
+        ds = datasets.Dataset.from_dict(
+            {"image": [str(p) for p in files], "label": [int(p.parent.name == "bees") for p in files]},
+            features=datasets.Features({"image": datasets.Image(),
+                                        "label": datasets.ClassLabel(names=["ants", "bees"])}))
+        datasets.DatasetDict({"train": ds}).save_to_disk(str(base / "beans"))
+    return base
+
+
+def _env(base: Path) -> dict:
+    env = {**os.environ, "TMPDIR": str(base), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    return env
+
+
+def _write(base: Path, i: int, code: str) -> str:
+    path = base / "blocks" / f"block{i:02d}.py"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(code)
+    return str(path)
+
+
+def test_every_block_is_runnable_or_marked():
+    found = blocks()
+    assert len(found) >= 10
+    for where, mark, code in found:
+        assert mark in ("", "needs: torchrun", "needs: gpu", "not run: signature"), (where, mark)
+        if mark == "not run: signature":
+            continue
+        tree = ast.parse(code, where)  # a syntax error fails here, whatever the mark
+        statements = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        for node in ast.walk(tree):  # `...` as a statement ("your step here") is fine
+            assert not (isinstance(node, ast.Constant) and node.value is Ellipsis
+                        and id(node) not in statements), (
+                f"{where}: `...` stands in for a value (line {node.lineno}): it does not run "
+                "as written")
+
+
+def test_python_blocks_run_as_written(project):
+    plain = [(where, code) for where, mark, code in blocks()
+             if mark == "" or mark == "needs: gpu" and torch.cuda.is_available()]
+    todo = [(where, _write(project, i, code)) for i, (where, code) in enumerate(plain)]
+    if not (project / "beans").exists():
+        todo = [(w, p) for w, p in todo if "load_from_disk(\"beans\")" not in Path(p).read_text()]
+    run = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps(todo), cwd=project,
+                         env=_env(project), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    assert run.stdout.count("ran ") == len(todo), run.stdout
+
+
+def test_torchrun_blocks_run_on_two_cpu_ranks(project):
+    launched = [(where, code) for where, mark, code in blocks() if mark == "needs: torchrun"]
+    assert launched, "the manual shows torchrun code"
+    for i, (where, code) in enumerate(launched):
+        path = _write(project, 50 + i, code)
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc_per_node=2", path, "imagenet/train"], cwd=project,
+                             env={**_env(project), "CUDA_VISIBLE_DEVICES": ""},
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, f"{where}\n{run.stderr[-6000:]}"
