@@ -63,7 +63,15 @@ def _labels_from_column(values: Sequence[str], classes: Sequence[str] | None
 
 def from_csv(cls, path: str | os.PathLike, *, classes: Sequence[str] | None = None,
              delimiter: str = ",", header: bool | None = None, **build_kw):
-    """Rows ``path,label[,metadata]``; relative paths are taken against the CSV's folder.
+    """The files a CSV lists (see :func:`read_csv`), built into a store."""
+    return build(cls, *read_csv(path, classes=classes, delimiter=delimiter, header=header),
+                 **build_kw)
+
+
+def read_csv(path: str | os.PathLike, *, classes: Sequence[str] | None = None,
+             delimiter: str = ",", header: bool | None = None):
+    """``(files, labels, classes, metadata)`` of a CSV's rows ``path,label[,metadata]``; relative
+    paths are taken against the CSV's folder.
 
     Labels are ints (empty = unlabeled) or class names (mapped to ``classes``, or to the sorted
     names found). ``header=None`` skips a first row whose label cell is ``label``/``class``."""
@@ -82,7 +90,7 @@ def from_csv(cls, path: str | os.PathLike, *, classes: Sequence[str] | None = No
     labels, names = _labels_from_column([r[1] if len(r) > 1 else "" for r in rows], classes)
     labels, names = check_labels(len(files), labels, names)
     meta = [r[2] if len(r) > 2 else "" for r in rows] if any(len(r) > 2 for r in rows) else None
-    return build(cls, files, labels, names, meta, **build_kw)
+    return files, labels, names, meta
 
 
 def _split_key(name: str) -> tuple[str, str]:

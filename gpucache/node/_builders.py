@@ -76,41 +76,72 @@ def from_files(cls, paths: Sequence[str | os.PathLike], labels: Sequence[int] | 
     return cache
 
 
-def from_csv(cls, path: str | os.PathLike, *, classes: Sequence[str] | None = None,
-             delimiter: str = ",", header: bool | None = None,
-             on_error: Literal["skip", "raise"] = "skip", num_threads: int | None = None,
-             progress: bool = True, **build_options) -> JpegCache:
-    """``JpegCache.from_csv`` (see its docstring)."""
+def from_csv(cls, path, *, classes=None, delimiter=",", header=None, on_error="skip",
+             num_threads=None, progress=True, max_pixels=DEFAULT_MAX_PIXELS, cache_dir=None,
+             cache_max_bytes=None, restart_markers=False, max_side=None, jpeg_quality=None):
+    """``JpegCache.from_csv`` (see its docstring): the CSV read once, the files it lists built
+    (once per node with ``cache_dir`` or several ranks, keyed on those files)."""
+    from ..ingest._build import build
+    from ..ingest._sources import read_csv
+    from ._cache import built_once
+
+    options = (on_error, max_pixels, restart_markers, max_side, jpeg_quality)
+
+    def scan():
+        files, labels, names, meta = read_csv(path, classes=classes, delimiter=delimiter,
+                                              header=header)
+        return files, (labels, names, meta, *options)
+
+    cache = built_once(cls, scan, lambda files, extra, on_progress: build(
+        cls, files, extra[0], extra[1], extra[2], on_error=on_error, num_threads=num_threads,
+        progress=progress, max_pixels=max_pixels, on_progress=on_progress,
+        restart_markers=restart_markers, max_side=max_side, jpeg_quality=jpeg_quality),
+        (os.path.abspath(path), classes, delimiter, header, *options),
+        cache_dir=cache_dir, max_bytes=cache_max_bytes)
+    cache.max_pixels = max_pixels
+    return cache
+
+
+def from_webdataset(cls, shards, *, classes=None, metadata_ext=None, on_error="skip",
+                    num_threads=None, progress=True, max_pixels=DEFAULT_MAX_PIXELS,
+                    cache_dir=None, cache_max_bytes=None, restart_markers=False, max_side=None,
+                    jpeg_quality=None):
+    """``JpegCache.from_webdataset`` (see its docstring): built once per node with ``cache_dir``
+    or several ranks, keyed on the shard files."""
     from ..ingest import _sources
+    from ._cache import built_once
 
-    return _sources.from_csv(cls, path, classes=classes, delimiter=delimiter, header=header,
-                             on_error=on_error, num_threads=num_threads, progress=progress,
-                             **build_options)
-
-
-def from_webdataset(cls, shards: str | os.PathLike | Sequence[str | os.PathLike], *,
-                    classes: Sequence[str] | None = None, metadata_ext: str | None = None,
-                    on_error: Literal["skip", "raise"] = "skip",
-                    num_threads: int | None = None, progress: bool = True,
-                    **build_options) -> JpegCache:
-    """``JpegCache.from_webdataset`` (see its docstring)."""
-    from ..ingest import _sources
-
-    return _sources.from_webdataset(cls, shards, classes=classes, metadata_ext=metadata_ext,
-                                    on_error=on_error, num_threads=num_threads,
-                                    progress=progress, **build_options)
+    listed = [os.fspath(shards)] if isinstance(shards, (str, os.PathLike)) else \
+        [os.fspath(s) for s in shards]
+    extra = (classes, metadata_ext, on_error, max_pixels, restart_markers, max_side, jpeg_quality)
+    cache = built_once(cls, lambda: (listed, extra), lambda listed, _, on_progress:
+        _sources.from_webdataset(cls, listed, classes=classes, metadata_ext=metadata_ext,
+                                 on_error=on_error, num_threads=num_threads, progress=progress,
+                                 max_pixels=max_pixels, on_progress=on_progress,
+                                 restart_markers=restart_markers, max_side=max_side,
+                                 jpeg_quality=jpeg_quality),
+        ([os.path.abspath(s) for s in listed], *extra),
+        cache_dir=cache_dir, max_bytes=cache_max_bytes)
+    cache.max_pixels = max_pixels
+    return cache
 
 
-def from_hf(cls, dataset, *, image_column: str = "image", label_column: str | None = "label",
-            classes: Sequence[str] | None = None, on_error: Literal["skip", "raise"] = "skip",
-            num_threads: int | None = None, progress: bool = True,
-            **build_options) -> JpegCache:
+def from_hf(cls, dataset, *, image_column="image", label_column="label", classes=None,
+            on_error="skip", num_threads=None, progress=True, max_pixels=DEFAULT_MAX_PIXELS,
+            cache_dir=None, cache_max_bytes=None, restart_markers=False, max_side=None,
+            jpeg_quality=None):
     """``JpegCache.from_hf`` (see its docstring)."""
     from ..ingest import _sources
 
-    return _sources.from_hf(cls, dataset, image_column=image_column,
-                            label_column=label_column, classes=classes, on_error=on_error,
-                            num_threads=num_threads, progress=progress, **build_options)
+    if cache_dir is not None:
+        raise ValueError("cache_dir= needs files to key the saved store on, and a datasets.Dataset "
+                         "is an object: build once, cache.save(path), and JpegCache.open(path) "
+                         "where it is needed.")
+    return _sources.from_hf(cls, dataset, image_column=image_column, label_column=label_column,
+                            classes=classes, on_error=on_error, num_threads=num_threads,
+                            progress=progress, max_pixels=max_pixels,
+                            restart_markers=restart_markers, max_side=max_side,
+                            jpeg_quality=jpeg_quality)
 
 
 _store.BUILDERS.update(from_folder=from_folder, from_files=from_files, from_csv=from_csv,

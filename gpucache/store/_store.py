@@ -146,37 +146,59 @@ class JpegCache:
     @classmethod
     def from_csv(cls, path: str | os.PathLike, *, classes: Sequence[str] | None = None,
                  delimiter: str = ",", header: bool | None = None,
-                 on_error: Literal["skip", "raise"] = "skip", num_threads: int | None = None,
-                 progress: bool = True, **build_options) -> JpegCache:
-        """Pack the files a CSV lists as ``path,label[,metadata]`` (paths relative to the CSV).
-        ``build_options``: ``max_pixels``, ``restart_markers``, ``max_side``, ``jpeg_quality``
-        as in from_folder."""
-        return _builder("from_csv")(cls, path, classes=classes, delimiter=delimiter, header=header,
-                                  on_error=on_error, num_threads=num_threads, progress=progress,
-                                  **build_options)
+                 on_error: Literal["skip", "raise"] = "skip",
+                 num_threads: int | None = None, progress: bool = True,
+                 max_pixels: int | None = DEFAULT_MAX_PIXELS,
+                 cache_dir: str | os.PathLike | None = None,
+                 cache_max_bytes: int | None = None,
+                 restart_markers: bool = False, max_side: int | None = None,
+                 jpeg_quality: int | None = None) -> JpegCache:
+        """Pack the files a CSV lists as ``path,label[,metadata]`` (paths relative to the CSV;
+        labels ints or class names; ``header=None`` skips a first row labelled ``label``/``class``).
+        The build options (``on_error`` to ``jpeg_quality``) as in from_folder; with
+        ``cache_dir`` the store is keyed on the listed files."""
+        return _builder("from_csv")(
+            cls, path, classes=classes, delimiter=delimiter, header=header,
+            on_error=on_error, num_threads=num_threads, progress=progress, max_pixels=max_pixels,
+            cache_dir=cache_dir, cache_max_bytes=cache_max_bytes, restart_markers=restart_markers,
+            max_side=max_side, jpeg_quality=jpeg_quality)
 
     @classmethod
     def from_webdataset(cls, shards: str | os.PathLike | Sequence[str | os.PathLike], *,
                         classes: Sequence[str] | None = None, metadata_ext: str | None = None,
                         on_error: Literal["skip", "raise"] = "skip",
                         num_threads: int | None = None, progress: bool = True,
-                        **build_options) -> JpegCache:
+                        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+                        cache_dir: str | os.PathLike | None = None,
+                        cache_max_bytes: int | None = None,
+                        restart_markers: bool = False, max_side: int | None = None,
+                        jpeg_quality: int | None = None) -> JpegCache:
         """Pack WebDataset tar shards (images and ``.cls`` labels), read in place from the tars;
-        ``build_options`` as in from_csv."""
-        return _builder("from_webdataset")(cls, shards, classes=classes, metadata_ext=metadata_ext,
-                                  on_error=on_error, num_threads=num_threads, progress=progress,
-                                  **build_options)
+        the build options as in from_folder (with ``cache_dir`` keyed on the shard files)."""
+        return _builder("from_webdataset")(
+            cls, shards, classes=classes, metadata_ext=metadata_ext,
+            on_error=on_error, num_threads=num_threads, progress=progress, max_pixels=max_pixels,
+            cache_dir=cache_dir, cache_max_bytes=cache_max_bytes, restart_markers=restart_markers,
+            max_side=max_side, jpeg_quality=jpeg_quality)
 
     @classmethod
     def from_hf(cls, dataset, *, image_column: str = "image", label_column: str | None = "label",
-                classes: Sequence[str] | None = None, on_error: Literal["skip", "raise"] = "skip",
+                classes: Sequence[str] | None = None,
+                on_error: Literal["skip", "raise"] = "skip",
                 num_threads: int | None = None, progress: bool = True,
-                **build_options) -> JpegCache:
+                max_pixels: int | None = DEFAULT_MAX_PIXELS,
+                cache_dir: str | os.PathLike | None = None,
+                cache_max_bytes: int | None = None,
+                restart_markers: bool = False, max_side: int | None = None,
+                jpeg_quality: int | None = None) -> JpegCache:
         """Pack a Hugging Face ``datasets.Dataset``'s ``Image`` column, bytes taken as stored;
-        ``build_options`` as in from_csv."""
-        return _builder("from_hf")(cls, dataset, image_column=image_column,
-                                  label_column=label_column, classes=classes, on_error=on_error,
-                                  num_threads=num_threads, progress=progress, **build_options)
+        the build options as in from_folder (``cache_dir`` is refused: a dataset object has no
+        files to key a saved store on; save the store and open it instead)."""
+        return _builder("from_hf")(
+            cls, dataset, image_column=image_column, label_column=label_column, classes=classes,
+            on_error=on_error, num_threads=num_threads, progress=progress, max_pixels=max_pixels,
+            cache_dir=cache_dir, cache_max_bytes=cache_max_bytes, restart_markers=restart_markers,
+            max_side=max_side, jpeg_quality=jpeg_quality)
 
     @classmethod
     def open(cls, path: str | os.PathLike, *,

@@ -1,0 +1,84 @@
+"""Every builder takes the same keyword-only build options, documented once (from_folder), and
+from_csv / from_webdataset build once per cache folder as from_folder / from_files do."""
+
+from __future__ import annotations
+
+import inspect
+import io
+import tarfile
+
+import pytest
+
+from gpucache import JpegCache
+from gpucache.testing import make_jpeg_bytes
+
+
+BUILDERS = ("from_folder", "from_files", "from_csv", "from_webdataset", "from_hf")
+OPTIONS = ("on_error", "num_threads", "progress", "max_pixels", "cache_dir", "cache_max_bytes",
+           "restart_markers", "max_side", "jpeg_quality")
+
+
+def _options(name: str) -> dict:
+    params = inspect.signature(getattr(JpegCache, name)).parameters
+    assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), name
+    return {k: (p.kind, p.default) for k, p in params.items() if k in OPTIONS}
+
+
+def test_every_builder_takes_the_same_keyword_only_build_options():
+    want = _options("from_folder")
+    assert set(want) == set(OPTIONS)
+    assert all(kind is inspect.Parameter.KEYWORD_ONLY for kind, _ in want.values())
+    for name in BUILDERS:
+        assert _options(name) == want, name
+    doc = JpegCache.from_folder.__doc__
+    for name in ("max_pixels", "cache_dir", "restart_markers", "max_side", "jpeg_quality"):
+        assert name in doc
+
+
+def _files(tmp_path, n=4):
+    paths = []
+    for i in range(n):
+        p = tmp_path / "img" / f"{i}.jpg"
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(make_jpeg_bytes(40 + i, 30, seed=i))
+        paths.append(p)
+    return paths
+
+
+def test_from_csv_builds_once_in_a_cache_dir(tmp_path):
+    paths = _files(tmp_path)
+    csv = tmp_path / "list.csv"
+    csv.write_text("".join(f"img/{p.name},{i % 2}\n" for i, p in enumerate(paths)))
+    cdir = tmp_path / "cache"
+    first = JpegCache.from_csv(csv, cache_dir=cdir, progress=False)
+    stores = sorted(cdir.glob("*.gpucache"))
+    assert len(stores) == 1 and len(first) == 4
+    again = JpegCache.from_csv(csv, cache_dir=cdir, progress=False)
+    assert sorted(cdir.glob("*.gpucache")) == stores
+    assert again.labels.tolist() == first.labels.tolist() == [0, 1, 0, 1]
+    plain = JpegCache.from_csv(csv, progress=False, max_side=None)  # in memory, as before
+    assert plain.labels.tolist() == [0, 1, 0, 1]
+
+
+def test_from_webdataset_builds_once_in_a_cache_dir(tmp_path):
+    shard = tmp_path / "shard-0.tar"
+    with tarfile.open(shard, "w") as tf:
+        for i in range(3):
+            for ext, data in (("jpg", make_jpeg_bytes(32, 24, seed=i)), ("cls", str(i).encode())):
+                info = tarfile.TarInfo(f"k{i}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    cdir = tmp_path / "cache"
+    first = JpegCache.from_webdataset(shard, cache_dir=cdir, progress=False)
+    assert len(list(cdir.glob("*.gpucache"))) == 1 and first.labels.tolist() == [0, 1, 2]
+    again = JpegCache.from_webdataset([shard], cache_dir=cdir, progress=False)
+    assert len(list(cdir.glob("*.gpucache"))) == 1 and len(again) == 3
+
+
+def test_from_hf_refuses_a_cache_dir_with_the_fix(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"image": [{"bytes": make_jpeg_bytes(20, 20), "path": None}],
+                                     "label": [0]}).cast_column("image", datasets.Image())
+    with pytest.raises(ValueError, match="cache.save"):
+        JpegCache.from_hf(ds, cache_dir=tmp_path)
+    assert len(JpegCache.from_hf(ds, progress=False)) == 1
