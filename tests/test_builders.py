@@ -82,3 +82,20 @@ def test_from_hf_refuses_a_cache_dir_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match="cache.save"):
         JpegCache.from_hf(ds, cache_dir=tmp_path)
     assert len(JpegCache.from_hf(ds, progress=False)) == 1
+
+
+def test_cli_build_uses_the_python_names_and_takes_the_source_options(tmp_path, capsys):
+    from gpucache.cli import main
+
+    paths = _files(tmp_path)
+    csv = tmp_path / "list.csv"
+    csv.write_text("".join(f"img/{p.name};{i % 2}\n" for i, p in enumerate(paths)))
+    out, cdir = tmp_path / "s.gpucache", tmp_path / "cache"
+    for threads in (["--num-threads", "2"], ["--threads", "2"], ["-j", "2"]):
+        assert main(["build", "--csv", str(csv), "--delimiter", ";", "-o", str(out),
+                     "--cache-dir", str(cdir), "--max-pixels", "none", *threads]) == 0
+        assert JpegCache.open(out).labels.tolist() == [0, 1, 0, 1]
+    assert len(list(cdir.glob("*.gpucache"))) == 1  # built once, then reused
+    assert main(["verify", str(out), "--num-threads", "1", "--no-decode"]) == 0
+    with pytest.raises(SystemExit):
+        main(["build", "--csv", str(csv), "-o", str(out), "--max-pixels", "0"])

@@ -6,11 +6,10 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from . import _cache as _cache_cli
+from . import _build as _build_cli, _cache as _cache_cli
 from .. import bench
 from .._errors import GpucacheError
 from ..ingest._resize import SECTION as RESIZED, max_side_of, resized
@@ -24,20 +23,13 @@ DESCRIPTION = ("gpucache build | info | verify | bench | cache: pack images into
 
 
 def _build(args) -> int:
-    from ..ingest._sources import cli_build
-
     t0 = time.perf_counter()
     try:
-        cache = cli_build(args, JpegCache)
-        if cache is None and args.src is None:
+        cache = _build_cli.store_from_args(args, JpegCache)
+        if cache is None:
             print("gpucache build: give an ImageFolder root or one of --csv, --webdataset, --hf",
                   file=sys.stderr)
             return 2
-        if cache is None:
-            cache = JpegCache.from_folder(Path(args.src), on_error=args.on_error,
-                                          num_threads=args.threads, max_side=args.max_side,
-                                          jpeg_quality=args.jpeg_quality,
-                                          restart_markers=args.restart_markers)
     except (ValueError, RuntimeError, MemoryError) as err:  # BuildError; no transcoder (the fix)
         print(err, file=sys.stderr)
         return 1
@@ -94,12 +86,12 @@ def _verify(args) -> int:
 
     t0 = time.perf_counter()
     cache = JpegCache.open(args.file)
-    problems = verify.check_checksums(cache, threads=args.threads)
+    problems = verify.check_checksums(cache, threads=args.num_threads)
     checked = "checksums ok" if not problems else f"{len(problems)} checksum problem(s)"
     decoded = ""
     if args.decode:
         warned: list = []
-        failed = verify.check_decodes(cache, threads=args.threads, warned=warned)
+        failed = verify.check_decodes(cache, threads=args.num_threads, warned=warned)
         problems += failed
         decoded = f"; {len(cache) - len(failed)} of {len(cache)} samples decode"
         for w in sorted(warned, key=lambda w: w.index):
@@ -136,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--on-error", choices=("skip", "raise"), default="skip",
                    help="a corrupt, truncated or non-image file: skip it and list it in the "
                         "build report (default), or stop the build with an error naming it")
-    p.add_argument("--threads", type=int, default=None, help="reader threads")
+    _build_cli.add_threads(p, "reader threads (default: every core)")
+    _build_cli.add_options(p)
     p.add_argument("--restart-markers", action="store_true",
                    help="transcode JPEGs losslessly with restart markers: random crops decode "
                         "only their segments (faster CPU crops, about +3%% size; same pixels)")
@@ -155,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_info)
     p = sub.add_parser("verify", help="check every sample's checksum and decode it, on every core")
     p.add_argument("file")
-    p.add_argument("-j", "--threads", type=int, default=None,
-                   help="threads to check with (default: every core)")
+    _build_cli.add_threads(p, "threads to check with (default: every core)")
     p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
                    help="decode every sample too (default; --no-decode: checksums only)")
     p.set_defaults(func=_verify)

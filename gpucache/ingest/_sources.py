@@ -272,27 +272,3 @@ def from_files(cls, items: Sequence, labels, metadata, *, classes, **build_kw):
                          "give one string per item (or metadata=None).")
     return build(cls, [as_input(x, i) for i, x in enumerate(items)], labels_arr, names,
                  None if metadata is None else [str(m) for m in metadata], **build_kw)
-
-
-def cli_build(args, cls):
-    """The store for ``gpucache build --csv/--webdataset/--hf`` (None for an ImageFolder root)."""
-    kw = dict(on_error=args.on_error, num_threads=args.threads,
-              restart_markers=getattr(args, "restart_markers", False),
-              max_side=getattr(args, "max_side", None),
-              jpeg_quality=getattr(args, "jpeg_quality", None))
-    if getattr(args, "csv", None):
-        return from_csv(cls, args.csv, progress=True, **kw)
-    if getattr(args, "webdataset", None):
-        return from_webdataset(cls, args.webdataset, **kw)
-    if getattr(args, "hf", None):
-        import datasets
-
-        if os.path.isdir(args.hf):
-            ds = datasets.load_from_disk(args.hf)
-        else:
-            ds = datasets.load_dataset(args.hf, split=args.hf_split)
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[args.hf_split]
-        return from_hf(cls, ds, image_column=args.hf_image_column, **kw)
-    return None
-

@@ -26,7 +26,7 @@ MORE = ("more memory (a higher address-space limit, RLIMIT_AS / ulimit -v, or th
 FIX = (f"use fewer workers (num_workers=), a smaller batch_size or prefetch_factor, or give "
        f"each process {MORE}")
 #: ... and when a build (sniff, re-encode, restart markers) or a verify does.
-BUILD_FIX = f"use fewer threads (num_threads=, --threads), or give the process {MORE}"
+BUILD_FIX = f"use fewer threads (num_threads=, --num-threads), or give the process {MORE}"
 _SAID = ("can't allocate memory", "Cannot allocate memory", "not enough memory",
          "Insufficient memory", "out of memory")
 
