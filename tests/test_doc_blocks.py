@@ -10,6 +10,9 @@ process, one after another. A comment line right before a block's fence says how
 - ``<!-- needs: torchrun -->``: under ``torchrun --standalone --nproc_per_node=2`` on the CPU (gloo);
 - ``<!-- needs: gpu -->``: only where CUDA is present;
 - ``<!-- not run: signature -->``: a signature listing, not a program.
+
+A ```bash block whose every command is a ``gpucache`` command runs too, line by line, in the same
+folder; other shell blocks (pip, torchrun, mkdocs) are not run here.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from gpucache.testing import make_jpeg_bytes, make_jpeg_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+SHELL = re.compile(r"^```bash\n(?P<code>.*?)^```", re.S | re.M)
 BLOCK = re.compile(r"(?:^<!-- (?P<mark>[^>]*?) -->\n)?^```python\n(?P<code>.*?)^```", re.S | re.M)
 
 _DRIVER = r'''
@@ -143,3 +147,31 @@ def test_torchrun_blocks_run_on_two_cpu_ranks(project):
                              env={**_env(project), "CUDA_VISIBLE_DEVICES": ""},
                              capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, f"{where}\n{run.stderr[-6000:]}"
+
+
+def shell_blocks() -> list[tuple[str, list[str]]]:
+    """(page:line, commands) of every bash block made of gpucache commands only."""
+    out = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in SHELL.finditer(text):
+            lines = [ln.split("  #")[0].strip() for ln in m.group("code").splitlines()]
+            lines = [ln for ln in lines if ln and not ln.startswith("#")]
+            if lines and all(ln.startswith("gpucache ") for ln in lines):
+                where = f"{page.relative_to(ROOT)}:{text.count(chr(10), 0, m.start('code'))}"
+                out.append((where, lines))
+    return out
+
+
+def test_gpucache_shell_blocks_run_as_written(project):
+    found = shell_blocks()
+    assert found, "the manual shows gpucache commands in shell blocks"
+    env = _env(project)
+    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    for where, lines in found:
+        for line in lines:
+            if "--hf " in line and not (project / "beans").exists():
+                continue  # needs the datasets package to make the folder
+            run = subprocess.run(["bash", "-c", line], cwd=project, env=env, capture_output=True,
+                                 text=True, timeout=300)
+            assert run.returncode == 0, f"{where}: {line}\n{run.stderr[-3000:]}"
