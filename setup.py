@@ -16,19 +16,29 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as err:  # noqa: BLE001 - no compiler: install without the extension
-            self.warn(f"gpucache: the region decoder and restart-marker transcoder were not "
-                      f"built ({err}); restart_markers=True will be unavailable")
+            self.warn(
+                f"gpucache: the region decoder and restart-marker transcoder were not "
+                f"built ({err}); restart_markers=True will be unavailable"
+            )
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
         except Exception as err:  # noqa: BLE001 - no libjpeg headers
-            self.warn(f"gpucache: {ext.name} was not built ({err}); "
-                      "restart_markers=True will be unavailable")
+            self.warn(
+                f"gpucache: {ext.name} was not built ({err}); "
+                "restart_markers=True will be unavailable"
+            )
 
 
 setup(
-    ext_modules=[Extension("gpucache._jpeg_regions", ["gpucache/_jpeg_regions.c"],
-                           libraries=["jpeg"], optional=True)],
+    ext_modules=[
+        Extension(
+            "gpucache._jpeg_regions",
+            ["gpucache/_jpeg_regions.c"],
+            libraries=["jpeg"],
+            optional=True,
+        )
+    ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -43,10 +43,10 @@ from gpucache import JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode._batched import make_decoder, orient, torchvision_decoder  # noqa: E402
 from gpucache.decode._core import apply_plan, decode_batch, decode_sample  # noqa: E402
-from tests.support.emulated_cuda import EmulatedCuda  # noqa: E402
 from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
 from gpucache.transforms._resample import host_arrays, resample  # noqa: E402
+from tests.support.emulated_cuda import EmulatedCuda  # noqa: E402
 
 GEOMETRY = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])
 NORMALIZE = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -122,8 +122,11 @@ def photos(path: str | None) -> JpegCache:
 
 def _plans(cache: JpegCache, idx: np.ndarray, seed: int) -> np.ndarray:
     s = cache.samples
-    return GEOMETRY.plan(s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
-                         np.random.default_rng(seed))
+    return GEOMETRY.plan(
+        s["height"][idx].astype(np.int64),
+        s["width"][idx].astype(np.int64),
+        np.random.default_rng(seed),
+    )
 
 
 def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3) -> dict:
@@ -139,7 +142,7 @@ def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3
         decoder = make_decoder("counted", dev, counter.pause(tv.decode), applies_exif=False)
         backend = NvjpegBackend(cache, device=dev, on_error="skip", decoder=decoder)
         for b in range(batches):
-            idx = idx_all[b * batch:(b + 1) * batch]
+            idx = idx_all[b * batch : (b + 1) * batch]
             plans = _plans(cache, idx, b)
             counter.reset()
             if per_image:
@@ -150,8 +153,12 @@ def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3
                         imgs = decoder.decode(data)
                     streams.adopt(imgs)
                     o = cache.samples["orientation"]
-                    out = torch.stack([apply_plan(orient(im, o[i]), p).to(dev)
-                                       for im, i, p in zip(imgs, idx.tolist(), plans)])
+                    out = torch.stack(
+                        [
+                            apply_plan(orient(im, o[i]), p).to(dev)
+                            for im, i, p in zip(imgs, idx.tolist(), plans)
+                        ]
+                    )
                     done = streams.record()
                 streams.hand_over(done, [out])
             else:
@@ -162,9 +169,11 @@ def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3
                 totals.append(counter.total)
             by_op = dict(counter.counts)
         backend.close()
-    return {"ops_per_batch": int(statistics.median(totals)),
-            "ops_per_image": statistics.median(totals) / batch,
-            "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:8])}
+    return {
+        "ops_per_batch": int(statistics.median(totals)),
+        "ops_per_image": statistics.median(totals) / batch,
+        "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:8]),
+    }
 
 
 #: Host time a kernel launch costs on CUDA (dispatch + launch), the figure the model uses.
@@ -179,8 +188,9 @@ def host_time(cache: JpegCache, batch: int, rounds: int) -> dict:
     idx = np.resize(np.arange(len(cache)), batch)
     s = cache.samples
     shapes = np.stack([s["height"][idx], s["width"][idx]], axis=1).astype(np.int64)
-    strides = np.stack([shapes[:, 0] * shapes[:, 1], shapes[:, 1], np.ones(batch, np.int64)],
-                       axis=1)
+    strides = np.stack(
+        [shapes[:, 0] * shapes[:, 1], shapes[:, 1], np.ones(batch, np.int64)], axis=1
+    )
     plans = _plans(cache, idx, 0)
     times = []
     for _ in range(rounds + 1):
@@ -193,13 +203,13 @@ def host_time(cache: JpegCache, batch: int, rounds: int) -> dict:
 def float_plan(img: torch.Tensor, plan) -> torch.Tensor:
     """apply_plan's arithmetic on a CUDA device (float resize, rounded), on a CPU tensor."""
     t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan)
-    x = img[:, t1:t1 + h1, l1:l1 + w1]
+    x = img[:, t1 : t1 + h1, l1 : l1 + w1]
     if (rh, rw) != (h1, w1):
         x = F.interpolate(x[None].float(), size=(rh, rw), mode="bilinear", antialias=True)[0]
         x = x.round_().clamp_(0, 255).to(torch.uint8)
     if (t2, l2, h2, w2) != (0, 0, rh, rw):
         x = F.pad(x, (max(0, -l2), max(0, l2 + w2 - rw), max(0, -t2), max(0, t2 + h2 - rh)))
-        x = x[:, max(t2, 0):max(t2, 0) + h2, max(l2, 0):max(l2, 0) + w2]
+        x = x[:, max(t2, 0) : max(t2, 0) + h2, max(l2, 0) : max(l2, 0) + w2]
     return x.flip(-1) if flip else x
 
 
@@ -216,9 +226,14 @@ def pixels(cache: JpegCache) -> dict:
         for name, ref in (("float", ref_float), ("uint8", ref_uint8)):
             d = (got.int() - ref.int()).abs()
             out[name].append((int(d.max()), float((d > 0).float().mean()), float(d.float().mean())))
-    return {name: {"max_levels": max(r[0] for r in rows),
-                   "share_differing": max(r[1] for r in rows),
-                   "mean_levels": max(r[2] for r in rows)} for name, rows in out.items()}
+    return {
+        name: {
+            "max_levels": max(r[0] for r in rows),
+            "share_differing": max(r[1] for r in rows),
+            "mean_levels": max(r[2] for r in rows),
+        }
+        for name, rows in out.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -233,8 +248,10 @@ def main(argv: list[str] | None = None) -> dict:
     cache = photos(args.photos)
     result: dict = {"photos": len(cache), "ops": {}, "host_us_per_image": {}}
     print(f"{len(cache)} photos; RandomResizedCrop(224) + flip + Normalize")
-    print(f"{'batch':>6} {'path':>10} {'ops/batch':>10} {'ops/image':>10} {'numpy us/img':>13} "
-          f"{'model us/img':>13}")
+    print(
+        f"{'batch':>6} {'path':>10} {'ops/batch':>10} {'ops/image':>10} {'numpy us/img':>13} "
+        f"{'model us/img':>13}"
+    )
     for batch in args.batches:
         numpy_us = host_time(cache, batch, args.rounds)["numpy_us_per_image"]
         for path in ("per_image", "batched"):
@@ -243,14 +260,21 @@ def main(argv: list[str] | None = None) -> dict:
             model = prep + ops["ops_per_image"] * LAUNCH_US
             result["ops"].setdefault(str(batch), {})[path] = ops
             result["host_us_per_image"].setdefault(str(batch), {})[path] = {
-                "numpy": prep, "model": model}
-            print(f"{batch:>6} {path:>10} {ops['ops_per_batch']:>10} "
-                  f"{ops['ops_per_image']:>10.2f} {prep:>13.1f} {model:>13.1f}", flush=True)
+                "numpy": prep,
+                "model": model,
+            }
+            print(
+                f"{batch:>6} {path:>10} {ops['ops_per_batch']:>10} "
+                f"{ops['ops_per_image']:>10.2f} {prep:>13.1f} {model:>13.1f}",
+                flush=True,
+            )
     if not args.skip_pixels:
         result["pixels"] = pixels(cache)
         for name, r in result["pixels"].items():
-            print(f"batched vs per-image {name:>5}: max {r['max_levels']} levels, "
-                  f"{100 * r['share_differing']:.3f}% of values differ, mean {r['mean_levels']:.4f}")
+            print(
+                f"batched vs per-image {name:>5}: max {r['max_levels']} levels, "
+                f"{100 * r['share_differing']:.3f}% of values differ, mean {r['mean_levels']:.4f}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

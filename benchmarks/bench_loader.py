@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GpuCachedLoader against DataLoader peers: the same as ``gpucache bench`` (see README.md here).
 
-    python benchmarks/bench_loader.py --synthetic 2000 --json out.json --plot out.png
+python benchmarks/bench_loader.py --synthetic 2000 --json out.json --plot out.png
 """
 
 import sys

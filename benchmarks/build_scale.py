@@ -86,9 +86,13 @@ def make_tree(root: Path, n: int) -> Path:
 
 def build_once(tree: Path, n: int, src: Path, threads: int, rst: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=str(src))
-    run = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(n), str(threads),
-                          "1" if rst else "0"], env=env, capture_output=True, text=True,
-                         cwd=tree)  # not the repository: "" on sys.path must not shadow src
+    run = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tree), str(n), str(threads), "1" if rst else "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tree,
+    )  # not the repository: "" on sys.path must not shadow src
     if run.returncode:
         raise RuntimeError(f"build of {tree} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -98,8 +102,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="10000,100000", help="comma list of N")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--root", type=Path,
-                    default=Path(tempfile.gettempdir()) / "gpucache-build-scale")
+    ap.add_argument(
+        "--root", type=Path, default=Path(tempfile.gettempdir()) / "gpucache-build-scale"
+    )
     ap.add_argument("--src", type=Path, default=REPO, help="the gpucache tree to import")
     ap.add_argument("--threads", type=int, default=0, help="num_threads (0: the default)")
     ap.add_argument("--restart-markers", action="store_true")
@@ -112,18 +117,30 @@ def main() -> None:
     for n in (int(x) for x in args.sizes.split(",")):
         tree = make_tree(args.root, n)
         build_once(tree, n, args.src, args.threads, args.restart_markers)  # warm-up
-        runs = [build_once(tree, n, args.src, args.threads, args.restart_markers)
-                for _ in range(args.repeat)]
+        runs = [
+            build_once(tree, n, args.src, args.threads, args.restart_markers)
+            for _ in range(args.repeat)
+        ]
         s = statistics.median(r["s"] for r in runs)
         cpu = statistics.median(r["cpu_s"] for r in runs)
         peak = statistics.median(r["peak_beyond"] for r in runs)
         left = statistics.median(r["left_beyond"] for r in runs)
-        row = {"n": n, "s": s, "cpu_s": cpu, "files_per_s": n / s, "peak_beyond_per_sample": peak / n,
-               "left_beyond_per_sample": left / n, "data": runs[0]["data"], "runs": runs}
+        row = {
+            "n": n,
+            "s": s,
+            "cpu_s": cpu,
+            "files_per_s": n / s,
+            "peak_beyond_per_sample": peak / n,
+            "left_beyond_per_sample": left / n,
+            "data": runs[0]["data"],
+            "runs": runs,
+        }
         rows.append(row)
-        print(f"| {n:,} | {s:.2f} ({n / s / 1000:.1f}k) | {cpu:.2f} | {peak / 2**20:,.1f} MiB "
-              f"({peak / n:,.0f} B/sample) | {left / 2**20:,.1f} MiB ({left / n:,.0f} B/sample) |",
-              flush=True)
+        print(
+            f"| {n:,} | {s:.2f} ({n / s / 1000:.1f}k) | {cpu:.2f} | {peak / 2**20:,.1f} MiB "
+            f"({peak / n:,.0f} B/sample) | {left / 2**20:,.1f} MiB ({left / n:,.0f} B/sample) |",
+            flush=True,
+        )
     print(f"load after: {os.getloadavg()[0]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

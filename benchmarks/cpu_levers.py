@@ -39,19 +39,22 @@ def main() -> None:
 
     from gpucache import JpegCache
     from gpucache import transforms as T
-    from gpucache.ingest._restart import restart_store
     from gpucache.decode import _roi, _roi_rst
     from gpucache.decode._core import apply_plan, decode_batch, decode_sample
+    from gpucache.ingest._restart import restart_store
 
     cache = JpegCache.from_folder(args.src, progress=False)
     ok = np.flatnonzero(cache.gpu_decodable() & (cache.samples["orientation"] == 1))
     idx = np.random.default_rng(0).choice(ok, min(args.images, len(ok)), replace=False)
     s = cache.samples
     plans = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()]).plan(
-        s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
-        np.random.default_rng(0))
-    pil_t = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(),
-                        v2.PILToTensor()])
+        s["height"][idx].astype(np.int64),
+        s["width"][idx].astype(np.int64),
+        np.random.default_rng(0),
+    )
+    pil_t = v2.Compose(
+        [v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor()]
+    )
 
     def pil():
         for i in idx:
@@ -72,12 +75,14 @@ def main() -> None:
                 run()
             finally:
                 _roi.USE_C = True
+
         return wrapped
 
     def batch(store, exact=True):
         def run():
             out = decode_batch(store, idx, plans, on_error="raise", stack=True, exact=exact)
             assert out.images.shape == (len(idx), 3, 224, 224)
+
         return run
 
     rows = {"pil (DataLoader+PIL per-image work)": pil, "gpucache full decode + plan": ours}
@@ -108,20 +113,26 @@ def main() -> None:
 
         def simple(fast=False):
             for i, p in zip(idx, plans):
-                a = simplejpeg.decode_jpeg(cache[i], colorspace="RGB", fastdct=fast,
-                                           fastupsample=fast)
+                a = simplejpeg.decode_jpeg(
+                    cache[i], colorspace="RGB", fastdct=fast, fastupsample=fast
+                )
                 assert apply_plan(torch.from_numpy(a).permute(2, 0, 1), p).shape == (3, 224, 224)
 
         def half():
             for i in idx:
                 h, w = int(s["height"][i]), int(s["width"][i])
-                simplejpeg.decode_jpeg(cache[i], colorspace="RGB", min_height=-(-h // 2),
-                                       min_width=-(-w // 2))
+                simplejpeg.decode_jpeg(
+                    cache[i], colorspace="RGB", min_height=-(-h // 2), min_width=-(-w // 2)
+                )
 
-        rows.update({"simplejpeg decode + plan": simple,
-                     "simplejpeg fast DCT/upsampling + plan": lambda: simple(True),
-                     "simplejpeg decode only": lambda: simple_decode(simplejpeg, cache, idx),
-                     "simplejpeg 1/2-scale decode only": half})
+        rows.update(
+            {
+                "simplejpeg decode + plan": simple,
+                "simplejpeg fast DCT/upsampling + plan": lambda: simple(True),
+                "simplejpeg decode only": lambda: simple_decode(simplejpeg, cache, idx),
+                "simplejpeg 1/2-scale decode only": half,
+            }
+        )
     times: dict[str, list[float]] = {k: [] for k in rows}
     for _ in range(args.rounds):
         for name, f in rows.items():
@@ -129,15 +140,19 @@ def main() -> None:
             f()
             times[name].append((time.process_time() - t0) / len(idx) * 1e3)
     base = np.median(times[next(iter(rows))])
-    print(f"{len(idx)} images from {args.src}, one core, CPU time, median of {args.rounds} "
-          "interleaved rounds")
+    print(
+        f"{len(idx)} images from {args.src}, one core, CPU time, median of {args.rounds} "
+        "interleaved rounds"
+    )
     print(f"{'variant':42} {'ms/image':>9} {'img/s':>7} {'vs pil':>7}")
     for name, t in times.items():
         m = float(np.median(t))
         print(f"{name:42} {m:9.2f} {1e3 / m:7.0f} {base / m:7.2f}x")
     k = [_scale(p) for p in plans]
-    print(f"RandomResizedCrop(224) samples whose crop allows a 1/2-scale decode: "
-          f"{sum(x > 1 for x in k)} of {len(k)}")
+    print(
+        f"RandomResizedCrop(224) samples whose crop allows a 1/2-scale decode: "
+        f"{sum(x > 1 for x in k)} of {len(k)}"
+    )
 
 
 def simple_decode(simplejpeg, cache, idx) -> None:

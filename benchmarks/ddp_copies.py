@@ -48,20 +48,47 @@ BATCH = 8
 
 
 def _batches(images: int, ranks: int) -> int:
-    return -(-(-(-images // ranks)) // BATCH)  # per rank and epoch (the sampler pads the last)
+    per_rank = -(-images // ranks)  # the sampler pads the last
+    return -(-per_rank // BATCH)  # per rank and epoch
 
 
 def _pss(base: Path, ranks: int, context: str, repeat: int, epochs: int) -> dict:
     record = base / f"rec-{context}-{ranks}-{repeat}"
     record.mkdir()
-    env = dict(os.environ, TMPDIR=str(base), MALLOC_MMAP_THRESHOLD_="65536",
-               MALLOC_TRIM_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        TMPDIR=str(base),
+        MALLOC_MMAP_THRESHOLD_="65536",
+        MALLOC_TRIM_THRESHOLD_="65536",
+        OMP_NUM_THREADS="1",
+    )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={ranks}", "-m", "pipelines.ddp_example",
-                    "--data", str(_data(base, repeat)), "--workers", "2", "--context", context,
-                    "--batch-size", str(BATCH), "--epochs", str(epochs),
-                    "--record", str(record)], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            "-m",
+            "pipelines.ddp_example",
+            "--data",
+            str(_data(base, repeat)),
+            "--workers",
+            "2",
+            "--context",
+            context,
+            "--batch-size",
+            str(BATCH),
+            "--epochs",
+            str(epochs),
+            "--record",
+            str(record),
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     return json.loads((record / "pss.json").read_text())
 
 
@@ -80,12 +107,19 @@ def main() -> None:
                 small = _pss(base, ranks, context, 2, epochs)
                 big = _pss(base, ranks, context, 10, 1)
                 copies = (big["pss"] - small["pss"]) / (big["data"] - small["data"])
-                rows.append({"ranks": ranks, "context": context, "copies": round(copies, 3),
-                             "data_mb": [round(small["data"] / 1e6, 1),
-                                         round(big["data"] / 1e6, 1)]})
-                print(f"{ranks} ranks x 2 workers, {context:10s}: {copies:.3f} copies held "
-                      f"(data {small['data'] / 1e6:.1f} -> {big['data'] / 1e6:.1f} MB)",
-                      flush=True)
+                rows.append(
+                    {
+                        "ranks": ranks,
+                        "context": context,
+                        "copies": round(copies, 3),
+                        "data_mb": [round(small["data"] / 1e6, 1), round(big["data"] / 1e6, 1)],
+                    }
+                )
+                print(
+                    f"{ranks} ranks x 2 workers, {context:10s}: {copies:.3f} copies held "
+                    f"(data {small['data'] / 1e6:.1f} -> {big['data'] / 1e6:.1f} MB)",
+                    flush=True,
+                )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

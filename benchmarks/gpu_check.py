@@ -56,22 +56,28 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.overlap import measure as measure_overlap  # noqa: E402
-from gpucache import GpuCachedLoader, JpegCache# noqa: E402
-from gpucache import transforms as T# noqa: E402
-from gpucache.decode import dali_available, normalize_device# noqa: E402
-from gpucache.decode._batched import default_decoder, orient, torchvision_decoder# noqa: E402
-from tests.support.emulated_cuda import EmulatedCuda# noqa: E402
-from gpucache.decode._core import decode_batch, quiet_torchvision_deprecation# noqa: E402
-from gpucache.decode._nvjpeg import NvjpegBackend# noqa: E402
-from gpucache.testing import cached_jpeg_folder# noqa: E402
+from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
+from gpucache import transforms as T  # noqa: E402
+from gpucache.decode import dali_available, normalize_device  # noqa: E402
+from gpucache.decode._batched import default_decoder, orient, torchvision_decoder  # noqa: E402
+from gpucache.decode._core import decode_batch, quiet_torchvision_deprecation  # noqa: E402
+from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
+from gpucache.testing import cached_jpeg_folder  # noqa: E402
+from tests.support.emulated_cuda import EmulatedCuda  # noqa: E402
 
 TOLERANCE = 3.0  # mean absolute difference in levels, decoder IDCT/upsampling differences
 TRAIN = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])
 VAL = T.Compose([T.Resize(256), T.CenterCrop(224)])
 NORMALIZE = T.Normalize((0.5,) * 3, (0.25,) * 3)
 #: Each part's share of --budget-s (a part runs at least its minimum past it; see the doc).
-SHARES = {"correctness": 0.05, "ordering": 0.07, "rate": 0.06, "cpu rate": 0.06, "overlap": 0.1,
-          "memory": 0.07}
+SHARES = {
+    "correctness": 0.05,
+    "ordering": 0.07,
+    "rate": 0.06,
+    "cpu rate": 0.06,
+    "overlap": 0.1,
+    "memory": 0.07,
+}
 DALI_DISTRIBUTIONS = ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110")
 
 
@@ -81,8 +87,14 @@ class Check:
     def __init__(self, args):
         self.args = args
         self.device = torch.device(args.device)  # as given: the library normalises it
-        self.result: dict = {"emulated": args.emulate, "device": args.device, "parts": {},
-                             "errors": {}, "seconds_per_part": {}, "finished": False}
+        self.result: dict = {
+            "emulated": args.emulate,
+            "device": args.device,
+            "parts": {},
+            "errors": {},
+            "seconds_per_part": {},
+            "finished": False,
+        }
         self.t0 = time.perf_counter()
 
     def deadline(self, part: str) -> float:
@@ -106,13 +118,23 @@ class Check:
 
     def backend(self, name: str, *, threaded: bool = True, batch: int | None = None):
         if name == "nvjpeg":
-            return NvjpegBackend(self.cache, device=self.device, on_error="skip",
-                                 decoder=self.decoder(), threaded=threaded)
+            return NvjpegBackend(
+                self.cache,
+                device=self.device,
+                on_error="skip",
+                decoder=self.decoder(),
+                threaded=threaded,
+            )
         from gpucache.decode._dali import DaliBackend
 
-        return DaliBackend(self.cache, device=self.device_for(name),
-                           batch_size=batch or self.args.batch, on_error="skip", seed=0,
-                           num_threads=4)
+        return DaliBackend(
+            self.cache,
+            device=self.device_for(name),
+            batch_size=batch or self.args.batch,
+            on_error="skip",
+            seed=0,
+            num_threads=4,
+        )
 
     def device_for(self, name: str) -> torch.device:
         """DALI cannot run its GPU graph on emulated CUDA: it runs its CPU mode there."""
@@ -120,12 +142,21 @@ class Check:
 
     def batches(self, backend, transform, *, batch: int, seed: int, shuffle: bool = False):
         """(indices as drawn, plans as drawn, Decoded) per batch, two batches in flight."""
-        order = (np.random.default_rng(seed).permutation(len(self.cache)) if shuffle
-                 else np.arange(len(self.cache)))
-        drawn = [order[k:k + batch] for k in range(0, len(order), batch)]
+        order = (
+            np.random.default_rng(seed).permutation(len(self.cache))
+            if shuffle
+            else np.arange(len(self.cache))
+        )
+        drawn = [order[k : k + batch] for k in range(0, len(order), batch)]
         s = self.cache.samples
-        plans = [transform.plan(s["height"][b].astype(np.int64), s["width"][b].astype(np.int64),
-                                np.random.default_rng([seed, k])) for k, b in enumerate(drawn)]
+        plans = [
+            transform.plan(
+                s["height"][b].astype(np.int64),
+                s["width"][b].astype(np.int64),
+                np.random.default_rng([seed, k]),
+            )
+            for k, b in enumerate(drawn)
+        ]
         submitted = 0
         for k in range(len(drawn)):
             while submitted < len(drawn) and submitted < k + 2:
@@ -174,19 +205,29 @@ def env(c: Check) -> dict:
         measured, exif_error = backend.measure_applies_exif(), None  # under the backend's streams
     except Exception as err:  # noqa: BLE001 - a decoder that fails: recorded, the probes still run
         measured, exif_error = None, _first_line(err)
-    out = {"device": (torch.cuda.get_device_name(c.device) if c.device.type == "cuda" else "cpu"),
-           "backend_device": str(backend.device), "current_device": (
-               torch.cuda.current_device() if c.device.type == "cuda" else None),
-           "torch": version("torch"), "torchvision": version("torchvision"),
-           "torchcodec": version("torchcodec"), "dali_version": version(*DALI_DISTRIBUTIONS),
-           "decoder": backend.decoder.name, "decoder_applies_exif": measured,
-           "decoder_error": exif_error,
-           "documented_applies_exif": backend.decoder.applies_exif, "dali": dali_available(),
-           "images": len(c.cache), "rotated": int((c.cache.samples["orientation"] > 1).sum())}
+    out = {
+        "device": (torch.cuda.get_device_name(c.device) if c.device.type == "cuda" else "cpu"),
+        "backend_device": str(backend.device),
+        "current_device": (torch.cuda.current_device() if c.device.type == "cuda" else None),
+        "torch": version("torch"),
+        "torchvision": version("torchvision"),
+        "torchcodec": version("torchcodec"),
+        "dali_version": version(*DALI_DISTRIBUTIONS),
+        "decoder": backend.decoder.name,
+        "decoder_applies_exif": measured,
+        "decoder_error": exif_error,
+        "documented_applies_exif": backend.decoder.applies_exif,
+        "dali": dali_available(),
+        "images": len(c.cache),
+        "rotated": int((c.cache.samples["orientation"] > 1).sum()),
+    }
     backend.close()
     out["probes"] = probe_decoders(c)
-    out["ok"] = (exif_error is None and backend.decoder.applies_exif in (None, measured)
-                 and all(p["ok"] for p in out["probes"].values()))
+    out["ok"] = (
+        exif_error is None
+        and backend.decoder.applies_exif in (None, measured)
+        and all(p["ok"] for p in out["probes"].values())
+    )
     return out
 
 
@@ -225,9 +266,13 @@ def probe_decoders(c: Check) -> dict:
         try:
             (img,) = call()
             c.sync()
-            out[name] = {"ok": normalize_device(img.device) == dev and list(img.shape) == want,
-                         "device": str(img.device), "shape": list(img.shape), "want": want,
-                         "asked": str(dev)}
+            out[name] = {
+                "ok": normalize_device(img.device) == dev and list(img.shape) == want,
+                "device": str(img.device),
+                "shape": list(img.shape),
+                "want": want,
+                "asked": str(dev),
+            }
         except Exception as err:  # noqa: BLE001 - recorded: the run fails on it
             out[name] = {"ok": False, "asked": str(dev), "error": _first_line(err)}
     return out
@@ -254,15 +299,28 @@ def correctness(c: Check, name: str) -> dict:
             if k + 1 == c.args.correctness_batches or time.perf_counter() > deadline:
                 break
         backend.close()
-        out[label] = {"samples": len(diffs), "mean_abs_diff_max": max(diffs, default=0.0),
-                      "mean_abs_diff_median": float(np.median(diffs)) if diffs else 0.0,
-                      "max_abs_diff": max(maxes, default=0.0), "lost_vs_cpu": lost,
-                      "kept_not_cpu": kept, "kept_not_cpu_count": len(kept),
-                      "off_device": sorted(wrong), "gpu_decoded": gpu_decoded,
-                      "gpu_allowed": allowed, "cpu_decoded": cpu_decoded,
-                      "gpu_ok": 0 < gpu_decoded and allowed <= gpu_decoded}
-    out["ok"] = all(v["mean_abs_diff_max"] <= TOLERANCE and not v["lost_vs_cpu"] and v["samples"]
-                    and not v["off_device"] and v["gpu_ok"] for v in out.values())
+        out[label] = {
+            "samples": len(diffs),
+            "mean_abs_diff_max": max(diffs, default=0.0),
+            "mean_abs_diff_median": float(np.median(diffs)) if diffs else 0.0,
+            "max_abs_diff": max(maxes, default=0.0),
+            "lost_vs_cpu": lost,
+            "kept_not_cpu": kept,
+            "kept_not_cpu_count": len(kept),
+            "off_device": sorted(wrong),
+            "gpu_decoded": gpu_decoded,
+            "gpu_allowed": allowed,
+            "cpu_decoded": cpu_decoded,
+            "gpu_ok": 0 < gpu_decoded and allowed <= gpu_decoded,
+        }
+    out["ok"] = all(
+        v["mean_abs_diff_max"] <= TOLERANCE
+        and not v["lost_vs_cpu"]
+        and v["samples"]
+        and not v["off_device"]
+        and v["gpu_ok"]
+        for v in out.values()
+    )
     return out
 
 
@@ -292,10 +350,12 @@ def compare(ref, got) -> dict:
     mine = [p for p, i in enumerate(got_idx) if i in pos]
     rows = [pos[got_idx[p]] for p in mine]
     d = (got.images.cpu().float()[mine] - ref.images.float()[rows]).abs() if mine else None
-    return {"mean_abs_diff": d.mean(dim=(1, 2, 3)).tolist() if d is not None else [],
-            "max_abs_diff": d.max().item() if d is not None and d.numel() else 0.0,
-            "lost_vs_cpu": sorted(set(ref_idx) - set(got_idx)),
-            "kept_not_cpu": sorted(set(got_idx) - set(ref_idx))}
+    return {
+        "mean_abs_diff": d.mean(dim=(1, 2, 3)).tolist() if d is not None else [],
+        "max_abs_diff": d.max().item() if d is not None and d.numel() else 0.0,
+        "lost_vs_cpu": sorted(set(ref_idx) - set(got_idx)),
+        "kept_not_cpu": sorted(set(got_idx) - set(ref_idx)),
+    }
 
 
 def ordering(c: Check, name: str) -> dict:
@@ -328,8 +388,12 @@ def ordering(c: Check, name: str) -> dict:
                 break
     backend.close()
     bad = sum(int(s.item()) != ref[k] for k, s in sums)  # one synchronisation, at the end
-    return {"iterations": done, "mismatches": bad, "busy_side_stream": side is not None,
-            "ok": bad == 0 and done > 0}
+    return {
+        "iterations": done,
+        "mismatches": bad,
+        "busy_side_stream": side is not None,
+        "ok": bad == 0 and done > 0,
+    }
 
 
 def _rate(c: Check, batches, part: str) -> float:
@@ -351,19 +415,34 @@ def _rate(c: Check, batches, part: str) -> float:
 def throughput(c: Check) -> dict:
     out, b = {}, c.args.batch
     for name in c.names:
-        for threaded in ((True, False) if name == "nvjpeg" else (True,)):
+        for threaded in (True, False) if name == "nvjpeg" else (True,):
             be = c.backend(name, threaded=threaded)
-            label = f"gpucache {name}" + ("" if name != "nvjpeg" else
-                                          " threaded" if threaded else " sync")
-            out[label] = _rate(c, lambda e: (d.images for _, _, d in c.batches(
-                be, TRAIN, batch=b, seed=e, shuffle=True)), "rate")
+            label = f"gpucache {name}" + (
+                "" if name != "nvjpeg" else " threaded" if threaded else " sync"
+            )
+            out[label] = _rate(
+                c,
+                lambda e, be=be, b=b: (
+                    d.images for _, _, d in c.batches(be, TRAIN, batch=b, seed=e, shuffle=True)
+                ),
+                "rate",
+            )
             be.close()
     out["torchvision per-image decode"] = _rate(c, lambda e: _per_image(c, e), "rate")
     workers = os.cpu_count() if not c.args.emulate else 1
-    loader = GpuCachedLoader(c.cache, batch_size=b, shuffle=True, seed=0, device="cpu",
-                             backend="cpu", num_workers=workers, transform=TRAIN)
-    out[f"gpucache cpu ({workers} workers)"] = _rate(c, lambda e: (x for x, _ in loader),
-                                                     "cpu rate")
+    loader = GpuCachedLoader(
+        c.cache,
+        batch_size=b,
+        shuffle=True,
+        seed=0,
+        device="cpu",
+        backend="cpu",
+        num_workers=workers,
+        transform=TRAIN,
+    )
+    out[f"gpucache cpu ({workers} workers)"] = _rate(
+        c, lambda e: (x for x, _ in loader), "cpu rate"
+    )
     loader.close()
     return {"img_s": out, "batch": b}
 
@@ -381,10 +460,11 @@ def _per_image(c: Check, epoch: int):
     quiet_torchvision_deprecation()  # torchvision >= 0.29's TorchCodec notice
     for start in range(0, len(order), c.args.batch):
         out = []
-        for i in order[start:start + c.args.batch].tolist():
+        for i in order[start : start + c.args.batch].tolist():
             try:
-                img = torchvision.io.decode_jpeg(c.cache._bytes_tensor(i), device=device,
-                                                 mode=torchvision.io.ImageReadMode.RGB)
+                img = torchvision.io.decode_jpeg(
+                    c.cache._bytes_tensor(i), device=device, mode=torchvision.io.ImageReadMode.RGB
+                )
             except RuntimeError:  # a corrupt sample: skipped, as a training loop would
                 continue
             img = orient(img, c.cache.samples["orientation"][i])
@@ -395,8 +475,14 @@ def _per_image(c: Check, epoch: int):
 
 def overlap(c: Check) -> dict:
     device = torch.device("cpu") if c.args.emulate else c.device  # CPU-sized matmul steps
-    r = measure_overlap(c.cache, device, batch=c.args.batch, runs=c.args.overlap_runs,
-                        step_kind="matmul", deadline=c.deadline("overlap"))
+    r = measure_overlap(
+        c.cache,
+        device,
+        batch=c.args.batch,
+        runs=c.args.overlap_runs,
+        step_kind="matmul",
+        deadline=c.deadline("overlap"),
+    )
     return {k: v for k, v in r.items() if k != "all_s"}
 
 
@@ -421,43 +507,67 @@ def memory(c: Check, name: str) -> dict:
         if time.perf_counter() > deadline and epoch >= 4:
             break
     backend.close()
-    return {"allocated_mib": allocated, "reserved_mib": reserved, "device_used_mib": used,
-            **memory_growth(allocated, reserved, used)}
+    return {
+        "allocated_mib": allocated,
+        "reserved_mib": reserved,
+        "device_used_mib": used,
+        **memory_growth(allocated, reserved, used),
+    }
 
 
 MEMORY_GROWTH_MIB = {"allocated": 16.0, "reserved": 64.0, "used": 64.0}
 
 
-def memory_growth(allocated: list[float], reserved: list[float],
-                  used: list[float] | None = None) -> dict:
+def memory_growth(
+    allocated: list[float], reserved: list[float], used: list[float] | None = None
+) -> dict:
     """Growth after the two warm-up epochs of torch's allocated and reserved memory and of the
     device's used memory (``used``: from ``mem_get_info``); ok within the bounds."""
     if len(allocated) < 3:
-        return {"growth_mib": None, "reserved_growth_mib": None, "used_growth_mib": None,
-                "ok": False, "why": f"{len(allocated)} epochs measured; need 3 or more"}
+        return {
+            "growth_mib": None,
+            "reserved_growth_mib": None,
+            "used_growth_mib": None,
+            "ok": False,
+            "why": f"{len(allocated)} epochs measured; need 3 or more",
+        }
     growth = max(allocated[2:]) - allocated[2]
     r_growth = max(reserved[2:]) - reserved[2]
     u_growth = max(used[2:]) - used[2] if used else None
-    return {"growth_mib": growth, "reserved_growth_mib": r_growth, "used_growth_mib": u_growth,
-            "ok": growth <= MEMORY_GROWTH_MIB["allocated"]
-            and r_growth <= MEMORY_GROWTH_MIB["reserved"]
-            and (u_growth is None or u_growth <= MEMORY_GROWTH_MIB["used"])}
+    return {
+        "growth_mib": growth,
+        "reserved_growth_mib": r_growth,
+        "used_growth_mib": u_growth,
+        "ok": growth <= MEMORY_GROWTH_MIB["allocated"]
+        and r_growth <= MEMORY_GROWTH_MIB["reserved"]
+        and (u_growth is None or u_growth <= MEMORY_GROWTH_MIB["used"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="gpu_check.json")
-    ap.add_argument("--emulate", action="store_true",
-                    help="CPU only: the CUDA code paths on two emulated GPUs (EmulatedCuda)")
-    ap.add_argument("--device", default="cuda",
-                    help="the device as a user passes it: cuda (the current GPU) or cuda:N")
+    ap.add_argument(
+        "--emulate",
+        action="store_true",
+        help="CPU only: the CUDA code paths on two emulated GPUs (EmulatedCuda)",
+    )
+    ap.add_argument(
+        "--device",
+        default="cuda",
+        help="the device as a user passes it: cuda (the current GPU) or cuda:N",
+    )
     ap.add_argument("--images", type=int, help="synthetic photos (1024; 64 emulated)")
     ap.add_argument("--folder", help="an image folder instead of the synthetic photos")
     ap.add_argument("--batch", type=int, help="batch size (256; 16 emulated)")
-    ap.add_argument("--backends", default="nvjpeg,dali",
-                    help="GPU backends to check (dali only when importable)")
-    ap.add_argument("--budget-s", type=float,
-                    help="time for all parts (270; 60 emulated); see SHARES")
+    ap.add_argument(
+        "--backends",
+        default="nvjpeg,dali",
+        help="GPU backends to check (dali only when importable)",
+    )
+    ap.add_argument(
+        "--budget-s", type=float, help="time for all parts (270; 60 emulated); see SHARES"
+    )
     ap.add_argument("--correctness-batches", type=int, default=4)
     ap.add_argument("--iterations", type=int, default=200, help="ordering-stress batches")
     ap.add_argument("--epochs", type=int, default=2, help="timed epochs per contender")
@@ -465,8 +575,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-epochs", type=int, default=20)
     ap.add_argument("--skip", default="", help="parts to leave out, e.g. throughput,overlap")
     args = ap.parse_args(argv)
-    for name, cuda, emulated in (("images", 1024, 64), ("batch", 256, 16),
-                                 ("budget_s", 270.0, 60.0)):
+    for name, cuda, emulated in (
+        ("images", 1024, 64),
+        ("batch", 256, 16),
+        ("budget_s", 270.0, 60.0),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, emulated if args.emulate else cuda)
     c = Check(args)
@@ -474,8 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.emulate and not torch.cuda.is_available():
         c.result["errors"]["start"] = "CUDA is not available here"
         c.write(finished=True)
-        print("gpu_check: CUDA is not available here (use --emulate for the CPU run).",
-              file=sys.stderr)
+        print(
+            "gpu_check: CUDA is not available here (use --emulate for the CPU run).",
+            file=sys.stderr,
+        )
         return 2
     with EmulatedCuda(devices=2) if args.emulate else contextlib.nullcontext():
         return _run(c)
@@ -484,8 +599,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(c: Check) -> int:
     args = c.args
     try:
-        c.cache = JpegCache.from_folder(args.folder or cached_jpeg_folder(args.images, seed=0),
-                                        progress=False)
+        c.cache = JpegCache.from_folder(
+            args.folder or cached_jpeg_folder(args.images, seed=0), progress=False
+        )
     except Exception as err:  # noqa: BLE001 - recorded in the JSON, then the run stops
         c.result["errors"]["start"] = "".join(traceback.format_exception(err))[-3000:]
         c.write(finished=True)
@@ -502,11 +618,18 @@ def _run(c: Check) -> int:
         c.part(f"{name} memory", memory, name)
     c.write(finished=True)
     for name, seconds in c.result["seconds_per_part"].items():
-        state = ("ERROR" if name in c.result["errors"] else
-                 "ok" if c.result["parts"][name].get("ok", True) else "FAIL")
+        state = (
+            "ERROR"
+            if name in c.result["errors"]
+            else "ok"
+            if c.result["parts"][name].get("ok", True)
+            else "FAIL"
+        )
         print(f"  {name:22} {state:5} {seconds:7.1f} s")
-    print(f"{'PASS' if c.result['ok'] else 'FAIL'} in {c.result['seconds']:.0f} s "
-          f"({len(c.result['errors'])} part errors); JSON in {args.json}")
+    print(
+        f"{'PASS' if c.result['ok'] else 'FAIL'} in {c.result['seconds']:.0f} s "
+        f"({len(c.result['errors'])} part errors); JSON in {args.json}"
+    )
     return 0 if c.result["ok"] else 1
 
 

@@ -81,23 +81,44 @@ def main() -> None:
 
         t0 = time.perf_counter()
         built = JpegCache.from_folder(root, cache_dir=cdir, progress=False)
-        print(f"store {built.path.name}: {len(built):,} samples "
-              f"({time.perf_counter() - t0:.1f} s to build or open)")
+        print(
+            f"store {built.path.name}: {len(built):,} samples "
+            f"({time.perf_counter() - t0:.1f} s to build or open)"
+        )
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         script = work / "rank.py"
         script.write_text(RANK)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.ranks}", str(script), str(root), str(cdir), str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.ranks}",
+            str(script),
+            str(root),
+            str(cdir),
+            str(out),
+        ]
         trace = work / "strace.txt"
         if not args.no_strace:
-            cmd = ["strace", "-f", "-qq", "-o", str(trace),
-                   "-e", "trace=stat,lstat,newfstatat,statx", *cmd]
+            cmd = [
+                "strace",
+                "-f",
+                "-qq",
+                "-o",
+                str(trace),
+                "-e",
+                "trace=stat,lstat,newfstatat,statx",
+                *cmd,
+            ]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, env=env, timeout=3600)
-        print(f"torchrun job: {time.perf_counter() - t0:.1f} s wall (with strace: "
-              f"{not args.no_strace})")
+        print(
+            f"torchrun job: {time.perf_counter() - t0:.1f} s wall (with strace: "
+            f"{not args.no_strace})"
+        )
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.ranks)]
         assert {r["path"] for r in ranks} == {str(built.path)}, ranks
         assert {r["n"] for r in ranks} == {len(built)}, ranks
@@ -110,12 +131,16 @@ def main() -> None:
                     sys_stats[int(m[1])] += 1
         print(f"{'rank':>4} {'stat syscalls':>14} {'os.stat':>9} {'os.scandir':>11} {'s':>7}")
         for r, rec in enumerate(ranks):
-            print(f"{r:>4} {sys_stats.get(rec['pid'], 0) if sys_stats else '-':>14} "
-                  f"{rec['stat']:>9,} {rec['scandir']:>11,} {rec['seconds']:>7.2f}")
+            print(
+                f"{r:>4} {sys_stats.get(rec['pid'], 0) if sys_stats else '-':>14} "
+                f"{rec['stat']:>9,} {rec['scandir']:>11,} {rec['seconds']:>7.2f}"
+            )
         total = sum(r["stat"] for r in ranks)
-        print(f"node: {sum(sys_stats.values()) if sys_stats else '-'} stat syscalls under the "
-              f"root from any process, {total:,} os.stat calls for {args.files:,} files "
-              f"({total / args.files:.2f} per file)")
+        print(
+            f"node: {sum(sys_stats.values()) if sys_stats else '-'} stat syscalls under the "
+            f"root from any process, {total:,} os.stat calls for {args.files:,} files "
+            f"({total / args.files:.2f} per file)"
+        )
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpucache import JpegCache# noqa: E402
-from gpucache import transforms as T# noqa: E402
-from gpucache.decode._nvjpeg import NvjpegBackend# noqa: E402
-from gpucache.testing import cached_jpeg_folder# noqa: E402
+from gpucache import JpegCache  # noqa: E402
+from gpucache import transforms as T  # noqa: E402
+from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
+from gpucache.testing import cached_jpeg_folder  # noqa: E402
 
 TRAIN = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])
 
@@ -40,8 +40,14 @@ def sync(device: torch.device) -> None:
 def epoch(backend, cache, batches, step, device: torch.device, ahead: int = 2) -> float:
     """Seconds for one epoch as the loader drives a backend (``ahead`` batches in flight)."""
     s = cache.samples
-    plans = [TRAIN.plan(s["height"][b].astype(np.int64), s["width"][b].astype(np.int64),
-                        np.random.default_rng(k)) for k, b in enumerate(batches)]
+    plans = [
+        TRAIN.plan(
+            s["height"][b].astype(np.int64),
+            s["width"][b].astype(np.int64),
+            np.random.default_rng(k),
+        )
+        for k, b in enumerate(batches)
+    ]
     sync(device)
     t0, submitted = time.perf_counter(), 0
     for b in range(len(batches)):
@@ -81,12 +87,22 @@ def make_step(device: torch.device, seconds: float, kind: str = "matmul"):
     return lambda images=None: run(n, images)
 
 
-def measure(cache, device: torch.device, *, batch: int, runs: int, train_ratio: float = 1.0,
-            step_kind: str = "matmul", deadline: float = float("inf")) -> dict:
+def measure(
+    cache,
+    device: torch.device,
+    *,
+    batch: int,
+    runs: int,
+    train_ratio: float = 1.0,
+    step_kind: str = "matmul",
+    deadline: float = float("inf"),
+) -> dict:
     """Median epoch seconds of decode alone, train alone, sync and threaded; ratios."""
     batches = [np.arange(k, min(k + batch, len(cache))) for k in range(0, len(cache), batch)]
-    backends = {m: NvjpegBackend(cache, device=device, on_error="skip", threaded=m == "threaded")
-                for m in ("sync", "threaded")}
+    backends = {
+        m: NvjpegBackend(cache, device=device, on_error="skip", threaded=m == "threaded")
+        for m in ("sync", "threaded")
+    }
     epoch(backends["sync"], cache, batches, None, device)  # warm-up: decoder, allocator
     per_batch = epoch(backends["sync"], cache, batches, None, device) / len(batches)
     step = make_step(device, per_batch * train_ratio, step_kind)
@@ -108,12 +124,18 @@ def measure(cache, device: torch.device, *, batch: int, runs: int, train_ratio: 
     control = _parallel_control(step, len(batches), device) if step_kind == "matmul" else None
     med = {k: statistics.median(v) for k, v in times.items()}
     bound = max(med["decode"], med["train"])
-    return {"runs": len(times["sync"]), "batches": len(batches), "batch": batch, "step": step_kind,
-            "median_s": med, "all_s": times,
-            "threaded_over_max": med["threaded"] / bound,
-            "sync_over_sum": med["sync"] / (med["decode"] + med["train"]),
-            "speedup_threaded_vs_sync": med["sync"] / med["threaded"],
-            "parallel_control": control}
+    return {
+        "runs": len(times["sync"]),
+        "batches": len(batches),
+        "batch": batch,
+        "step": step_kind,
+        "median_s": med,
+        "all_s": times,
+        "threaded_over_max": med["threaded"] / bound,
+        "sync_over_sum": med["sync"] / (med["decode"] + med["train"]),
+        "speedup_threaded_vs_sync": med["sync"] / med["threaded"],
+        "parallel_control": control,
+    }
 
 
 def _parallel_control(step, n: int, device: torch.device) -> float:
@@ -144,32 +166,51 @@ def main() -> int:
     ap.add_argument("--folder", help="an image folder instead of the synthetic photos")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--train-ratio", type=float, default=1.0,
-                    help="training step time / decode time per batch")
-    ap.add_argument("--step", choices=("matmul", "sleep"), default="matmul",
-                    help="training step: torch matmuls (need a free core), or a GPU-like wait")
+    ap.add_argument(
+        "--train-ratio", type=float, default=1.0, help="training step time / decode time per batch"
+    )
+    ap.add_argument(
+        "--step",
+        choices=("matmul", "sleep"),
+        default="matmul",
+        help="training step: torch matmuls (need a free core), or a GPU-like wait",
+    )
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(1)
     folder = args.folder or cached_jpeg_folder(args.images, seed=0)
     cache = JpegCache.from_folder(folder, progress=False)
     device = torch.device(args.device)
-    r = measure(cache, device, batch=args.batch, runs=args.runs, train_ratio=args.train_ratio,
-                step_kind=args.step)
+    r = measure(
+        cache,
+        device,
+        batch=args.batch,
+        runs=args.runs,
+        train_ratio=args.train_ratio,
+        step_kind=args.step,
+    )
     m = r["median_s"]
-    print(f"{len(cache)} images ({folder}), batch {args.batch}, device {device}, "
-          f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f}), torch threads 1, "
-          f"step {args.step}, medians of {r['runs']} runs")
+    print(
+        f"{len(cache)} images ({folder}), batch {args.batch}, device {device}, "
+        f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f}), torch threads 1, "
+        f"step {args.step}, medians of {r['runs']} runs"
+    )
     print(f"{'epoch':28} {'seconds':>8}")
-    for name, label in (("decode", "decode only"), ("train", "train only"),
-                        ("sync", "sync (decode in submit)"), ("threaded", "threaded (background)")):
+    for name, label in (
+        ("decode", "decode only"),
+        ("train", "train only"),
+        ("sync", "sync (decode in submit)"),
+        ("threaded", "threaded (background)"),
+    ):
         print(f"{label:28} {m[name]:8.3f}")
     print(f"sync / (decode + train)      {r['sync_over_sum']:8.2f}")
     print(f"threaded / max(decode, train) {r['threaded_over_max']:7.2f}")
     print(f"speedup threaded vs sync     {r['speedup_threaded_vs_sync']:8.2f}x")
     if r["parallel_control"] is not None:
-        print(f"control: 2 threads of steps / 1 {r['parallel_control']:7.2f} (1.0: a free core for "
-              "the decode thread; 2.0: none, so CPU work cannot overlap)")
+        print(
+            f"control: 2 threads of steps / 1 {r['parallel_control']:7.2f} (1.0: a free core for "
+            "the decode thread; 2.0: none, so CPU work cannot overlap)"
+        )
     return 0
 
 

@@ -25,11 +25,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, JpegImagePlugin
 
-VARIANTS = {"444q95": {"quality": 95, "subsampling": 0},
-            "420q95": {"quality": 95, "subsampling": 2},
-            "444q90": {"quality": 90, "subsampling": 0},
-            "420q90": {"quality": 90, "subsampling": 2},
-            "420src": {"subsampling": 2}}  # qtables: the source's own, added per photo
+VARIANTS = {
+    "444q95": {"quality": 95, "subsampling": 0},
+    "420q95": {"quality": 95, "subsampling": 2},
+    "444q90": {"quality": 90, "subsampling": 0},
+    "420q90": {"quality": 90, "subsampling": 2},
+    "420src": {"subsampling": 2},
+}  # qtables: the source's own, added per photo
 
 
 def photos(src: Path) -> list[Path]:
@@ -49,15 +51,17 @@ def main(argv=None) -> int:
     files = photos(a.src)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "original.txt").write_text("".join(f"{p}\n" for p in files))
-    rows: dict[str, dict[str, list[float]]] = {v: {"bytes": [], "mad": [], "psnr": []}
-                                                for v in ["original", *VARIANTS]}
+    rows: dict[str, dict[str, list[float]]] = {
+        v: {"bytes": [], "mad": [], "psnr": []} for v in ["original", *VARIANTS]
+    }
     sampling = {0: 0, 1: 0, 2: 0}
     for k, p in enumerate(files):
         data = p.read_bytes()
         with Image.open(io.BytesIO(data)) as im:
             ref = np.asarray(im.convert("RGB"), dtype=np.float64)
-            sampling[JpegImagePlugin.get_sampling(im)] = sampling.get(
-                JpegImagePlugin.get_sampling(im), 0) + 1
+            sampling[JpegImagePlugin.get_sampling(im)] = (
+                sampling.get(JpegImagePlugin.get_sampling(im), 0) + 1
+            )
             tables = im.quantization
             rows["original"]["bytes"].append(len(data))
             for name, kw in VARIANTS.items():
@@ -70,18 +74,23 @@ def main(argv=None) -> int:
                 with Image.open(io.BytesIO(buf.getvalue())) as back:
                     got = np.asarray(back.convert("RGB"), dtype=np.float64)
                 err = np.abs(got - ref)
-                mse = float((err ** 2).mean())
+                mse = float((err**2).mean())
                 rows[name]["bytes"].append(buf.tell())
                 rows[name]["mad"].append(float(err.mean()))
-                rows[name]["psnr"].append(10 * np.log10(255 ** 2 / mse) if mse else 99.0)
+                rows[name]["psnr"].append(10 * np.log10(255**2 / mse) if mse else 99.0)
     for name in VARIANTS:
-        (a.out / f"{name}.txt").write_text("".join(
-            f"{a.out / name / f'{k:05d}.jpg'}\n" for k in range(len(files))))
+        (a.out / f"{name}.txt").write_text(
+            "".join(f"{a.out / name / f'{k:05d}.jpg'}\n" for k in range(len(files)))
+        )
     total = sum(rows["original"]["bytes"])
-    print(f"{len(files)} RGB JPEG photos, {total / 2**20:.1f} MiB; chroma subsampling "
-          f"(PIL codes 0=4:4:4, 1=4:2:2, 2=4:2:0): {sampling}")
-    print(f"{'variant':10} {'bytes':>8} {'MAD median':>11} {'p90':>6} {'max':>6} "
-          f"{'PSNR median':>12} {'min':>6}")
+    print(
+        f"{len(files)} RGB JPEG photos, {total / 2**20:.1f} MiB; chroma subsampling "
+        f"(PIL codes 0=4:4:4, 1=4:2:2, 2=4:2:0): {sampling}"
+    )
+    print(
+        f"{'variant':10} {'bytes':>8} {'MAD median':>11} {'p90':>6} {'max':>6} "
+        f"{'PSNR median':>12} {'min':>6}"
+    )
     summary = {}
     for name, r in rows.items():
         share = sum(r["bytes"]) / total
@@ -89,12 +98,19 @@ def main(argv=None) -> int:
             print(f"{name:10} {share:8.3f}")
             continue
         mad, psnr = np.asarray(r["mad"]), np.asarray(r["psnr"])
-        summary[name] = {"bytes_share": share, "mad_median": float(np.median(mad)),
-                         "mad_p90": float(np.percentile(mad, 90)), "mad_max": float(mad.max()),
-                         "psnr_median": float(np.median(psnr)), "psnr_min": float(psnr.min())}
+        summary[name] = {
+            "bytes_share": share,
+            "mad_median": float(np.median(mad)),
+            "mad_p90": float(np.percentile(mad, 90)),
+            "mad_max": float(mad.max()),
+            "psnr_median": float(np.median(psnr)),
+            "psnr_min": float(psnr.min()),
+        }
         s = summary[name]
-        print(f"{name:10} {share:8.3f} {s['mad_median']:11.2f} {s['mad_p90']:6.2f} "
-              f"{s['mad_max']:6.2f} {s['psnr_median']:12.1f} {s['psnr_min']:6.1f}")
+        print(
+            f"{name:10} {share:8.3f} {s['mad_median']:11.2f} {s['mad_p90']:6.2f} "
+            f"{s['mad_max']:6.2f} {s['psnr_median']:12.1f} {s['psnr_min']:6.1f}"
+        )
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
 

@@ -85,19 +85,33 @@ def run_plan(cache, idx, plans, variants, rounds: int) -> dict:
         _set_variant(*v)
         got, _ = _timed(cache, idx, plans, False)
         per = (got.int() - want.int()).abs().float().mean(dim=(1, 2, 3)).numpy()
-        scales = np.asarray([fast_plan(p, int(s["height"][i]), int(s["width"][i]),
-                                       scalable=True)[1] for p, i in zip(plans.tolist(), idx)])
+        scales = np.asarray(
+            [
+                fast_plan(p, int(s["height"][i]), int(s["width"][i]), scalable=True)[1]
+                for p, i in zip(plans.tolist(), idx)
+            ]
+        )
         worst = np.argsort(per)[::-1][:5]
         q = np.percentile(per, [50, 90, 99, 100])
         rows[_name(v)] = {
-            "scales": {f"1/{d}": int((scales == d).sum()) for d in (1, 2, 4, 8)
-                       if (scales == d).any()},
-            "median": round(float(q[0]), 3), "p90": round(float(q[1]), 3),
-            "p99": round(float(q[2]), 3), "max": round(float(q[3]), 3),
+            "scales": {
+                f"1/{d}": int((scales == d).sum()) for d in (1, 2, 4, 8) if (scales == d).any()
+            },
+            "median": round(float(q[0]), 3),
+            "p90": round(float(q[1]), 3),
+            "p99": round(float(q[2]), 3),
+            "max": round(float(q[3]), 3),
             "over_1.5": int((per > 1.5).sum()),
-            "worst": [{"file": Path(cache.paths[idx[k]]).name, "mean": round(float(per[k]), 3),
-                       "size": [int(s["height"][idx[k]]), int(s["width"][idx[k]])],
-                       "scale": f"1/{scales[k]}"} for k in worst]}
+            "worst": [
+                {
+                    "file": Path(cache.paths[idx[k]]).name,
+                    "mean": round(float(per[k]), 3),
+                    "size": [int(s["height"][idx[k]]), int(s["width"][idx[k]])],
+                    "scale": f"1/{scales[k]}",
+                }
+                for k in worst
+            ],
+        }
         times[_name(v)] = []
     for _ in range(rounds):  # interleaved, so load changes hit every variant alike
         times["exact"].append(_timed(cache, idx, plans, True)[1])
@@ -115,8 +129,9 @@ def run_plan(cache, idx, plans, variants, rounds: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     here = Path(__file__).resolve()
-    ap.add_argument("--photos", type=Path,
-                    default=here.parents[2] / "shared" / "data" / "hymenoptera")
+    ap.add_argument(
+        "--photos", type=Path, default=here.parents[2] / "shared" / "data" / "hymenoptera"
+    )
     ap.add_argument("--images", type=int, default=0, help="photos to take (0: all)")
     ap.add_argument("--mosaics", type=int, default=40)
     ap.add_argument("--seeds", type=int, default=3)
@@ -133,18 +148,22 @@ def main() -> None:
     photos = sorted(p for p in args.photos.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg"))
     if not photos:
         raise SystemExit(f"no JPEG under {args.photos}; give an ImageFolder with --photos")
-    pick = photos if args.images <= 0 else photos[::max(1, len(photos) // args.images)][
-        :args.images]
-    results: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
-                     or platform.machine(), "load": open("/proc/loadavg").read().split()[:3],
-                     "library_variant": _name((_scaled.SCALE_MARGIN, _scaled._CONTEXT,
-                                               _scaled._MAX_SHIFT)),
-                     "seeds": args.seeds, "sets": {}}
-    plans_made = {"eval": T.Compose([T.Resize(256), T.CenterCrop(224)]),
-                  "RandomResizedCrop(224)": T.Compose([T.RandomResizedCrop(224),
-                                                       T.RandomHorizontalFlip()]),
-                  "RandomResizedCrop(32)": T.Compose([T.RandomResizedCrop(32),
-                                                      T.RandomHorizontalFlip()])}
+    pick = (
+        photos if args.images <= 0 else photos[:: max(1, len(photos) // args.images)][: args.images]
+    )
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": platform.processor() or platform.machine(),
+        "load": open("/proc/loadavg").read().split()[:3],
+        "library_variant": _name((_scaled.SCALE_MARGIN, _scaled._CONTEXT, _scaled._MAX_SHIFT)),
+        "seeds": args.seeds,
+        "sets": {},
+    }
+    plans_made = {
+        "eval": T.Compose([T.Resize(256), T.CenterCrop(224)]),
+        "RandomResizedCrop(224)": T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()]),
+        "RandomResizedCrop(32)": T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip()]),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         sets = {"photos": pick, "mosaics 2000x1500": mosaics(photos, args.mosaics, Path(tmp))}
         for name, files in sets.items():
@@ -158,11 +177,14 @@ def main() -> None:
                 row = run_plan(cache, idx, plans, variants, args.rounds)
                 results["sets"][f"{name} {mode}"] = row
                 for v, r in row["variants"].items():
-                    print(f"{name:17s} {mode:22s} {v:5s} {r['scales']}  per-sample mean |diff| "
-                          f"median {r['median']} p90 {r['p90']} p99 {r['p99']} max {r['max']} "
-                          f"({r['worst'][0]['file']} {r['worst'][0]['size']} at "
-                          f"{r['worst'][0]['scale']})  ms {row['ms_exact']} -> {r['ms']} "
-                          f"x{r['speedup']}", flush=True)
+                    print(
+                        f"{name:17s} {mode:22s} {v:5s} {r['scales']}  per-sample mean |diff| "
+                        f"median {r['median']} p90 {r['p90']} p99 {r['p99']} max {r['max']} "
+                        f"({r['worst'][0]['file']} {r['worst'][0]['size']} at "
+                        f"{r['worst'][0]['scale']})  ms {row['ms_exact']} -> {r['ms']} "
+                        f"x{r['speedup']}",
+                        flush=True,
+                    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 

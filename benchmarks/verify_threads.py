@@ -22,8 +22,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="the many-thread side (all cores)")
     args = ap.parse_args()
     from gpucache import JpegCache
-    from gpucache.store._checksum import default_threads
     from gpucache.cli._checks import check_checksums, check_decodes
+    from gpucache.store._checksum import default_threads
 
     many = args.threads or default_threads()
     cache = JpegCache.open(args.store)
@@ -39,14 +39,19 @@ def main() -> None:
                 r1 = resource.getrusage(resource.RUSAGE_SELF)
                 times.setdefault((name, threads), []).append(wall)
                 cpu.setdefault((name, threads), []).append(
-                    (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / wall)
-    print(f"{args.store}: {len(cache)} samples, {cache.nbytes / 2**20:.1f} MiB; "
-          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+                    (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / wall
+                )
+    print(
+        f"{args.store}: {len(cache)} samples, {cache.nbytes / 2**20:.1f} MiB; "
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    )
     for name in ("checksums", "decode"):
         one, all_ = (statistics.median(times[(name, t)]) for t in (1, many))
         busy = statistics.median(cpu[(name, many)])
-        print(f"{name:9s}: 1 thread {one:.3f} s, {many} threads {all_:.3f} s "
-              f"(x{one / all_:.2f}; CPU/wall with {many} threads {busy:.2f})")
+        print(
+            f"{name:9s}: 1 thread {one:.3f} s, {many} threads {all_:.3f} s "
+            f"(x{one / all_:.2f}; CPU/wall with {many} threads {busy:.2f})"
+        )
 
 
 if __name__ == "__main__":

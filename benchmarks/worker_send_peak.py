@@ -36,16 +36,20 @@ def main() -> None:
     ap.add_argument("--side", type=int, default=1000)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    imgs = [torch.from_numpy(np.full((args.side, args.side + 10 * k, 3), k, np.uint8))
-            .permute(2, 0, 1) for k in range(args.images)]
+    imgs = [
+        torch.from_numpy(np.full((args.side, args.side + 10 * k, 3), k, np.uint8)).permute(2, 0, 1)
+        for k in range(args.images)
+    ]
     total = sum(t.numel() for t in imgs)
     base = reset_peak_rss()
     _, data = _result(1, Decoded(imgs, np.arange(args.images)))
     peak = status_bytes("VmHWM") - base
     expected = b"".join(t.contiguous().numpy().tobytes() for t in imgs)
     assert bytes(data) == expected, "the buffer does not hold the images' CHW bytes"
-    print(f"{args.images} images, {total / 2**20:.1f} MiB: the send buffer adds "
-          f"{peak / total:.2f}x the batch at peak")
+    print(
+        f"{args.images} images, {total / 2**20:.1f} MiB: the send buffer adds "
+        f"{peak / total:.2f}x the batch at peak"
+    )
 
 
 if __name__ == "__main__":

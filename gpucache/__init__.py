@@ -4,7 +4,10 @@ The public surface is exactly ``__all__``; modules starting with ``_`` are priva
 """
 
 from . import transforms
+from ._dataset import JpegDataset
 from ._errors import GpucacheError
+from .decode._core import SampleError
+from .decode._workers import WorkerError
 from .ingest._build import (
     BuildError,
     BuildReport,
@@ -13,16 +16,13 @@ from .ingest._build import (
     FileRangeSource,
     Skipped,
 )
-from .store._format import CacheFormatError
-from .loader._loader import BatchInfo, GpuCachedLoader, LoaderStats
-from .store._shm import SharedMemoryError
 from .ingest._sniff import Kind
-from .store._store import JpegCache
+from .loader._loader import BatchInfo, GpuCachedLoader, LoaderStats
 from .node import _builders  # noqa: F401 - the from_* builders of JpegCache (see there)
+from .store._format import CacheFormatError
+from .store._shm import SharedMemoryError
+from .store._store import JpegCache
 from .store._targets import with_targets
-from ._dataset import JpegDataset
-from .decode._workers import WorkerError
-from .decode._core import SampleError
 
 __version__ = "0.1.0"
 
@@ -35,6 +35,7 @@ def __getattr__(name: str):
 
         return importlib.import_module(f"{__name__}.testing")  # then an attribute: no more calls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "JpegCache",

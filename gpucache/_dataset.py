@@ -20,9 +20,9 @@ from typing import Any, Literal
 import numpy as np
 from torch.utils.data import Dataset
 
+from .decode._core import check_size, decode_sample
 from .store._store import JpegCache
 from .store._targets import dense_targets, ragged_targets
-from .decode._core import check_size, decode_sample
 
 log = logging.getLogger("gpucache")
 
@@ -41,23 +41,35 @@ class JpegDataset(Dataset):
     lists, ragged targets need your own ``collate_fn``).
     """
 
-    def __init__(self, cache: JpegCache, *, output: Literal["tensor", "numpy", "pil"] = "tensor",
-                 bgr: bool = False, transform: Callable[[Any], Any] | None = None,
-                 target_transform: Callable[[Any], Any] | None = None,
-                 return_info: bool = False) -> None:
+    def __init__(
+        self,
+        cache: JpegCache,
+        *,
+        output: Literal["tensor", "numpy", "pil"] = "tensor",
+        bgr: bool = False,
+        transform: Callable[[Any], Any] | None = None,
+        target_transform: Callable[[Any], Any] | None = None,
+        return_info: bool = False,
+    ) -> None:
         if not isinstance(cache, JpegCache):
-            raise TypeError(f"cache must be a gpucache.JpegCache, got {type(cache).__name__}; "
-                            "build one with JpegCache.from_folder(root) or JpegCache.open(path).")
+            raise TypeError(
+                f"cache must be a gpucache.JpegCache, got {type(cache).__name__}; "
+                "build one with JpegCache.from_folder(root) or JpegCache.open(path)."
+            )
         if output not in _OUTPUTS:
             raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}.")
         if bgr and output != "numpy":
-            raise ValueError("bgr=True is for output='numpy' (cv2's channel order); torch and PIL "
-                             "images are RGB.")
+            raise ValueError(
+                "bgr=True is for output='numpy' (cv2's channel order); torch and PIL "
+                "images are RGB."
+            )
         for name, fn in (("transform", transform), ("target_transform", target_transform)):
             if fn is not None and not callable(fn):
-                raise TypeError(f"{name} must be a callable taking one sample (a torchvision "
-                                f"transform, a Compose, a function) or None, got "
-                                f"{type(fn).__name__}.")
+                raise TypeError(
+                    f"{name} must be a callable taking one sample (a torchvision "
+                    f"transform, a Compose, a function) or None, got "
+                    f"{type(fn).__name__}."
+                )
         self.cache, self.output, self.bgr = cache, output, bgr
         self.transform, self.target_transform = transform, target_transform
         self.return_info = return_info
@@ -97,8 +109,11 @@ class JpegDataset(Dataset):
         if not self.return_info:
             return img, target
         meta = self.cache.metadata
-        info = {"index": i, "path": self.cache.paths[i],
-                "metadata": None if meta is None else meta[i]}
+        info = {
+            "index": i,
+            "path": self.cache.paths[i],
+            "metadata": None if meta is None else meta[i],
+        }
         if info["metadata"] is None:
             del info["metadata"]  # the default collate cannot batch None
         ragged = ragged_targets(self.cache, [i])
@@ -108,8 +123,10 @@ class JpegDataset(Dataset):
 
     def __getstate__(self) -> dict:
         if not self.cache.is_shared:
-            log.info("gpucache: JpegDataset is being pickled (spawn/forkserver DataLoader "
-                     "workers); moving its in-memory store into shared memory once")
+            log.info(
+                "gpucache: JpegDataset is being pickled (spawn/forkserver DataLoader "
+                "workers); moving its in-memory store into shared memory once"
+            )
             self.cache.share()
         return dict(vars(self))
 

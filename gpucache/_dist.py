@@ -62,7 +62,9 @@ def sharding(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
                 f"GpuCachedLoader: WORLD_SIZE={launched} but no torch.distributed process group "
                 "is initialised, so this rank reads the whole data set. Call "
                 "torch.distributed.init_process_group() before making the loader, or pass "
-                "num_replicas= and rank=.", stacklevel=3)
+                "num_replicas= and rank=.",
+                stacklevel=3,
+            )
     return (size if num_replicas is None else num_replicas), (me if rank is None else rank)
 
 
@@ -76,18 +78,25 @@ def agreed_seed(num_replicas: int, shuffle: bool) -> int:
         return seed
     size, _ = world()
     if size != num_replicas:
-        where = ("no torch.distributed process group is initialised" if size == 1 else
-                 f"the process group has {size} ranks, not num_replicas={num_replicas}")
+        where = (
+            "no torch.distributed process group is initialised"
+            if size == 1
+            else f"the process group has {size} ranks, not num_replicas={num_replicas}"
+        )
         raise ValueError(
             f"GpuCachedLoader(shuffle=True, num_replicas={num_replicas}, seed=None): {where}, so "
             "the ranks cannot agree on a seed and their shards would overlap. Pass the same seed= "
             "on every rank, or call torch.distributed.init_process_group() before making the "
-            "loader (rank 0's seed is then broadcast).")
+            "loader (rank 0's seed is then broadcast)."
+        )
     import torch.distributed as dist
 
     backend = str(dist.get_backend())
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if "nccl" in backend and "gloo" not in backend else torch.device("cpu"))
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if "nccl" in backend and "gloo" not in backend
+        else torch.device("cpu")
+    )
     t = torch.tensor([seed], dtype=torch.int64, device=device)
     dist.broadcast(t, src=0)
     return int(t.item())

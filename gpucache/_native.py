@@ -13,10 +13,12 @@ import ctypes
 import importlib.util
 import threading
 
-MISSING = ("restart_markers=True needs gpucache's compiled transcoder, which was not built when "
-           "gpucache was installed (no C compiler or libjpeg headers). Install them (Debian: "
-           "apt-get install gcc libjpeg-dev) and reinstall gpucache, or build without "
-           "restart_markers.")
+MISSING = (
+    "restart_markers=True needs gpucache's compiled transcoder, which was not built when "
+    "gpucache was installed (no C compiler or libjpeg headers). Install them (Debian: "
+    "apt-get install gcc libjpeg-dev) and reinstall gpucache, or build without "
+    "restart_markers."
+)
 
 _state: dict[str, object] = {}  # per process: the library (None when it was not built)
 _lock = threading.Lock()
@@ -24,22 +26,36 @@ _lock = threading.Lock()
 
 def _bind(lib) -> None:
     if hasattr(lib, "gc_decode_region"):
-        lib.gc_decode_region.argtypes = [ctypes.c_char_p, ctypes.c_ulong] + [
-            ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
-                                 ctypes.c_char_p, ctypes.c_int]
+        lib.gc_decode_region.argtypes = (
+            [ctypes.c_char_p, ctypes.c_ulong]
+            + [ctypes.c_int] * 5
+            + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_int]
+        )
     lib.gc_transcode_restart.argtypes = [
-        ctypes.c_char_p, ctypes.c_ulong, ctypes.POINTER(ctypes.c_void_p),
-        ctypes.POINTER(ctypes.c_ulong), ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
-        ctypes.c_int]
+        ctypes.c_char_p,
+        ctypes.c_ulong,
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_ulong),
+        ctypes.POINTER(ctypes.c_int),
+        ctypes.c_char_p,
+        ctypes.c_int,
+    ]
     lib.gc_free.argtypes = [ctypes.c_void_p]
-    lib.gc_find_restarts.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong,
-                                     ctypes.c_void_p, ctypes.c_long,
-                                     ctypes.POINTER(ctypes.c_longlong)]
+    lib.gc_find_restarts.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.POINTER(ctypes.c_longlong),
+    ]
     lib.gc_find_restarts.restype = ctypes.c_long
     if hasattr(lib, "gc_decode_segments"):
-        lib.gc_decode_segments.argtypes = [ctypes.c_void_p, ctypes.c_ulong] + [
-            ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
-                                 ctypes.c_char_p, ctypes.c_int]
+        lib.gc_decode_segments.argtypes = (
+            [ctypes.c_void_p, ctypes.c_ulong]
+            + [ctypes.c_int] * 6
+            + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_int]
+        )
 
 
 def lib():
@@ -67,8 +83,9 @@ def transcode(data: bytes) -> tuple[bytes, int]:
         raise RuntimeError(MISSING)
     out, n, k = ctypes.c_void_p(), ctypes.c_ulong(), ctypes.c_int()
     err = ctypes.create_string_buffer(256)
-    if c.gc_transcode_restart(bytes(data), len(data), ctypes.byref(out), ctypes.byref(n),
-                              ctypes.byref(k), err, len(err)):
+    if c.gc_transcode_restart(
+        bytes(data), len(data), ctypes.byref(out), ctypes.byref(n), ctypes.byref(k), err, len(err)
+    ):
         raise ValueError(f"lossless transcode failed: {err.value.decode(errors='replace')}")
     try:
         return ctypes.string_at(out, n.value), k.value

@@ -33,4 +33,5 @@ except ImportError:  # a machine without tqdm builds and loads all the same, wit
         def close(self) -> None:
             pass
 
+
 __all__ = ["tqdm"]

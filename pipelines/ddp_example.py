@@ -33,33 +33,42 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--context", default=None, help="fork | spawn | forkserver (default: Python's)")
     p.add_argument("--record", type=Path, help="folder for per-rank labels, pids and memory")
-    p.add_argument("--save-at", type=int, help="save the loader state after N batches of the "
-                   "last epoch (and go on)")
+    p.add_argument(
+        "--save-at",
+        type=int,
+        help="save the loader state after N batches of the last epoch (and go on)",
+    )
     p.add_argument("--resume", type=Path, help="a state saved by --save-at")
     p.add_argument("--fail-rank", type=int, help="this rank raises after its first batch")
     p.add_argument("--hang", action="store_true", help="wait after the first batch (for SIGTERM)")
     args = p.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
-        sys.exit("pipelines.ddp_example: start it with torchrun, one process a rank, e.g. "
-                 "torchrun --standalone --nproc_per_node=2 -m pipelines.ddp_example --data ROOT "
-                 "(LOCAL_RANK is not set: this process was not started by a launcher)")
+        sys.exit(
+            "pipelines.ddp_example: start it with torchrun, one process a rank, e.g. "
+            "torchrun --standalone --nproc_per_node=2 -m pipelines.ddp_example --data ROOT "
+            "(LOCAL_RANK is not set: this process was not started by a launcher)"
+        )
 
     # ---- the README's code
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     cache = JpegCache.from_folder(args.data)  # built once per node, mapped by every rank
-    loader = GpuCachedLoader(cache, batch_size=args.batch_size, shuffle=True,
-                             num_workers=args.workers, multiprocessing_context=args.context,
-                             transform=T.Compose([T.RandomResizedCrop(32),
-                                                  T.RandomHorizontalFlip()]))
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        multiprocessing_context=args.context,
+        transform=T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip()]),
+    )
     # ----
     if args.resume is not None:
         loader.load_state_dict(torch.load(args.resume))
     rank, seen = dist.get_rank(), []
     for epoch in range(args.epochs):
         labels_seen, t0 = [], time.perf_counter()
-        for b, (images, labels) in enumerate(loader):
+        for b, (_images, labels) in enumerate(loader):
             labels_seen += labels.tolist()  # the checks' data sets have one image per class
             if b == 0:
                 _first_batch(args, loader, rank)
@@ -67,9 +76,12 @@ def main(argv=None) -> None:
                 torch.save(loader.state_dict(), args.record / "state.pt")  # a checkpoint
         seen.append(labels_seen)
         if rank == 0:  # this rank's share; every rank sees about as many
-            print(f"epoch {epoch + 1}/{args.epochs}: rank 0 of {dist.get_world_size()}, "
-                  f"{len(loader)} batches, {len(labels_seen) / (time.perf_counter() - t0):.0f} "
-                  "img/s", flush=True)
+            print(
+                f"epoch {epoch + 1}/{args.epochs}: rank 0 of {dist.get_world_size()}, "
+                f"{len(loader)} batches, {len(labels_seen) / (time.perf_counter() - t0):.0f} "
+                "img/s",
+                flush=True,
+            )
     if args.record is not None:
         (args.record / f"seen-{rank}.json").write_text(json.dumps(seen))
         dist.barrier()  # every rank has finished its epochs, workers alive
@@ -79,11 +91,19 @@ def main(argv=None) -> None:
             from gpucache.testing._memory import pss, tree_pss
 
             agent = os.getppid()  # torchrun's agent: every rank and worker of this node below it
-            each = {p.pid: pss(p.pid, without_libraries=True)
-                    for p in psutil.Process(agent).children(recursive=True)}
-            (args.record / "pss.json").write_text(json.dumps(
-                {"pss": tree_pss(agent, without_libraries=True), "data": cache.nbytes,
-                 "each": each}))
+            each = {
+                p.pid: pss(p.pid, without_libraries=True)
+                for p in psutil.Process(agent).children(recursive=True)
+            }
+            (args.record / "pss.json").write_text(
+                json.dumps(
+                    {
+                        "pss": tree_pss(agent, without_libraries=True),
+                        "data": cache.nbytes,
+                        "each": each,
+                    }
+                )
+            )
         dist.barrier()
     loader.close()
     dist.destroy_process_group()

@@ -16,25 +16,52 @@ STD = (0.229, 0.224, 0.225)
 
 
 def train_transform(size: int = 224, *, dtype: torch.dtype = torch.float32) -> T.Compose:
-    return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(),
-                      T.Normalize(MEAN, STD, dtype=dtype)])
+    return T.Compose(
+        [T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.Normalize(MEAN, STD, dtype=dtype)]
+    )
 
 
-def val_transform(size: int = 224, resize: int = 256, *,
-                  dtype: torch.dtype = torch.float32) -> T.Compose:
+def val_transform(
+    size: int = 224, resize: int = 256, *, dtype: torch.dtype = torch.float32
+) -> T.Compose:
     return T.Compose([T.Resize(resize), T.CenterCrop(size), T.Normalize(MEAN, STD, dtype=dtype)])
 
 
-def train_loader(cache: JpegCache, *, batch_size: int = 256, seed: int = 0, size: int = 224,
-                 dtype: torch.dtype = torch.float32, **kwargs) -> GpuCachedLoader:
+def train_loader(
+    cache: JpegCache,
+    *,
+    batch_size: int = 256,
+    seed: int = 0,
+    size: int = 224,
+    dtype: torch.dtype = torch.float32,
+    **kwargs,
+) -> GpuCachedLoader:
     """Shuffled, last partial batch dropped; extra keywords go to GpuCachedLoader."""
-    return GpuCachedLoader(cache, batch_size=batch_size, shuffle=True, drop_last=True, seed=seed,
-                           transform=train_transform(size, dtype=dtype), **kwargs)
+    return GpuCachedLoader(
+        cache,
+        batch_size=batch_size,
+        shuffle=True,
+        drop_last=True,
+        seed=seed,
+        transform=train_transform(size, dtype=dtype),
+        **kwargs,
+    )
 
 
-def val_loader(cache: JpegCache, *, batch_size: int = 256, size: int = 224,
-               dtype: torch.dtype = torch.float32, **kwargs) -> GpuCachedLoader:
+def val_loader(
+    cache: JpegCache,
+    *,
+    batch_size: int = 256,
+    size: int = 224,
+    dtype: torch.dtype = torch.float32,
+    **kwargs,
+) -> GpuCachedLoader:
     """In order, every sample once; resize to size * 8 / 7 (256 for 224), then center crop."""
-    return GpuCachedLoader(cache, batch_size=batch_size, shuffle=False, drop_last=False,
-                           transform=val_transform(size, round(size * 8 / 7), dtype=dtype),
-                           **kwargs)
+    return GpuCachedLoader(
+        cache,
+        batch_size=batch_size,
+        shuffle=False,
+        drop_last=False,
+        transform=val_transform(size, round(size * 8 / 7), dtype=dtype),
+        **kwargs,
+    )

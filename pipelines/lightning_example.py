@@ -26,14 +26,27 @@ from gpucache import transforms as T
 
 
 class StoreClassifier(L.LightningModule):
-    def __init__(self, *, data: str, batch_size: int = 8, size: int = 32, workers: int = 2,
-                 lr: float = 0.05, record: str | None = None, fail_at_step: int | None = None):
+    def __init__(
+        self,
+        *,
+        data: str,
+        batch_size: int = 8,
+        size: int = 32,
+        workers: int = 2,
+        lr: float = 0.05,
+        record: str | None = None,
+        fail_at_step: int | None = None,
+    ):
         super().__init__()
         self.save_hyperparameters()
         classes = sorted(d.name for d in Path(data).iterdir() if d.is_dir())  # ImageFolder's
-        self.model = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(),
-                                   nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                   nn.Linear(8, len(classes)))
+        self.model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, len(classes)),
+        )
         self.cache: JpegCache | None = None
 
     def setup(self, stage: str) -> None:
@@ -43,10 +56,19 @@ class StoreClassifier(L.LightningModule):
     def train_dataloader(self) -> GpuCachedLoader:
         h = self.hparams
         return GpuCachedLoader(
-            self.cache, batch_size=h.batch_size, shuffle=True, num_workers=h.workers,
+            self.cache,
+            batch_size=h.batch_size,
+            shuffle=True,
+            num_workers=h.workers,
             device=self.device,
-            transform=T.Compose([T.RandomResizedCrop(h.size), T.RandomHorizontalFlip(),
-                                 T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]))
+            transform=T.Compose(
+                [
+                    T.RandomResizedCrop(h.size),
+                    T.RandomHorizontalFlip(),
+                    T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+                ]
+            ),
+        )
 
     def training_step(self, batch, batch_idx):
         images, labels = batch
@@ -54,8 +76,12 @@ class StoreClassifier(L.LightningModule):
             raise RuntimeError(f"stopping at step {self.global_step} on purpose (--fail-at-step)")
         if self.hparams.record:
             with open(Path(self.hparams.record) / f"seen-{self.global_rank}.jsonl", "a") as f:
-                f.write(json.dumps({"epoch": self.current_epoch, "batch": batch_idx,
-                                    "labels": labels.tolist()}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"epoch": self.current_epoch, "batch": batch_idx, "labels": labels.tolist()}
+                    )
+                    + "\n"
+                )
         loss = nn.functional.cross_entropy(self.model(images), labels)
         self.log("loss", loss, prog_bar=True)
         return loss
@@ -78,14 +104,27 @@ def main(argv=None) -> None:
     p.add_argument("--record", help="folder for the labels each rank trains on")
     p.add_argument("--fail-at-step", type=int, help="raise at this global step (a crash)")
     args = p.parse_args(argv)
-    model = StoreClassifier(data=args.data, batch_size=args.batch_size, workers=args.workers,
-                            record=args.record, fail_at_step=args.fail_at_step)
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.checkpoints, save_top_k=-1,
-                                               every_n_train_steps=args.every_n_steps)
-    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy="ddp",
-                        max_epochs=args.epochs, callbacks=[ckpt], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0)
+    model = StoreClassifier(
+        data=args.data,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        record=args.record,
+        fail_at_step=args.fail_at_step,
+    )
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=args.checkpoints, save_top_k=-1, every_n_train_steps=args.every_n_steps
+    )
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy="ddp",
+        max_epochs=args.epochs,
+        callbacks=[ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(model, ckpt_path=args.resume)
 
 

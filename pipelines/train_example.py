@@ -25,11 +25,19 @@ from pipelines.imagenet import train_loader, val_loader
 
 def small_cnn(num_classes: int) -> nn.Module:
     def block(i, o):
-        return nn.Sequential(nn.Conv2d(i, o, 3, stride=2, padding=1), nn.BatchNorm2d(o),
-                             nn.ReLU(inplace=True))
+        return nn.Sequential(
+            nn.Conv2d(i, o, 3, stride=2, padding=1), nn.BatchNorm2d(o), nn.ReLU(inplace=True)
+        )
 
-    return nn.Sequential(block(3, 16), block(16, 32), block(32, 64), block(64, 64),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+    return nn.Sequential(
+        block(3, 16),
+        block(16, 32),
+        block(32, 64),
+        block(64, 64),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, num_classes),
+    )
 
 
 def open_data(args) -> JpegCache:
@@ -52,10 +60,14 @@ def main(argv=None) -> None:
     cache = open_data(args)
     log = logging.getLogger("train")
     log.info("%r", cache)
-    with train_loader(cache, batch_size=args.batch_size, size=args.size,
-                      num_workers=args.workers) as train, \
-            val_loader(cache, batch_size=args.batch_size, size=args.size,
-                       num_workers=args.workers) as val:
+    with (
+        train_loader(
+            cache, batch_size=args.batch_size, size=args.size, num_workers=args.workers
+        ) as train,
+        val_loader(
+            cache, batch_size=args.batch_size, size=args.size, num_workers=args.workers
+        ) as val,
+    ):
         model = small_cnn(len(cache.classes)).to(train.device)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         for epoch in range(args.epochs):
@@ -76,12 +88,21 @@ def main(argv=None) -> None:
                 for images, labels in val:
                     correct += (model(images).argmax(1) == labels).sum().item()
                     total += len(labels)
-            log.info("epoch %d/%d: %d batches, %.0f img/s (%s backend, %s), loss %.3f, "
-                     "train-set acc %.3f", epoch + 1, args.epochs, batches, rate,
-                     train.backend_name, train.device, loss_sum / max(seen, 1),
-                     correct / max(total, 1))
-        log.info("skipped samples: %d, decoded on CPU: %d", train.stats.skipped,
-                 train.stats.cpu_decoded)
+            log.info(
+                "epoch %d/%d: %d batches, %.0f img/s (%s backend, %s), loss %.3f, "
+                "train-set acc %.3f",
+                epoch + 1,
+                args.epochs,
+                batches,
+                rate,
+                train.backend_name,
+                train.device,
+                loss_sum / max(seen, 1),
+                correct / max(total, 1),
+            )
+        log.info(
+            "skipped samples: %d, decoded on CPU: %d", train.stats.skipped, train.stats.cpu_decoded
+        )
 
 
 if __name__ == "__main__":

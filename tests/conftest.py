@@ -13,16 +13,18 @@ from gpucache.testing import make_jpeg_bytes, make_jpeg_folder
 @pytest.fixture(scope="session")
 def jpeg_folder(tmp_path_factory) -> Path:
     """24 synthetic photos in 3 classes, including grayscale, CMYK, progressive and EXIF-6."""
-    return make_jpeg_folder(tmp_path_factory.mktemp("imgs"), 24, classes=("ant", "bee", "cat"),
-                            seed=0)
+    return make_jpeg_folder(
+        tmp_path_factory.mktemp("imgs"), 24, classes=("ant", "bee", "cat"), seed=0
+    )
 
 
 @pytest.fixture(scope="session")
 def photo_folder(tmp_path_factory) -> Path:
     """60 photo-size synthetic JPEGs in an ImageFolder tree of two classes (ants, bees), of every
     kind (baseline, progressive, gray, CMYK, EXIF-6) at quality 85-97."""
-    return make_jpeg_folder(tmp_path_factory.mktemp("photos"), 60, classes=("ants", "bees"),
-                            seed=7, quality=(85, 97))
+    return make_jpeg_folder(
+        tmp_path_factory.mktemp("photos"), 60, classes=("ants", "bees"), seed=7, quality=(85, 97)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -71,8 +73,10 @@ def bad_folder(tmp_path_factory) -> dict:
         "12bit.jpg": (sof_jpeg(precision=12, sof=0xC1), "skip"),
         "lossless.jpg": (sof_jpeg(sof=0xC3), "skip"),
         # header and EOI intact but the scan data is garbage: caught at decode time
-        "corrupt_scan.jpg": (good[:300] + b"\x00" * (len(good) - 302) + b"\xff\xd9",
-                             "decode-fails"),
+        "corrupt_scan.jpg": (
+            good[:300] + b"\x00" * (len(good) - 302) + b"\xff\xd9",
+            "decode-fails",
+        ),
     }
     (root / "x").mkdir()
     for name, (data, _) in cases.items():

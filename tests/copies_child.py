@@ -41,8 +41,9 @@ def main(kind, backing, context, workers, repeat, src):
     from gpucache.testing._memory import tree_pss
 
     workers, repeat = int(workers), int(repeat)
-    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(src) for f in fs
-                   if f.endswith(".jpg"))
+    files = sorted(
+        os.path.join(r, f) for r, _, fs in os.walk(src) for f in fs if f.endswith(".jpg")
+    )
     paths = files * repeat
     if kind == "gpucache":
         from gpucache import GpuCachedLoader, JpegCache
@@ -52,17 +53,22 @@ def main(kind, backing, context, workers, repeat, src):
             tmp = tempfile.TemporaryDirectory(prefix="gpucache-copies-")  # removed on return
             cache = JpegCache.open(cache.save(os.path.join(tmp.name, "s.gpucache")))
             gc.collect()
-        loader = GpuCachedLoader(cache, batch_size=16, num_workers=workers, device="cpu",
-                                 multiprocessing_context=context)
+        loader = GpuCachedLoader(
+            cache, batch_size=16, num_workers=workers, device="cpu", multiprocessing_context=context
+        )
         n = sum(len(labels) for _, labels in loader)
         data_bytes = cache.nbytes
     else:
         from torch.utils.data import DataLoader
 
         ds = ListOfBytes(paths)
-        loader = DataLoader(ds, batch_size=16, num_workers=workers,
-                            persistent_workers=workers > 0,
-                            multiprocessing_context=context if workers else None)
+        loader = DataLoader(
+            ds,
+            batch_size=16,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            multiprocessing_context=context if workers else None,
+        )
         n = sum(len(b) for b in loader)
         data_bytes = sum(len(b) for b in ds.items)
     assert n == len(paths), (n, len(paths))

@@ -17,8 +17,9 @@ def test_each_case_has_its_documented_outcome(bad_folder):
     skipped = {s.path: s.reason for s in report.skipped}
     for path, outcome in cases.items():
         assert (path in skipped) == (outcome == "skip"), (path, skipped.get(path))
-    assert report.total == len(paths) == report.kept + len(report.skipped) == len(cache) + len(
-        skipped)
+    assert (
+        report.total == len(paths) == report.kept + len(report.skipped) == len(cache) + len(skipped)
+    )
     reasons = {p.rsplit("/", 1)[1]: r for p, r in skipped.items()}
     assert reasons["empty.jpg"] == "empty file"
     assert "no end-of-image marker" in reasons["truncated_body.jpg"]
@@ -47,8 +48,14 @@ def test_raise_policy_reports_every_bad_file(bad_folder):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_finishes_the_epoch_and_counts(bad_folder, num_workers):
     cache = JpegCache.from_files(sorted(bad_folder["cases"]), progress=False)
-    loader = GpuCachedLoader(cache, batch_size=4, num_workers=num_workers, device="cpu",
-                             transform=T.Compose([T.Resize((32, 32))]), return_metadata=True)
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=4,
+        num_workers=num_workers,
+        device="cpu",
+        transform=T.Compose([T.Resize((32, 32))]),
+        return_metadata=True,
+    )
     seen = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -67,8 +74,14 @@ def test_loader_finishes_the_epoch_and_counts(bad_folder, num_workers):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_raise_policy_names_the_file(bad_folder, num_workers):
     cache = JpegCache.from_files(sorted(bad_folder["cases"]), progress=False)
-    loader = GpuCachedLoader(cache, batch_size=4, num_workers=num_workers, device="cpu",
-                             on_error="raise", multiprocessing_context="fork")
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=4,
+        num_workers=num_workers,
+        device="cpu",
+        on_error="raise",
+        multiprocessing_context="fork",
+    )
     with pytest.raises(SampleError, match="corrupt_scan.jpg.*could not be decoded"):
         for _ in loader:
             pass
@@ -130,8 +143,12 @@ def test_decompression_bombs_keep_the_run_under_1_gb(tmp_path):
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-c", _BOMB_RUN, str(tmp_path)], capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", _BOMB_RUN, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["seen"] + out["skipped"] == out["kept"] and out["seen"] > 8

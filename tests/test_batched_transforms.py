@@ -61,8 +61,9 @@ def test_batched_equals_the_per_image_path_within_one_level(stored, name):
 
 def test_bad_batches_are_refused_with_the_fix():
     img = torch.zeros((3, 8, 8), dtype=torch.uint8)
-    plans = T.Compose([T.Resize(4)]).plan(np.array([8, 8]), np.array([8, 16]),
-                                          np.random.default_rng(0))
+    plans = T.Compose([T.Resize(4)]).plan(
+        np.array([8, 8]), np.array([8, 16]), np.random.default_rng(0)
+    )
     with pytest.raises(ValueError, match="several output sizes.*per-image path"):
         resample([img, torch.zeros((3, 8, 16), dtype=torch.uint8)], plans)
     with pytest.raises(ValueError, match="2 plans"):

@@ -3,7 +3,6 @@ a clear error, never a MemoryError, a bare tarfile error or a silent empty store
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -16,8 +15,8 @@ import numpy as np
 import pytest
 
 from gpucache import BuildError, JpegCache
-from gpucache.ingest._build import build
 from gpucache.cli import main as cli_main
+from gpucache.ingest._build import build
 from gpucache.testing import make_jpeg_bytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,9 +52,14 @@ def test_sparse_and_huge_files_cost_no_memory(tmp_path):
     with open(root / "c" / "holes.jpg", "wb") as f:
         f.write(GOOD[:200])
         f.truncate(20 << 20)
-    run = subprocess.run([sys.executable, "-c", _SPARSE_CHILD, str(root)], capture_output=True,
-                         text=True, timeout=300, cwd=tmp_path,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    run = subprocess.run(
+        [sys.executable, "-c", _SPARSE_CHILD, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["capped_kept"] == out["uncapped_kept"] == 1
@@ -78,9 +82,17 @@ def test_file_that_changes_size_after_listing_is_refused(tmp_path):
                 f.write(b"\0" * 10)
         calls.append((done, total, nbytes))
 
-    cache = build(JpegCache, [str(tmp_path / "a.jpg"), str(tmp_path / "b.jpg")],
-                  np.zeros(2, np.int64), ["x"], None, on_error="skip", num_threads=1,
-                  progress=False, on_progress=grow)
+    cache = build(
+        JpegCache,
+        [str(tmp_path / "a.jpg"), str(tmp_path / "b.jpg")],
+        np.zeros(2, np.int64),
+        ["x"],
+        None,
+        on_error="skip",
+        num_threads=1,
+        progress=False,
+        on_progress=grow,
+    )
     [bad] = cache.report.skipped
     assert bad.index == 1 and "changed size since it was listed" in bad.reason
     assert calls[0] == (0, 2, 0) and calls[-1] == (2, 2, 2 * len(GOOD))
@@ -99,11 +111,13 @@ def test_bad_shards_are_bad_inputs(tmp_path):
     after its shard or member, and the counts add up."""
     good = _member("k0.jpg", GOOD) + _member("k0.cls", b"1")
     full = good + _member("k1.jpg", GOOD) + _member("k1.cls", b"0") + b"\0" * 1024
-    shards = {"claims64g.tar": good + _member("k1.jpg", GOOD, size=64 << 30) + b"\0" * 1024,
-              "cut_member.tar": full[:len(good) + 512 + 100],
-              "cut_header.tar": full[:len(good) + 300],
-              "gzip.tar": b"\x1f\x8b\x08" + b"x" * 600,
-              "fine.tar": full}
+    shards = {
+        "claims64g.tar": good + _member("k1.jpg", GOOD, size=64 << 30) + b"\0" * 1024,
+        "cut_member.tar": full[: len(good) + 512 + 100],
+        "cut_header.tar": full[: len(good) + 300],
+        "gzip.tar": b"\x1f\x8b\x08" + b"x" * 600,
+        "fine.tar": full,
+    }
     for name, data in shards.items():
         (tmp_path / name).write_bytes(data)
     paths = [str(tmp_path / n) for n in shards] + [str(tmp_path / "missing.tar")]
@@ -111,7 +125,7 @@ def test_bad_shards_are_bad_inputs(tmp_path):
     report = cache.report
     assert report.total == report.kept + len(report.skipped) and len(cache) == report.kept == 5
     assert all(bytes(cache[i]) == GOOD for i in range(len(cache)))
-    why = {s.path[len(str(tmp_path)) + 1:]: s.reason for s in report.skipped}
+    why = {s.path[len(str(tmp_path)) + 1 :]: s.reason for s in report.skipped}
     assert "claims 68,719,476,736 bytes" in why["claims64g.tar/k1.jpg"]
     assert "truncated or corrupt tar" in why["claims64g.tar"]
     assert "shard ends 100 bytes after its start" in why["cut_member.tar/k1.jpg"]
@@ -127,9 +141,15 @@ def test_text_members_that_are_not_utf8_are_named_not_a_crash(tmp_path):
     """A .json metadata member that is not UTF-8 leaves its sample out with the reason; a .cls
     that is not UTF-8 is a wrong label: the build refuses it, naming the member and its bytes."""
     shard = tmp_path / "s.tar"
-    shard.write_bytes(_member("k0.jpg", GOOD) + _member("k0.cls", b"1") + _member("k0.json", b"{}")
-                      + _member("k1.jpg", GOOD) + _member("k1.cls", b"0")
-                      + _member("k1.json", b'{"name": "caf\xe9"}') + b"\0" * 1024)
+    shard.write_bytes(
+        _member("k0.jpg", GOOD)
+        + _member("k0.cls", b"1")
+        + _member("k0.json", b"{}")
+        + _member("k1.jpg", GOOD)
+        + _member("k1.cls", b"0")
+        + _member("k1.json", b'{"name": "caf\xe9"}')
+        + b"\0" * 1024
+    )
     cache = JpegCache.from_webdataset(shard, metadata_ext="json", progress=False)
     assert len(cache) == 1 and list(cache.labels) == [1] and cache.metadata[0] == "{}"
     (bad,) = cache.report.skipped
@@ -179,8 +199,11 @@ def test_scan_folder_paths_are_the_os_names(tmp_path):
             (tmp_path / c / n).write_bytes(b"")
         (tmp_path / c / "sub" / "s.jpg").write_bytes(b"")
     paths, labels, classes = scan_folder(tmp_path)
-    expected = [str(tmp_path / c / n) for c in ("x", "y")
-                for n in ("a.JPEG", "b.jpg", "caf\udce9.png", "sub/s.jpg")]
+    expected = [
+        str(tmp_path / c / n)
+        for c in ("x", "y")
+        for n in ("a.JPEG", "b.jpg", "caf\udce9.png", "sub/s.jpg")
+    ]
     assert list(paths) == expected and paths[-1] == expected[-1] and paths[1:3] == expected[1:3]
     assert labels.tolist() == [0] * 4 + [1] * 4 and classes == ["x", "y"]
     with pytest.raises(IndexError):

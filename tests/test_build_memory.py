@@ -18,15 +18,16 @@ import pytest
 from PIL import Image
 
 from gpucache import JpegCache
+from gpucache.decode import _roi_rst
 from gpucache.ingest import _resize
 from gpucache.ingest._build import BytesSource, build
-from gpucache.decode import _roi_rst
 from gpucache.testing import make_jpeg_bytes
 from gpucache.testing._memory import reset_peak_rss, status_bytes
 
 REPO = Path(__file__).resolve().parent.parent
-needs_proc = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
-                                reason="needs Linux /proc")
+needs_proc = pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc"
+)
 
 _PEAK_CHILD = textwrap.dedent("""
     import ctypes, gc, json, sys
@@ -45,9 +46,14 @@ _PEAK_CHILD = textwrap.dedent("""
 
 
 def _peak(root: Path, mode: str) -> dict:
-    run = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(root), mode],
-                         capture_output=True, text=True, timeout=300, cwd=root,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    run = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, str(root), mode],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -103,8 +109,17 @@ def test_reencode_memory_is_bounded_across_threads(tmp_path, monkeypatch):
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)
     before = reset_peak_rss()  # in this process: a child would spend seconds importing torch
-    cache = build(JpegCache, inputs, np.zeros(4, np.int64), ["a"], None, on_error="raise",
-                  num_threads=4, progress=False, max_side=256)
+    cache = build(
+        JpegCache,
+        inputs,
+        np.zeros(4, np.int64),
+        ["a"],
+        None,
+        on_error="raise",
+        num_threads=4,
+        progress=False,
+        max_side=256,
+    )
     peak = status_bytes("VmHWM") - before
     pixels = h * w * 4  # as PIL holds RGB
     print(f"re-encode peak: {peak / pixels:.2f} images of pixels")
@@ -115,9 +130,17 @@ def test_progress_is_reported_in_order_and_can_stop_the_build():
     blobs = [make_jpeg_bytes(24, 16, seed=k) for k in range(8)]
     inputs = [BytesSource(f"b{k}", blobs[k % 8]) for k in range(3000)] + [BytesSource("x", b"?")]
     calls = []
-    cache = build(JpegCache, inputs, np.zeros(len(inputs), np.int64), ["a"], None,
-                  on_error="skip", num_threads=2, progress=False,
-                  on_progress=lambda *a: calls.append(a))
+    cache = build(
+        JpegCache,
+        inputs,
+        np.zeros(len(inputs), np.int64),
+        ["a"],
+        None,
+        on_error="skip",
+        num_threads=2,
+        progress=False,
+        on_progress=lambda *a: calls.append(a),
+    )
     total = sum(len(blobs[k % 8]) for k in range(3000)) + 1
     assert len(cache) == 3000 and calls[-1] == (3001, 3001, total)
     assert calls[0] == (0, 3001, 0) and len(calls) > 10  # heartbeats while sizing, then chunks
@@ -128,5 +151,14 @@ def test_progress_is_reported_in_order_and_can_stop_the_build():
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build(JpegCache, inputs, np.zeros(len(inputs), np.int64), ["a"], None, on_error="skip",
-              num_threads=2, progress=False, on_progress=stop)
+        build(
+            JpegCache,
+            inputs,
+            np.zeros(len(inputs), np.int64),
+            ["a"],
+            None,
+            on_error="skip",
+            num_threads=2,
+            progress=False,
+            on_progress=stop,
+        )

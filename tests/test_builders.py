@@ -12,10 +12,18 @@ import pytest
 from gpucache import JpegCache
 from gpucache.testing import make_jpeg_bytes
 
-
 BUILDERS = ("from_folder", "from_files", "from_csv", "from_webdataset", "from_hf")
-OPTIONS = ("on_error", "num_threads", "progress", "max_pixels", "cache_dir", "cache_max_bytes",
-           "restart_markers", "max_side", "jpeg_quality")
+OPTIONS = (
+    "on_error",
+    "num_threads",
+    "progress",
+    "max_pixels",
+    "cache_dir",
+    "cache_max_bytes",
+    "restart_markers",
+    "max_side",
+    "jpeg_quality",
+)
 
 
 def _options(name: str) -> dict:
@@ -77,8 +85,9 @@ def test_from_webdataset_builds_once_in_a_cache_dir(tmp_path):
 
 def test_from_hf_refuses_a_cache_dir_with_the_fix(tmp_path):
     datasets = pytest.importorskip("datasets")
-    ds = datasets.Dataset.from_dict({"image": [{"bytes": make_jpeg_bytes(20, 20), "path": None}],
-                                     "label": [0]}).cast_column("image", datasets.Image())
+    ds = datasets.Dataset.from_dict(
+        {"image": [{"bytes": make_jpeg_bytes(20, 20), "path": None}], "label": [0]}
+    ).cast_column("image", datasets.Image())
     with pytest.raises(ValueError, match="cache.save"):
         JpegCache.from_hf(ds, cache_dir=tmp_path)
     assert len(JpegCache.from_hf(ds, progress=False)) == 1
@@ -92,8 +101,25 @@ def test_cli_build_uses_the_python_names_and_takes_the_source_options(tmp_path, 
     csv.write_text("".join(f"img/{p.name};{i % 2}\n" for i, p in enumerate(paths)))
     out, cdir = tmp_path / "s.gpucache", tmp_path / "cache"
     for threads in (["--num-threads", "2"], ["--threads", "2"], ["-j", "2"]):
-        assert main(["build", "--csv", str(csv), "--delimiter", ";", "-o", str(out),
-                     "--cache-dir", str(cdir), "--max-pixels", "none", *threads]) == 0
+        assert (
+            main(
+                [
+                    "build",
+                    "--csv",
+                    str(csv),
+                    "--delimiter",
+                    ";",
+                    "-o",
+                    str(out),
+                    "--cache-dir",
+                    str(cdir),
+                    "--max-pixels",
+                    "none",
+                    *threads,
+                ]
+            )
+            == 0
+        )
         assert JpegCache.open(out).labels.tolist() == [0, 1, 0, 1]
     assert len(list(cdir.glob("*.gpucache"))) == 1  # built once, then reused
     assert main(["verify", str(out), "--num-threads", "1", "--no-decode"]) == 0

@@ -12,14 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed (pip install "
-                    "nvidia-dali-cuda120); backend='dali' is untested here")
+pytest.importorskip(
+    "nvidia.dali",
+    reason="NVIDIA DALI is not installed (pip install "
+    "nvidia-dali-cuda120); backend='dali' is untested here",
+)
 
-from gpucache import JpegCache, Kind, SampleError# noqa: E402
-from gpucache import transforms as T# noqa: E402
-from gpucache.decode._fallback import join, split# noqa: E402
-from gpucache.decode._core import decode_batch# noqa: E402
-from gpucache.decode._dali import DaliBackend# noqa: E402
+from gpucache import JpegCache, Kind, SampleError  # noqa: E402
+from gpucache import transforms as T  # noqa: E402
+from gpucache.decode._core import decode_batch  # noqa: E402
+from gpucache.decode._dali import DaliBackend  # noqa: E402
+from gpucache.decode._fallback import join, split  # noqa: E402
 
 CPU = torch.device("cpu")
 TOLERANCE = 2.0  # mean abs difference, uint8 levels, per image
@@ -37,8 +40,11 @@ def backend(cache, **kw):
 
 def plans_for(cache, indices, transform, seed=0):
     s = cache.samples
-    return transform.plan(s["height"][indices].astype(np.int64),
-                          s["width"][indices].astype(np.int64), np.random.default_rng(seed))
+    return transform.plan(
+        s["height"][indices].astype(np.int64),
+        s["width"][indices].astype(np.int64),
+        np.random.default_rng(seed),
+    )
 
 
 def decode(be, indices, plans, stack=True):
@@ -97,7 +103,7 @@ def test_list_output_padding_and_identity(small_folder):
         for im, p in zip(out.images, plans.tolist()):  # zeros exactly where crop2 leaves the image
             rh, rw, t2, l2 = p[4], p[5], p[6], p[7]
             inside = torch.zeros(im.shape[1:], dtype=torch.bool)
-            inside[max(0, -t2):rh - t2, max(0, -l2):rw - l2] = True
+            inside[max(0, -t2) : rh - t2, max(0, -l2) : rw - l2] = True
             assert (im[:, ~inside] == 0).all() and im[:, inside].float().mean() > 10
     pad = plans_for(cache, idx, T.Compose([T.CenterCrop(100)]))
     assert ((pad[:, 6] < 0) | (pad[:, 7] < 0)).sum() >= 3  # the padding case is exercised
@@ -134,8 +140,12 @@ def test_bad_batch_among_batches_in_flight(bad):
     """A failing batch between good ones: every batch comes back, in order, right counts."""
     corrupt = by_name(bad, "corrupt_scan.jpg")
     good = [i for i in range(len(bad)) if i != corrupt]
-    batches = [np.array(good[:3]), np.array([good[3], corrupt, good[4]]), np.array(good[5:]),
-               np.array(good[:2])]
+    batches = [
+        np.array(good[:3]),
+        np.array([good[3], corrupt, good[4]]),
+        np.array(good[5:]),
+        np.array(good[:2]),
+    ]
     be = backend(bad, batch_size=4, prefetch=3)
     t = T.Compose([T.Resize((24, 24))])
     for b in batches:
@@ -143,11 +153,13 @@ def test_bad_batch_among_batches_in_flight(bad):
     assert len(be) == len(batches)
     outs = [be.get() for _ in batches]
     assert len(be) == 0
-    assert [o.indices.tolist() for o in outs] == [[i for i in b.tolist() if i != corrupt]
-                                                 for b in batches]
+    assert [o.indices.tolist() for o in outs] == [
+        [i for i in b.tolist() if i != corrupt] for b in batches
+    ]
     assert [len(o.failed) for o in outs] == [0, 1, 0, 0]
-    assert sum(o.cpu_decoded for o in outs) == sum(int((~bad.gpu_decodable()[b]).sum())
-                                                   for b in batches)
+    assert sum(o.cpu_decoded for o in outs) == sum(
+        int((~bad.gpu_decodable()[b]).sum()) for b in batches
+    )
     assert all(o.images.shape[1:] == (3, 24, 24) for o in outs)
     be.close()
 
@@ -162,8 +174,9 @@ def test_raise_policy_names_the_file(bad):
         be.get()
     assert len(be) == 0  # and the backend still works afterwards
     ok = np.array(good)
-    assert decode(be, ok, plans_for(bad, ok, T.Compose([T.Resize((16, 16))]))).indices.tolist() \
-        == good
+    assert (
+        decode(be, ok, plans_for(bad, ok, T.Compose([T.Resize((16, 16))]))).indices.tolist() == good
+    )
     be.close()
 
 
@@ -172,7 +185,7 @@ def test_queue_short_batches_drain_and_close(small_folder):
     be = backend(cache, batch_size=8, prefetch=2)
     t = TRANSFORMS["resize_center"]
     order = np.random.default_rng(1).permutation(len(cache))
-    batches = [order[i:i + 8] for i in range(0, len(order), 8)] + [order[:3]]  # short last one
+    batches = [order[i : i + 8] for i in range(0, len(order), 8)] + [order[:3]]  # short last one
     for b in batches:  # more than `prefetch` queued: the rest wait their turn
         be.submit(b, plans_for(cache, b, t), True)
     got = [be.get().indices.tolist() for _ in range(3)]
@@ -197,12 +210,18 @@ def test_queue_short_batches_drain_and_close(small_folder):
 def test_join_reassembles_in_order():
     a, b, c = (torch.full((3, 2, 2), v, dtype=torch.uint8) for v in (1, 2, 3))
     idx = np.array([10, 11, 12, 13])
-    out = join(4, [(np.array([0, 3]), [a, "bad 13"], False), (np.array([1, 2]), [b, c], True)],
-               indices=idx, stack=True, device=CPU)
+    out = join(
+        4,
+        [(np.array([0, 3]), [a, "bad 13"], False), (np.array([1, 2]), [b, c], True)],
+        indices=idx,
+        stack=True,
+        device=CPU,
+    )
     assert out.indices.tolist() == [10, 11, 12] and out.failed == [(13, "bad 13")]
     assert out.images[:, 0, 0, 0].tolist() == [1, 2, 3] and out.cpu_decoded == 2
-    empty = join(1, [(np.array([0]), ["x"], False)], indices=idx[:1], stack=True, device=CPU,
-                 out_hw=(2, 2))
+    empty = join(
+        1, [(np.array([0]), ["x"], False)], indices=idx[:1], stack=True, device=CPU, out_hw=(2, 2)
+    )
     assert empty.images.shape == (0, 3, 2, 2) and empty.failed == [(10, "x")]
 
 
@@ -211,13 +230,22 @@ def test_loader_with_dali_backend_on_cpu_matches_cpu_backend(bad):
     from gpucache import GpuCachedLoader
     from gpucache import transforms as T
 
-    tf = T.Compose([T.RandomResizedCrop(40), T.RandomHorizontalFlip(),
-                    T.Normalize((0.5,) * 3, (0.25,) * 3)])
+    tf = T.Compose(
+        [T.RandomResizedCrop(40), T.RandomHorizontalFlip(), T.Normalize((0.5,) * 3, (0.25,) * 3)]
+    )
     runs = {}
     for backend in ("cpu", "dali"):
-        with GpuCachedLoader(bad, batch_size=4, shuffle=True, seed=3, device="cpu",
-                             backend=backend, num_workers=0, transform=tf,
-                             return_metadata=True) as loader:
+        with GpuCachedLoader(
+            bad,
+            batch_size=4,
+            shuffle=True,
+            seed=3,
+            device="cpu",
+            backend=backend,
+            num_workers=0,
+            transform=tf,
+            return_metadata=True,
+        ) as loader:
             runs[backend] = [(x, y, info.indices.tolist()) for x, y, info in loader]
             runs[backend + "_stats"] = loader.stats
     for (xc, yc, ic), (xd, yd, idd) in zip(runs["cpu"], runs["dali"]):
@@ -274,8 +302,14 @@ def test_cuda_outputs_are_bound_to_the_consumer_stream(jpegs):
     plans = plans_for(jpegs, idx, TRANSFORMS["rrc_flip"])
     ref = decode_batch(jpegs, idx, plans, on_error="skip", stack=True)
     with EmulatedCuda(devices=2):  # cuda:0 is current; the backend is on cuda:1
-        be = CpuGraph(jpegs, device=torch.device("cuda", 1), batch_size=8, on_error="skip",
-                      seed=0, num_threads=2)
+        be = CpuGraph(
+            jpegs,
+            device=torch.device("cuda", 1),
+            batch_size=8,
+            on_error="skip",
+            seed=0,
+            num_threads=2,
+        )
         out = decode(be, idx, plans)
         assert out.images.device == torch.device("cuda", 1)
         assert be._pipe.handed == [torch.cuda.current_stream(1)]
@@ -284,15 +318,19 @@ def test_cuda_outputs_are_bound_to_the_consumer_stream(jpegs):
         be.close()
 
 
-@pytest.mark.parametrize("launcher, usable, given, want", [
-    ({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1"}, 16, None, 4),  # torchrun: 16 cores, 4 ranks
-    ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_LOCALID": "2"}, 16, None, 4),  # srun, no binding
-    ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_LOCALID": "2"}, 4, None, 4),  # 4 cores bound to it
-    ({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1"}, 16, 8, 8),  # an explicit num_workers
-    ({}, 16, None, 16),  # no launcher
-])
-def test_dali_threads_are_this_ranks_share_of_the_cores(jpegs, monkeypatch, launcher, usable,
-                                                        given, want):
+@pytest.mark.parametrize(
+    "launcher, usable, given, want",
+    [
+        ({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1"}, 16, None, 4),  # torchrun: 16 cores, 4 ranks
+        ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_LOCALID": "2"}, 16, None, 4),  # srun, no binding
+        ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_LOCALID": "2"}, 4, None, 4),  # 4 cores bound to it
+        ({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1"}, 16, 8, 8),  # an explicit num_workers
+        ({}, 16, None, 16),  # no launcher
+    ],
+)
+def test_dali_threads_are_this_ranks_share_of_the_cores(
+    jpegs, monkeypatch, launcher, usable, given, want
+):
     """Every rank of a node would otherwise give DALI (and the cpu backend's workers) every core
     of the machine; only the default divides, an explicit num_workers is taken as given."""
     from gpucache import GpuCachedLoader
@@ -304,8 +342,9 @@ def test_dali_threads_are_this_ranks_share_of_the_cores(jpegs, monkeypatch, laun
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(_workers, "usable_cores", lambda: usable)
     monkeypatch.setattr(_workers.os, "cpu_count", lambda: 16)
-    loader = GpuCachedLoader(jpegs, batch_size=8, seed=0, device="cpu", backend="dali",
-                             num_workers=given)
+    loader = GpuCachedLoader(
+        jpegs, batch_size=8, seed=0, device="cpu", backend="dali", num_workers=given
+    )
     with loader:
         assert loader.num_workers == want
         assert loader._get_backend().num_threads == want

@@ -62,10 +62,15 @@ def test_transforms_and_info(tmp_path):
 
     folder = make_jpeg_folder(tmp_path, 6, classes=("a", "b"), seed=4)
     files = sorted(str(p) for p in folder.rglob("*.jpg"))
-    cache = JpegCache.from_files(files, [0, 1, 0, 1, 0, 1], [f"m{k}" for k in range(6)],
-                                 progress=False)
-    ds = JpegDataset(cache, transform=v2.Compose([v2.Resize(32), v2.CenterCrop(32)]),
-                     target_transform=lambda t: t + 10, return_info=True)
+    cache = JpegCache.from_files(
+        files, [0, 1, 0, 1, 0, 1], [f"m{k}" for k in range(6)], progress=False
+    )
+    ds = JpegDataset(
+        cache,
+        transform=v2.Compose([v2.Resize(32), v2.CenterCrop(32)]),
+        target_transform=lambda t: t + 10,
+        return_info=True,
+    )
     img, target, info = ds[2]
     assert img.shape == (3, 32, 32) and target == 10
     assert info == {"index": 2, "path": files[2], "metadata": "m2"}
@@ -84,8 +89,9 @@ def test_bad_arguments_name_what_is_accepted(cache):
 
 
 def test_pickles_in_constant_size(tmp_path, jpeg_folder):
-    saved = JpegCache.open(JpegCache.from_folder(jpeg_folder, progress=False)
-                           .save(tmp_path / "s.gpucache"))
+    saved = JpegCache.open(
+        JpegCache.from_folder(jpeg_folder, progress=False).save(tmp_path / "s.gpucache")
+    )
     small = len(pickle.dumps(JpegDataset(saved)))
     assert small < 2000 < saved.nbytes
     mem = JpegCache.from_folder(jpeg_folder, progress=False)
@@ -163,8 +169,13 @@ def copies_src(tmp_path_factory) -> Path:
 def _measure(script: Path, context: str, repeat: int, src: Path) -> tuple[int, int, int]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, str(script), context, str(repeat), str(src)], env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(script), context, str(repeat), str(src)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     pss, data, nolib, shared = proc.stdout.strip().splitlines()[-1].split()
     assert shared == "True", "the in-memory store was not moved to shared memory when pickled"
@@ -176,8 +187,10 @@ def _copies(script, context, src) -> tuple[float, str]:
     data = big[1] - small[1]
     assert data >= 30e6, f"the two runs differ by only {data / 1e6:.1f} MB of data"
     copies = (big[2] - small[2]) / data
-    return copies, (f"{copies:.3f} (PSS without libraries {small[2] / 1e6:.1f} -> "
-                    f"{big[2] / 1e6:.1f} MB, data {small[1] / 1e6:.1f} -> {big[1] / 1e6:.1f} MB)")
+    return copies, (
+        f"{copies:.3f} (PSS without libraries {small[2] / 1e6:.1f} -> "
+        f"{big[2] / 1e6:.1f} MB, data {small[1] / 1e6:.1f} -> {big[1] / 1e6:.1f} MB)"
+    )
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is measured the Linux way")
@@ -193,5 +206,7 @@ def test_dataloader_workers_hold_one_copy(tmp_path, copies_src, context):
         copies = statistics.median([copies] + [c for c, _ in more])
         details += [d for _, d in more]
     print(f"copies held: JpegDataset in DataLoader, {context}, 2 workers: {copies:.3f}")
-    assert copies <= MAX_COPIES, (f"JpegDataset ({context}, 2 workers) holds {copies:.3f} copies "
-                                  f"(bound {MAX_COPIES}): " + "; ".join(details))
+    assert copies <= MAX_COPIES, (
+        f"JpegDataset ({context}, 2 workers) holds {copies:.3f} copies "
+        f"(bound {MAX_COPIES}): " + "; ".join(details)
+    )

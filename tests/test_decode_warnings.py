@@ -24,15 +24,16 @@ from gpucache import transforms as T
 from gpucache.decode import _roi
 from gpucache.testing import make_jpeg_bytes, natural_image
 
-needs_region_decoder = pytest.mark.skipif(not _roi._c_ok(),
-                                          reason="compiled region decoder not built")
+needs_region_decoder = pytest.mark.skipif(
+    not _roi._c_ok(), reason="compiled region decoder not built"
+)
 
 
 def damaged_jpeg(seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(natural_image(96, 64, seed=seed)).save(buf, "JPEG", quality=90)
     b = bytearray(buf.getvalue())
-    b[len(b) // 2:len(b) // 2 + 2] = b"\xff\xd3"  # a restart marker where none belongs
+    b[len(b) // 2 : len(b) // 2 + 2] = b"\xff\xd3"  # a restart marker where none belongs
     return bytes(b)
 
 
@@ -54,8 +55,15 @@ def store(tmp_path_factory):
 @pytest.mark.parametrize("workers", [0, 1])
 @pytest.mark.parametrize("transform", [T.RandomResizedCrop(32), None], ids=["crop", "full"])
 def test_warned_sample_is_logged_once_and_counted(store, workers, transform, caplog, capfd):
-    loader = GpuCachedLoader(store, batch_size=2, num_workers=workers, backend="cpu", seed=0,
-                             transform=transform, multiprocessing_context="spawn")
+    loader = GpuCachedLoader(
+        store,
+        batch_size=2,
+        num_workers=workers,
+        backend="cpu",
+        seed=0,
+        transform=transform,
+        multiprocessing_context="spawn",
+    )
     with caplog.at_level(logging.WARNING, logger="gpucache"), loader:
         for _ in range(2):  # two epochs: still one report
             n = sum(len(labels) for _, labels in loader)
@@ -69,11 +77,17 @@ def test_warned_sample_is_logged_once_and_counted(store, workers, transform, cap
 
 @needs_region_decoder
 def test_skip_warned_leaves_the_sample_out(store):
-    loader = GpuCachedLoader(store, batch_size=4, num_workers=0, backend="cpu", seed=0,
-                             transform=T.Compose([T.Resize(40), T.CenterCrop(32)]),
-                             on_error="skip_warned")
+    loader = GpuCachedLoader(
+        store,
+        batch_size=4,
+        num_workers=0,
+        backend="cpu",
+        seed=0,
+        transform=T.Compose([T.Resize(40), T.CenterCrop(32)]),
+        on_error="skip_warned",
+    )
     with pytest.warns(RuntimeWarning, match="skip_warned"):
-        (images, labels), = list(loader)
+        ((images, labels),) = list(loader)
     assert images.shape == (3, 3, 32, 32) and 2 not in labels.tolist()
     assert loader.stats.skipped == 1 and loader.stats.warned == 1
 
@@ -89,6 +103,7 @@ def test_damaged_scan_decodes_to_different_pixels(store):
     """The report matters: the damaged sample's pixels really are wrong."""
     good = JpegCache.from_files([store.paths[0]], progress=False)
     from gpucache.decode._core import decode_sample
+
     bad = decode_sample(store, 2)
     ref = torch.from_numpy(natural_image(96, 64, seed=2)).permute(2, 0, 1)
     assert (bad.int() - ref.int()).abs().float().mean() > 10
@@ -156,8 +171,10 @@ def test_torchvisions_notice_never_reaches_the_user(monkeypatch, jpeg_folder):
     tf = T.RandomResizedCrop(24)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("error")
-        for kw in (dict(device="cpu", backend="cpu", num_workers=0),
-                   dict(device="cuda", backend="nvjpeg")):
+        for kw in (
+            dict(device="cpu", backend="cpu", num_workers=0),
+            dict(device="cuda", backend="nvjpeg"),
+        ):
             with EmulatedCuda(devices=1) if kw["device"] == "cuda" else contextlib.nullcontext():
                 with GpuCachedLoader(cache, batch_size=8, seed=0, transform=tf, **kw) as loader:
                     assert sum(len(y) for _, y in loader) == len(cache)
@@ -185,7 +202,9 @@ def test_the_stores_read_only_view_warns_nobody_and_keeps_every_filter(tmp_path)
         "t.start(); t.join()\n"
         "assert out and out[0] > 0, out\n"
         "assert all(f in warnings.filters for f in before)\n"
-        "print('ok')\n")
-    run = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
-                         text=True, timeout=120)
+        "print('ok')\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

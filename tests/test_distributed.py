@@ -70,22 +70,45 @@ def job(tmp_path_factory):
 
 def _env(job) -> dict:
     env = dict(os.environ)
-    env.update(TMPDIR=str(job["tmp"]), MALLOC_MMAP_THRESHOLD_="65536",
-               MALLOC_TRIM_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    env.update(
+        TMPDIR=str(job["tmp"]),
+        MALLOC_MMAP_THRESHOLD_="65536",
+        MALLOC_TRIM_THRESHOLD_="65536",
+        OMP_NUM_THREADS="1",
+    )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return env
 
 
 def _cmd(nproc: int, data: Path, record: Path, *args: str) -> list[str]:
     record.mkdir(parents=True, exist_ok=True)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", "-m", "pipelines.ddp_example", "--data", str(data),
-            "--batch-size", str(BATCH), "--record", str(record), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "pipelines.ddp_example",
+        "--data",
+        str(data),
+        "--batch-size",
+        str(BATCH),
+        "--record",
+        str(record),
+        *args,
+    ]
 
 
 def _run(job, nproc, data, record, *args, ok=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_cmd(nproc, data, record, *args), env=_env(job), cwd=job["base"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        _cmd(nproc, data, record, *args),
+        env=_env(job),
+        cwd=job["base"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if ok:
         assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -107,8 +130,11 @@ def _assert_nothing_left(job, pids: list[int], shm_before: set[str]) -> None:
     deadline = time.monotonic() + 30  # stragglers of a torn-down job (slow on a loaded machine)
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.1)
-    alive = [p for p in pids if psutil.pid_exists(p) and
-             psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    alive = [
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
     assert not alive, f"processes of the job still alive: {alive}"
     assert not {f for f in _shm() - shm_before if "gpucache" in f}
     node = job["tmp"] / f"gpucache-{os.getuid()}"
@@ -118,11 +144,15 @@ def _assert_nothing_left(job, pids: list[int], shm_before: set[str]) -> None:
 
 def test_readme_code_on_three_ranks(job):
     small, big = job["base"] / "run-small", job["base"] / "run-big"
-    run = _run(job, 3, job["sets"][2], small, "--epochs", str(SMALL_EPOCHS),
-               "--save-at", str(SAVE_AT))
+    run = _run(
+        job, 3, job["sets"][2], small, "--epochs", str(SMALL_EPOCHS), "--save-at", str(SAVE_AT)
+    )
     for epoch in range(1, SMALL_EPOCHS + 1):  # progress: a line an epoch, from rank 0
-        assert re.search(rf"^epoch {epoch}/{SMALL_EPOCHS}: rank 0 of 3, \d+ batches, \d+ img/s$",
-                         run.stdout, re.M), run.stdout
+        assert re.search(
+            rf"^epoch {epoch}/{SMALL_EPOCHS}: rank 0 of 3, \d+ batches, \d+ img/s$",
+            run.stdout,
+            re.M,
+        ), run.stdout
     n = 80
     for epoch in range(SMALL_EPOCHS):
         per_rank = [s[epoch] for s in _seen(small, 3)]
@@ -136,9 +166,11 @@ def test_readme_code_on_three_ranks(job):
     a, b = (json.loads((d / "pss.json").read_text()) for d in (small, big))
     copies = (b["pss"] - a["pss"]) / (b["data"] - a["data"])
     assert b["data"] - a["data"] > 30e6
-    assert copies <= MAX_COPIES, (f"{copies:.3f} copies held on the node (PSS "
-                                  f"{a['pss'] / 1e6:.0f} -> {b['pss'] / 1e6:.0f} MB, data "
-                                  f"{a['data'] / 1e6:.0f} -> {b['data'] / 1e6:.0f} MB)")
+    assert copies <= MAX_COPIES, (
+        f"{copies:.3f} copies held on the node (PSS "
+        f"{a['pss'] / 1e6:.0f} -> {b['pss'] / 1e6:.0f} MB, data "
+        f"{a['data'] / 1e6:.0f} -> {b['data'] / 1e6:.0f} MB)"
+    )
 
 
 def test_failed_and_stopped_jobs_leave_nothing_and_the_next_run_resumes(job):
@@ -152,9 +184,14 @@ def test_failed_and_stopped_jobs_leave_nothing_and_the_next_run_resumes(job):
     _assert_nothing_left(job, _pids(failed), shm_before)
 
     stopped = job["base"] / "run-term"
-    proc = subprocess.Popen(_cmd(2, job["sets"][2], stopped, "--hang"),
-                            env=_env(job), cwd=job["base"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _cmd(2, job["sets"][2], stopped, "--hang"),
+        env=_env(job),
+        cwd=job["base"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while len(list(stopped.glob("hanging-*"))) < 2:
@@ -182,18 +219,26 @@ def test_failed_and_stopped_jobs_leave_nothing_and_the_next_run_resumes(job):
 def _child(code: str, env: dict | None = None) -> subprocess.Popen:
     full = {**os.environ, **(env or {})}
     full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full.get("PYTHONPATH")) if p)
-    return subprocess.Popen([sys.executable, "-c", code], env=full, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_ranks_started_apart_build_once_and_share_the_file(tmp_path):
     root = make_jpeg_folder(tmp_path / "imgs", 12, seed=2)
-    code = ("import logging; from gpucache import JpegCache; logging.basicConfig(level='INFO'); "
-            f"c = JpegCache.from_folder({str(root)!r}, progress=False); print(c.path)")
+    code = (
+        "import logging; from gpucache import JpegCache; logging.basicConfig(level='INFO'); "
+        f"c = JpegCache.from_folder({str(root)!r}, progress=False); print(c.path)"
+    )
     procs = []
     for r in range(3):  # ranks start a second apart; each finds the file or waits for the builder
-        procs.append(_child(code, {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3",
-                                   "TMPDIR": str(tmp_path)}))
+        procs.append(
+            _child(code, {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3", "TMPDIR": str(tmp_path)})
+        )
         time.sleep(1)
     outs = [p.communicate(timeout=400) for p in procs]  # torch import: slow on a loaded machine
     assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
@@ -238,7 +283,8 @@ def test_a_killed_builder_blocks_no_one_and_a_stuck_one_times_out(tmp_path):
         "    Path(path.parent, f'.{path.name}.x{os.getpid()}.tmp').write_bytes(b'half')\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "_format.save_atomic = dying\n"
-        f"JpegCache.from_folder({str(root)!r}, cache_dir={str(cdir)!r}, progress=False)\n")
+        f"JpegCache.from_folder({str(root)!r}, cache_dir={str(cdir)!r}, progress=False)\n"
+    )
     crash.communicate(timeout=400)
     assert crash.returncode == -signal.SIGKILL
     assert {f.suffix for f in cdir.iterdir()} >= {".lock"}  # what the crash left
@@ -248,14 +294,19 @@ def test_a_killed_builder_blocks_no_one_and_a_stuck_one_times_out(tmp_path):
     # a builder that holds the lock and never reports progress: the others stop waiting after the
     # stall timeout with a clear error naming it
     lock = cdir / "stuck.lock"
-    stuck = _child(f"import fcntl, signal; f = open({str(lock)!r}, 'w'); f.write('pid stuck'); "
-                   "f.flush(); fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); "
-                   "signal.pause()")
+    stuck = _child(
+        f"import fcntl, signal; f = open({str(lock)!r}, 'w'); f.write('pid stuck'); "
+        "f.flush(); fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); "
+        "signal.pause()"
+    )
     try:
         assert stuck.stdout.readline().strip() == "locked"
         start = time.monotonic()
-        with pytest.raises(TimeoutError, match=r"no progress for 1 s from another process "
-                                               r"\(pid stuck\), which holds .*stuck.lock"):
+        with pytest.raises(
+            TimeoutError,
+            match=r"no progress for 1 s from another process "
+            r"\(pid stuck\), which holds .*stuck.lock",
+        ):
             with NodeLock(lock, cdir / "stuck.gpucache", 1.0):
                 pass
         assert time.monotonic() - start < 10

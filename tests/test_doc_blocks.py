@@ -38,7 +38,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SHELL = re.compile(r"^```bash\n(?P<code>.*?)^```", re.S | re.M)
 BLOCK = re.compile(r"(?:^<!-- (?P<mark>[^>]*?) -->\n)?^```python\n(?P<code>.*?)^```", re.S | re.M)
 
-_DRIVER = r'''
+_DRIVER = r"""
 import json, runpy, sys, traceback
 blocks = json.loads(sys.stdin.read())
 for name, path in blocks:
@@ -49,7 +49,7 @@ for name, path in blocks:
         print(f"BLOCK FAILED: {name}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(1)
     print(f"ran {name}", flush=True)
-'''
+"""
 
 
 def blocks() -> list[tuple[str, str, str]]:
@@ -72,13 +72,18 @@ def project(tmp_path_factory) -> Path:
     (base / "shards").mkdir()
     with tarfile.open(base / "shards" / "train-000000.tar", "w") as tar:
         for k in range(6):
-            for ext, data in (("jpg", make_jpeg_bytes(48, 32, seed=k)), ("cls", str(k % 2).encode())):
+            for ext, data in (
+                ("jpg", make_jpeg_bytes(48, 32, seed=k)),
+                ("cls", str(k % 2).encode()),
+            ):
                 info = tarfile.TarInfo(f"{k:06d}.{ext}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
     (base / "lists").mkdir()
-    rows = [f"../imagenet/train/{p.parent.name}/{p.name},{p.parent.name}"
-            for p in sorted(root.glob("*/*.jpg"))]
+    rows = [
+        f"../imagenet/train/{p.parent.name}/{p.name},{p.parent.name}"
+        for p in sorted(root.glob("*/*.jpg"))
+    ]
     (base / "lists" / "train.csv").write_text("path,label\n" + "\n".join(rows) + "\n")
     try:
         import datasets
@@ -87,9 +92,14 @@ def project(tmp_path_factory) -> Path:
     else:
         files = sorted(root.glob("*/*.jpg"))
         ds = datasets.Dataset.from_dict(
-            {"image": [str(p) for p in files], "label": [int(p.parent.name == "bees") for p in files]},
-            features=datasets.Features({"image": datasets.Image(),
-                                        "label": datasets.ClassLabel(names=["ants", "bees"])}))
+            {
+                "image": [str(p) for p in files],
+                "label": [int(p.parent.name == "bees") for p in files],
+            },
+            features=datasets.Features(
+                {"image": datasets.Image(), "label": datasets.ClassLabel(names=["ants", "bees"])}
+            ),
+        )
         datasets.DatasetDict({"train": ds}).save_to_disk(str(base / "beans"))
     return base
 
@@ -119,20 +129,34 @@ def test_every_block_is_runnable_or_marked():
         tree = ast.parse(code, where)  # a syntax error fails here, whatever the mark
         statements = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
         for node in ast.walk(tree):  # `...` as a statement ("your step here") is fine
-            assert not (isinstance(node, ast.Constant) and node.value is Ellipsis
-                        and id(node) not in statements), (
+            assert not (
+                isinstance(node, ast.Constant)
+                and node.value is Ellipsis
+                and id(node) not in statements
+            ), (
                 f"{where}: `...` stands in for a value (line {node.lineno}): it does not run "
-                "as written")
+                "as written"
+            )
 
 
 def test_python_blocks_run_as_written(project):
-    plain = [(where, code) for where, mark, code in blocks()
-             if mark == "" or mark == "needs: gpu" and torch.cuda.is_available()]
+    plain = [
+        (where, code)
+        for where, mark, code in blocks()
+        if mark == "" or mark == "needs: gpu" and torch.cuda.is_available()
+    ]
     todo = [(where, _write(project, i, code)) for i, (where, code) in enumerate(plain)]
     if not (project / "beans").exists():
-        todo = [(w, p) for w, p in todo if "load_from_disk(\"beans\")" not in Path(p).read_text()]
-    run = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps(todo), cwd=project,
-                         env=_env(project), capture_output=True, text=True, timeout=600)
+        todo = [(w, p) for w, p in todo if 'load_from_disk("beans")' not in Path(p).read_text()]
+    run = subprocess.run(
+        [sys.executable, "-c", _DRIVER],
+        input=json.dumps(todo),
+        cwd=project,
+        env=_env(project),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-6000:]
     assert run.stdout.count("ran ") == len(todo), run.stdout
 
@@ -142,10 +166,22 @@ def test_torchrun_blocks_run_on_two_cpu_ranks(project):
     assert launched, "the manual shows torchrun code"
     for i, (where, code) in enumerate(launched):
         path = _write(project, 50 + i, code)
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc_per_node=2", path, "imagenet/train"], cwd=project,
-                             env={**_env(project), "CUDA_VISIBLE_DEVICES": ""},
-                             capture_output=True, text=True, timeout=600)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                path,
+                "imagenet/train",
+            ],
+            cwd=project,
+            env={**_env(project), "CUDA_VISIBLE_DEVICES": ""},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert run.returncode == 0, f"{where}\n{run.stderr[-6000:]}"
 
 
@@ -172,6 +208,12 @@ def test_gpucache_shell_blocks_run_as_written(project):
         for line in lines:
             if "--hf " in line and not (project / "beans").exists():
                 continue  # needs the datasets package to make the folder
-            run = subprocess.run(["bash", "-c", line], cwd=project, env=env, capture_output=True,
-                                 text=True, timeout=300)
+            run = subprocess.run(
+                ["bash", "-c", line],
+                cwd=project,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert run.returncode == 0, f"{where}: {line}\n{run.stderr[-3000:]}"

@@ -8,6 +8,7 @@ is skipped, except under CI, where it fails.
 
 import functools
 import http.server
+import importlib.util
 import os
 import re
 import shutil
@@ -15,8 +16,6 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-
-import importlib.util
 
 import pytest
 
@@ -31,9 +30,14 @@ CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 def _mkdocs(config: Path, site: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config),
-                           "-d", str(site)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +59,10 @@ def test_manual_builds_strict_with_every_page(site):
     on_disk = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
     assert on_disk == set(pages), "every page is in the nav, and every nav entry exists"
     for page in pages:
-        stem = page[:-len(".md")]
-        html = site / (stem[:-len("index")] if stem.endswith("index") else stem + "/") / "index.html"
+        stem = page[: -len(".md")]
+        html = (
+            site / (stem[: -len("index")] if stem.endswith("index") else stem + "/") / "index.html"
+        )
         assert html.is_file(), page
     api = (site / "reference/api/index.html").read_text()
     for name in ("GpuCachedLoader", "JpegCache", "set_epoch", "state_dict", "RandomResizedCrop"):
@@ -69,8 +75,11 @@ def _config_with(tmp_path: Path, page: str) -> Path:
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "index.md").write_text(page)
-    config.update(docs_dir=str(docs), nav=["index.md"],
-                  hooks=[str(ROOT / hook) for hook in config.get("hooks", [])])
+    config.update(
+        docs_dir=str(docs),
+        nav=["index.md"],
+        hooks=[str(ROOT / hook) for hook in config.get("hooks", [])],
+    )
     python = config["plugins"][1]["mkdocstrings"]["handlers"]["python"]
     python["paths"] = [str(ROOT)]
     path = tmp_path / "mkdocs.yml"
@@ -78,10 +87,13 @@ def _config_with(tmp_path: Path, page: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("page, message", [
-    ("# Home\n\nSee [the loader](guides/no-such-page.md).\n", "no-such-page.md"),
-    ("# Home\n\n::: gpucache.NoSuchName\n", "gpucache.NoSuchName"),
-])
+@pytest.mark.parametrize(
+    "page, message",
+    [
+        ("# Home\n\nSee [the loader](guides/no-such-page.md).\n", "no-such-page.md"),
+        ("# Home\n\n::: gpucache.NoSuchName\n", "gpucache.NoSuchName"),
+    ],
+)
 def test_broken_link_or_api_reference_fails_the_build(tmp_path, page, message):
     run = _mkdocs(_config_with(tmp_path, page), tmp_path / "site")
     assert run.returncode != 0 and message in run.stdout + run.stderr, run.stdout + run.stderr
@@ -119,10 +131,19 @@ def browser(tmp_path):
         pytest.skip(reason)
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}",
-                "--window-size=1280,900"):
+    for arg in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1280,900",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
     driver.set_page_load_timeout(60)
@@ -142,14 +163,18 @@ def test_index_renders_and_search_finds_a_page(served, browser):
     nav = browser.find_element(By.CSS_SELECTOR, "nav.md-nav--primary").get_attribute("textContent")
     assert "Getting started" in nav and "Coming from torchvision" in nav
     theme = browser.execute_script(
-        "return getComputedStyle(document.querySelector('.md-header')).position")
+        "return getComputedStyle(document.querySelector('.md-header')).position"
+    )
     assert theme in ("sticky", "fixed"), "the theme's stylesheet is applied"
 
     box = wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "input.md-search__input")))
     box.click()  # the header's search box, as a reader would
     box.send_keys("decompression bomb")
-    link = wait.until(EC.element_to_be_clickable(
-        (By.CSS_SELECTOR, ".md-search-result__list a[href*='guides/bad-input']")))
+    link = wait.until(
+        EC.element_to_be_clickable(
+            (By.CSS_SELECTOR, ".md-search-result__list a[href*='guides/bad-input']")
+        )
+    )
     link.click()
     wait.until(EC.url_contains("guides/bad-input"))
     wait.until(EC.text_to_be_present_in_element((By.CSS_SELECTOR, "article h1"), "Bad input"))

@@ -24,10 +24,10 @@ from gpucache.decode._batched import (
     make_decoder,
     torchvision_decoder,
 )
-from tests.support.emulated_cuda import EmulatedCuda
-from gpucache.decode._streams import CudaStreams
 from gpucache.decode._core import decode_batch
 from gpucache.decode._nvjpeg import NvjpegBackend
+from gpucache.decode._streams import CudaStreams
+from tests.support.emulated_cuda import EmulatedCuda
 
 ROOT = Path(__file__).resolve().parents[1]
 TF = T.Compose([T.RandomResizedCrop(24), T.RandomHorizontalFlip()])
@@ -40,8 +40,11 @@ def cache(jpeg_folder):
 
 def _plans(cache, idx, seed=0):
     s = cache.samples
-    return TF.plan(s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
-                   np.random.default_rng(seed))
+    return TF.plan(
+        s["height"][idx].astype(np.int64),
+        s["width"][idx].astype(np.int64),
+        np.random.default_rng(seed),
+    )
 
 
 def _close(images, ref) -> None:
@@ -58,8 +61,9 @@ def test_nvjpeg_backend_on_indexed_and_unindexed_devices(cache, given, threaded)
     ref = decode_batch(cache, idx, plans, on_error="raise", stack=True).images
     with EmulatedCuda(devices=2):
         dev = torch.device(given)
-        backend = NvjpegBackend(cache, device=dev, on_error="raise", threaded=threaded,
-                                decoder=torchvision_decoder(dev))
+        backend = NvjpegBackend(
+            cache, device=dev, on_error="raise", threaded=threaded, decoder=torchvision_decoder(dev)
+        )
         want = normalize_device(dev)
         assert backend.device == want and isinstance(backend._streams, CudaStreams)
         for _ in range(2):
@@ -79,22 +83,28 @@ def test_unindexed_device_follows_set_device(cache):
         backend.submit(np.arange(4), _plans(cache, np.arange(4)), stack=True)
         assert backend.get().images.device == torch.device("cuda", 1)
         backend.close()
-        with pytest.raises(ValueError, match="decodes to cuda:0, but the backend's device is "
-                                             "cuda:1"):
-            NvjpegBackend(cache, device="cuda", on_error="raise",
-                          decoder=torchvision_decoder(torch.device("cuda", 0)))
+        with pytest.raises(
+            ValueError, match="decodes to cuda:0, but the backend's device is cuda:1"
+        ):
+            NvjpegBackend(
+                cache,
+                device="cuda",
+                on_error="raise",
+                decoder=torchvision_decoder(torch.device("cuda", 0)),
+            )
 
 
 def test_loader_on_emulated_cuda_matches_cpu(cache):
     kw = dict(batch_size=8, seed=0, transform=TF, return_metadata=True)
-    with GpuCachedLoader(cache, device="cpu", backend="cpu", num_workers=0, exact=True,
-                         **kw) as cpu:  # full-size decode, as the GPU decoders do
+    with GpuCachedLoader(
+        cache, device="cpu", backend="cpu", num_workers=0, exact=True, **kw
+    ) as cpu:  # full-size decode, as the GPU decoders do
         ref = [(x, y) for x, y, _ in cpu]
     with EmulatedCuda(devices=2):
         with GpuCachedLoader(cache, device="cuda:1", backend="nvjpeg", **kw) as gpu:
             assert gpu.device == torch.device("cuda", 1) and gpu.pin_memory
             got = list(gpu)
-        for (x, y, info), (rx, ry) in zip(got, ref, strict=True):
+        for (x, y, _info), (rx, ry) in zip(got, ref, strict=True):
             assert x.device == y.device == torch.device("cuda", 1)
             assert torch.equal(y.cpu(), ry)
             _close(x, rx)
@@ -150,12 +160,19 @@ def test_out_of_memory_is_raised_with_advice(cache):
     def oom(data):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    backend = NvjpegBackend(cache, device="cpu", on_error="skip",
-                            decoder=make_decoder("oom", "cpu", oom, applies_exif=False))
+    backend = NvjpegBackend(
+        cache,
+        device="cpu",
+        on_error="skip",
+        decoder=make_decoder("oom", "cpu", oom, applies_exif=False),
+    )
     idx = np.arange(8)
     backend.submit(idx, _plans(cache, idx), stack=True)
-    with pytest.raises(torch.OutOfMemoryError, match=r"batch of \d+ samples.*lower batch_size.*"
-                                                     "Tried to allocate 2.00 GiB"):
+    with pytest.raises(
+        torch.OutOfMemoryError,
+        match=r"batch of \d+ samples.*lower batch_size.*"
+        "Tried to allocate 2.00 GiB",
+    ):
         backend.get()
     assert not backend.thread_alive
 
@@ -169,7 +186,8 @@ def broken_torchcodec(tmp_path, monkeypatch):
     (pkg / "decoders").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "decoders" / "__init__.py").write_text(
-        'raise RuntimeError("Could not load libtorchcodec. FFmpeg libraries not found")\n')
+        'raise RuntimeError("Could not load libtorchcodec. FFmpeg libraries not found")\n'
+    )
 
     def ours(name: str) -> bool:
         return name == "torchcodec" or name.startswith("torchcodec.")
@@ -242,8 +260,9 @@ def test_library_imports_and_builds_without_tqdm(jpeg_folder):
         assert len(cache) == 24 and "tqdm" not in sys.modules
         print("ok")
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
@@ -256,9 +275,15 @@ def test_multi_gpu_snippet_sets_the_device_only_with_cuda():
     assert blocks
     for block in blocks:
         tree = ast.parse(block)
-        guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and "cuda.is_available" in ast.unparse(node.test)
-                   for n in ast.walk(ast.Module(body=node.body, type_ignores=[]))}
-        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
-                 and ast.unparse(n.func).endswith("cuda.set_device")]
+        guarded = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "cuda.is_available" in ast.unparse(node.test)
+            for n in ast.walk(ast.Module(body=node.body, type_ignores=[]))
+        }
+        calls = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("cuda.set_device")
+        ]
         assert calls and all(id(c) in guarded for c in calls), block

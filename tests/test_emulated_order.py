@@ -16,9 +16,9 @@ from gpucache import JpegCache
 from gpucache import transforms as T
 from gpucache.decode import _streams
 from gpucache.decode._batched import torchvision_decoder
-from tests.support.emulated_cuda import EmulatedCuda, StreamOrderError
 from gpucache.decode._nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes
+from tests.support.emulated_cuda import EmulatedCuda, StreamOrderError
 
 TF = T.Compose([T.RandomResizedCrop(24), T.RandomHorizontalFlip()])
 
@@ -37,9 +37,14 @@ def test_a_read_on_another_stream_needs_a_wait():
         a, b = torch.cuda.Stream(), torch.cuda.Stream()
         with torch.cuda.stream(a):
             x = torch.ones(64, device="cuda")
-        with torch.cuda.stream(b), pytest.raises(StreamOrderError,
-                                                 match=r"reads .* on stream 'b' .*written by "
-                                                       r"ones on stream 'a'.*wait"):
+        with (
+            torch.cuda.stream(b),
+            pytest.raises(
+                StreamOrderError,
+                match=r"reads .* on stream 'b' .*written by "
+                r"ones on stream 'a'.*wait",
+            ),
+        ):
             x + 1
         _violation(emu, "stream 'b'")
         b.wait_stream(a)
@@ -57,9 +62,14 @@ def test_a_read_on_another_stream_needs_a_wait():
         b.wait_event(event)
         with torch.cuda.stream(b):
             x.sum()
-        with torch.cuda.stream(a), pytest.raises(StreamOrderError,
-                                                 match=r"writes .* stream 'b' .* read it "
-                                                       r"\(sum\)"):
+        with (
+            torch.cuda.stream(a),
+            pytest.raises(
+                StreamOrderError,
+                match=r"writes .* stream 'b' .* read it "
+                r"\(sum\)",
+            ),
+        ):
             x.zero_()  # write after b's read, with a never waiting for b
         _violation(emu, "zero_")
         del y
@@ -128,9 +138,12 @@ def test_a_block_freed_without_record_stream_is_reused_under_a_pending_read(reco
             if record:
                 y = torch.full((1000,), 2.0, device="cuda")
             else:
-                with pytest.raises(StreamOrderError, match=r"writes .*reused from a freed "
-                                                           r"tensor.* stream 'b' .* read it "
-                                                           r"\(sum\).*record_stream"):
+                with pytest.raises(
+                    StreamOrderError,
+                    match=r"writes .*reused from a freed "
+                    r"tensor.* stream 'b' .* read it "
+                    r"\(sum\).*record_stream",
+                ):
                     torch.full((1000,), 2.0, device="cuda")
                 _violation(emu, "record_stream")
         assert emu.reuses == reuses + 1  # the same block, handed out again
@@ -167,8 +180,11 @@ def test_non_blocking_copies_from_pinned_memory():
         with torch.cuda.stream(b), pytest.raises(StreamOrderError, match="stream 'a'"):
             d.sum()
         _violation(emu, "stream 'b'")
-        with pytest.raises(StreamOrderError, match=r"writes pinned host memory .* may still "
-                                                   r"read it on stream 'a'"):
+        with pytest.raises(
+            StreamOrderError,
+            match=r"writes pinned host memory .* may still "
+            r"read it on stream 'a'",
+        ):
             pinned.fill_(0)  # the copy may not have read it yet
         _violation(emu, "pinned")
         a.synchronize()
@@ -180,8 +196,12 @@ def test_non_blocking_copies_from_pinned_memory():
             host.to("cuda", non_blocking=True)  # pageable: CUDA stages it, waiting
             pinned.to("cuda")  # blocking
         assert [s.reason for s in c.syncs] == [
-            ("to: host-to-cuda:0 non_blocking copy from pageable memory (CUDA stages it, waiting "
-             "for the stream)"), "to: host-to-cuda:0 blocking copy"]
+            (
+                "to: host-to-cuda:0 non_blocking copy from pageable memory (CUDA stages it, waiting "
+                "for the stream)"
+            ),
+            "to: host-to-cuda:0 blocking copy",
+        ]
         with emu.count_syncs() as c:
             back = d.to("cpu", non_blocking=True)  # lands in pinned memory, later
         assert len(c) == 0 and back.is_pinned()
@@ -219,11 +239,25 @@ def test_host_syncs_are_counted_by_kind_and_thread():
             t.start()
             t.join()
         reasons = [s.reason.split(" ")[0].split(":")[0] for s in c.syncs]
-        assert reasons == ["torch.cuda.synchronize", "Stream.synchronize", "Event.synchronize",
-                           "cpu", "item", "tolist", "__bool__", "to", "nonzero", "__getitem__",
-                           "tensor", "to", "cuda", "__getitem__"], reasons
+        assert reasons == [
+            "torch.cuda.synchronize",
+            "Stream.synchronize",
+            "Event.synchronize",
+            "cpu",
+            "item",
+            "tolist",
+            "__bool__",
+            "to",
+            "nonzero",
+            "__getitem__",
+            "tensor",
+            "to",
+            "cuda",
+            "__getitem__",
+        ], reasons
         assert [s.reason for s in emu.host_syncs_in(t)] == [
-            "item of a cuda:0 tensor (device-to-host read)"]  # counted in its own thread only
+            "item of a cuda:0 tensor (device-to-host read)"
+        ]  # counted in its own thread only
         assert all(s.thread == threading.current_thread().name for s in c.syncs)
         assert "test_emulated_order.py" in c.syncs[3].where
 
@@ -239,8 +273,11 @@ def decode_jpeg(*args, **kwargs):
     import torchvision.io
 
     with warnings.catch_warnings():  # torchvision >= 0.29 points to TorchCodec on every call
-        warnings.filterwarnings("ignore", category=DeprecationWarning,
-                                message=r".*image decoding and encoding capabilities")
+        warnings.filterwarnings(
+            "ignore",
+            category=DeprecationWarning,
+            message=r".*image decoding and encoding capabilities",
+        )
         return torchvision.io.decode_jpeg(*args, **kwargs)
 
 
@@ -254,10 +291,14 @@ def test_decoder_outputs_come_from_a_private_stream(jpeg):
             assert img.shape == (3, 30, 40)
             mean = img.float().mean()  # a waited for it; no host sync (that would order b)
         assert [s.stream for s in c.syncs if "nvJPEG" in s.reason] == [
-            "nvJPEG's private stream of cuda:0 (torchvision decoder #1)"] * 2
-        with torch.cuda.stream(b), pytest.raises(StreamOrderError,
-                                                 match="written by nvJPEG decode on nvJPEG's "
-                                                       "private stream"):
+            "nvJPEG's private stream of cuda:0 (torchvision decoder #1)"
+        ] * 2
+        with (
+            torch.cuda.stream(b),
+            pytest.raises(
+                StreamOrderError, match="written by nvJPEG decode on nvJPEG's private stream"
+            ),
+        ):
             img.sum()
         _violation(emu, "private")
         b.wait_stream(a)
@@ -279,21 +320,25 @@ def test_decoder_writes_into_blocks_freed_with_work_queued_as_released(jpeg):
     decode where no such block exists; a caller outside gpucache gets the decoder as fixed."""
     import torchvision.io
 
-    code = ("x = torch.ones(3600, dtype=torch.uint8, device='cuda')\n"
-            "x.sum()  # still queued on a when x is freed\n"
-            "del x\n"
-            "torchvision.io.decode_jpeg([jpeg], device='cuda')\n")
+    code = (
+        "x = torch.ones(3600, dtype=torch.uint8, device='cuda')\n"
+        "x.sum()  # still queued on a when x is freed\n"
+        "del x\n"
+        "torchvision.io.decode_jpeg([jpeg], device='cuda')\n"
+    )
     for module, fails in (("gpucache.decode.somewhere", True), ("train", False)):
         with EmulatedCuda(devices=2) as emu:
             a = torch.cuda.Stream()
-            scope = {"__name__": module, "torch": torch, "torchvision": torchvision,
-                     "jpeg": jpeg}
+            scope = {"__name__": module, "torch": torch, "torchvision": torchvision, "jpeg": jpeg}
             with torch.cuda.stream(a):
                 if fails:
-                    with pytest.raises(StreamOrderError, match=r"nvJPEG decode .* writes .*"
-                                                               r"reused from a freed tensor.* "
-                                                               r"private stream.* stream 'a' "
-                                                               r".* wrote it"):
+                    with pytest.raises(
+                        StreamOrderError,
+                        match=r"nvJPEG decode .* writes .*"
+                        r"reused from a freed tensor.* "
+                        r"private stream.* stream 'a' "
+                        r".* wrote it",
+                    ):
                         exec(code, scope)  # noqa: S102 - code "in" a gpucache module
                     _violation(emu, "nvJPEG")
                 else:
@@ -306,12 +351,17 @@ def test_decoder_faults(jpeg):
         with pytest.raises(RuntimeError) as info:
             decode_jpeg([jpeg], device="cuda")
         assert type(info.value) is RuntimeError  # not torch.OutOfMemoryError
-        assert str(info.value).startswith("Error while decoding JPEG images: CUDA out of memory. "
-                                          "Tried to allocate 3.52 KiB. GPU 0 ")
-    with (EmulatedCuda(devices=2, decoder_fault="init") as emu,
-          torch.cuda.stream(torch.cuda.Stream())):
-        with pytest.raises(RuntimeError, match="^Failed to initialize nvjpeg with hardware "
-                                               "backend: 5$"):
+        assert str(info.value).startswith(
+            "Error while decoding JPEG images: CUDA out of memory. "
+            "Tried to allocate 3.52 KiB. GPU 0 "
+        )
+    with (
+        EmulatedCuda(devices=2, decoder_fault="init") as emu,
+        torch.cuda.stream(torch.cuda.Stream()),
+    ):
+        with pytest.raises(
+            RuntimeError, match="^Failed to initialize nvjpeg with hardware backend: 5$"
+        ):
             decode_jpeg([jpeg], device="cuda")
         emu.decoder_fault = None  # no decoder was kept: the next call builds one
         assert decode_jpeg([jpeg], device="cuda")[0].shape == (3, 30, 40)
@@ -342,11 +392,15 @@ def _two_batches(cache, *, threaded: bool = True):
     blocks are freed by then) and nothing read on the host in between; then both read."""
     idx = np.arange(16)
     s = cache.samples
-    plans = TF.plan(s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
-                    np.random.default_rng(0))
+    plans = TF.plan(
+        s["height"][idx].astype(np.int64),
+        s["width"][idx].astype(np.int64),
+        np.random.default_rng(0),
+    )
     dev = torch.device("cuda", 0)
-    backend = NvjpegBackend(cache, device="cuda", on_error="raise", threaded=threaded,
-                            decoder=torchvision_decoder(dev))
+    backend = NvjpegBackend(
+        cache, device="cuda", on_error="raise", threaded=threaded, decoder=torchvision_decoder(dev)
+    )
     try:
         backend.submit(idx, plans, stack=True)
         first = backend.get()
@@ -362,10 +416,17 @@ def test_the_backend_makes_no_host_sync_on_the_consumer_thread(cache):
     with EmulatedCuda(devices=2) as emu:
         idx = np.arange(8)
         s = cache.samples
-        plans = TF.plan(s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
-                        np.random.default_rng(0))
-        backend = NvjpegBackend(cache, device="cuda", on_error="raise",
-                                decoder=torchvision_decoder(torch.device("cuda", 0)))
+        plans = TF.plan(
+            s["height"][idx].astype(np.int64),
+            s["width"][idx].astype(np.int64),
+            np.random.default_rng(0),
+        )
+        backend = NvjpegBackend(
+            cache,
+            device="cuda",
+            on_error="raise",
+            decoder=torchvision_decoder(torch.device("cuda", 0)),
+        )
         backend.submit(idx, plans, stack=True)
         backend.submit(idx, plans, stack=True)
         with emu.count_syncs() as c:
@@ -376,8 +437,10 @@ def test_the_backend_makes_no_host_sync_on_the_consumer_thread(cache):
         assert len(c) == 0, c
         assert emu.decoder_rebuilds == 0
         decode = [t for t in backend._threads if "decode" in t.name]
-        assert decode and all("cudaStreamSynchronize" in r.reason or r.reason ==
-                              "Stream.synchronize" for r in emu.host_syncs_in(decode[0]))
+        assert decode and all(
+            "cudaStreamSynchronize" in r.reason or r.reason == "Stream.synchronize"
+            for r in emu.host_syncs_in(decode[0])
+        )
 
 
 def test_the_backend_reports_the_decoders_out_of_memory_as_such(cache):
@@ -385,15 +448,23 @@ def test_the_backend_reports_the_decoders_out_of_memory_as_such(cache):
     with advice, never retries the samples one by one or on the CPU."""
     idx = np.arange(4)
     s = cache.samples
-    plans = TF.plan(s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
-                    np.random.default_rng(0))
+    plans = TF.plan(
+        s["height"][idx].astype(np.int64),
+        s["width"][idx].astype(np.int64),
+        np.random.default_rng(0),
+    )
     with EmulatedCuda(devices=2, decoder_fault="oom"):
-        backend = NvjpegBackend(cache, device="cuda", on_error="skip",
-                                decoder=torchvision_decoder(torch.device("cuda", 0)))
+        backend = NvjpegBackend(
+            cache,
+            device="cuda",
+            on_error="skip",
+            decoder=torchvision_decoder(torch.device("cuda", 0)),
+        )
         backend.submit(idx, plans, stack=True)
-        with pytest.raises(torch.OutOfMemoryError, match="lower batch_size.*Error while "
-                                                         "decoding JPEG images: CUDA out of "
-                                                         "memory"):
+        with pytest.raises(
+            torch.OutOfMemoryError,
+            match="lower batch_size.*Error while decoding JPEG images: CUDA out of memory",
+        ):
             backend.get()
         backend.close()
 
@@ -403,11 +474,17 @@ def test_the_loader_makes_no_host_sync_per_batch_on_the_training_thread(cache):
     thread waits for the device nowhere: batches, labels and transforms are only queued."""
     from gpucache import GpuCachedLoader
 
-    tf = T.Compose([T.RandomResizedCrop(24), T.RandomHorizontalFlip(),
-                    T.Normalize((0.5, 0.5, 0.5), (0.2, 0.2, 0.2))])
+    tf = T.Compose(
+        [
+            T.RandomResizedCrop(24),
+            T.RandomHorizontalFlip(),
+            T.Normalize((0.5, 0.5, 0.5), (0.2, 0.2, 0.2)),
+        ]
+    )
     with EmulatedCuda(devices=2) as emu:
-        with GpuCachedLoader(cache, device="cuda", backend="nvjpeg", batch_size=8, seed=0,
-                             transform=tf) as loader:
+        with GpuCachedLoader(
+            cache, device="cuda", backend="nvjpeg", batch_size=8, seed=0, transform=tf
+        ) as loader:
             batches = iter(loader)
             next(batches)
             with emu.count_syncs() as c:
@@ -430,17 +507,29 @@ def _decoding_on_side(self):
     return _streams._Decoding(self.side, barrier=self.alloc)
 
 
-@pytest.mark.parametrize("method, mutant, where", [
-    ("hand_over", _hand_over_without_wait,
-     r"cpu at .* reads .* on the default stream of cuda:0, last written by .* on stream 'side'"),
-    ("adopt", _adopt_without_wait,
-     r"reads .* on stream 'side' .* written by nvJPEG decode on nvJPEG's private stream"),
-    ("decoding", _decoding_on_side,
-     r"nvJPEG decode at .* writes .*reused from a freed tensor.* on stream 'side'"),
-], ids=["hand_over-without-wait_event", "adopt-without-wait_stream", "decoding-on-side"])
+@pytest.mark.parametrize(
+    "method, mutant, where",
+    [
+        (
+            "hand_over",
+            _hand_over_without_wait,
+            r"cpu at .* reads .* on the default stream of cuda:0, last written by .* on stream 'side'",
+        ),
+        (
+            "adopt",
+            _adopt_without_wait,
+            r"reads .* on stream 'side' .* written by nvJPEG decode on nvJPEG's private stream",
+        ),
+        (
+            "decoding",
+            _decoding_on_side,
+            r"nvJPEG decode at .* writes .*reused from a freed tensor.* on stream 'side'",
+        ),
+    ],
+    ids=["hand_over-without-wait_event", "adopt-without-wait_stream", "decoding-on-side"],
+)
 @pytest.mark.parametrize("threaded", [True, False])
-def test_each_missing_order_fails_the_backend(cache, monkeypatch, method, mutant, where,
-                                              threaded):
+def test_each_missing_order_fails_the_backend(cache, monkeypatch, method, mutant, where, threaded):
     """The backend as it is passes; with one CudaStreams method mutated it fails:
     hand_over without the consumer's wait_event (the training stream reads a batch the side
     stream may still write), adopt without the side stream's wait_stream(alloc) (the side stream
@@ -453,13 +542,11 @@ def test_each_missing_order_fails_the_backend(cache, monkeypatch, method, mutant
     monkeypatch.setattr(_streams.CudaStreams, method, mutant)
     with pytest.raises(StreamOrderError) as info, EmulatedCuda(devices=2) as emu:
         _two_batches(cache, threaded=threaded)
-    assert emu.violations and any(re.search(where, str(v))
-                                  for v in emu.violations), emu.violations
+    assert emu.violations and any(re.search(where, str(v)) for v in emu.violations), emu.violations
     assert info.value is emu.violations[0] or info.value.__cause__ is emu.violations[0]
 
 
-def test_the_allocation_stream_is_synchronised_before_decoding_even_when_pooled(cache,
-                                                                              monkeypatch):
+def test_the_allocation_stream_is_synchronised_before_decoding_even_when_pooled(cache, monkeypatch):
     """torch.cuda.Stream() hands out streams from a round-robin pool, so the backend's allocation
     stream may be the very stream a user computes on (a pool of one here): a block the user's
     queued kernel still writes, freed to that stream's pool, is handed to the decoder's output,
@@ -467,16 +554,23 @@ def test_the_allocation_stream_is_synchronised_before_decoding_even_when_pooled(
     right before each decode; without that barrier the emulation sees the race."""
     idx = np.arange(8)
     s = cache.samples
-    plans = T.Compose([T.RandomResizedCrop(24)]).plan(s["height"][idx].astype(np.int64),
-                                                      s["width"][idx].astype(np.int64),
-                                                      np.random.default_rng(0))
+    plans = T.Compose([T.RandomResizedCrop(24)]).plan(
+        s["height"][idx].astype(np.int64),
+        s["width"][idx].astype(np.int64),
+        np.random.default_rng(0),
+    )
 
     def run() -> None:
         with EmulatedCuda(devices=1, stream_pool=1):
             user = torch.cuda.Stream()
             dev = torch.device("cuda", 0)
-            backend = NvjpegBackend(cache, device=dev, on_error="raise", threaded=False,
-                                    decoder=torchvision_decoder(dev))
+            backend = NvjpegBackend(
+                cache,
+                device=dev,
+                on_error="raise",
+                threaded=False,
+                decoder=torchvision_decoder(dev),
+            )
             assert backend._streams.side is user  # the pool of one: every stream is the user's
             with torch.cuda.stream(user):
                 x = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
@@ -487,14 +581,14 @@ def test_the_allocation_stream_is_synchronised_before_decoding_even_when_pooled(
             backend.close()
 
     run()
-    monkeypatch.setattr(_streams.CudaStreams, "decoding",
-                        lambda self: _streams._Decoding(self.alloc))  # no barrier
+    monkeypatch.setattr(
+        _streams.CudaStreams, "decoding", lambda self: _streams._Decoding(self.alloc)
+    )  # no barrier
     with pytest.raises(StreamOrderError, match="nvJPEG decode .* writes .*reused from a freed"):
         run()
 
 
-def test_two_decoding_threads_keep_order_each_under_its_own_allocation_stream(cache,
-                                                                            monkeypatch):
+def test_two_decoding_threads_keep_order_each_under_its_own_allocation_stream(cache, monkeypatch):
     """decode_threads=2 (TorchCodec's default): batches come back in order and equal to one
     thread's, each decoding thread on an allocation stream of its own, no order violation."""
     seen: list[tuple[str, object]] = []
@@ -507,17 +601,26 @@ def test_two_decoding_threads_keep_order_each_under_its_own_allocation_stream(ca
     monkeypatch.setattr(_streams.CudaStreams, "decoding", spy)
     s = cache.samples
     batches = [np.arange(k, k + 4) % len(cache) for k in range(0, 32, 4)]
-    plans = [T.Compose([T.RandomResizedCrop(24)]).plan(s["height"][b].astype(np.int64),
-                                                       s["width"][b].astype(np.int64),
-                                                       np.random.default_rng(k))
-             for k, b in enumerate(batches)]
+    plans = [
+        T.Compose([T.RandomResizedCrop(24)]).plan(
+            s["height"][b].astype(np.int64),
+            s["width"][b].astype(np.int64),
+            np.random.default_rng(k),
+        )
+        for k, b in enumerate(batches)
+    ]
     outs = {}
     for threads in (1, 2):
         seen.clear()
         with EmulatedCuda(devices=1):
             dev = torch.device("cuda", 0)
-            backend = NvjpegBackend(cache, device=dev, on_error="raise", decode_threads=threads,
-                                    decoder=torchvision_decoder(dev))
+            backend = NvjpegBackend(
+                cache,
+                device=dev,
+                on_error="raise",
+                decode_threads=threads,
+                decoder=torchvision_decoder(dev),
+            )
             for b, p in zip(batches, plans):
                 backend.submit(b, p, True)
             got = [backend.get() for _ in batches]
@@ -537,16 +640,20 @@ def test_a_decoder_that_cannot_start_is_an_error_not_a_bad_sample(cache):
     each, and hide a broken GPU setup behind a slow epoch."""
     idx = np.arange(8)
     s = cache.samples
-    plans = T.Compose([T.RandomResizedCrop(24)]).plan(s["height"][idx].astype(np.int64),
-                                                      s["width"][idx].astype(np.int64),
-                                                      np.random.default_rng(0))
+    plans = T.Compose([T.RandomResizedCrop(24)]).plan(
+        s["height"][idx].astype(np.int64),
+        s["width"][idx].astype(np.int64),
+        np.random.default_rng(0),
+    )
     with EmulatedCuda(devices=1, decoder_fault="init"):
         dev = torch.device("cuda", 0)
-        backend = NvjpegBackend(cache, device=dev, on_error="skip",
-                                decoder=torchvision_decoder(dev))
+        backend = NvjpegBackend(
+            cache, device=dev, on_error="skip", decoder=torchvision_decoder(dev)
+        )
         backend.submit(idx, plans, True)
-        with pytest.raises(RuntimeError, match="failed to start.*Failed to initialize nvjpeg"
-                                               ".*backend='cpu'"):
+        with pytest.raises(
+            RuntimeError, match="failed to start.*Failed to initialize nvjpeg.*backend='cpu'"
+        ):
             backend.get()
         backend.close()
 
@@ -572,8 +679,9 @@ def test_an_emulation_that_fails_to_enter_leaves_nothing_behind(monkeypatch):
 
 
 @pytest.mark.parametrize("pageable", [False, True])
-def test_cpu_path_images_cross_in_one_pinned_copy_without_a_host_sync(bad_folder, monkeypatch,
-                                                                       pageable):
+def test_cpu_path_images_cross_in_one_pinned_copy_without_a_host_sync(
+    bad_folder, monkeypatch, pageable
+):
     """PNG, CMYK and other CPU-path samples of a batch are stacked on the CPU and cross to the
     device in one pinned non_blocking copy: the transform thread never waits on the host for
     them (a pageable .to(device) an image synchronised once per image)."""
@@ -582,17 +690,18 @@ def test_cpu_path_images_cross_in_one_pinned_copy_without_a_host_sync(bad_folder
     on_cpu = int((~cache.gpu_decodable()).sum())
     assert on_cpu >= 2
     s = cache.samples
-    plans = T.Compose([T.Resize((24, 24))]).plan(s["height"].astype(np.int64),
-                                                 s["width"].astype(np.int64),
-                                                 np.random.default_rng(0))
+    plans = T.Compose([T.Resize((24, 24))]).plan(
+        s["height"].astype(np.int64), s["width"].astype(np.int64), np.random.default_rng(0)
+    )
     if pageable:  # the join as it was: a plain .to(device)
         from gpucache.decode import _fallback
 
         monkeypatch.setattr(_fallback, "to_device", lambda x, device: x.to(device))
     with EmulatedCuda(devices=1) as emu:
         dev = torch.device("cuda", 0)
-        backend = NvjpegBackend(cache, device=dev, on_error="skip",
-                                decoder=torchvision_decoder(dev))
+        backend = NvjpegBackend(
+            cache, device=dev, on_error="skip", decoder=torchvision_decoder(dev)
+        )
         backend.submit(idx, plans, True)
         out = backend.get()
         assert out.cpu_decoded >= on_cpu and out.images.shape[0] == len(out.indices)

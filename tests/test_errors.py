@@ -6,15 +6,23 @@ import gpucache
 from gpucache import cli
 
 #: The built-in type each public error has always been.
-BUILTIN = {"BuildError": ValueError, "CacheFormatError": ValueError,
-           "SharedMemoryError": RuntimeError, "SampleError": RuntimeError,
-           "WorkerError": RuntimeError}
+BUILTIN = {
+    "BuildError": ValueError,
+    "CacheFormatError": ValueError,
+    "SharedMemoryError": RuntimeError,
+    "SampleError": RuntimeError,
+    "WorkerError": RuntimeError,
+}
 
 
 def test_every_public_exception_is_a_gpucache_error_and_still_its_builtin():
-    errors = {name for name in gpucache.__all__ if name != "__version__"
-              and isinstance(getattr(gpucache, name), type)
-              and issubclass(getattr(gpucache, name), BaseException)}
+    errors = {
+        name
+        for name in gpucache.__all__
+        if name != "__version__"
+        and isinstance(getattr(gpucache, name), type)
+        and issubclass(getattr(gpucache, name), BaseException)
+    }
     assert errors == set(BUILTIN) | {"GpucacheError"}
     assert issubclass(gpucache.GpucacheError, Exception)
     for name, builtin in BUILTIN.items():

@@ -23,8 +23,16 @@ def cache(small_folder):
 
 
 def _run(cache, transform, seed=3):
-    loader = GpuCachedLoader(cache, batch_size=8, shuffle=True, seed=seed, num_workers=0,
-                             device="cpu", transform=transform, return_metadata=True)
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=8,
+        shuffle=True,
+        seed=seed,
+        num_workers=0,
+        device="cpu",
+        transform=transform,
+        return_metadata=True,
+    )
     return [(x, y, info.plans) for x, y, info in loader]
 
 
@@ -39,8 +47,9 @@ def _assert_same(a, b):
 
 def test_v2_compose_train_pipeline_gives_gpucache_crops(cache):
     """The pipeline users migrate from: a whole v2.Compose of RandomResizedCrop, flip, ToDtype."""
-    tv = v2.Compose([v2.RandomResizedCrop(32), v2.RandomHorizontalFlip(),
-                     v2.ToDtype(torch.float32, scale=True)])
+    tv = v2.Compose(
+        [v2.RandomResizedCrop(32), v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True)]
+    )
     ours = [T.RandomResizedCrop(32), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
     got, want = _run(cache, tv), _run(cache, ours)
     _assert_same(got, want)
@@ -52,14 +61,34 @@ def test_v2_compose_train_pipeline_gives_gpucache_crops(cache):
 
 
 def test_nested_compose_and_v1_pipelines_translate(cache):
-    nested = v2.Compose([v2.ToImage(), v2.Compose([v2.RandomResizedCrop(24, scale=(0.3, 1.0)),
-                                                   v2.Compose([v2.RandomHorizontalFlip(0.3)])]),
-                         v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
-    ours = [T.RandomResizedCrop(24, scale=(0.3, 1.0)), T.RandomHorizontalFlip(0.3),
-            T.ToDtype(torch.float32), T.Normalize(MEAN, STD)]
+    nested = v2.Compose(
+        [
+            v2.ToImage(),
+            v2.Compose(
+                [
+                    v2.RandomResizedCrop(24, scale=(0.3, 1.0)),
+                    v2.Compose([v2.RandomHorizontalFlip(0.3)]),
+                ]
+            ),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(MEAN, STD),
+        ]
+    )
+    ours = [
+        T.RandomResizedCrop(24, scale=(0.3, 1.0)),
+        T.RandomHorizontalFlip(0.3),
+        T.ToDtype(torch.float32),
+        T.Normalize(MEAN, STD),
+    ]
     _assert_same(_run(cache, nested), _run(cache, ours))
-    classic = v1.Compose([v1.RandomResizedCrop(24, scale=(0.3, 1.0)), v1.RandomHorizontalFlip(0.3),
-                          v1.ToTensor(), v1.Normalize(MEAN, STD)])
+    classic = v1.Compose(
+        [
+            v1.RandomResizedCrop(24, scale=(0.3, 1.0)),
+            v1.RandomHorizontalFlip(0.3),
+            v1.ToTensor(),
+            v1.Normalize(MEAN, STD),
+        ]
+    )
     _assert_same(_run(cache, classic), _run(cache, ours))
 
 
@@ -70,20 +99,33 @@ def test_val_pipeline_and_dtype_options_translate(cache):
     _assert_same(got, _run(cache, ours))
     assert got[0][0].max() > 1  # v2.ToDtype's default keeps 0..255
     v1_val = v1.Compose([v1.Resize(40), v1.CenterCrop(32), v1.ConvertImageDtype(torch.float32)])
-    _assert_same(_run(cache, v1_val),
-                 _run(cache, [T.Resize(40), T.CenterCrop(32), T.ToDtype(torch.float32)]))
+    _assert_same(
+        _run(cache, v1_val), _run(cache, [T.Resize(40), T.CenterCrop(32), T.ToDtype(torch.float32)])
+    )
 
 
-@pytest.mark.parametrize("bad, fix", [
-    (v2.RandomApply([v2.RandomResizedCrop(32)]), "gpucache.transforms.RandomResizedCrop outside"),
-    (v2.Compose([v2.ToImage(), v2.Compose([v2.RandomChoice([v2.Resize(8), v2.CenterCrop(8)])])]),
-     "outside it, or wrap the whole RandomChoice in gpucache.transforms.PerSample"),
-    (v1.RandomOrder([v1.RandomHorizontalFlip()]), "RandomHorizontalFlip outside it"),
-    (v2.Resize(32, interpolation=v2.InterpolationMode.BICUBIC), "antialiased bilinear only"),
-    (v1.Compose([v1.RandomResizedCrop(32, interpolation=v1.InterpolationMode.NEAREST)]),
-     "drop interpolation="),
-    (v2.Resize(32, antialias=False), "drop antialias=False"),
-])
+@pytest.mark.parametrize(
+    "bad, fix",
+    [
+        (
+            v2.RandomApply([v2.RandomResizedCrop(32)]),
+            "gpucache.transforms.RandomResizedCrop outside",
+        ),
+        (
+            v2.Compose(
+                [v2.ToImage(), v2.Compose([v2.RandomChoice([v2.Resize(8), v2.CenterCrop(8)])])]
+            ),
+            "outside it, or wrap the whole RandomChoice in gpucache.transforms.PerSample",
+        ),
+        (v1.RandomOrder([v1.RandomHorizontalFlip()]), "RandomHorizontalFlip outside it"),
+        (v2.Resize(32, interpolation=v2.InterpolationMode.BICUBIC), "antialiased bilinear only"),
+        (
+            v1.Compose([v1.RandomResizedCrop(32, interpolation=v1.InterpolationMode.NEAREST)]),
+            "drop interpolation=",
+        ),
+        (v2.Resize(32, antialias=False), "drop antialias=False"),
+    ],
+)
 def test_what_cannot_be_reproduced_is_refused_with_the_fix(bad, fix):
     with pytest.raises(TypeError, match=fix):
         T.as_compose(bad)
@@ -96,8 +138,14 @@ def test_random_torchvision_op_on_a_batch_warns_unless_wrapped():
         T.as_compose(v2.Compose([v2.RandomResizedCrop(16), v2.ColorJitter(0.4)]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        T.Compose([T.RandomResizedCrop(16), T.PerSample(v2.RandomGrayscale(p=0.5)),
-                   T.PerBatch(v2.RandomGrayscale(p=0.5)), v2.Normalize(MEAN, STD)])
+        T.Compose(
+            [
+                T.RandomResizedCrop(16),
+                T.PerSample(v2.RandomGrayscale(p=0.5)),
+                T.PerBatch(v2.RandomGrayscale(p=0.5)),
+                v2.Normalize(MEAN, STD),
+            ]
+        )
         T.Compose([v2.RandomGrayscale(p=0.5)])  # variable sizes: run on each image, drawn per image
 
 

@@ -32,9 +32,9 @@ def corrupt_luma_dc(data: bytes) -> bytes:
         if b[pos + 1] == 0xC4:  # DHT: class/id, 16 counts, symbols; maybe several tables
             q = pos + 4
             while q < pos + 2 + length:
-                n = sum(b[q + 1:q + 17])
+                n = sum(b[q + 1 : q + 17])
                 if b[q] == 0x00:
-                    b[q + 17:q + 17 + n] = bytes([11]) * n
+                    b[q + 17 : q + 17 + n] = bytes([11]) * n
                 q += 17 + n
         pos += 2 + length
     return bytes(b)
@@ -44,13 +44,18 @@ def big_metadata_jpeg(seed: int = 3) -> bytes:
     """A 160 x 120 JPEG with 9 KB of EXIF (real photos carry EXIF, ICC and XMP of this size)."""
     buf = io.BytesIO()
     Image.fromarray(natural_image(160, 120, seed=seed)).save(
-        buf, "JPEG", quality=90, exif=b"Exif\x00\x00" + bytes(9000))
+        buf, "JPEG", quality=90, exif=b"Exif\x00\x00" + bytes(9000)
+    )
     return buf.getvalue()
 
 
 def _run(code: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 BUILD = """
@@ -107,7 +112,8 @@ def test_boxes_near_int_max_are_refused_not_read_out_of_bounds(tmp_path):
     (tmp_path / "r.jpg").write_bytes(data)
     r = _run(HUGE, str(tmp_path / "r.jpg"), str(k))
     assert r.returncode == 0 and r.stdout.strip() == "ok", (
-        f"rc {r.returncode}: {r.stdout[-500:]} {r.stderr[-2000:]}")
+        f"rc {r.returncode}: {r.stdout[-500:]} {r.stderr[-2000:]}"
+    )
 
 
 @needs_c
@@ -125,7 +131,7 @@ def test_crops_of_a_progressive_jpeg_with_an_incomplete_scan_script_equal_the_wh
             bh, bw = int(rng.integers(1, h + 1)), int(rng.integers(1, w + 1))
             t, l = int(rng.integers(0, h - bh + 1)), int(rng.integers(0, w - bw + 1))
             got = _roi._c_region(data, t, l, bh, bw, height=h, width=w, denom=d)
-            assert torch.equal(got, whole[:, t:t + bh, l:l + bw]), (d, t, l, bh, bw)
+            assert torch.equal(got, whole[:, t : t + bh, l : l + bw]), (d, t, l, bh, bw)
 
 
 LOOP = Path(__file__).resolve().parents[1] / "benchmarks" / "fuzz" / "loop.py"
@@ -155,9 +161,13 @@ def test_fuzz_harness_holds_inputs_to_the_library_s_limits(tmp_path):
         files.append(tmp_path / f"{name}.jpg")
         files[-1].write_bytes(data)
     lib = importlib.util.find_spec("gpucache._jpeg_regions").origin
-    r = subprocess.run([sys.executable, str(LOOP), lib, "--replay", *map(str, files)],
-                       capture_output=True, text=True, timeout=120,
-                       preexec_fn=_two_gib_of_address_space)
+    r = subprocess.run(
+        [sys.executable, str(LOOP), lib, "--replay", *map(str, files)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_two_gib_of_address_space,
+    )
     assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-2000:]}"
     out = json.loads(r.stdout.splitlines()[-1])
     assert (out["iterations"], out["refused"]) == (3, 2), out
@@ -196,7 +206,12 @@ def test_restart_store_holds_samples_to_the_store_s_pixel_budget():
     (a store opened with a lower max_pixels, or a crafted one) went to the transcoder, which
     allocates the whole image's coefficients (12 GB). It is refused with its path and reason.
     Run with an address-space limit, so the old behaviour fails fast instead of swapping."""
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(RESTART)], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(RESTART)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", (
-        f"rc {r.returncode}: {r.stdout[-500:]} {r.stderr[-2000:]}")
+        f"rc {r.returncode}: {r.stdout[-500:]} {r.stderr[-2000:]}"
+    )

@@ -27,8 +27,21 @@ def test_fuzz_smoke_run_finds_nothing(tmp_path):
     from gpucache.testing import make_jpeg_folder
 
     photos = make_jpeg_folder(tmp_path / "photos", 26, seed=3)  # photo seeds of its own
-    r = subprocess.run([sys.executable, str(RUN), "--seconds", "4", "--out", str(tmp_path / "out"),
-                        "--photos", str(photos)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(RUN),
+            "--seconds",
+            "4",
+            "--out",
+            str(tmp_path / "out"),
+            "--photos",
+            str(photos),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert r.returncode == 0, (summary["crashes"], summary["mismatches"], r.stderr[-3000:])
     assert summary["iterations"] > 20 and summary["calls"] > 100  # it really ran the targets

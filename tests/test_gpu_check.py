@@ -14,20 +14,37 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks import gpu_check
 from gpucache.decode import dali_available
 from gpucache.decode._batched import make_decoder
 from gpucache.decode._core import Decoded
+from gpucache.testing import make_jpeg_bytes, make_jpeg_folder
 from tests.support.emulated_cuda import EmulatedCuda
 
-from benchmarks import gpu_check
-from gpucache.testing import make_jpeg_bytes, make_jpeg_folder
-
-
-FAST = ["--emulate", "--batch", "8", "--iterations", "3", "--epochs", "1", "--overlap-runs", "1",
-        "--correctness-batches", "2", "--memory-epochs", "3", "--budget-s", "30"]
+FAST = [
+    "--emulate",
+    "--batch",
+    "8",
+    "--iterations",
+    "3",
+    "--epochs",
+    "1",
+    "--overlap-runs",
+    "1",
+    "--correctness-batches",
+    "2",
+    "--memory-epochs",
+    "3",
+    "--budget-s",
+    "30",
+]
 ROOT = Path(__file__).resolve().parents[1]
-ONLY_ENV = ["--backends", "nvjpeg", "--skip", "nvjpeg vs cpu,nvjpeg ordering,throughput,overlap,"
-                                             "nvjpeg memory"]
+ONLY_ENV = [
+    "--backends",
+    "nvjpeg",
+    "--skip",
+    "nvjpeg vs cpu,nvjpeg ordering,throughput,overlap,nvjpeg memory",
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +60,17 @@ def folder(tmp_path_factory):
 def test_emulated_run_writes_every_part(folder, tmp_path, device, backend_device):
     out = tmp_path / "check.json"
     full = device == "cuda"  # the indexed run checks the device handling only, to stay fast
-    args = ["--backends", "nvjpeg,dali"] if full else ["--backends", "nvjpeg",
-                                                       "--skip", "throughput,overlap"]
-    assert gpu_check.main(FAST + ["--folder", str(folder), "--json", str(out), "--device", device,
-                                  *args]) == 0
+    args = (
+        ["--backends", "nvjpeg,dali"]
+        if full
+        else ["--backends", "nvjpeg", "--skip", "throughput,overlap"]
+    )
+    assert (
+        gpu_check.main(
+            FAST + ["--folder", str(folder), "--json", str(out), "--device", device, *args]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["ok"] and r["emulated"] and r["errors"] == {} and r["finished"]
     parts = r["parts"]
@@ -64,8 +88,11 @@ def test_emulated_run_writes_every_part(folder, tmp_path, device, backend_device
     ordering = parts["nvjpeg ordering"]
     assert ordering["mismatches"] == 0 and ordering["iterations"] and ordering["busy_side_stream"]
     if full:
-        assert {"gpucache nvjpeg threaded", "gpucache nvjpeg sync",
-                "torchvision per-image decode"} <= set(parts["throughput"]["img_s"])
+        assert {
+            "gpucache nvjpeg threaded",
+            "gpucache nvjpeg sync",
+            "torchvision per-image decode",
+        } <= set(parts["throughput"]["img_s"])
         assert set(parts["overlap"]["median_s"]) == {"decode", "train", "sync", "threaded"}
         if dali_available():  # DALI runs its CPU mode under the emulation
             assert parts["dali vs cpu"]["ok"] and "skipped" in parts["dali memory"]
@@ -145,8 +172,11 @@ def _broken(data):
 def test_a_gpu_decoder_that_always_fails_fails_the_run(folder, tmp_path, monkeypatch):
     """Every sample then goes to the backend's CPU retry, whose pixels match the CPU decode:
     the check counts the samples the GPU decoder took."""
-    monkeypatch.setattr(gpu_check, "torchvision_decoder",
-                        lambda device: make_decoder("broken", device, _broken, applies_exif=False))
+    monkeypatch.setattr(
+        gpu_check,
+        "torchvision_decoder",
+        lambda device: make_decoder("broken", device, _broken, applies_exif=False),
+    )
     out = tmp_path / "check.json"
     args = ["--backends", "nvjpeg", "--skip", "nvjpeg ordering,throughput,overlap,nvjpeg memory"]
     code = gpu_check.main(FAST + args + ["--folder", str(folder), "--json", str(out)])
@@ -212,11 +242,19 @@ def test_every_decoder_call_gets_one_indexed_device(folder, tmp_path, monkeypatc
 
     monkeypatch.setattr(gpu_check, "EmulatedCuda", Recording)
     out = tmp_path / "check.json"
-    args = ["--backends", "nvjpeg", "--skip", "nvjpeg ordering,overlap,nvjpeg memory",
-            "--device", "cuda"]
+    args = [
+        "--backends",
+        "nvjpeg",
+        "--skip",
+        "nvjpeg ordering,overlap,nvjpeg memory",
+        "--device",
+        "cuda",
+    ]
     assert gpu_check.main(FAST + args + ["--folder", str(folder), "--json", str(out)]) == 0
-    assert "torchvision per-image decode" in json.loads(out.read_text())["parts"]["throughput"][
-        "img_s"]
+    assert (
+        "torchvision per-image decode"
+        in json.loads(out.read_text())["parts"]["throughput"]["img_s"]
+    )
     assert seen and set(seen) == {"cuda:0"}, sorted(set(seen))
 
 

@@ -62,7 +62,7 @@ def imports(module: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = module.split(".") if is_pkg else module.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -85,8 +85,10 @@ def violations(root: Path = ROOT) -> list[str]:
             if there != here:
                 edges.add((here, there))
             if there < here:
-                bad.append(f"{path.relative_to(root.parent)}:{line}: {mod} ({LAYERS[here][0]}) "
-                           f"imports {target} ({LAYERS[there][0]}), a higher layer")
+                bad.append(
+                    f"{path.relative_to(root.parent)}:{line}: {mod} ({LAYERS[here][0]}) "
+                    f"imports {target} ({LAYERS[there][0]}), a higher layer"
+                )
     # no cycle between layers (implied by the order above; checked on its own all the same)
     graph: dict[int, set[int]] = {}
     for a, b in edges:
@@ -97,7 +99,7 @@ def violations(root: Path = ROOT) -> list[str]:
         state[n] = 1
         for m in graph.get(n, ()):
             if state.get(m) == 1:
-                cycle = trail[trail.index(m):] + [m] if m in trail else [n, m]
+                cycle = trail[trail.index(m) :] + [m] if m in trail else [n, m]
                 bad.append("cycle between layers: " + " -> ".join(LAYERS[i][0] for i in cycle))
             elif m not in state:
                 visit(m, trail + [m])

@@ -19,8 +19,10 @@ import pytest
 from gpucache.testing import make_jpeg_bytes
 
 pytest.importorskip("lightning")
-pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="CPU DDP on Linux"),
-              pytest.mark.timeout(900)]  # two Lightning launches; slow on a loaded 2-core machine
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="CPU DDP on Linux"),
+    pytest.mark.timeout(900),
+]  # two Lightning launches; slow on a loaded 2-core machine
 REPO = Path(__file__).resolve().parent.parent
 N, BATCH = 40, 8  # 20 samples per rank: batches of 8, 8, 4 -> 3 steps per epoch
 
@@ -30,10 +32,32 @@ def _fit(tmp: Path, record: Path, *args: str) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     record.mkdir()
     return subprocess.run(
-        [sys.executable, "-m", "pipelines.lightning_example", "--data", str(tmp / "data"),
-         "--devices", "2", "--epochs", "2", "--batch-size", str(BATCH), "--workers", "1",
-         "--checkpoints", str(tmp / "ckpt"), "--record", str(record), *args],
-        cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pipelines.lightning_example",
+            "--data",
+            str(tmp / "data"),
+            "--devices",
+            "2",
+            "--epochs",
+            "2",
+            "--batch-size",
+            str(BATCH),
+            "--workers",
+            "1",
+            "--checkpoints",
+            str(tmp / "ckpt"),
+            "--record",
+            str(record),
+            *args,
+        ],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _seen(record: Path) -> dict[tuple[int, int], list[int]]:

@@ -21,16 +21,26 @@ def cache(small_folder):
 
 
 def _epoch(loader):
-    out = [(x.clone() if isinstance(x, torch.Tensor) else x, i.indices.tolist())
-           for x, _, i in loader]
+    out = [
+        (x.clone() if isinstance(x, torch.Tensor) else x, i.indices.tolist()) for x, _, i in loader
+    ]
     return torch.cat([x for x, _ in out]), sum((ix for _, ix in out), [])
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_each_epoch_yields_every_index_once(cache, shuffle, drop_last):
-    loader = GpuCachedLoader(cache, batch_size=7, shuffle=shuffle, drop_last=drop_last, seed=3,
-                             num_workers=0, device="cpu", return_metadata=True, transform=TRAIN)
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=7,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        seed=3,
+        num_workers=0,
+        device="cpu",
+        return_metadata=True,
+        transform=TRAIN,
+    )
     seen = [i for _, labels, info in loader for i in info.indices.tolist()]
     full = len(cache) // 7 * 7 if drop_last else len(cache)
     assert len(seen) == full == len(set(seen))
@@ -40,8 +50,9 @@ def test_each_epoch_yields_every_index_once(cache, shuffle, drop_last):
 
 
 def test_labels_and_metadata_come_with_images(cache):
-    loader = GpuCachedLoader(cache, batch_size=8, shuffle=True, seed=0, num_workers=0,
-                             device="cpu", return_metadata=True)
+    loader = GpuCachedLoader(
+        cache, batch_size=8, shuffle=True, seed=0, num_workers=0, device="cpu", return_metadata=True
+    )
     images, labels, info = next(iter(loader))
     assert isinstance(images, list) and all(im.dtype == torch.uint8 for im in images)
     assert labels.dtype == torch.int64
@@ -57,9 +68,17 @@ def test_same_seed_same_order_and_crops_for_any_worker_count(cache, context):
     for workers in (0, 1, 2):
         if workers == 1 and context == "spawn":
             continue  # spawn start-up is slow; 0 vs 2 covers it
-        with GpuCachedLoader(cache, batch_size=6, shuffle=True, seed=11, num_workers=workers,
-                             device="cpu", transform=TRAIN, return_metadata=True,
-                             multiprocessing_context=context) as loader:
+        with GpuCachedLoader(
+            cache,
+            batch_size=6,
+            shuffle=True,
+            seed=11,
+            num_workers=workers,
+            device="cpu",
+            transform=TRAIN,
+            return_metadata=True,
+            multiprocessing_context=context,
+        ) as loader:
             runs[workers] = _epoch(loader)
     first = runs[0]
     for workers, (images, order) in runs.items():
@@ -68,22 +87,45 @@ def test_same_seed_same_order_and_crops_for_any_worker_count(cache, context):
 
 
 def test_epochs_differ_and_set_epoch_replays(cache):
-    loader = GpuCachedLoader(cache, batch_size=8, shuffle=True, seed=5, num_workers=0,
-                             device="cpu", transform=TRAIN, return_metadata=True)
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=8,
+        shuffle=True,
+        seed=5,
+        num_workers=0,
+        device="cpu",
+        transform=TRAIN,
+        return_metadata=True,
+    )
     e0 = _epoch(loader)
     e1 = _epoch(loader)
     assert e0[1] != e1[1] and sorted(e0[1]) == sorted(e1[1])
     loader.set_epoch(0)
     again = _epoch(loader)
     assert again[1] == e0[1] and torch.equal(again[0], e0[0])
-    other = GpuCachedLoader(cache, batch_size=8, shuffle=True, seed=6, num_workers=0,
-                            device="cpu", transform=TRAIN, return_metadata=True)
+    other = GpuCachedLoader(
+        cache,
+        batch_size=8,
+        shuffle=True,
+        seed=6,
+        num_workers=0,
+        device="cpu",
+        transform=TRAIN,
+        return_metadata=True,
+    )
     assert _epoch(other)[1] != e0[1]
 
 
 def test_state_dict_resumes_mid_epoch(cache):
-    kw = dict(batch_size=5, shuffle=True, seed=9, num_workers=0, device="cpu", transform=TRAIN,
-              return_metadata=True)
+    kw = dict(
+        batch_size=5,
+        shuffle=True,
+        seed=9,
+        num_workers=0,
+        device="cpu",
+        transform=TRAIN,
+        return_metadata=True,
+    )
     ref = GpuCachedLoader(cache, **kw)
     _epoch(ref)
     full_images, full_order = _epoch(ref)  # epoch 1
@@ -103,8 +145,14 @@ def test_state_dict_resumes_mid_epoch(cache):
         GpuCachedLoader(smaller, **kw).load_state_dict(state)
     with pytest.raises(ValueError, match="shuffle"):
         GpuCachedLoader(cache, **{**kw, "shuffle": False}).load_state_dict(state)
-    old = {"seed": 9, "epoch": 1, "batches_done": 3, "batch_size": 5, "num_replicas": 1,
-           "samples": len(cache)}  # the version-1 layout still loads
+    old = {
+        "seed": 9,
+        "epoch": 1,
+        "batches_done": 3,
+        "batch_size": 5,
+        "num_replicas": 1,
+        "samples": len(cache),
+    }  # the version-1 layout still loads
     legacy = GpuCachedLoader(cache, **kw)
     with pytest.warns(UserWarning, match="no 'store' or 'sampling' fingerprint"):
         legacy.load_state_dict(old)
@@ -112,8 +160,15 @@ def test_state_dict_resumes_mid_epoch(cache):
 
 
 def test_every_iter_starts_a_fresh_epoch_and_keeps_its_workers(cache):
-    kw = dict(batch_size=6, shuffle=True, seed=4, device="cpu", transform=TRAIN,
-              return_metadata=True, multiprocessing_context="fork")
+    kw = dict(
+        batch_size=6,
+        shuffle=True,
+        seed=4,
+        device="cpu",
+        transform=TRAIN,
+        return_metadata=True,
+        multiprocessing_context="fork",
+    )
     ref = GpuCachedLoader(cache, num_workers=0, **kw)
     epochs = [_epoch(ref)[1] for _ in range(4)]
     with GpuCachedLoader(cache, num_workers=2, **kw) as loader:
@@ -138,23 +193,42 @@ def test_every_iter_starts_a_fresh_epoch_and_keeps_its_workers(cache):
 def test_sharding_splits_the_epoch_between_ranks(cache):
     orders = []
     for rank in range(3):
-        loader = GpuCachedLoader(cache, batch_size=4, shuffle=True, seed=1, num_workers=0,
-                                 device="cpu", num_replicas=3, rank=rank, return_metadata=True)
+        loader = GpuCachedLoader(
+            cache,
+            batch_size=4,
+            shuffle=True,
+            seed=1,
+            num_workers=0,
+            device="cpu",
+            num_replicas=3,
+            rank=rank,
+            return_metadata=True,
+        )
         orders.append([i for _, _, info in loader for i in info.indices.tolist()])
     assert len({len(o) for o in orders}) == 1
     assert set(sum(orders, [])) == set(range(len(cache)))
 
 
 def _ranks(cache, world, **kw):
-    return [GpuCachedLoader(cache, batch_size=3, shuffle=True, num_workers=0, device="cpu",
-                            transform=TRAIN, return_metadata=True, num_replicas=world, rank=r,
-                            **kw)
-            for r in range(world)]
+    return [
+        GpuCachedLoader(
+            cache,
+            batch_size=3,
+            shuffle=True,
+            num_workers=0,
+            device="cpu",
+            transform=TRAIN,
+            return_metadata=True,
+            num_replicas=world,
+            rank=r,
+            **kw,
+        )
+        for r in range(world)
+    ]
 
 
 @pytest.mark.parametrize("before, after, steps", [(4, 2, 2), (2, 3, 3), (3, 3, 2), (4, 1, 1)])
-def test_resume_at_another_world_size_sees_each_remaining_sample_once(cache, before, after,
-                                                                       steps):
+def test_resume_at_another_world_size_sees_each_remaining_sample_once(cache, before, after, steps):
     """Ranks (simulated in one process) play `steps` batches each in lockstep, then the epoch
     resumes from rank 0's state_dict on `after` ranks: the rest of the epoch, re-split."""
     old = _ranks(cache, before, seed=21)
@@ -196,17 +270,20 @@ def test_ranks_that_could_disagree_on_the_order_are_an_error(cache, monkeypatch)
         GpuCachedLoader(cache, batch_size=2, shuffle=True)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(batch_size=0), "batch_size option should be an integer >= 1"),
-    (dict(batch_size=2, num_workers=-1), "num_workers=0 to decode in the main process"),
-    (dict(batch_size=2, prefetch_factor=0), "prefetch_factor"),
-    (dict(batch_size=2, timeout=-1), "timeout option should be non-negative"),
-    (dict(batch_size=2, backend="magic"), "backend must be one of"),
-    (dict(batch_size=2, multiprocessing_context="threads"), "multiprocessing_context"),
-    (dict(batch_size=2, rank=2, num_replicas=2), "rank should be in"),
-    (dict(batch_size=2, num_replicas=0, rank=0), "num_replicas option should be"),
-    (dict(batch_size=2, on_error="ignore"), "on_error"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(batch_size=0), "batch_size option should be an integer >= 1"),
+        (dict(batch_size=2, num_workers=-1), "num_workers=0 to decode in the main process"),
+        (dict(batch_size=2, prefetch_factor=0), "prefetch_factor"),
+        (dict(batch_size=2, timeout=-1), "timeout option should be non-negative"),
+        (dict(batch_size=2, backend="magic"), "backend must be one of"),
+        (dict(batch_size=2, multiprocessing_context="threads"), "multiprocessing_context"),
+        (dict(batch_size=2, rank=2, num_replicas=2), "rank should be in"),
+        (dict(batch_size=2, num_replicas=0, rank=0), "num_replicas option should be"),
+        (dict(batch_size=2, on_error="ignore"), "on_error"),
+    ],
+)
 def test_invalid_arguments_say_what_and_how_to_fix(cache, kwargs, match):
     with pytest.raises(ValueError, match=match):
         GpuCachedLoader(cache, **kwargs)
@@ -253,10 +330,19 @@ def test_reiterations_and_early_breaks_leak_nothing(cache):
 
     def leaked():
         return _children() - before_children, _fds() - before_fds
-    loader = GpuCachedLoader(cache, batch_size=4, shuffle=True, seed=0, num_workers=2,
-                             device="cpu", transform=TRAIN, multiprocessing_context="fork")
+
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=4,
+        shuffle=True,
+        seed=0,
+        num_workers=2,
+        device="cpu",
+        transform=TRAIN,
+        multiprocessing_context="fork",
+    )
     for k in range(20):
-        for b, (images, _) in enumerate(loader):
+        for b, (_images, _) in enumerate(loader):
             if k % 2 and b == 1:
                 break  # early break: the next epoch drains what was in flight
     workers = set(loader.worker_pids)
@@ -265,8 +351,9 @@ def test_reiterations_and_early_breaks_leak_nothing(cache):
     loader.close()  # idempotent
     assert leaked() == (set(), set())
     for broke in (True, False):  # garbage collection alone also stops workers
-        loader = GpuCachedLoader(cache, batch_size=4, num_workers=2, device="cpu",
-                                 multiprocessing_context="fork")
+        loader = GpuCachedLoader(
+            cache, batch_size=4, num_workers=2, device="cpu", multiprocessing_context="fork"
+        )
         for _ in loader:
             if broke:
                 break
@@ -280,20 +367,25 @@ def test_reiterations_and_early_breaks_leak_nothing(cache):
 
 
 def test_a_closed_loader_refuses_to_iterate_and_starts_no_workers(cache):
-    loader = GpuCachedLoader(cache, batch_size=4, num_workers=2, device="cpu",
-                             multiprocessing_context="fork")
+    loader = GpuCachedLoader(
+        cache, batch_size=4, num_workers=2, device="cpu", multiprocessing_context="fork"
+    )
     assert sum(len(labels) for _, labels in loader) == len(cache)
     pids = set(loader.worker_pids)
     assert len(pids) == 2
     loader.close()
     loader.close()  # idempotent
     before = _children()
-    with pytest.raises(RuntimeError, match=r"closed \(close\(\) was called.*"
-                                           r"Make a new GpuCachedLoader"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"closed \(close\(\) was called.*"
+        r"Make a new GpuCachedLoader",
+    ):
         next(iter(loader))
     assert loader.worker_pids == [] and _children() - before == set()
-    with GpuCachedLoader(cache, batch_size=4, num_workers=2, device="cpu",
-                         multiprocessing_context="fork") as loader:
+    with GpuCachedLoader(
+        cache, batch_size=4, num_workers=2, device="cpu", multiprocessing_context="fork"
+    ) as loader:
         next(iter(loader))
         assert len(loader.worker_pids) == 2
     with pytest.raises(RuntimeError, match="`with` block ended"):
@@ -304,8 +396,9 @@ def test_a_closed_loader_refuses_to_iterate_and_starts_no_workers(cache):
 
 
 def test_killed_worker_raises_within_the_timeout(cache):
-    loader = GpuCachedLoader(cache, batch_size=2, num_workers=2, device="cpu", timeout=20,
-                             multiprocessing_context="fork")
+    loader = GpuCachedLoader(
+        cache, batch_size=2, num_workers=2, device="cpu", timeout=20, multiprocessing_context="fork"
+    )
     it = iter(loader)
     next(it)
     os.kill(loader.worker_pids[1], signal.SIGKILL)
@@ -323,16 +416,24 @@ def _raise_in_worker(worker_id):
 
 
 def test_worker_exception_carries_the_original_traceback(cache):
-    loader = GpuCachedLoader(cache, batch_size=2, num_workers=2, device="cpu", timeout=30,
-                             worker_init_fn=_raise_in_worker, multiprocessing_context="fork")
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=2,
+        num_workers=2,
+        device="cpu",
+        timeout=30,
+        worker_init_fn=_raise_in_worker,
+        multiprocessing_context="fork",
+    )
     with pytest.raises(WorkerError, match="worker 1"):
         for _ in loader:
             pass
 
 
 def test_hung_worker_times_out(cache):
-    loader = GpuCachedLoader(cache, batch_size=2, num_workers=1, device="cpu", timeout=2,
-                             multiprocessing_context="fork")
+    loader = GpuCachedLoader(
+        cache, batch_size=2, num_workers=1, device="cpu", timeout=2, multiprocessing_context="fork"
+    )
     it = iter(loader)
     next(it)
     os.kill(loader.worker_pids[0], signal.SIGSTOP)
@@ -348,10 +449,26 @@ def test_hung_worker_times_out(cache):
 
 def test_dataloader_keywords_are_accepted(cache):
     g = torch.Generator().manual_seed(42)
-    a = GpuCachedLoader(cache, batch_size=4, shuffle=True, generator=g, num_workers=0,
-                        device="cpu", return_metadata=True, transform=TRAIN)
-    b = GpuCachedLoader(cache, batch_size=4, shuffle=True, seed=42, num_workers=0, device="cpu",
-                        return_metadata=True, transform=TRAIN)
+    a = GpuCachedLoader(
+        cache,
+        batch_size=4,
+        shuffle=True,
+        generator=g,
+        num_workers=0,
+        device="cpu",
+        return_metadata=True,
+        transform=TRAIN,
+    )
+    b = GpuCachedLoader(
+        cache,
+        batch_size=4,
+        shuffle=True,
+        seed=42,
+        num_workers=0,
+        device="cpu",
+        return_metadata=True,
+        transform=TRAIN,
+    )
     ea, eb = _epoch(a), _epoch(b)
     assert a.seed == b.seed and ea[1] == eb[1] and torch.equal(ea[0], eb[0])
     with pytest.warns(UserWarning, match="always keeps its workers"):

@@ -5,7 +5,6 @@ what changed recorded in the store."""
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,9 +12,9 @@ import torch
 from PIL import Image, ImageOps
 
 from gpucache import JpegCache, Kind
-from gpucache.ingest._resize import QUALITY, max_side_of, resized
 from gpucache.cli import main as cli_main
 from gpucache.decode._core import decode_sample
+from gpucache.ingest._resize import QUALITY, max_side_of, resized
 from gpucache.testing import make_jpeg_bytes, natural_image
 
 
@@ -25,13 +24,15 @@ def folder(tmp_path_factory):
     (root / "c").mkdir()
     png = io.BytesIO()
     Image.fromarray(natural_image(400, 300, seed=7)).save(png, "PNG")
-    files = {"small.jpg": make_jpeg_bytes(120, 90, seed=1),
-             "edge.jpg": make_jpeg_bytes(256, 100, seed=2),  # long side == max_side: kept
-             "big.jpg": make_jpeg_bytes(640, 480, seed=3),
-             "tall_exif6.jpg": make_jpeg_bytes(600, 400, seed=4, exif_orientation=6),
-             "gray.jpg": make_jpeg_bytes(500, 300, seed=5, mode="L"),
-             "cmyk.jpg": make_jpeg_bytes(400, 300, seed=6, mode="CMYK"),
-             "big.png": png.getvalue()}
+    files = {
+        "small.jpg": make_jpeg_bytes(120, 90, seed=1),
+        "edge.jpg": make_jpeg_bytes(256, 100, seed=2),  # long side == max_side: kept
+        "big.jpg": make_jpeg_bytes(640, 480, seed=3),
+        "tall_exif6.jpg": make_jpeg_bytes(600, 400, seed=4, exif_orientation=6),
+        "gray.jpg": make_jpeg_bytes(500, 300, seed=5, mode="L"),
+        "cmyk.jpg": make_jpeg_bytes(400, 300, seed=6, mode="CMYK"),
+        "big.png": png.getvalue(),
+    }
     for name, data in files.items():
         (root / "c" / name).write_bytes(data)
     return root, files
@@ -122,15 +123,18 @@ def test_jpeg_quality_reencodes_every_image_where_that_is_smaller(folder, tmp_pa
     photos = []  # photo-size 4:4:4 JPEGs at quality 95, as many cameras and exports store them
     for seed in range(12):
         out = io.BytesIO()
-        Image.fromarray(natural_image(500, 375, seed=seed)).save(out, "JPEG", quality=95,
-                                                                 subsampling=0)
+        Image.fromarray(natural_image(500, 375, seed=seed)).save(
+            out, "JPEG", quality=95, subsampling=0
+        )
         photos.append(out.getvalue())
     plain = JpegCache.from_files(photos, progress=False)
     q90 = JpegCache.from_files(photos, progress=False, jpeg_quality=90)
     assert int(resized(q90).sum()) == 12
     assert sum(len(q90[i]) for i in range(12)) < 0.7 * sum(len(plain[i]) for i in range(12))
-    diffs = [float((decode_sample(q90, i).float() - decode_sample(plain, i).float()).abs().mean())
-             for i in range(12)]
+    diffs = [
+        float((decode_sample(q90, i).float() - decode_sample(plain, i).float()).abs().mean())
+        for i in range(12)
+    ]
     # these generated photos are noisier than real ones (median 6.0 here; the 396 real photos
     # of docs/guides/stores.md: median 2.7, max 7.1)
     assert max(diffs) < 8 and np.median(diffs) < 7, diffs
@@ -139,15 +143,19 @@ def test_jpeg_quality_reencodes_every_image_where_that_is_smaller(folder, tmp_pa
 def test_jpeg_quality_with_max_side_the_cli_and_other_sources(folder, tmp_path, capsys):
     root, files = folder
     out = tmp_path / "q70.gpucache"
-    assert cli_main(["build", str(root), "-o", str(out), "--max-side", "200",
-                     "--jpeg-quality", "70"]) == 0
+    assert (
+        cli_main(["build", str(root), "-o", str(out), "--max-side", "200", "--jpeg-quality", "70"])
+        == 0
+    )
     cache = JpegCache.open(out)
     assert max_side_of(cache) == (200, 70)
     capsys.readouterr()
     assert cli_main(["info", str(out)]) == 0
     changed = int(resized(cache).sum())
-    assert (f"re-encoded at build (max_side 200, quality 70): {changed} of {len(cache)} samples"
-            in capsys.readouterr().out)
+    assert (
+        f"re-encoded at build (max_side 200, quality 70): {changed} of {len(cache)} samples"
+        in capsys.readouterr().out
+    )
     names = [p.rsplit("/", 1)[1] for p in cache.paths]
     capped = JpegCache.from_folder(root, progress=False, max_side=200)
     for i, name in enumerate(names):  # over the cap: the same resize at the lower quality
@@ -156,9 +164,18 @@ def test_jpeg_quality_with_max_side_the_cli_and_other_sources(folder, tmp_path, 
     csv = tmp_path / "list.csv"
     csv.write_text("".join(f"{root / 'c' / n},0\n" for n in sorted(files)))
     from_csv = JpegCache.from_csv(csv, progress=False, jpeg_quality=70, max_side=200)
-    assert max_side_of(from_csv) == (200, 70) and resized(from_csv).tolist() == resized(
-        JpegCache.from_files([root / "c" / n for n in sorted(files)], progress=False,
-                             jpeg_quality=70, max_side=200)).tolist()
+    assert (
+        max_side_of(from_csv) == (200, 70)
+        and resized(from_csv).tolist()
+        == resized(
+            JpegCache.from_files(
+                [root / "c" / n for n in sorted(files)],
+                progress=False,
+                jpeg_quality=70,
+                max_side=200,
+            )
+        ).tolist()
+    )
     for bad in (0, 101, 9.5, True):
         with pytest.raises(ValueError, match="jpeg_quality must be an integer from 1 to 100"):
             JpegCache.from_folder(root, progress=False, jpeg_quality=bad)

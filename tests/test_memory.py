@@ -48,11 +48,15 @@ import pytest
 
 from gpucache.testing import make_jpeg_folder
 
-pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                 reason="PSS, /dev/shm and rlimits are measured the Linux way"),
-              # a slope is two fresh processes (up to six, for noise), each starting workers that
-              # import torch: minutes on a loaded 2-core machine. A bound, not a run time.
-              pytest.mark.timeout(900)]
+pytestmark = [
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"),
+        reason="PSS, /dev/shm and rlimits are measured the Linux way",
+    ),
+    # a slope is two fresh processes (up to six, for noise), each starting workers that
+    # import torch: minutes on a loaded 2-core machine. A bound, not a run time.
+    pytest.mark.timeout(900),
+]
 
 REPO = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "copies_child.py"
@@ -85,11 +89,13 @@ def copies_src(tmp_path_factory) -> Path:
 
 
 # ---------------------------------------------------------------------------------- copies held
-def _measure(kind: str, backing: str, context: str, workers: int, repeat: int,
-             src: Path) -> tuple[int, int, int]:
+def _measure(
+    kind: str, backing: str, context: str, workers: int, repeat: int, src: Path
+) -> tuple[int, int, int]:
     """(PSS, data bytes, PSS without libraries) of one fresh child run."""
-    proc = _run([sys.executable, str(CHILD), kind, backing, context, str(workers), str(repeat),
-                 str(src)])
+    proc = _run(
+        [sys.executable, str(CHILD), kind, backing, context, str(workers), str(repeat), str(src)]
+    )
     assert proc.returncode == 0, _explain(proc)
     pss, data, nolib = map(int, proc.stdout.strip().splitlines()[-1].split())
     return pss, data, nolib
@@ -102,9 +108,11 @@ def _slope(kind, backing, context, workers, src) -> tuple[float, str]:
     assert data >= 30e6, f"the two runs differ by only {data / 1e6:.1f} MB of data"
     copies = (big[2] - small[2]) / data
     raw = (big[0] - small[0]) / data
-    detail = (f"{copies:.3f} (PSS without libraries {small[2] / 1e6:.1f} -> {big[2] / 1e6:.1f} MB, "
-              f"total PSS {small[0] / 1e6:.1f} -> {big[0] / 1e6:.1f} MB = {raw:.3f}, data "
-              f"{small[1] / 1e6:.1f} -> {big[1] / 1e6:.1f} MB)")
+    detail = (
+        f"{copies:.3f} (PSS without libraries {small[2] / 1e6:.1f} -> {big[2] / 1e6:.1f} MB, "
+        f"total PSS {small[0] / 1e6:.1f} -> {big[0] / 1e6:.1f} MB = {raw:.3f}, data "
+        f"{small[1] / 1e6:.1f} -> {big[1] / 1e6:.1f} MB)"
+    )
     return copies, detail
 
 
@@ -122,9 +130,12 @@ def copies_held(kind, backing, context, workers, src) -> tuple[float, list[str]]
 # Every run covers each start method and each backing once; the rest of the 12-cell matrix (the
 # manual's table) is marked slow: `pytest -m slow tests/test_memory.py` measures it (~4 min).
 _QUICK = {("memory", "fork", 2), ("memory", "forkserver", 2), ("file", "spawn", 2)}
-_MATRIX = [pytest.param(b, c, w, marks=() if (b, c, w) in _QUICK else pytest.mark.slow,
-                        id=f"{b}-{c}-{w}")
-           for b in ("memory", "file") for c in ("fork", "spawn", "forkserver") for w in (2, 4)]
+_MATRIX = [
+    pytest.param(b, c, w, marks=() if (b, c, w) in _QUICK else pytest.mark.slow, id=f"{b}-{c}-{w}")
+    for b in ("memory", "file")
+    for c in ("fork", "spawn", "forkserver")
+    for w in (2, 4)
+]
 
 
 @pytest.mark.parametrize("backing, context, workers", _MATRIX)
@@ -133,15 +144,18 @@ def test_loader_holds_one_copy(copies_src, backing, context, workers):
     print(f"copies held: gpucache {backing} {context} workers={workers}: {copies:.3f}")
     assert copies <= MAX_COPIES, (
         f"GpuCachedLoader ({backing} store, {context}, {workers} workers) holds {copies:.3f} "
-        f"copies of the data (bound {MAX_COPIES}); measurements: " + "; ".join(details))
+        f"copies of the data (bound {MAX_COPIES}); measurements: " + "; ".join(details)
+    )
 
 
 def test_list_of_bytes_baseline_is_caught(copies_src):
     """The same harness sees the per-worker copies of a list-of-bytes Dataset under spawn."""
     copies, details = _slope("listbytes", "x", "spawn", 2, copies_src)
     print(f"copies held: list-of-bytes DataLoader spawn workers=2: {copies:.3f}")
-    assert copies >= 2.5, ("the harness should see ~3 copies (parent + 2 spawn workers) for a "
-                           f"list of bytes, got {copies:.3f}: " + "; ".join(details))
+    assert copies >= 2.5, (
+        "the harness should see ~3 copies (parent + 2 spawn workers) for a "
+        f"list of bytes, got {copies:.3f}: " + "; ".join(details)
+    )
 
 
 # ---------------------------------------------------------- no shared memory where none is needed
@@ -194,8 +208,9 @@ def _lines(stdout: str) -> dict[str, str]:
 
 
 @pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
-def test_fork_and_zero_workers_need_no_shared_memory_and_run_under_fsize_limit(copies_src,
-                                                                               tmp_path):
+def test_fork_and_zero_workers_need_no_shared_memory_and_run_under_fsize_limit(
+    copies_src, tmp_path
+):
     proc = _run([sys.executable, "-c", _NO_SHM_CHILD, str(copies_src), str(tmp_path)])
     assert proc.returncode == 0, _explain(proc)  # -25 would be SIGXFSZ
     got = _lines(proc.stdout)
@@ -253,12 +268,13 @@ def test_small_dev_shm_is_a_clear_error_and_a_saved_file_works(copies_src, tmp_p
     script.write_text(_SMALL_SHM_CHILD)
     out = tmp_path / "out"
     out.mkdir()
-    cmd = ('mount -t tmpfs -o size=16m tmpfs /dev/shm || exit 77; '
-           'exec "$0" "$@"')
-    proc = _run([unshare, "-m", "sh", "-c", cmd, sys.executable, str(script), str(copies_src),
-                 str(out)])
-    if proc.returncode == 77 or (proc.returncode != 0 and "unshare" in proc.stderr
-                                 and not proc.stdout):
+    cmd = 'mount -t tmpfs -o size=16m tmpfs /dev/shm || exit 77; exec "$0" "$@"'
+    proc = _run(
+        [unshare, "-m", "sh", "-c", cmd, sys.executable, str(script), str(copies_src), str(out)]
+    )
+    if proc.returncode == 77 or (
+        proc.returncode != 0 and "unshare" in proc.stderr and not proc.stdout
+    ):
         pytest.skip(f"cannot mount a private tmpfs over /dev/shm here: {proc.stderr.strip()}")
     assert proc.returncode == 0, _explain(proc)  # a negative code would be a signal (SIGBUS)
     got = _lines(proc.stdout)
@@ -330,8 +346,13 @@ def test_no_shared_memory_left_behind(copies_src, tmp_path, mode):
     kills its owner)."""
     script = tmp_path / "leak_child.py"
     script.write_text(_LEAK_CHILD)
-    proc = subprocess.Popen([sys.executable, str(script), mode, str(copies_src)], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), mode, str(copies_src)],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     stdout, stderr = proc.communicate(timeout=240)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert proc.returncode == 0, _explain(done)

@@ -25,7 +25,8 @@ ATTACKER, VICTIM = 12345, 12346
 SETPRIV = shutil.which("setpriv")
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or os.geteuid() != 0 or SETPRIV is None,
-    reason="runs a second uid with setpriv, as root")
+    reason="runs a second uid with setpriv, as root",
+)
 DEADLINE = 300  # torch import on a loaded 2-core machine; a hang in open() would reach it
 
 VICTIM_CODE = """
@@ -43,11 +44,22 @@ for name, tmp, kw in json.loads(sys.argv[1]):
 
 
 def _as(uid: int, args: list[str], tmp: Path) -> subprocess.Popen:
-    env = {**os.environ, "TMPDIR": str(tmp), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-           "PYTHONPATH": str(REPO), "HOME": str(tmp)}
-    return subprocess.Popen([SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                             sys.executable, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tmp)
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "PYTHONPATH": str(REPO),
+        "HOME": str(tmp),
+    }
+    return subprocess.Popen(
+        [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp,
+    )
 
 
 def _done(p: subprocess.Popen) -> str:
@@ -83,8 +95,10 @@ def attacks():
         "planted-store-cache_dir": f"store.write_bytes(Path({str(planted)!r}).read_bytes())",
         "lock-link": f"lock.symlink_to({str(precious)!r})",
         "fifo-store": "os.mkfifo(store, 0o666)",
-        "held-lock": ("import fcntl, signal; f = open(lock, 'w'); os.chmod(lock, 0o666); "
-                      "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); signal.pause()"),
+        "held-lock": (
+            "import fcntl, signal; f = open(lock, 'w'); os.chmod(lock, 0o666); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); signal.pause()"
+        ),
         "private": None,  # no attack: the victim's own folder
     }
     places, holder = {}, None
@@ -97,17 +111,29 @@ def attacks():
             places[name] = (str(tmp), {"cache_dir": str(folder)} if "cache_dir" in name else {})
             if plant is None:
                 continue
-            code = (f"import os; from pathlib import Path; folder = Path({str(folder)!r}); "
-                    "folder.mkdir(mode=0o777); os.chmod(folder, 0o777); "
-                    f"store, lock = folder / '{key}.gpucache', folder / '{key}.lock'\n{plant}")
+            code = (
+                f"import os; from pathlib import Path; folder = Path({str(folder)!r}); "
+                "folder.mkdir(mode=0o777); os.chmod(folder, 0o777); "
+                f"store, lock = folder / '{key}.gpucache', folder / '{key}.lock'\n{plant}"
+            )
             p = _as(ATTACKER, ["-c", code], tmp)
             if name == "held-lock":  # keeps holding it while the victim runs
                 holder = p
                 assert p.stdout.readline().strip() == "locked", p.stderr.read()[-3000:]
             else:
                 _done(p)
-        out = _done(_as(VICTIM, ["-c", VICTIM_CODE, json.dumps(
-            [[n, t, kw] for n, (t, kw) in places.items()]), str(victim)], base))
+        out = _done(
+            _as(
+                VICTIM,
+                [
+                    "-c",
+                    VICTIM_CODE,
+                    json.dumps([[n, t, kw] for n, (t, kw) in places.items()]),
+                    str(victim),
+                ],
+                base,
+            )
+        )
     finally:
         if holder is not None:
             holder.kill()

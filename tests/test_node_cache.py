@@ -35,13 +35,15 @@ def _age(path: Path, days: float) -> None:
 def two(tmp_path):
     """Two stores in one cache folder: ``kept`` still open (in use), ``old`` released."""
     cdir = tmp_path / "c"
-    old = JpegCache.from_folder(make_jpeg_folder(tmp_path / "a", 4, seed=1), cache_dir=cdir,
-                                progress=False)
+    old = JpegCache.from_folder(
+        make_jpeg_folder(tmp_path / "a", 4, seed=1), cache_dir=cdir, progress=False
+    )
     old_path = old.path
     del old
     gc.collect()  # the store's shared flock goes with it
-    kept = JpegCache.from_folder(make_jpeg_folder(tmp_path / "b", 4, seed=2), cache_dir=cdir,
-                                 progress=False)
+    kept = JpegCache.from_folder(
+        make_jpeg_folder(tmp_path / "b", 4, seed=2), cache_dir=cdir, progress=False
+    )
     _age(old_path, 3)
     return cdir, old_path, kept, tmp_path
 
@@ -73,9 +75,12 @@ def test_cache_clean_removes_old_stores_never_one_in_use(two, capsys):
 
 def test_cache_max_bytes_removes_the_least_recently_used_unused_stores(two):
     cdir, old_path, kept, tmp = two
-    third = JpegCache.from_folder(make_jpeg_folder(tmp / "c3", 4, seed=3), cache_dir=cdir,
-                                  progress=False,
-                                  cache_max_bytes=int(2.5 * os.path.getsize(kept.path)))
+    third = JpegCache.from_folder(
+        make_jpeg_folder(tmp / "c3", 4, seed=3),
+        cache_dir=cdir,
+        progress=False,
+        cache_max_bytes=int(2.5 * os.path.getsize(kept.path)),
+    )
     assert old_path not in _stores(cdir)  # the least recently used, not in use
     assert set(_stores(cdir)) == {kept.path, third.path}  # in use: kept over the cap
 
@@ -84,16 +89,18 @@ def test_a_read_only_cache_folder_says_what_and_how_to_fix():
     ro = Path(tempfile.mkdtemp(prefix="gpucache-ro-"))  # reachable by a second uid when root
     try:
         root = make_jpeg_folder(ro / "imgs", 4, seed=4)
-        code = ("import os; from gpucache import JpegCache\n"
-                f"try:\n    JpegCache.from_folder({str(root)!r}, cache_dir={str(ro / 'c')!r}, "
-                "progress=False)\n"
-                "except OSError as err:\n    print(type(err).__name__, err)\n"
-                # a store built before the folder became read-only opens, also for several ranks
-                f"JpegCache.from_folder({str(root)!r}, cache_dir={str(ro / 'd')!r}, "
-                "progress=False)\n"
-                f"os.chmod({str(ro / 'd')!r}, 0o500); os.environ['LOCAL_WORLD_SIZE'] = '2'\n"
-                f"c = JpegCache.from_folder({str(root)!r}, cache_dir={str(ro / 'd')!r}, "
-                "progress=False)\nprint('OPENED', len(c))\n")
+        code = (
+            "import os; from gpucache import JpegCache\n"
+            f"try:\n    JpegCache.from_folder({str(root)!r}, cache_dir={str(ro / 'c')!r}, "
+            "progress=False)\n"
+            "except OSError as err:\n    print(type(err).__name__, err)\n"
+            # a store built before the folder became read-only opens, also for several ranks
+            f"JpegCache.from_folder({str(root)!r}, cache_dir={str(ro / 'd')!r}, "
+            "progress=False)\n"
+            f"os.chmod({str(ro / 'd')!r}, 0o500); os.environ['LOCAL_WORLD_SIZE'] = '2'\n"
+            f"c = JpegCache.from_folder({str(root)!r}, cache_dir={str(ro / 'd')!r}, "
+            "progress=False)\nprint('OPENED', len(c))\n"
+        )
         (ro / "c").mkdir(mode=0o500)
         (ro / "d").mkdir(mode=0o700)
         cmd = [sys.executable, "-c", code]
@@ -104,8 +111,14 @@ def test_a_read_only_cache_folder_says_what_and_how_to_fix():
             os.chown(ro / "c", 12347, 12347)
             os.chown(ro / "d", 12347, 12347)
             cmd = ["setpriv", "--reuid=12347", "--regid=12347", "--clear-groups", *cmd]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ro,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        p = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ro,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         assert p.stdout.startswith("PermissionError"), p.stdout + p.stderr[-2000:]
         assert f"cannot create the lock file {ro / 'c'}" in p.stdout  # what, where
@@ -143,13 +156,17 @@ def test_cache_commands_refuse_a_folder_others_may_write(tmp_path, capsys):
 
 def _users_files(cdir: Path, tmp: Path) -> dict[str, bytes]:
     """Files a user keeps in a folder also named as cache_dir: none of them is the cache's."""
-    files = {"poetry.lock": b"[[package]]\nname = 'torch'\n", "flake.lock": b'{"nodes": {}}\n',
-             "notes.info": b'{"source": "mine", "samples": 1, "created": 0}\n',
-             "photos.scan": b'{"key": "k", "written": 0, "nonce": "n"}\n',
-             ".draft.tmp": b"half a letter", "model.gpucache.bak": b"GPUCACHE...",
-             # key-shaped names whose content is not what the cache writes there
-             "0123456789abcdef0123456789abcdef.lock": b"my lock notes\n",
-             "0123456789abcdef0123456789abcdef.info": b"not json\n"}
+    files = {
+        "poetry.lock": b"[[package]]\nname = 'torch'\n",
+        "flake.lock": b'{"nodes": {}}\n',
+        "notes.info": b'{"source": "mine", "samples": 1, "created": 0}\n',
+        "photos.scan": b'{"key": "k", "written": 0, "nonce": "n"}\n',
+        ".draft.tmp": b"half a letter",
+        "model.gpucache.bak": b"GPUCACHE...",
+        # key-shaped names whose content is not what the cache writes there
+        "0123456789abcdef0123456789abcdef.lock": b"my lock notes\n",
+        "0123456789abcdef0123456789abcdef.info": b"not json\n",
+    }
     for name, data in files.items():
         (cdir / name).write_bytes(data)
     os.utime(cdir / "poetry.lock", (0, 0))  # very old
@@ -166,19 +183,28 @@ def test_clean_and_the_size_cap_remove_only_the_node_caches_own_files(two, capsy
     orphan = "fedcba9876543210fedcba9876543210"  # the cache's own leftovers, no store needs them
     (cdir / f"{orphan}.info").write_bytes((cdir / f"{key}.info").read_bytes())
     (cdir / f"{orphan}.lock").write_bytes(
-        b'{"pid": 1, "host": "h", "phase": "building", "done": 0}'.ljust(512))
+        b'{"pid": 1, "host": "h", "phase": "building", "done": 0}'.ljust(512)
+    )
     (cdir / f".{orphan}.gpucache.abc_1234.tmp").write_bytes(b"GPUCACHE" + bytes(100))
     leftovers = {f"{orphan}.info", f"{orphan}.lock", f".{orphan}.gpucache.abc_1234.tmp"}
 
-    JpegCache.from_folder(make_jpeg_folder(tmp / "c3", 4, seed=3), cache_dir=cdir,
-                          progress=False, cache_max_bytes=10**12)  # the cap is never reached
+    JpegCache.from_folder(
+        make_jpeg_folder(tmp / "c3", 4, seed=3),
+        cache_dir=cdir,
+        progress=False,
+        cache_max_bytes=10**12,
+    )  # the cap is never reached
     assert {n: (cdir / n).read_bytes() for n in users} == users
     assert not any((cdir / n).exists() for n in leftovers)  # the cap's tidy took those
 
     for name in leftovers:  # again, for the command line to report
-        (cdir / name).write_bytes((cdir / f"{key}.info").read_bytes() if name.endswith(".info")
-                                  else b'{"pid": 1, "host": "h", "phase": "x"}'.ljust(512)
-                                  if name.endswith(".lock") else b"")
+        (cdir / name).write_bytes(
+            (cdir / f"{key}.info").read_bytes()
+            if name.endswith(".info")
+            else b'{"pid": 1, "host": "h", "phase": "x"}'.ljust(512)
+            if name.endswith(".lock")
+            else b""
+        )
     assert main(["cache", "list", "--dir", str(cdir)]) == 0
     listed = capsys.readouterr().out
     assert listed.startswith(f"{cdir}: 3 stores") and "train" not in listed

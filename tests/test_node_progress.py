@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.hostile import before_marker
 from gpucache.testing import make_jpeg_bytes
+from tests.support.hostile import before_marker
 
 REPO = Path(__file__).resolve().parent.parent
 N, STALL, PACE = 40, 4.0, 0.4  # the paced part lasts 25 x 0.4 = 10 s, 2.5 stall timeouts
@@ -63,9 +63,14 @@ def _waiter(paths, cdir, outcome: dict) -> threading.Thread:
 
     def run():
         try:
-            outcome["cache"] = _node.built_once(JpegCache, lambda: (paths, ("gated",)), _never,
-                                                (paths, "gated"), cache_dir=cdir,
-                                                stall_timeout=STALL)
+            outcome["cache"] = _node.built_once(
+                JpegCache,
+                lambda: (paths, ("gated",)),
+                _never,
+                (paths, "gated"),
+                cache_dir=cdir,
+                stall_timeout=STALL,
+            )
         except BaseException as err:  # handed to the test thread
             outcome["error"] = err
         outcome["at"] = time.monotonic()
@@ -89,14 +94,18 @@ def test_a_waiter_follows_a_slow_builder_and_fails_only_when_it_stalls(tmp_path)
     os.mkfifo(fifo)
     gate = os.open(fifo, os.O_RDWR)  # never blocks; the builder's read waits on it
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    builder = subprocess.Popen([sys.executable, "-c", BUILDER, ",".join(paths), str(cdir),
-                                str(fifo)], env=env, stdout=subprocess.PIPE, text=True)
+    builder = subprocess.Popen(
+        [sys.executable, "-c", BUILDER, ",".join(paths), str(cdir), str(fifo)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert builder.stdout.readline().strip() == "building"  # it holds the lock now
         first = {}
         waiter = _waiter(paths, cdir, first)
         fed = 0
-        for fed in range(1, 26):  # slow but moving, far past the stall timeout
+        for _fed in range(1, 26):  # slow but moving, far past the stall timeout
             os.write(gate, b"g")
             time.sleep(PACE)  # the builder's slowness itself, not a synchronisation
             assert waiter.is_alive(), first

@@ -34,11 +34,21 @@ print(json.dumps({**counts, "path": str(cache.path), "n": len(cache)}), flush=Tr
 
 
 def _job(root: Path, cdir: Path, ranks: int = RANKS) -> list[dict]:
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", RANK, str(root), str(cdir)], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), "LOCAL_RANK": str(r),
-             "LOCAL_WORLD_SIZE": str(RANKS)}) for r in range(ranks)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(root), str(cdir)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONPATH": str(REPO),
+                "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(RANKS),
+            },
+        )
+        for r in range(ranks)
+    ]
     outs = [p.communicate(timeout=400) for p in procs]  # torch import: slow on a loaded machine
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     return [json.loads(out.splitlines()[-1]) for out, _ in outs]

@@ -9,11 +9,11 @@ import torch
 
 from gpucache import GpuCachedLoader, JpegCache, SampleError
 from gpucache import transforms as T
-from gpucache.ingest._sniff import Kind
 from gpucache.decode._batched import default_decoder, make_decoder, orient, torchvision_decoder
-from gpucache.decode._streams import HostStreams
 from gpucache.decode._core import decode_batch
 from gpucache.decode._nvjpeg import NvjpegBackend
+from gpucache.decode._streams import HostStreams
+from gpucache.ingest._sniff import Kind
 from gpucache.testing import make_jpeg_bytes
 
 CPU = torch.device("cpu")
@@ -33,16 +33,21 @@ def _progressive(cache, idx) -> int:
 def _plans(cache, indices, seed=0):
     compose = T.Compose([T.RandomResizedCrop(48), T.RandomHorizontalFlip()])
     s = cache.samples
-    return compose.plan(s["height"][indices].astype(np.int64), s["width"][indices].astype(np.int64),
-                        np.random.default_rng(seed))
+    return compose.plan(
+        s["height"][indices].astype(np.int64),
+        s["width"][indices].astype(np.int64),
+        np.random.default_rng(seed),
+    )
 
 
 def test_matches_cpu_backend_and_keeps_order(jpeg_folder):
     cache = JpegCache.from_folder(jpeg_folder, progress=False)
     backend = NvjpegBackend(cache, device=CPU, on_error="skip")
     batches = [np.arange(k, k + 6) for k in range(0, 18, 6)]
-    refs = [decode_batch(cache, idx, _plans(cache, idx, b), on_error="skip", stack=True)
-            for b, idx in enumerate(batches)]
+    refs = [
+        decode_batch(cache, idx, _plans(cache, idx, b), on_error="skip", stack=True)
+        for b, idx in enumerate(batches)
+    ]
     for b, idx in enumerate(batches):  # three batches in flight before the first is taken
         backend.submit(idx, _plans(cache, idx, b), stack=True)
     assert len(backend) == 3
@@ -62,9 +67,11 @@ def test_matches_cpu_backend_and_keeps_order(jpeg_folder):
 def test_fallback_join_for_png_cmyk_and_corrupt(bad_folder):
     cache = JpegCache.from_files(sorted(bad_folder["cases"]), progress=False)
     idx = np.arange(len(cache))
-    plans = T.Compose([T.Resize((24, 24))]).plan(cache.samples["height"].astype(np.int64),
-                                                 cache.samples["width"].astype(np.int64),
-                                                 np.random.default_rng(0))
+    plans = T.Compose([T.Resize((24, 24))]).plan(
+        cache.samples["height"].astype(np.int64),
+        cache.samples["width"].astype(np.int64),
+        np.random.default_rng(0),
+    )
     ref = decode_batch(cache, idx, plans, on_error="skip", stack=True)
     backend = NvjpegBackend(cache, device=CPU, on_error="skip")
     backend.submit(idx, plans, stack=True)
@@ -86,9 +93,11 @@ def test_fallback_join_for_png_cmyk_and_corrupt(bad_folder):
 def test_list_output_when_sizes_vary(jpeg_folder):
     cache = JpegCache.from_folder(jpeg_folder, progress=False)
     idx = np.arange(5)
-    plans = T.Compose([T.Resize(40)]).plan(cache.samples["height"][idx].astype(np.int64),
-                                           cache.samples["width"][idx].astype(np.int64),
-                                           np.random.default_rng(0))
+    plans = T.Compose([T.Resize(40)]).plan(
+        cache.samples["height"][idx].astype(np.int64),
+        cache.samples["width"][idx].astype(np.int64),
+        np.random.default_rng(0),
+    )
     backend = NvjpegBackend(cache, device=CPU, on_error="skip")
     backend.submit(idx, plans, stack=False)
     out = backend.get()
@@ -120,8 +129,9 @@ def _tv_decode(data, exif):
 
 def test_orient_is_the_exif_transform_for_all_8_orientations():
     for o in range(1, 9):
-        data = torch.frombuffer(bytearray(make_jpeg_bytes(40, 24, seed=o, exif_orientation=o)),
-                                dtype=torch.uint8)
+        data = torch.frombuffer(
+            bytearray(make_jpeg_bytes(40, 24, seed=o, exif_orientation=o)), dtype=torch.uint8
+        )
         raw, shown = _tv_decode(data, False), _tv_decode(data, True)
         assert raw.shape[1:] == (24, 40)
         assert torch.equal(orient(raw, o), shown), o
@@ -176,15 +186,19 @@ def test_cpu_retry_result_reaches_hand_over_on_the_device(jpeg_folder):
     assert progressive >= 1
     gray = [cache[i].tobytes() for i in np.flatnonzero(cache.samples["components"] == 1)]
     assert gray  # rejected by the decoder, rescued on the CPU
-    backend = NvjpegBackend(cache, device=meta, on_error="raise",
-                            decoder=_emulated_gpu_decoder(meta, gray))
+    backend = NvjpegBackend(
+        cache, device=meta, on_error="raise", decoder=_emulated_gpu_decoder(meta, gray)
+    )
     idx = np.arange(len(cache))
     backend.submit(idx, _plans(cache, idx), stack=True)
     out = backend.get()  # the hand-over checks every tensor is on the device, as CUDA needs
     assert out.images.device == meta and out.images.shape == (len(cache), 3, 48, 48)
     cmyk = int((cache.samples["components"] == 4).sum())
-    gray_seq = int(((cache.samples["components"] == 1)
-                    & (cache.samples["kind"] != Kind.JPEG_PROGRESSIVE)).sum())
+    gray_seq = int(
+        (
+            (cache.samples["components"] == 1) & (cache.samples["kind"] != Kind.JPEG_PROGRESSIVE)
+        ).sum()
+    )
     assert gray_seq >= 1
     assert out.cpu_decoded == progressive + cmyk + gray_seq and out.failed == []
     with pytest.raises(RuntimeError, match="moved to the device first"):
@@ -201,8 +215,9 @@ def test_pixel_budget_refuses_before_any_decoder(jpeg_folder):
     assert any((s["components"] == 4) & (pixels > cache.max_pixels))  # a CPU-path sample too
     seen = []
     real = torchvision_decoder(CPU)
-    spy = make_decoder("spy", CPU, lambda data: seen.extend(len(d) for d in data) or
-                       real.decode(data))
+    spy = make_decoder(
+        "spy", CPU, lambda data: seen.extend(len(d) for d in data) or real.decode(data)
+    )
     idx = np.arange(len(cache))
     backend = NvjpegBackend(cache, device=CPU, on_error="skip", decoder=spy)
     backend.submit(idx, _plans(cache, idx), stack=True)
@@ -212,8 +227,9 @@ def test_pixel_budget_refuses_before_any_decoder(jpeg_folder):
     assert sorted(out.indices.tolist() + sorted(over)) == idx.tolist()
     decoded_sizes = sorted(seen[1:])  # the first call is the EXIF probe
     cpu_path = (s["components"] == 4) | (s["kind"] == Kind.JPEG_PROGRESSIVE)
-    assert decoded_sizes == sorted(len(cache[i]) for i in idx.tolist()
-                                   if i not in over and not cpu_path[i])
+    assert decoded_sizes == sorted(
+        len(cache[i]) for i in idx.tolist() if i not in over and not cpu_path[i]
+    )
     assert out.cpu_decoded == int((cpu_path & (pixels <= cache.max_pixels)).sum())
     strict = NvjpegBackend(cache, device=CPU, on_error="raise", decoder=spy)
     strict.submit(idx, _plans(cache, idx), stack=True)
@@ -230,16 +246,25 @@ def test_out_of_memory_inside_the_batched_decode_is_never_a_bad_sample(jpeg_fold
 
     def oom(data):
         calls.append(len(data))
-        raise RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to "
-                           "allocate 20.00 MiB (GPU 0; 79.11 GiB total capacity)")
+        raise RuntimeError(
+            "Error while decoding JPEG images: CUDA out of memory. Tried to "
+            "allocate 20.00 MiB (GPU 0; 79.11 GiB total capacity)"
+        )
 
     idx = np.arange(8)
     for threaded in (True, False):
         calls.clear()
-        backend = NvjpegBackend(cache, device=CPU, on_error="skip", threaded=threaded,
-                                decoder=make_decoder("oom", CPU, oom, applies_exif=False))
-        with pytest.raises(torch.OutOfMemoryError, match="ran out of memory.*lower batch_size"
-                                                         ".*Tried to allocate 20.00 MiB"):
+        backend = NvjpegBackend(
+            cache,
+            device=CPU,
+            on_error="skip",
+            threaded=threaded,
+            decoder=make_decoder("oom", CPU, oom, applies_exif=False),
+        )
+        with pytest.raises(
+            torch.OutOfMemoryError,
+            match="ran out of memory.*lower batch_size.*Tried to allocate 20.00 MiB",
+        ):
             backend.submit(idx, _plans(cache, idx), stack=True)
             backend.get()
         assert len(calls) == 1 and calls[0] > 1  # one batched call, no retry one by one

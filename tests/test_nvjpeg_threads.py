@@ -40,11 +40,17 @@ def _threads():
 def test_threaded_path_returns_the_same_batches_in_order(cache, stack):
     rng = np.random.default_rng(0)
     order = rng.permutation(len(cache))
-    batches = [order[k:k + 7] for k in range(0, len(order), 7)]  # last batch is short
+    batches = [order[k : k + 7] for k in range(0, len(order), 7)]  # last batch is short
     tf = T.Compose([T.RandomResizedCrop(24), T.RandomHorizontalFlip()] if stack else [T.Resize(30)])
     s = cache.samples
-    plans = [tf.plan(s["height"][b].astype(np.int64), s["width"][b].astype(np.int64),
-                     np.random.default_rng(k)) for k, b in enumerate(batches)]
+    plans = [
+        tf.plan(
+            s["height"][b].astype(np.int64),
+            s["width"][b].astype(np.int64),
+            np.random.default_rng(k),
+        )
+        for k, b in enumerate(batches)
+    ]
     sync = NvjpegBackend(cache, device=CPU, on_error="raise", threaded=False)
     threaded = NvjpegBackend(cache, device=CPU, on_error="raise")
     ref, got = _run(sync, batches, plans, stack), _run(threaded, batches, plans, stack)
@@ -66,9 +72,11 @@ def test_error_propagates_and_stops_the_thread(bad_folder):
     bad = JpegCache.from_files(sorted(bad_folder["cases"]), progress=False)
     corrupt = next(i for i, p in enumerate(bad.paths) if p.endswith("corrupt_scan.jpg"))
     idx = np.arange(len(bad))
-    plans = T.Compose([T.Resize((16, 16))]).plan(bad.samples["height"].astype(np.int64),
-                                                 bad.samples["width"].astype(np.int64),
-                                                 np.random.default_rng(0))
+    plans = T.Compose([T.Resize((16, 16))]).plan(
+        bad.samples["height"].astype(np.int64),
+        bad.samples["width"].astype(np.int64),
+        np.random.default_rng(0),
+    )
     backend = NvjpegBackend(bad, device=CPU, on_error="raise")
     good = np.array([i for i in idx if i != corrupt])
     backend.submit(good, plans[good], True)
@@ -82,9 +90,11 @@ def test_error_propagates_and_stops_the_thread(bad_folder):
 
 def test_drain_and_garbage_collection_stop_work(cache):
     idx = np.arange(8)
-    plans = T.Compose([T.Resize((16, 16))]).plan(cache.samples["height"][idx].astype(np.int64),
-                                                 cache.samples["width"][idx].astype(np.int64),
-                                                 np.random.default_rng(0))
+    plans = T.Compose([T.Resize((16, 16))]).plan(
+        cache.samples["height"][idx].astype(np.int64),
+        cache.samples["width"][idx].astype(np.int64),
+        np.random.default_rng(0),
+    )
     backend = NvjpegBackend(cache, device=CPU, on_error="raise")
     for _ in range(4):
         backend.submit(idx, plans, True)
@@ -105,13 +115,18 @@ def test_loader_break_and_close_leave_no_thread(cache, monkeypatch):
     """The loader's GPU wiring with the backend swapped in on a CPU device (no CUDA here)."""
     from gpucache.loader import _loader
 
-    monkeypatch.setattr(_loader, "_make_backend", lambda ld: NvjpegBackend(
-        ld.cache, device=CPU, on_error=ld.on_error))
+    monkeypatch.setattr(
+        _loader,
+        "_make_backend",
+        lambda ld: NvjpegBackend(ld.cache, device=CPU, on_error=ld.on_error),
+    )
     before = set(_threads())  # an earlier test's thread may still be ending: count only ours
-    loader = GpuCachedLoader(cache, batch_size=4, device="cpu", seed=0,
-                             transform=T.Compose([T.RandomResizedCrop(16)]))
-    ref = GpuCachedLoader(cache, batch_size=4, device="cpu", seed=0,
-                          transform=T.Compose([T.RandomResizedCrop(16)]))
+    loader = GpuCachedLoader(
+        cache, batch_size=4, device="cpu", seed=0, transform=T.Compose([T.RandomResizedCrop(16)])
+    )
+    ref = GpuCachedLoader(
+        cache, batch_size=4, device="cpu", seed=0, transform=T.Compose([T.RandomResizedCrop(16)])
+    )
     for (x, y), (rx, ry) in zip(loader, ref):
         assert torch.equal(x, rx) and torch.equal(y, ry)
     for k, _ in enumerate(loader):  # leave an epoch early, then start another

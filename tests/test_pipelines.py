@@ -16,17 +16,39 @@ def _example(module: str, *args: str, tmp: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "TMPDIR": str(tmp)}  # the synthetic photos are kept there
     env.pop("LOCAL_RANK", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_train_example_prints_a_line_an_epoch(tmp_path):
-    run = _example("pipelines.train_example", "--synthetic", "16", "--epochs", "2", "--size",
-                   "32", "--batch-size", "8", "--workers", "0", tmp=tmp_path)
+    run = _example(
+        "pipelines.train_example",
+        "--synthetic",
+        "16",
+        "--epochs",
+        "2",
+        "--size",
+        "32",
+        "--batch-size",
+        "8",
+        "--workers",
+        "0",
+        tmp=tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     for epoch in (1, 2):  # logged (stderr): epoch, batches, images/s, loss, train-set accuracy
-        assert re.search(rf"^epoch {epoch}/2: 2 batches, \d+ img/s \(cpu backend, cpu\), "
-                         r"loss \d+\.\d+, train-set acc \d\.\d+$", run.stderr, re.M), run.stderr
+        assert re.search(
+            rf"^epoch {epoch}/2: 2 batches, \d+ img/s \(cpu backend, cpu\), "
+            r"loss \d+\.\d+, train-set acc \d\.\d+$",
+            run.stderr,
+            re.M,
+        ), run.stderr
     assert "val acc" not in run.stderr  # measured on the training images: named so
 
 

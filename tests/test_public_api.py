@@ -10,7 +10,6 @@ import gpucache
 from gpucache import JpegCache
 from gpucache.testing import make_jpeg_bytes
 
-
 ERRORS = {"BuildError", "CacheFormatError", "SharedMemoryError", "SampleError", "WorkerError"}
 MODULES = {"transforms", "testing"}
 
@@ -52,9 +51,15 @@ def test_build_sources_are_public_and_build_a_store(tmp_path):
         f.write(jpegs[1])
         f.seek(0)
         cache = JpegCache.from_files(
-            [gpucache.BytesSource("a.jpg", jpegs[0]), gpucache.FileObjSource("b.jpg", f),
-             gpucache.FileRangeSource("c.jpg", blob, len(jpegs[0]) + len(jpegs[1]), len(jpegs[2]))],
-            progress=False)
+            [
+                gpucache.BytesSource("a.jpg", jpegs[0]),
+                gpucache.FileObjSource("b.jpg", f),
+                gpucache.FileRangeSource(
+                    "c.jpg", blob, len(jpegs[0]) + len(jpegs[1]), len(jpegs[2])
+                ),
+            ],
+            progress=False,
+        )
     assert list(cache.paths) == ["a.jpg", "b.jpg", "c.jpg"]
     for i, data in enumerate(jpegs):
         assert np.array_equal(cache[i], np.frombuffer(data, np.uint8))

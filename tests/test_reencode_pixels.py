@@ -14,9 +14,9 @@ import pytest
 from PIL import Image
 
 from gpucache import JpegCache
+from gpucache.decode._core import decode_sample
 from gpucache.ingest._resize import Budget, Reencode, resized
 from gpucache.ingest._sniff import sniff
-from gpucache.decode._core import decode_sample
 from gpucache.testing import make_jpeg_bytes
 from tests.support.hostile import after_soi, exif_app1, xmp_app1
 
@@ -34,8 +34,9 @@ ORIENTATION_CASES = {  # EXIF layouts PIL reads as orientation 6 and libjpeg-tur
 }
 
 
-@pytest.mark.parametrize("kw", [{"jpeg_quality": 80}, {"max_side": 48}],
-                         ids=["jpeg_quality", "max_side"])
+@pytest.mark.parametrize(
+    "kw", [{"jpeg_quality": 80}, {"max_side": 48}], ids=["jpeg_quality", "max_side"]
+)
 def test_reencoded_samples_keep_the_plain_stores_orientation(tmp_path, kw):
     """The plain store decodes ``exif_after_xmp.jpg`` 96 wide (TorchCodec's rule); the
     re-encode turned it with PIL's EXIF reader to 64 wide while its ``resized`` record said 96."""
@@ -71,12 +72,20 @@ def _png16(arr: np.ndarray, color_type: int) -> bytes:
     raw = b"".join(b"\x00" + rows[y].tobytes() for y in range(h))
 
     def chunk(cid: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + cid + data
-                + struct.pack(">I", zlib.crc32(cid + data) & 0xFFFFFFFF))
+        return (
+            struct.pack(">I", len(data))
+            + cid
+            + data
+            + struct.pack(">I", zlib.crc32(cid + data) & 0xFFFFFFFF)
+        )
 
     ihdr = struct.pack(">IIBBBBB", w, h, 16, color_type, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
 
 
 def _saved(im: Image.Image, fmt: str) -> bytes:
@@ -92,16 +101,18 @@ def _sixteen_bit_cases() -> dict[str, bytes]:
     alpha = np.full_like(v, 65535)
     return {
         "gray_I16.png": _saved(Image.fromarray(v), "PNG"),  # PIL's mode I;16
-        "gray_I16B.tif": _saved(Image.frombytes("I;16B", (256, 256), v.astype(">u2").tobytes()),
-                                "TIFF"),
+        "gray_I16B.tif": _saved(
+            Image.frombytes("I;16B", (256, 256), v.astype(">u2").tobytes()), "TIFF"
+        ),
         "gray_I32.tif": _saved(Image.fromarray(v.astype(np.int32)), "TIFF"),  # mode I
         "rgb16.png": _png16(np.stack([v, v[::-1], v.T], axis=-1), 2),
         "la16.png": _png16(np.stack([v, alpha], axis=-1), 4),
     }
 
 
-@pytest.mark.parametrize("kw", [{}, {"jpeg_quality": 90}, {"max_side": 128}],
-                         ids=["plain", "jpeg_quality", "max_side"])
+@pytest.mark.parametrize(
+    "kw", [{}, {"jpeg_quality": 90}, {"max_side": 128}], ids=["plain", "jpeg_quality", "max_side"]
+)
 def test_sixteen_bit_images_are_scaled_to_eight_bits(tmp_path, kw):
     cases = _sixteen_bit_cases()
     paths = []
@@ -118,8 +129,9 @@ def test_sixteen_bit_images_are_scaled_to_eight_bits(tmp_path, kw):
         tol = 0.01 if not kw else 1.5  # JPEG and resampling move the mean a little
         assert abs(float(img.mean()) - 127.5) < tol, (name, float(img.mean()))
         if not kw:  # no loss: each 8-bit value 256 times per channel
-            assert np.bincount(img[0].flatten().int().numpy(), minlength=256).tolist() == [
-                256] * 256, name
+            assert (
+                np.bincount(img[0].flatten().int().numpy(), minlength=256).tolist() == [256] * 256
+            ), name
 
 
 def test_an_image_larger_than_the_whole_budget_still_runs():

@@ -46,8 +46,12 @@ def replaced(jpeg_folder, tmp_path):
     path = original.save(tmp_path / "train.gpucache")
     store = JpegCache.open(path)
     files = list(original.paths)
-    other = JpegCache.from_files(files[::-1], labels=[(i * 7) % 3 for i in range(len(files))],
-                                 classes=["x", "y", "z"], progress=False)
+    other = JpegCache.from_files(
+        files[::-1],
+        labels=[(i * 7) % 3 for i in range(len(files))],
+        classes=["x", "y", "z"],
+        progress=False,
+    )
     other.save(path)  # temp name + rename: a new inode at the same path
     assert JpegCache.open(path).labels.tolist() != original.labels.tolist()
     return store, original
@@ -60,8 +64,16 @@ def test_replacing_an_open_store_file_never_changes_what_it_returns(replaced, co
         with mp.get_context(context).Pool(1) as pool:
             inside = pool.apply(_digests, (store,))
         assert inside == _file_digests(original.paths)
-    loader = GpuCachedLoader(store, batch_size=6, num_workers=1, device="cpu", shuffle=True,
-                             seed=0, multiprocessing_context=context, return_metadata=True)
+    loader = GpuCachedLoader(
+        store,
+        batch_size=6,
+        num_workers=1,
+        device="cpu",
+        shuffle=True,
+        seed=0,
+        multiprocessing_context=context,
+        return_metadata=True,
+    )
     seen = 0
     with loader:
         for images, labels, info in loader:
@@ -125,8 +137,13 @@ _OWNER = textwrap.dedent("""
 def test_shared_memory_cannot_outlive_a_killed_owner(jpeg_folder, tmp_path, context, sig):
     script = tmp_path / "owner.py"
     script.write_text(_OWNER)
-    proc = subprocess.Popen([sys.executable, str(script), str(jpeg_folder), context], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(jpeg_folder), context],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     got = {}
     try:
         for line in proc.stdout:
@@ -211,18 +228,26 @@ _TORCH_WRITE = textwrap.dedent("""
 @pytest.mark.skipif(not LINUX, reason="PROT_READ mappings as on Linux")
 @pytest.mark.parametrize("backing", ["memory", "file"])
 @pytest.mark.parametrize("how", ["from_numpy", "frombuffer"])
-def test_a_torch_write_through_a_view_faults_instead_of_changing_the_store(jpeg_folder,
-                                                                           tmp_path, how,
-                                                                           backing):
+def test_a_torch_write_through_a_view_faults_instead_of_changing_the_store(
+    jpeg_folder, tmp_path, how, backing
+):
     """torch ignores numpy's read-only flag (it warns); the pages themselves are read-only for
     both backings, so the write faults in the process that made it and changes nothing."""
     path = JpegCache.from_folder(jpeg_folder, progress=False).save(tmp_path / "t.gpucache")
     before = path.read_bytes()
-    proc = subprocess.run([sys.executable, "-c", _TORCH_WRITE, str(path), how, backing],
-                          env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TORCH_WRITE, str(path), how, backing],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "WARNED True" in proc.stdout, proc.stdout + proc.stderr
     assert "WROTE" not in proc.stdout and proc.returncode == -signal.SIGSEGV, (
-        proc.returncode, proc.stdout, proc.stderr[-2000:])
+        proc.returncode,
+        proc.stdout,
+        proc.stderr[-2000:],
+    )
     assert path.read_bytes() == before
 
 
@@ -301,11 +326,11 @@ def rechecksum(b: bytearray) -> bytes:
     crc = 0
     for k in range(6):
         start, length = f[6 + 2 * k], f[7 + 2 * k]
-        crc = zlib.crc32(bytes(b[start:start + length]), crc)
+        crc = zlib.crc32(bytes(b[start : start + length]), crc)
     f[21] = crc
-    f[24] = zlib.crc32(bytes(b[f[22]:f[22] + ENTRY.size * f[23]]))
+    f[24] = zlib.crc32(bytes(b[f[22] : f[22] + ENTRY.size * f[23]]))
     HEAD_V2.pack_into(b, 0, *f)
-    CRC.pack_into(b, HEAD_V2.size, zlib.crc32(bytes(b[:HEAD_V2.size])))
+    CRC.pack_into(b, HEAD_V2.size, zlib.crc32(bytes(b[: HEAD_V2.size])))
     return bytes(b)
 
 
@@ -317,8 +342,12 @@ def small_store(jpeg_folder, tmp_path) -> tuple[bytes, dict]:
     cache = cache._replace(extra={"rst": np.arange(len(cache), dtype="<i4")})
     raw = cache.save(tmp_path / "small.gpucache").read_bytes()
     f = HEAD_V2.unpack_from(raw)
-    spans = {name: (f[6 + 2 * k], f[7 + 2 * k]) for k, name in
-             enumerate(["offsets", "labels", "samples", "classes", "paths", "metadata", "data"])}
+    spans = {
+        name: (f[6 + 2 * k], f[7 + 2 * k])
+        for k, name in enumerate(
+            ["offsets", "labels", "samples", "classes", "paths", "metadata", "data"]
+        )
+    }
     return raw, spans
 
 
@@ -328,9 +357,15 @@ def _write(tmp_path, data: bytes) -> Path:
     return p
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("height", 0, "invalid record"), ("width", 0, "invalid record"),
-    ("kind", 99, "invalid record"), ("components", 9, "invalid record")])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("height", 0, "invalid record"),
+        ("width", 0, "invalid record"),
+        ("kind", 99, "invalid record"),
+        ("components", 9, "invalid record"),
+    ],
+)
 def test_invalid_sample_records_are_refused_at_open(small_store, tmp_path, field, value, match):
     from gpucache.ingest._sniff import SAMPLE_DTYPE
 
@@ -355,7 +390,7 @@ def test_non_utf8_bytes_in_a_string_table_read_back_losslessly(small_store, tmp_
     start, length = spans["paths"]
     b = bytearray(raw)
     b[start + length - 1] = 0xFF  # last byte of the last path
-    b[start + length - 3:start + length - 1] = "\N{SNOWMAN}".encode()[:2]  # a cut character
+    b[start + length - 3 : start + length - 1] = "\N{SNOWMAN}".encode()[:2]  # a cut character
     opened = JpegCache.open(_write(tmp_path, rechecksum(b)))
     last = opened.paths[len(opened) - 1]
     assert os.fsencode(last).endswith(b"\xe2\x98\xff") and last.endswith("\udce2\udc98\udcff")
@@ -380,8 +415,13 @@ _TRUNCATE = textwrap.dedent("""
 def test_truncating_an_open_store_file_is_an_error_not_sigbus(small_store, tmp_path):
     raw, _ = small_store
     path = _write(tmp_path, raw)
-    proc = subprocess.run([sys.executable, "-c", _TRUNCATE, str(path)], env=_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE, str(path)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])  # -7 would be SIGBUS
     assert proc.stdout.split("\n")[:2] == ["CAUGHT view True", "CAUGHT decode True"], proc.stdout
     with pytest.raises(CacheFormatError, match="truncated"):
@@ -413,11 +453,14 @@ _LIMITS = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not (LINUX and os.path.isdir("/dev/shm")), reason="Linux rlimits, /dev/shm")
-@pytest.mark.parametrize("limit, match", [
-    ("fsize", "file-size limit of this process (ulimit -f / RLIMIT_FSIZE) is 1.0 MiB"),
-    ("as", "address-space limit (ulimit -v / RLIMIT_AS)"),
-    ("rofs", "Read-only file system"),
-])
+@pytest.mark.parametrize(
+    "limit, match",
+    [
+        ("fsize", "file-size limit of this process (ulimit -f / RLIMIT_FSIZE) is 1.0 MiB"),
+        ("as", "address-space limit (ulimit -v / RLIMIT_AS)"),
+        ("rofs", "Read-only file system"),
+    ],
+)
 def test_constrained_share_gives_a_clear_error(jpeg_folder, tmp_path, limit, match):
     cmd = [sys.executable, "-c", _LIMITS, str(jpeg_folder), limit]
     if limit == "rofs":
@@ -425,8 +468,14 @@ def test_constrained_share_gives_a_clear_error(jpeg_folder, tmp_path, limit, mat
 
         if os.geteuid() != 0 or shutil.which("unshare") is None:
             pytest.skip("mounting a read-only /dev/shm needs root and unshare")
-        cmd = ["unshare", "-m", "sh", "-c",
-               'mount -t tmpfs -o ro,size=16m tmpfs /dev/shm || exit 77; exec "$0" "$@"', *cmd]
+        cmd = [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            'mount -t tmpfs -o ro,size=16m tmpfs /dev/shm || exit 77; exec "$0" "$@"',
+            *cmd,
+        ]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
     if proc.returncode == 77:
         pytest.skip(f"cannot mount a read-only /dev/shm: {proc.stderr.strip()}")

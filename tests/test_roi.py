@@ -9,7 +9,6 @@ import io
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,17 +16,25 @@ import torch
 from PIL import Image
 
 from gpucache import JpegCache
-from gpucache.ingest._restart import restart_store
 from gpucache.decode import _roi, _roi_rst
 from gpucache.decode._core import apply_plan, decode_batch, decode_jpeg, decode_sample
+from gpucache.ingest._restart import restart_store
 from gpucache.testing import natural_image
 
 needs_roi = pytest.mark.skipif(_roi.route() is None, reason="no region decoder here")
 _roi_c_ok = _roi._c_ok()
-ROUTES = [pytest.param(True, id="libjpeg-turbo", marks=pytest.mark.skipif(
-              not _roi_c_ok, reason="compiled region decoder not built")),
-          pytest.param(False, id="nvimgcodec", marks=pytest.mark.skipif(
-              _roi._nvimgcodec is None, reason="nvImageCodec not installed"))]
+ROUTES = [
+    pytest.param(
+        True,
+        id="libjpeg-turbo",
+        marks=pytest.mark.skipif(not _roi_c_ok, reason="compiled region decoder not built"),
+    ),
+    pytest.param(
+        False,
+        id="nvimgcodec",
+        marks=pytest.mark.skipif(_roi._nvimgcodec is None, reason="nvImageCodec not installed"),
+    ),
+]
 
 
 @pytest.fixture(params=ROUTES)
@@ -37,8 +44,16 @@ def use_c(request, monkeypatch):
     return request.param
 
 
-def _jpeg(w: int, h: int, *, seed: int, mode: str = "RGB", subsampling: str | None = "4:2:0",
-          progressive: bool = False, orientation: int | None = None) -> bytes:
+def _jpeg(
+    w: int,
+    h: int,
+    *,
+    seed: int,
+    mode: str = "RGB",
+    subsampling: str | None = "4:2:0",
+    progressive: bool = False,
+    orientation: int | None = None,
+) -> bytes:
     img = Image.fromarray(natural_image(w, h, seed=seed)).convert(mode)
     kw: dict = {"quality": 92, "progressive": progressive}
     if subsampling is not None and mode == "RGB":
@@ -53,10 +68,13 @@ def _jpeg(w: int, h: int, *, seed: int, mode: str = "RGB", subsampling: str | No
 
 
 CASES = {  # name -> jpeg kwargs; odd sizes so partial MCUs and edge upsampling are exercised
-    "444": dict(subsampling="4:4:4"), "420": dict(subsampling="4:2:0"),
-    "422": dict(subsampling="4:2:2"), "gray": dict(mode="L"), "cmyk": dict(mode="CMYK"),
-    "progressive420": dict(progressive=True), "progressive444": dict(progressive=True,
-                                                                     subsampling="4:4:4"),
+    "444": dict(subsampling="4:4:4"),
+    "420": dict(subsampling="4:2:0"),
+    "422": dict(subsampling="4:2:2"),
+    "gray": dict(mode="L"),
+    "cmyk": dict(mode="CMYK"),
+    "progressive420": dict(progressive=True),
+    "progressive444": dict(progressive=True, subsampling="4:4:4"),
     **{f"exif{o}_420": dict(orientation=o) for o in range(1, 9)},
     **{f"exif{o}_422": dict(orientation=o, subsampling="4:2:2") for o in (5, 6, 7, 8)},
 }
@@ -75,8 +93,16 @@ def cache(tmp_path_factory):
 
 def _plans(h: int, w: int, rng: np.random.Generator, n: int) -> np.ndarray:
     """Crop boxes of every kind: random, 1 px, at MCU boundaries, touching each edge; resized."""
-    boxes = [(0, 0, h, w - 1), (0, 0, 1, 1), (h - 1, w - 1, 1, 1), (8, 16, 16, 16),
-             (16, 8, h - 16, w - 8), (7, 15, 9, 17), (0, w - 17, h, 17), (h - 9, 0, 9, w)]
+    boxes = [
+        (0, 0, h, w - 1),
+        (0, 0, 1, 1),
+        (h - 1, w - 1, 1, 1),
+        (8, 16, 16, 16),
+        (16, 8, h - 16, w - 8),
+        (7, 15, 9, 17),
+        (0, w - 17, h, 17),
+        (h - 9, 0, 9, w),
+    ]
     for _ in range(n):
         bh, bw = int(rng.integers(1, h + 1)), int(rng.integers(1, w + 1))
         boxes.append((int(rng.integers(0, h - bh + 1)), int(rng.integers(0, w - bw + 1)), bh, bw))
@@ -118,8 +144,10 @@ def test_uncropped_and_non_jpeg_samples_are_decoded_in_full(cache, tmp_path):
     Image.fromarray(natural_image(40, 30, seed=1)).save(png)
     store = JpegCache.from_files([png, *cache.paths[:1]], progress=False)
     h, w = int(store.samples["height"][1]), int(store.samples["width"][1])
-    plans = np.asarray([[2, 3, 20, 20, 20, 20, 0, 0, 20, 20, 0],
-                        [0, 0, h, w, 20, 20, 0, 0, 20, 20, 1]], dtype=np.int64)
+    plans = np.asarray(
+        [[2, 3, 20, 20, 20, 20, 0, 0, 20, 20, 0], [0, 0, h, w, 20, 20, 0, 0, 20, 20, 1]],
+        dtype=np.int64,
+    )
     got = decode_batch(store, np.arange(2), plans, on_error="raise", stack=True)
     assert got.roi_decoded == 0 and got.images.shape == (2, 3, 20, 20)
     for k in range(2):
@@ -134,8 +162,8 @@ def test_box_mapping_matches_orientation():
         h, w = oriented.shape[-2:]
         t, l, bh, bw = 1, 2, h - 2, w - 3
         ct, cl, ch, cw = _roi.coded_box(t, l, bh, bw, o, h, w)
-        cut = _roi.orient(coded[:, ct:ct + ch, cl:cl + cw], o)
-        assert torch.equal(cut, oriented[:, t:t + bh, l:l + bw]), o
+        cut = _roi.orient(coded[:, ct : ct + ch, cl : cl + cw], o)
+        assert torch.equal(cut, oriented[:, t : t + bh, l : l + bw]), o
 
 
 FALLBACK = textwrap.dedent("""
@@ -166,12 +194,24 @@ def test_fallback_without_nvimgcodec_gives_the_same_output(cache, tmp_path):
     store = tmp_path / "s.gpucache"
     JpegCache.from_files(cache.paths[1:2], progress=False).save(store)
     np.save(tmp_path / "p.npy", plans)
-    r = subprocess.run([sys.executable, "-c", FALLBACK, str(store), str(tmp_path / "p.npy"),
-                        str(tmp_path / "out.npy")], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FALLBACK,
+            str(store),
+            str(tmp_path / "p.npy"),
+            str(tmp_path / "out.npy"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("decoded at full size before cropping") == 1, r.stderr
-    here = decode_batch(cache, np.ones(len(plans), dtype=np.int64), plans, on_error="raise",
-                        stack=True)
+    here = decode_batch(
+        cache, np.ones(len(plans), dtype=np.int64), plans, on_error="raise", stack=True
+    )
     assert np.array_equal(np.load(tmp_path / "out.npy"), here.images.numpy())
 
 
@@ -184,20 +224,29 @@ def test_threads_decode_at_once(cache, use_c):
     plans = _plans(h, w, np.random.default_rng(3), 30)
     ref = decode_batch(cache, np.full(len(plans), i), plans, on_error="raise", stack=False)
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda _: decode_batch(cache, np.full(len(plans), i), plans,
-                                                    on_error="raise", stack=False), range(8)))
+        outs = list(
+            pool.map(
+                lambda _: decode_batch(
+                    cache, np.full(len(plans), i), plans, on_error="raise", stack=False
+                ),
+                range(8),
+            )
+        )
     for out in outs:
         assert out.roi_decoded == len(plans)
         assert all(torch.equal(a, b) for a, b in zip(out.images, ref.images))
 
 
-needs_rst = pytest.mark.skipif(not (_roi.route() and _roi_rst.transcoder_available()),
-                               reason="no region decoder or no compiled transcoder")
+needs_rst = pytest.mark.skipif(
+    not (_roi.route() and _roi_rst.transcoder_available()),
+    reason="no region decoder or no compiled transcoder",
+)
 
 
 @needs_rst
-@pytest.mark.parametrize("name", ["444", "420", "422", "gray", "cmyk", "progressive420",
-                                  "exif6_420", "exif7_422"])
+@pytest.mark.parametrize(
+    "name", ["444", "420", "422", "gray", "cmyk", "progressive420", "exif6_420", "exif7_422"]
+)
 def test_restart_segments_decode_bit_exact(cache, name, use_c):
     """Transcoded losslessly (same pixels in full), then only the crop's segments decoded."""
     i = list(CASES).index(name)
@@ -213,9 +262,19 @@ def test_restart_segments_decode_bit_exact(cache, name, use_c):
         pytest.skip("no region decoder for CMYK here")
     for plan in _plans(h, w, np.random.default_rng(100 + i), 20):
         t, l, bh, bw = plan[:4].tolist()
-        got = _roi_rst.decode_crop(restart, k, t, l, bh, bw, orientation=CASES[name].get(
-            "orientation", 1), height=h, width=w, region=region)
-        assert torch.equal(got, full[:, t:t + bh, l:l + bw]), plan.tolist()
+        got = _roi_rst.decode_crop(
+            restart,
+            k,
+            t,
+            l,
+            bh,
+            bw,
+            orientation=CASES[name].get("orientation", 1),
+            height=h,
+            width=w,
+            region=region,
+        )
+        assert torch.equal(got, full[:, t : t + bh, l : l + bw]), plan.tolist()
     ct, cl, ch, cw = _roi.coded_box(h // 2, w // 2, 8, 8, CASES[name].get("orientation", 1), h, w)
     sub = _roi_rst.segment_jpeg(restart, lay, ct, cl, ch, cw)[0]
     assert len(sub) < len(data) / 2  # a small box's segments are a fraction of the file
@@ -235,8 +294,10 @@ def test_restart_marker_store_gives_the_plain_stores_output(cache, tmp_path):
     idx = rng.permutation(len(plain))
     h, w = plain.samples["height"][idx], plain.samples["width"][idx]
     from gpucache import transforms as T
+
     plans = T.Compose([T.RandomResizedCrop(48), T.RandomHorizontalFlip()]).plan(
-        h.astype(np.int64), w.astype(np.int64), rng)
+        h.astype(np.int64), w.astype(np.int64), rng
+    )
     want = decode_batch(plain, idx, plans, on_error="raise", stack=True)
     for store in (rst, reopened):
         got = decode_batch(store, idx, plans, on_error="raise", stack=True)
@@ -278,9 +339,20 @@ def test_restart_markers_without_the_optional_parts(cache, tmp_path):
     plans = _plans(h, w, np.random.default_rng(9), 3)
     plans[:, 4:6] = plans[:, 8:10] = 16
     np.save(tmp_path / "p.npy", plans)
-    r = subprocess.run([sys.executable, "-c", NO_TRANSCODER, str(tmp_path / "plain.gpucache"),
-                        str(tmp_path / "rst.gpucache"), str(tmp_path / "p.npy"),
-                        str(tmp_path / "out.npy")], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            NO_TRANSCODER,
+            str(tmp_path / "plain.gpucache"),
+            str(tmp_path / "rst.gpucache"),
+            str(tmp_path / "p.npy"),
+            str(tmp_path / "out.npy"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     idx = np.arange(len(plans)) % len(plain)
     want = decode_batch(plain, idx, plans, on_error="raise", stack=True).images.numpy()

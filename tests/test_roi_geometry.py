@@ -26,8 +26,9 @@ needs_nv = pytest.mark.skipif(_roi._nvimgcodec is None, reason="nvImageCodec not
 def _jpeg(w: int, h: int, *, seed: int = 0, mode: str = "RGB", subsampling: int = 2) -> bytes:
     buf = io.BytesIO()
     kw = {"subsampling": subsampling} if mode == "RGB" else {}
-    Image.fromarray(natural_image(w, h, seed=seed)).convert(mode).save(buf, "JPEG", quality=90,
-                                                                       **kw)
+    Image.fromarray(natural_image(w, h, seed=seed)).convert(mode).save(
+        buf, "JPEG", quality=90, **kw
+    )
     return buf.getvalue()
 
 
@@ -54,14 +55,20 @@ def test_mixed_2_1_and_4_1_sampling_crops_up_to_3_px_wide_are_bit_exact():
     data = MIXED.read_bytes()
     full = _full(data)
     h, w = full.shape[1:]
-    bad = [b for b in _narrow_boxes(h, w)
-           if not torch.equal(_roi._c_region(data, *b, height=h, width=w),
-                              full[:, b[0]:b[0] + b[2], b[1]:b[1] + b[3]])]
+    bad = [
+        b
+        for b in _narrow_boxes(h, w)
+        if not torch.equal(
+            _roi._c_region(data, *b, height=h, width=w),
+            full[:, b[0] : b[0] + b[2], b[1] : b[1] + b[3]],
+        )
+    ]
     assert not bad, f"{len(bad)} crops differ, e.g. {bad[:3]}"
 
 
-@pytest.mark.parametrize("route", [pytest.param("c", marks=needs_c),
-                                   pytest.param("nv", marks=needs_nv)])
+@pytest.mark.parametrize(
+    "route", [pytest.param("c", marks=needs_c), pytest.param("nv", marks=needs_nv)]
+)
 @pytest.mark.parametrize("width", [98, 99, 100, 97])  # last segment column 2, 3, 4 and 1 px wide
 def test_restart_marker_crops_in_a_narrow_last_segment_column(route, width):
     data, k = _roi_rst.transcode(_jpeg(width, 40, seed=width))
@@ -72,9 +79,10 @@ def test_restart_marker_crops_in_a_narrow_last_segment_column(route, width):
     for bw in range(1, width - 95):
         for top, bh in ((0, 40), (17, 3)):
             box = (top, width - bw, bh, bw)
-            got = _roi_rst.decode_crop(arr, k, *box, orientation=1, height=40, width=width,
-                                       region=region)
-            assert torch.equal(got, full[:, top:top + bh, width - bw:]), box
+            got = _roi_rst.decode_crop(
+                arr, k, *box, orientation=1, height=40, width=width, region=region
+            )
+            assert torch.equal(got, full[:, top : top + bh, width - bw :]), box
 
 
 @needs_nv
@@ -87,4 +95,4 @@ def test_cmyk_through_nvimgcodec_is_within_one_level():
             bh, bw = int(rng.integers(1, 78)), int(rng.integers(1, 132))
             t, l = int(rng.integers(0, 78 - bh)), int(rng.integers(0, 132 - bw))
             got = _roi._nv_region(data, t, l, bh, bw, height=77, width=131).int()
-            assert (got - full[:, t:t + bh, l:l + bw]).abs().max() <= 1
+            assert (got - full[:, t : t + bh, l : l + bw]).abs().max() <= 1

@@ -10,6 +10,7 @@ import torch
 
 from gpucache import GpuCachedLoader, JpegCache
 
+
 @pytest.fixture(scope="module")
 def cache(small_folder):
     return JpegCache.from_folder(small_folder, progress=False)
@@ -62,8 +63,10 @@ def test_weighted_draws_follow_the_weights_and_the_seed(cache):
 def test_weighted_draws_are_sharded_across_ranks(cache):
     w = np.arange(len(cache), dtype=float)
     whole = _loader(cache, weights=w, num_samples=37).epoch_indices(3)
-    ranks = [_loader(cache, weights=w, num_samples=37, num_replicas=3, rank=r).epoch_indices(3)
-             for r in range(3)]
+    ranks = [
+        _loader(cache, weights=w, num_samples=37, num_replicas=3, rank=r).epoch_indices(3)
+        for r in range(3)
+    ]
     assert all(len(r) == 13 for r in ranks)  # 37 padded to 39, 13 each
     interleaved = np.stack(ranks, 1).reshape(-1)
     assert np.array_equal(interleaved[:37], whole) and np.array_equal(interleaved[37:], whole[:2])
@@ -103,8 +106,16 @@ def test_class_balanced_sampling_on_a_photo_folder(photo_folder):
     subset = np.concatenate([ants, bees[:20]])  # an imbalanced split of one store
     counts = np.bincount(cache.labels[subset])
     weights = 1.0 / counts[cache.labels[subset]]  # class-balanced within the split
-    loader = GpuCachedLoader(cache, batch_size=8, device="cpu", num_workers=0, seed=1,
-                             indices=subset, weights=weights, num_samples=4000)
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=8,
+        device="cpu",
+        num_workers=0,
+        seed=1,
+        indices=subset,
+        weights=weights,
+        num_samples=4000,
+    )
     order = loader.epoch_indices(0)
     assert set(order.tolist()) <= set(subset.tolist())
     drawn = np.bincount(cache.labels[order], minlength=2)

@@ -54,11 +54,19 @@ def test_every_box_is_inside_the_image_and_not_empty(name, orientation):
     for h, w, plan in zip(hs.tolist(), ws.tolist(), plans.tolist()):
         for scalable in (True, False):
             (t, l, bh, bw, rh, rw, t2, l2, h2, w2, _), d = fast_plan(
-                plan, h, w, orientation=orientation, scalable=scalable)
+                plan, h, w, orientation=orientation, scalable=scalable
+            )
             pads = min(t2, l2) < 0 or t2 + h2 > rh or l2 + w2 > rw
-            if (bh < 1 or bw < 1 or t < 0 or l < 0 or t + bh > h or l + bw > w
-                    or d not in (1, 2, 4, 8) or (pads and plan != [t, l, bh, bw, rh, rw, t2,
-                                                                   l2, h2, w2, plan[10]])):
+            if (
+                bh < 1
+                or bw < 1
+                or t < 0
+                or l < 0
+                or t + bh > h
+                or l + bw > w
+                or d not in (1, 2, 4, 8)
+                or (pads and plan != [t, l, bh, bw, rh, rw, t2, l2, h2, w2, plan[10]])
+            ):
                 bad.append((h, w, scalable, plan))
     assert not bad, f"{len(bad)} bad plans, e.g. {bad[:3]}"
 
@@ -75,9 +83,16 @@ def test_thin_and_tiny_images_are_kept_without_exact(tmp_path, name):
     store = _store(tmp_path, THIN)
     out = {}
     for exact in (True, False):
-        with GpuCachedLoader(store, batch_size=len(THIN), num_workers=0, backend="cpu",
-                             transform=TRANSFORMS[name], exact=exact, seed=3) as loader:
-            (out[exact], _), = list(loader)
+        with GpuCachedLoader(
+            store,
+            batch_size=len(THIN),
+            num_workers=0,
+            backend="cpu",
+            transform=TRANSFORMS[name],
+            exact=exact,
+            seed=3,
+        ) as loader:
+            ((out[exact], _),) = list(loader)
             assert loader.stats.skipped == 0, loader.stats.skipped_samples[:3]
     assert len(out[False]) == len(THIN)
     diff = _diffs(out[False], out[True])
@@ -95,10 +110,14 @@ def photos(tmp_path_factory):
 
 
 @pytest.mark.skipif(not _roi._c_ok(), reason="compiled region decoder not built")
-@pytest.mark.parametrize("name, transform, bound", [
-    ("eval", EVAL, 1.5),
-    ("RandomResizedCrop(224)", T.Compose([T.RandomResizedCrop(224)]), 3),
-    ("RandomResizedCrop(32)", T.Compose([T.RandomResizedCrop(32)]), 3)])
+@pytest.mark.parametrize(
+    "name, transform, bound",
+    [
+        ("eval", EVAL, 1.5),
+        ("RandomResizedCrop(224)", T.Compose([T.RandomResizedCrop(224)]), 3),
+        ("RandomResizedCrop(32)", T.Compose([T.RandomResizedCrop(32)]), 3),
+    ],
+)
 def test_photo_size_images_are_within_the_stated_tolerance(photos, name, transform, bound):
     """The bounds docs/guides/backends.md states: mean |difference| per image <= 1.5 levels for
     eval, <= 3 for any training crop (on 396 real photos the worst were 0.67 and 1.92; the rule
@@ -111,7 +130,9 @@ def test_photo_size_images_are_within_the_stated_tolerance(photos, name, transfo
     fast = decode_batch(photos, idx, plans, on_error="raise", stack=True, exact=False).images
     diff = _diffs(fast, exact)
     assert diff.max() <= bound, [(PHOTOS[i], round(x, 2)) for i, x in zip(idx, diff.tolist())]
-    scales = [fast_plan(p, h, w, scalable=True)[1]
-              for p, h, w in zip(plans.tolist(), hs.tolist(), ws.tolist())]
+    scales = [
+        fast_plan(p, h, w, scalable=True)[1]
+        for p, h, w in zip(plans.tolist(), hs.tolist(), ws.tolist())
+    ]
     if name == "RandomResizedCrop(32)":  # it does decode these photos scaled
         assert max(scales) > 1

@@ -13,13 +13,17 @@ import torch
 from PIL import Image
 
 from gpucache import JpegCache
-from gpucache.ingest._build import BytesSource, FileObjSource, FileRangeSource, build
-from tests.support.hostile import before_marker, extra_scans
-from gpucache.store._limits import check_pixels
-from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, count_scans, sniff
 from gpucache.decode._core import decode_jpeg, decode_pil, decode_sample
+from gpucache.ingest._build import BytesSource, FileObjSource, FileRangeSource, build
+from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, count_scans, sniff
+from gpucache.store._limits import check_pixels
 from gpucache.testing import make_jpeg_bytes
-from tests.support.hostile import hostile_image_bytes, make_hostile_folder
+from tests.support.hostile import (
+    before_marker,
+    extra_scans,
+    hostile_image_bytes,
+    make_hostile_folder,
+)
 
 CASES = hostile_image_bytes(fill_bytes=4096)
 
@@ -47,7 +51,7 @@ def test_png_is_sniffed_without_decoding():
     PNG sniffs without allocating its pixels; its eXIf after IDAT is still found."""
     info = sniff(memoryview(CASES["png_bad_idat.png"][0]))
     assert (info.height, info.width) == (30, 40)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - PIL's error depends on the damage
         _decode(CASES["png_bad_idat.png"][0])
     info = sniff(memoryview(CASES["bomb_12000.png"][0]))
     assert (info.height, info.width) == (12000, 12000)
@@ -57,8 +61,9 @@ def test_png_is_sniffed_without_decoding():
 def test_ff_fill_is_scanned_in_linear_time():
     """20 MiB of FF fill between two markers: about 2.5 s with a byte-by-byte scan, ~10 ms now.
     The bound is 20x the measured time, so only a per-byte Python loop can fail it."""
-    data = memoryview(before_marker(make_jpeg_bytes(48, 32, seed=1), b"\xff\xdb",
-                                    b"\xff" * (20 << 20)))
+    data = memoryview(
+        before_marker(make_jpeg_bytes(48, 32, seed=1), b"\xff\xdb", b"\xff" * (20 << 20))
+    )
     t = time.process_time()
     info = sniff(data)
     assert time.process_time() - t < 0.25
@@ -69,9 +74,11 @@ def test_still_refused():
     """Tolerance stops where libjpeg stops: a second SOI, a bad segment length, no SOF."""
     good = make_jpeg_bytes(16, 16, seed=3)
     no_sof = b"\xff\xd8\xff\xfe\x00\x04hi" + b"\x00" * 64 + b"\xff\xd9"  # a comment, no SOF
-    for bad, why in [(good[:2] + good, "second start-of-image"),
-                     (good[:4] + b"\x00\x01" + good[6:], "has length 1"),
-                     (no_sof, "no frame header")]:
+    for bad, why in [
+        (good[:2] + good, "second start-of-image"),
+        (good[:4] + b"\x00\x01" + good[6:], "has length 1"),
+        (no_sof, "no frame header"),
+    ]:
         with pytest.raises(SniffError, match=why):
             sniff(memoryview(bad))
 
@@ -91,7 +98,7 @@ def test_hostile_folder_builds_and_decodes_as_promised(tmp_path):
     assert skipped[str(tmp_path / "x" / "fifo.jpg")].startswith("not a regular file (a FIFO)")
     for i, path in enumerate(cache.paths):
         if outcomes[path] == "decode-fails":
-            with pytest.raises(Exception):
+            with pytest.raises(Exception):  # noqa: B017 - each decoder fails its own way
                 decode_sample(cache, i)
         else:  # kept at build means decoded at the stored size, never dropped at decode
             img = decode_sample(cache, i)
@@ -104,8 +111,9 @@ def test_fifo_does_not_hang_the_build(tmp_path):
     fifo = tmp_path / "c" / "pipe.jpg"
     os.mkfifo(fifo)
     out = {}
-    t = threading.Thread(target=lambda: out.update(c=JpegCache.from_folder(tmp_path,
-                                                                           progress=False)))
+    t = threading.Thread(
+        target=lambda: out.update(c=JpegCache.from_folder(tmp_path, progress=False))
+    )
     t.start()
     t.join(20)
     if t.is_alive():  # free the blocked reader so the test process can exit, then fail
@@ -119,8 +127,12 @@ def test_max_pixels_at_build(tmp_path):
     bomb = CASES["bomb_30000.jpg"][0]
     (tmp_path / "bomb.jpg").write_bytes(bomb)
     (tmp_path / "ok.jpg").write_bytes(make_jpeg_bytes(16, 16, seed=1))
-    args = ([str(tmp_path / "ok.jpg"), str(tmp_path / "bomb.jpg")], np.zeros(2, np.int64), ["a"],
-            None)
+    args = (
+        [str(tmp_path / "ok.jpg"), str(tmp_path / "bomb.jpg")],
+        np.zeros(2, np.int64),
+        ["a"],
+        None,
+    )
     kw = dict(on_error="skip", num_threads=1, progress=False)
     assert len(build(JpegCache, *args, **kw)) == 1
     assert len(build(JpegCache, *args, **kw, max_pixels=30000 * 30000)) == 2
@@ -135,12 +147,27 @@ def test_max_pixels_at_build(tmp_path):
 def test_decode_guard_reads_the_bytes_not_only_the_record():
     """A record that understates the size (a tampered or stale store) cannot let a bomb through."""
     bomb = CASES["bomb_65500.jpg"][0]
-    cache = build(JpegCache, [BytesSource("bomb", bomb)], np.zeros(1, np.int64), ["a"], None,
-                  on_error="skip", num_threads=1, progress=False, max_pixels=None)
+    cache = build(
+        JpegCache,
+        [BytesSource("bomb", bomb)],
+        np.zeros(1, np.int64),
+        ["a"],
+        None,
+        on_error="skip",
+        num_threads=1,
+        progress=False,
+        max_pixels=None,
+    )
     samples = cache.samples.copy()
     samples["height"], samples["width"] = 16, 16
-    lying = JpegCache(data=cache._data, offsets=cache._offsets, labels=cache.labels,
-                      samples=samples, classes=["a"], paths=cache._paths)
+    lying = JpegCache(
+        data=cache._data,
+        offsets=cache._offsets,
+        labels=cache.labels,
+        samples=samples,
+        classes=["a"],
+        paths=cache._paths,
+    )
     with pytest.raises(ValueError, match="65500x65500"):
         check_pixels(lying, 0)
 
@@ -184,11 +211,25 @@ def test_decode_guard_counts_the_scans_of_the_stored_bytes():
     """A store whose bytes were not counted (built before the limit, or crafted) refuses the
     sample before any decoder sees it, with the same reason."""
     plain = make_jpeg_bytes(48, 32, seed=1, progressive=True)
-    cache = build(JpegCache, [BytesSource("p", plain)], np.zeros(1, np.int64), ["a"], None,
-                  on_error="raise", num_threads=1, progress=False)
+    cache = build(
+        JpegCache,
+        [BytesSource("p", plain)],
+        np.zeros(1, np.int64),
+        ["a"],
+        None,
+        on_error="raise",
+        num_threads=1,
+        progress=False,
+    )
     hostile = np.frombuffer(extra_scans(plain, 5000), np.uint8)
-    uncounted = JpegCache(data=hostile, offsets=np.array([0, len(hostile)]), labels=cache.labels,
-                          samples=cache.samples, classes=["a"], paths=cache._paths)
+    uncounted = JpegCache(
+        data=hostile,
+        offsets=np.array([0, len(hostile)]),
+        labels=cache.labels,
+        samples=cache.samples,
+        classes=["a"],
+        paths=cache._paths,
+    )
     check_pixels(cache, 0)
     for guarded in (check_pixels, decode_sample):
         with pytest.raises(ValueError, match=f"more than {MAX_SCANS} scans"):
@@ -211,12 +252,24 @@ def test_sources_go_straight_into_the_buffer(tmp_path):
         def readinto(self, slot):
             raise OSError(5, "I/O error")
 
-    inputs = [tmp_path / "a.jpg", BytesSource("mem", memoryview(a)), Failing(),
-              FileObjSource("fileobj", io.BytesIO(b)),
-              FileRangeSource("s.tar/x/b.jpg", tmp_path / "s.tar", offset, len(b)),
-              BytesSource("junk", b"not an image")]
-    cache = build(JpegCache, inputs, np.arange(6), list("abcdef"), None, on_error="skip",
-                  num_threads=3, progress=False)
+    inputs = [
+        tmp_path / "a.jpg",
+        BytesSource("mem", memoryview(a)),
+        Failing(),
+        FileObjSource("fileobj", io.BytesIO(b)),
+        FileRangeSource("s.tar/x/b.jpg", tmp_path / "s.tar", offset, len(b)),
+        BytesSource("junk", b"not an image"),
+    ]
+    cache = build(
+        JpegCache,
+        inputs,
+        np.arange(6),
+        list("abcdef"),
+        None,
+        on_error="skip",
+        num_threads=3,
+        progress=False,
+    )
     assert list(cache.paths) == [str(tmp_path / "a.jpg"), "mem", "fileobj", "s.tar/x/b.jpg"]
     assert [bytes(cache[i]) for i in range(4)] == [a, a, b, b]
     assert cache.labels.tolist() == [0, 1, 3, 4]
@@ -224,5 +277,13 @@ def test_sources_go_straight_into_the_buffer(tmp_path):
     assert [(s.index, s.path) for s in cache.report.skipped] == [(2, "flaky"), (5, "junk")]
     assert "I/O error" in cache.report.skipped[0].reason
     with pytest.raises(TypeError, match="BytesSource"):
-        build(JpegCache, [a], np.zeros(1, np.int64), ["a"], None, on_error="skip",
-              num_threads=1, progress=False)
+        build(
+            JpegCache,
+            [a],
+            np.zeros(1, np.int64),
+            ["a"],
+            None,
+            on_error="skip",
+            num_threads=1,
+            progress=False,
+        )

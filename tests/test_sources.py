@@ -39,9 +39,16 @@ def _stored(cache: JpegCache) -> list[bytes]:
 def test_from_files_takes_bytes_file_objects_and_paths(tmp_path, blobs):
     (tmp_path / "p.jpg").write_bytes(blobs[4])
     with open(tmp_path / "p.jpg", "rb") as f:
-        items = [blobs[0], bytearray(blobs[1]), memoryview(blobs[2]),
-                 np.frombuffer(blobs[3], dtype=np.uint8), io.BytesIO(blobs[5]), f,
-                 str(tmp_path / "p.jpg"), tmp_path / "p.jpg"]
+        items = [
+            blobs[0],
+            bytearray(blobs[1]),
+            memoryview(blobs[2]),
+            np.frombuffer(blobs[3], dtype=np.uint8),
+            io.BytesIO(blobs[5]),
+            f,
+            str(tmp_path / "p.jpg"),
+            tmp_path / "p.jpg",
+        ]
         cache = JpegCache.from_files(items, [0, 1, 0, 1, 0, 1, 0, 1], progress=False)
     assert _stored(cache) == blobs[:4] + [blobs[5], blobs[4], blobs[4], blobs[4]]
     assert list(cache.labels) == [0, 1] * 4
@@ -68,16 +75,20 @@ def test_from_csv_relative_paths_class_names_and_metadata(tmp_path, blobs):
     csv_dir.mkdir()
     (csv_dir / "train.csv").write_text(
         "path,label,metadata\n"
-        "../imgs/0.jpg,cat,\"{\"\"box\"\": [1, 2]}\"\n"
+        '../imgs/0.jpg,cat,"{""box"": [1, 2]}"\n'
         "../imgs/1.jpg,dog,b\n"
         f"{other},cat,c\n"
         "../imgs/missing.jpg,dog,d\n"
-        "../imgs/3.jpg,,e\n")
+        "../imgs/3.jpg,,e\n"
+    )
     cache = JpegCache.from_csv(csv_dir / "train.csv", progress=False)
     assert _stored(cache) == [blobs[0], blobs[1], blobs[5], blobs[3]]
     assert cache.classes == ["cat", "dog"] and list(cache.labels) == [0, 1, 0, -1]
-    assert json.loads(cache.metadata[0]) == {"box": [1, 2]} and list(cache.metadata[1:]) == \
-        ["b", "c", "e"]
+    assert json.loads(cache.metadata[0]) == {"box": [1, 2]} and list(cache.metadata[1:]) == [
+        "b",
+        "c",
+        "e",
+    ]
     assert [s.path for s in cache.report.skipped] == [os.path.join(csv_dir, "../imgs/missing.jpg")]
     (csv_dir / "ints.csv").write_text("../imgs/2.jpg;3\n../imgs/0.jpg;1\n")
     ints = JpegCache.from_csv(csv_dir / "ints.csv", delimiter=";", progress=False)
@@ -99,14 +110,28 @@ def write_shard(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path
 
 
 def test_from_webdataset_reads_members_in_place(tmp_path, blobs, caplog):
-    a = write_shard(tmp_path / "shard-000.tar", [
-        (f"train/s{k:03d}", {"jpg": blobs[k], "cls": str(k % 3).encode(),
-                             "json": json.dumps({"k": k}).encode()}) for k in range(5)])
-    b = write_shard(tmp_path / "shard-001.tar", [
-        ("s005", {"png": blobs[5]}),  # a JPEG named .png: sniffed, kept; no .cls: unlabeled
-        ("s006", {"cls": b"1"}),  # no image member: left out with a warning
-        ("s007", {"x.jpeg": blobs[7], "cls": b"2"}),  # the key ends at the first dot
-    ])
+    a = write_shard(
+        tmp_path / "shard-000.tar",
+        [
+            (
+                f"train/s{k:03d}",
+                {
+                    "jpg": blobs[k],
+                    "cls": str(k % 3).encode(),
+                    "json": json.dumps({"k": k}).encode(),
+                },
+            )
+            for k in range(5)
+        ],
+    )
+    b = write_shard(
+        tmp_path / "shard-001.tar",
+        [
+            ("s005", {"png": blobs[5]}),  # a JPEG named .png: sniffed, kept; no .cls: unlabeled
+            ("s006", {"cls": b"1"}),  # no image member: left out with a warning
+            ("s007", {"x.jpeg": blobs[7], "cls": b"2"}),  # the key ends at the first dot
+        ],
+    )
     mtimes = [os.stat(p).st_mtime_ns for p in (a, b)]
     cache = JpegCache.from_webdataset([a, b], metadata_ext="json", progress=False)
     assert _stored(cache) == blobs[:6] + [blobs[7]]
@@ -126,10 +151,12 @@ def test_from_webdataset_reads_members_in_place(tmp_path, blobs, caplog):
 # ------------------------------------------------------------------------ Hugging Face datasets
 def hf_dataset(blobs: list[bytes], labels: list[int], names: list[str]):
     datasets = pytest.importorskip("datasets")
-    feats = datasets.Features({"image": datasets.Image(),
-                               "label": datasets.ClassLabel(names=names)})
+    feats = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=names)}
+    )
     return datasets.Dataset.from_dict(
-        {"image": [{"bytes": b, "path": None} for b in blobs], "label": labels}, features=feats)
+        {"image": [{"bytes": b, "path": None} for b in blobs], "label": labels}, features=feats
+    )
 
 
 def test_from_hf_takes_bytes_as_stored(blobs, tmp_path):
@@ -156,12 +183,19 @@ def test_photos_through_every_source(tmp_path, photo_folder):
     files = sorted(photo_folder.rglob("*.jpg"))[:24]
     raw = [f.read_bytes() for f in files]
     labels = [int(f.parent.name == "bees") for f in files]
-    shard = write_shard(tmp_path / "photos.tar", [(f"p{k:04d}", {"jpg": b, "cls": str(y).encode()})
-                                                  for k, (b, y) in enumerate(zip(raw, labels))])
+    shard = write_shard(
+        tmp_path / "photos.tar",
+        [
+            (f"p{k:04d}", {"jpg": b, "cls": str(y).encode()})
+            for k, (b, y) in enumerate(zip(raw, labels))
+        ],
+    )
     (tmp_path / "list.csv").write_text("".join(f"{f},{f.parent.name}\n" for f in files))
-    caches = {"webdataset": JpegCache.from_webdataset(shard, progress=False),
-              "csv": JpegCache.from_csv(tmp_path / "list.csv", progress=False),
-              "bytes": JpegCache.from_files([io.BytesIO(b) for b in raw], labels, progress=False)}
+    caches = {
+        "webdataset": JpegCache.from_webdataset(shard, progress=False),
+        "csv": JpegCache.from_csv(tmp_path / "list.csv", progress=False),
+        "bytes": JpegCache.from_files([io.BytesIO(b) for b in raw], labels, progress=False),
+    }
     ds = hf_dataset(raw, labels, ["ants", "bees"])
     caches["hf"] = JpegCache.from_hf(ds, progress=False)
     for name, cache in caches.items():
@@ -171,14 +205,18 @@ def test_photos_through_every_source(tmp_path, photo_folder):
 
 # ------------------------------------------------------------------------------------------ CLI
 def test_cli_builds_each_source_kind(tmp_path, blobs, capsys):
-    shard = write_shard(tmp_path / "s.tar", [(f"k{k}", {"jpg": b, "cls": b"0"})
-                                             for k, b in enumerate(blobs[:3])])
+    shard = write_shard(
+        tmp_path / "s.tar", [(f"k{k}", {"jpg": b, "cls": b"0"}) for k, b in enumerate(blobs[:3])]
+    )
     for k in range(3):
         (tmp_path / f"{k}.jpg").write_bytes(blobs[k])
     (tmp_path / "l.csv").write_text("".join(f"{k}.jpg,{k}\n" for k in range(3)))
     hf_dataset(blobs[:3], [0, 1, 0], ["a", "b"]).save_to_disk(str(tmp_path / "hf"))
-    for kind, src in (("--csv", tmp_path / "l.csv"), ("--webdataset", shard),
-                      ("--hf", tmp_path / "hf")):
+    for kind, src in (
+        ("--csv", tmp_path / "l.csv"),
+        ("--webdataset", shard),
+        ("--hf", tmp_path / "hf"),
+    ):
         out = tmp_path / f"{kind[2:]}.gpucache"
         assert cli_main(["build", kind, str(src), "-o", str(out)]) == 0, kind
         assert _stored(JpegCache.open(out)) == blobs[:3], kind
@@ -202,12 +240,19 @@ _PEAK_CHILD = textwrap.dedent("""
 def test_webdataset_build_peaks_at_one_copy(tmp_path):
     """The build's peak memory is the data size, not twice it (no list of bytes)."""
     unit = [make_jpeg_bytes(640, 480, seed=k) for k in range(3)] * 8  # ~4 MB a shard
-    shards = [write_shard(tmp_path / f"{s:03d}.tar",
-                          [(f"{s}-{k}", {"jpg": b}) for k, b in enumerate(unit)])
-              for s in range(10)]
-    proc = subprocess.run([sys.executable, "-c", _PEAK_CHILD, *map(str, shards)],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    shards = [
+        write_shard(
+            tmp_path / f"{s:03d}.tar", [(f"{s}-{k}", {"jpg": b}) for k, b in enumerate(unit)]
+        )
+        for s in range(10)
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, *map(str, shards)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     peak, data = map(int, proc.stdout.split())
     assert data > 30e6

@@ -13,6 +13,9 @@ def test_no_test_reads_outside_the_repository():
         if path == Path(__file__).resolve():
             continue
         for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            found += [f"{path.relative_to(HERE)}:{n}: {line.strip()}"
-                      for needle in OUTSIDE if needle in line]
+            found += [
+                f"{path.relative_to(HERE)}:{n}: {line.strip()}"
+                for needle in OUTSIDE
+                if needle in line
+            ]
     assert not found, "tests reach outside the repository:\n" + "\n".join(found)

@@ -45,8 +45,9 @@ def test_bytes_round_trip_and_imagefolder_parity(jpeg_folder, tmp_path):
 def test_from_files_metadata_and_labels(jpeg_folder):
     paths = sorted(str(p) for p in Path(jpeg_folder).rglob("*.jpg"))[:5]
     meta = [f"caption {i} \N{SNOWMAN}" for i in range(5)]
-    cache = JpegCache.from_files(paths, [0, 1, 0, 1, 1], meta, classes=["no", "yes"],
-                                 progress=False)
+    cache = JpegCache.from_files(
+        paths, [0, 1, 0, 1, 1], meta, classes=["no", "yes"], progress=False
+    )
     assert list(cache.metadata) == meta and cache.classes == ["no", "yes"]
     assert cache.labels.tolist() == [0, 1, 0, 1, 1]
     unlabeled = JpegCache.from_files(paths, progress=False)
@@ -122,14 +123,18 @@ def _tiny(tmp_path, monkeypatch) -> JpegCache:
     monkeypatch.chdir(tmp_path)  # relative paths, so the file does not depend on the machine
     Path("a.jpg").write_bytes(sof_jpeg(h=2, w=3))
     Path("b.jpg").write_bytes(sof_jpeg(h=5, w=4, comps=1))
-    return JpegCache.from_files(["a.jpg", "b.jpg"], [1, 0], ["first", "second"],
-                                classes=["cat", "dog"], progress=False)
+    return JpegCache.from_files(
+        ["a.jpg", "b.jpg"], [1, 0], ["first", "second"], classes=["cat", "dog"], progress=False
+    )
 
 
 def _check_tiny(opened: JpegCache) -> None:
     assert opened.classes == ["cat", "dog"] and opened.labels.tolist() == [1, 0]
     assert list(opened.metadata) == ["first", "second"] and list(opened.paths) == ["a.jpg", "b.jpg"]
-    assert opened.samples["height"].tolist() == [2, 5] and opened.samples["width"].tolist() == [3, 4]
+    assert opened.samples["height"].tolist() == [2, 5] and opened.samples["width"].tolist() == [
+        3,
+        4,
+    ]
     assert opened.samples["components"].tolist() == [3, 1]
     assert opened[0].tobytes()[:2] == b"\xff\xd8"
 
@@ -155,8 +160,10 @@ def test_golden_v2_bytes_with_optional_sections(tmp_path, monkeypatch, capsys):
     from gpucache.store._format import ENTRY, HEAD_V2
 
     golden = DATA / "tiny-v2-report.gpucache"
-    extra = {"rst": np.array([0, 4], dtype="<i4"),
-             "targets": np.array([[0.5, 0.25], [1.0, 0.0]], dtype="<f4")}
+    extra = {
+        "rst": np.array([0, 4], dtype="<i4"),
+        "targets": np.array([[0.5, 0.25], [1.0, 0.0]], dtype="<f4"),
+    }
     cache = _tiny(tmp_path, monkeypatch)._replace(extra=extra)
     out = cache.save(tmp_path / "tiny.gpucache").read_bytes()
     assert out == golden.read_bytes()
@@ -166,10 +173,16 @@ def test_golden_v2_bytes_with_optional_sections(tmp_path, monkeypatch, capsys):
     assert directory % 64 == 0 and count == 8
     names = [ENTRY.unpack_from(out, directory + k * ENTRY.size)[:2] for k in range(count)]
     assert [(n.rstrip(b"\0").decode(), t.rstrip(b"\0").decode()) for n, t in names] == [
-        ("rst", "<i4"), ("targets", "<f4"), ("report.totals", "<i8"), ("report.kinds", "<i8"),
-        ("report.skipped", "<i8"), ("report.offsets", "<u8"), ("report.text", "|u1"),
-        ("sample.crc32", "<u4")]
-    assert out[4096:4096 + 2] == b"\xff\xd8"  # data section on a page boundary
+        ("rst", "<i4"),
+        ("targets", "<f4"),
+        ("report.totals", "<i8"),
+        ("report.kinds", "<i8"),
+        ("report.skipped", "<i8"),
+        ("report.offsets", "<u8"),
+        ("report.text", "|u1"),
+        ("sample.crc32", "<u4"),
+    ]
+    assert out[4096 : 4096 + 2] == b"\xff\xd8"  # data section on a page boundary
     opened = JpegCache.open(golden)
     _check_tiny(opened)
     assert sorted(opened.extra) == ["rst", "targets"]  # gpucache's own sections are not listed
@@ -194,10 +207,12 @@ def test_golden_v2_bytes_with_optional_sections(tmp_path, monkeypatch, capsys):
 
 def test_optional_section_names_and_types_are_checked(tmp_path, monkeypatch):
     cache = _tiny(tmp_path, monkeypatch)
-    for name, arr, match in [("Bad Name", np.zeros(2), "not allowed"),
-                             ("x" * 33, np.zeros(2), "not allowed"),
-                             ("objs", np.array([None, 1], dtype=object), "1-D or 2-D"),
-                             ("cube", np.zeros((2, 2, 2)), "1-D or 2-D")]:
+    for name, arr, match in [
+        ("Bad Name", np.zeros(2), "not allowed"),
+        ("x" * 33, np.zeros(2), "not allowed"),
+        ("objs", np.array([None, 1], dtype=object), "1-D or 2-D"),
+        ("cube", np.zeros((2, 2, 2)), "1-D or 2-D"),
+    ]:
         with pytest.raises(ValueError, match=match):
             cache._replace(extra={name: arr})
     big_endian = cache._replace(extra={"t": np.array([1.5, 2.5], dtype=">f8")})
@@ -222,7 +237,7 @@ def _with_header_crc(b: bytearray) -> bytes:
 
     from gpucache.store._format import HEAD_V2
 
-    struct.pack_into("<I", b, HEAD_V2.size, zlib.crc32(bytes(b[:HEAD_V2.size])))
+    struct.pack_into("<I", b, HEAD_V2.size, zlib.crc32(bytes(b[: HEAD_V2.size])))
     return bytes(b)
 
 
@@ -259,7 +274,7 @@ def test_out_of_range_offsets_and_sections(saved, tmp_path):
     crc = 0
     spans = list(zip(fields[6::2], fields[7::2]))
     for start, length in spans[:-1]:
-        crc = zlib.crc32(bytes(bad[start:start + length]), crc)
+        crc = zlib.crc32(bytes(bad[start : start + length]), crc)
     struct.pack_into("<I", bad, 156, crc)  # the index CRC
     with pytest.raises(CacheFormatError, match="offsets are not monotonic or point outside"):
         _open_bytes(tmp_path, _with_header_crc(bad))
@@ -312,8 +327,19 @@ def test_a_save_that_dies_or_fails_midway_leaves_the_old_file_intact(jpeg_folder
     target.write_bytes(b"old contents")
     size = src.stat().st_size
     child = subprocess.run(
-        [sys.executable, "-c", _SAVE_IN_CHILD, str(src), str(target), str(size // 2),
-         "die" if how == "killed" else "fail"], capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-c",
+            _SAVE_IN_CHILD,
+            str(src),
+            str(target),
+            str(size // 2),
+            "die" if how == "killed" else "fail",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert target.read_bytes() == b"old contents"
     temps = [p for p in folder.iterdir() if p != target]
     if how == "killed":
@@ -356,8 +382,9 @@ def test_bytes_inside_a_spawned_worker_equal_the_files(jpeg_folder, tmp_path, ba
     import multiprocessing as mp
 
     cache = JpegCache.from_folder(jpeg_folder, progress=False)
-    store = (JpegCache.open(cache.save(tmp_path / "w.gpucache")) if backing == "file"
-             else cache.share())
+    store = (
+        JpegCache.open(cache.save(tmp_path / "w.gpucache")) if backing == "file" else cache.share()
+    )
     with mp.get_context("spawn").Pool(1) as pool:
         inside = pool.apply(_digests, (store,))
     assert inside == [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in cache.paths]

@@ -71,19 +71,28 @@ def test_clean_up_leaves_links_and_other_files_alone(store, tmp_path):
     (tmp_path / ".s.gpucache.tmpnotours").write_bytes(b"other")  # not a temp name of ours
     store.save(target)
     assert victim.read_bytes() == b"keep me"
-    assert sorted(os.listdir(tmp_path)) == [".s.gpucache.abc.tmp", ".s.gpucache.tmpnotours",
-                                            "s.gpucache", "victim"]
+    assert sorted(os.listdir(tmp_path)) == [
+        ".s.gpucache.abc.tmp",
+        ".s.gpucache.tmpnotours",
+        "s.gpucache",
+        "victim",
+    ]
 
 
 def test_opening_what_is_not_a_store_file_says_what_it_is(store, tmp_path):
     folder = tmp_path / "stores"
     folder.mkdir()
-    with pytest.raises(IsADirectoryError, match="is a directory, not a gpucache store file; "
-                                                "pass the store file itself"):
+    with pytest.raises(
+        IsADirectoryError,
+        match="is a directory, not a gpucache store file; pass the store file itself",
+    ):
         JpegCache.open(folder)
     store.save(folder / "train.gpucache")
-    with pytest.raises(IsADirectoryError, match=r"it holds train.gpucache: pass one of those, "
-                                                r"e.g. .*stores/train.gpucache"):
+    with pytest.raises(
+        IsADirectoryError,
+        match=r"it holds train.gpucache: pass one of those, "
+        r"e.g. .*stores/train.gpucache",
+    ):
         JpegCache.open(folder)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

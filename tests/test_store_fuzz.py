@@ -30,9 +30,11 @@ REPO = Path(__file__).resolve().parent.parent
 PER_CHILD = 400  # one interpreter for all of them (torch imports once); more after a crash
 # (offset, struct code) of every header field after the magic: version, header size, N, C, file
 # size, 7 x (offset, length), data CRC, index CRC, directory offset, entries, directory CRC
-HEADER_FIELDS = ([(8, "<I"), (12, "<I"), (16, "<Q"), (24, "<Q"), (32, "<Q")]
-                 + [(40 + 8 * j, "<Q") for j in range(14)]
-                 + [(152, "<I"), (156, "<I"), (160, "<Q"), (168, "<Q"), (176, "<I")])
+HEADER_FIELDS = (
+    [(8, "<I"), (12, "<I"), (16, "<Q"), (24, "<Q"), (32, "<Q")]
+    + [(40 + 8 * j, "<Q") for j in range(14)]
+    + [(152, "<I"), (156, "<I"), (160, "<Q"), (168, "<Q"), (176, "<I")]
+)
 CHILD = textwrap.dedent("""
     import sys, warnings
     warnings.simplefilter("ignore")
@@ -66,18 +68,30 @@ def _rechecksum(b: bytearray, index: bool) -> None:
     if index:
         crc = 0
         for k in range(6):
-            crc = zlib.crc32(bytes(b[f[6 + 2 * k]:f[6 + 2 * k] + f[7 + 2 * k]]), crc)
+            crc = zlib.crc32(bytes(b[f[6 + 2 * k] : f[6 + 2 * k] + f[7 + 2 * k]]), crc)
         f[21] = crc
-        f[24] = zlib.crc32(bytes(b[f[22]:f[22] + ENTRY.size * f[23]]))
+        f[24] = zlib.crc32(bytes(b[f[22] : f[22] + ENTRY.size * f[23]]))
         HEAD_V2.pack_into(b, 0, *f)
-    CRC.pack_into(b, HEAD_V2.size, zlib.crc32(bytes(b[:HEAD_V2.size])))
+    CRC.pack_into(b, HEAD_V2.size, zlib.crc32(bytes(b[: HEAD_V2.size])))
 
 
 def _mutants(raw: bytes, rng: np.random.Generator) -> list[bytes]:
     f = HEAD_V2.unpack_from(raw)
     index_end, directory = f[6 + 2 * 6], f[22]  # the data section starts after the index
-    interesting = [0, 1, 7, 255, 256, len(raw) - 1, len(raw), len(raw) + 1, 2**31, 2**32 + 5,
-                   2**63 - 1, 2**64 - 1]
+    interesting = [
+        0,
+        1,
+        7,
+        255,
+        256,
+        len(raw) - 1,
+        len(raw),
+        len(raw) + 1,
+        2**31,
+        2**32 + 5,
+        2**63 - 1,
+        2**64 - 1,
+    ]
     out = []
 
     def flip(lo: int, hi: int, fix: bool | None) -> None:
@@ -95,7 +109,7 @@ def _mutants(raw: bytes, rng: np.random.Generator) -> list[bytes]:
     for _ in range(60):
         flip(256, index_end, True)  # index, directory and optional sections, checksums fixed
     for _ in range(30):
-        out.append(raw[:int(rng.integers(0, len(raw)))])  # truncations
+        out.append(raw[: int(rng.integers(0, len(raw)))])  # truncations
     for at, code in HEADER_FIELDS:  # every header field set to boundary values
         for v in rng.choice(interesting, 2, replace=False):
             b = bytearray(raw)
@@ -110,11 +124,16 @@ def _mutants(raw: bytes, rng: np.random.Generator) -> list[bytes]:
                 struct.pack_into("<Q", b, base + at, int(v))
                 _rechecksum(b, index=True)
                 out.append(bytes(b))
-        for at, value in [(0, b"\xff" * 32), (0, b"Targets".ljust(32, b"\0")), (32, bytes(8)),
-                          (32, b"<f8".ljust(8, b"\0")), (32, b"|O".ljust(8, b"\0")),
-                          (32, b">i4".ljust(8, b"\0"))]:
+        for at, value in [
+            (0, b"\xff" * 32),
+            (0, b"Targets".ljust(32, b"\0")),
+            (32, bytes(8)),
+            (32, b"<f8".ljust(8, b"\0")),
+            (32, b"|O".ljust(8, b"\0")),
+            (32, b">i4".ljust(8, b"\0")),
+        ]:
             b = bytearray(raw)
-            b[base + at:base + at + len(value)] = value
+            b[base + at : base + at + len(value)] = value
             _rechecksum(b, index=True)
             out.append(bytes(b))
     for _ in range(40):
@@ -130,10 +149,12 @@ def mutant_files(tmp_path_factory) -> list[Path]:
         p = root / f"{i}.jpg"
         p.write_bytes(make_jpeg_bytes(w, h, seed=i, mode=mode))
         files.append(str(p))
-    cache = JpegCache.from_files(files, [0, 1, 1], ["a", "b", "c"], classes=["x", "y"],
-                                 progress=False)
-    cache = cache._replace(extra={"rst": np.array([0, 2, 0], "<i4"),
-                                  "targets": np.eye(3, dtype="<f4")})
+    cache = JpegCache.from_files(
+        files, [0, 1, 1], ["a", "b", "c"], classes=["x", "y"], progress=False
+    )
+    cache = cache._replace(
+        extra={"rst": np.array([0, 2, 0], "<i4"), "targets": np.eye(3, dtype="<f4")}
+    )
     raw = cache.save(root / "seed.gpucache").read_bytes()
     paths = []
     for k, data in enumerate(_mutants(raw, np.random.default_rng(8))):
@@ -152,8 +173,13 @@ def test_mutated_stores_never_crash_or_hang(mutant_files):
     while todo:
         batch, todo = todo[:PER_CHILD], todo[PER_CHILD:]
         try:
-            proc = subprocess.run([sys.executable, "-c", CHILD, *batch], env=env, timeout=240,
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, "-c", CHILD, *batch],
+                env=env,
+                timeout=240,
+                capture_output=True,
+                text=True,
+            )
             out, code = proc.stdout, proc.returncode
         except subprocess.TimeoutExpired as err:
             out, code = (err.stdout or b"").decode(), "timeout"
@@ -166,11 +192,10 @@ def test_mutated_stores_never_crash_or_hang(mutant_files):
                 outcomes[path], started = " ".join(rest), None
         if started is not None:  # the child died or hung on this mutant
             outcomes[started] = f"CRASH ({code})"
-            todo = batch[batch.index(started) + 1:] + todo
+            todo = batch[batch.index(started) + 1 :] + todo
         elif code != 0:
             raise AssertionError(f"fuzz child exited {code}: {proc.stderr[-2000:]}")
-    bad = {Path(p).name: o for p, o in outcomes.items()
-           if o.startswith(("CRASH", "BAD"))}
+    bad = {Path(p).name: o for p, o in outcomes.items() if o.startswith(("CRASH", "BAD"))}
     assert not bad, f"{len(bad)} mutants crashed, hung or raised the wrong error: {bad}"
     assert len(outcomes) == len(mutant_files)
     kinds = {o.split()[0] for o in outcomes.values()}

@@ -45,9 +45,10 @@ def test_from_folder_keeps_non_utf8_names_through_save_open_and_workers(tmp_path
 
     again = pickle.loads(pickle.dumps(opened))  # as a spawn worker gets it
     assert list(again.paths) == good and again.report.skipped == cache.report.skipped
-    loader = GpuCachedLoader(opened, batch_size=3, device="cpu", num_workers=0,
-                             return_metadata=True)
-    (_, _, info), = list(loader)
+    loader = GpuCachedLoader(
+        opened, batch_size=3, device="cpu", num_workers=0, return_metadata=True
+    )
+    ((_, _, info),) = list(loader)
     assert sorted(info.paths) == sorted(good)
     loader.close()
 
@@ -56,8 +57,9 @@ def test_from_files_takes_fsdecoded_names(tmp_path):
     root = _bytes_folder(tmp_path)
     files = [os.path.join(root, LATIN1, n) for n in (LATIN1 + b".jpg", b"na\xefve.jpg")]
     names = [os.fsdecode(f) for f in files]
-    cache = JpegCache.from_files(names, [0, 1], [os.fsdecode(b"meta\xe9"), "plain"],
-                                 classes=["a", "b"], progress=False)
+    cache = JpegCache.from_files(
+        names, [0, 1], [os.fsdecode(b"meta\xe9"), "plain"], classes=["a", "b"], progress=False
+    )
     opened = JpegCache.open(cache.save(tmp_path / "files.gpucache"))
     assert list(opened.paths) == names
     assert [os.fsencode(p) for p in opened.paths] == files
@@ -102,8 +104,10 @@ def test_build_report_is_kept_in_the_file(tmp_path, capsys, caplog):
     assert opened.report is not None
     assert (opened.report.total, opened.report.kept) == (5, 3)
     assert opened.report.counts == {"JPEG": 3}
-    assert [os.path.basename(s.path) for s in opened.report.skipped] == ["broken0.jpg",
-                                                                         "broken1.jpg"]
+    assert [os.path.basename(s.path) for s in opened.report.skipped] == [
+        "broken0.jpg",
+        "broken1.jpg",
+    ]
     assert [s.index for s in opened.report.skipped] == [3, 4]  # after 0, 1, 2.jpg
     assert all(s.reason for s in opened.report.skipped)
     assert main(["info", "--skipped", str(out)]) == 0

@@ -74,34 +74,48 @@ def _resized(rows) -> dict:
 
 RAGGED = {"targets_ragged": np.zeros((2 * N, 5), "<f4")}
 CASES = {  # case: (sections added to the store's own or removed, what the error says)
-    "targets rows": ({"targets": np.zeros((2, 3), "<f4")},
-                     r"section 'targets' \(float targets, one row per sample\) holds <f4 \(2, 3\),"
-                     rf" not <f4 \({N}, any\) for {N} samples"),
+    "targets rows": (
+        {"targets": np.zeros((2, 3), "<f4")},
+        r"section 'targets' \(float targets, one row per sample\) holds <f4 \(2, 3\),"
+        rf" not <f4 \({N}, any\) for {N} samples",
+    ),
     "targets dtype": ({"targets": np.zeros((N, 3), "<f8")}, r"'targets' .* holds <f8"),
     "targets 1-D": ({"targets": np.zeros(N, "<f4")}, r"'targets' .* holds <f4 \(6,\)"),
-    "ragged offsets negative": ({**RAGGED, "targets_ragged.offsets": _negative(_ragged_offsets())},
-                                "'targets_ragged.offsets' must start at 0, never decrease and "
-                                "end at the 12 rows of 'targets_ragged'.*sample 2 goes from row 4"
-                                " to -4"),
-    "ragged offsets short": ({**RAGGED, "targets_ragged.offsets": _ragged_offsets() - 1},
-                             "it goes from -1 to 11"),
-    "ragged offsets rows": ({**RAGGED, "targets_ragged.offsets": np.zeros(N, "<i8")},
-                            r"'targets_ragged.offsets' .* holds <i8 \(6,\), not <i8 \(7,\)"),
-    "ragged without offsets": (RAGGED, "'targets_ragged' is present without "
-                                       "'targets_ragged.offsets'"),
-    "resized.args alone": ({"resized.args": np.array([64, 90], "<i8")},
-                           "'resized.args' is present without 'resized'"),
+    "ragged offsets negative": (
+        {**RAGGED, "targets_ragged.offsets": _negative(_ragged_offsets())},
+        "'targets_ragged.offsets' must start at 0, never decrease and "
+        "end at the 12 rows of 'targets_ragged'.*sample 2 goes from row 4"
+        " to -4",
+    ),
+    "ragged offsets short": (
+        {**RAGGED, "targets_ragged.offsets": _ragged_offsets() - 1},
+        "it goes from -1 to 11",
+    ),
+    "ragged offsets rows": (
+        {**RAGGED, "targets_ragged.offsets": np.zeros(N, "<i8")},
+        r"'targets_ragged.offsets' .* holds <i8 \(6,\), not <i8 \(7,\)",
+    ),
+    "ragged without offsets": (
+        RAGGED,
+        "'targets_ragged' is present without 'targets_ragged.offsets'",
+    ),
+    "resized.args alone": (
+        {"resized.args": np.array([64, 90], "<i8")},
+        "'resized.args' is present without 'resized'",
+    ),
     "resized rows": (_resized(np.zeros((N - 1, 3))), r"'resized' .* holds <u4 \(5, 3\)"),
-    "resized half a row": (_resized([[0, 0, 0]] * 4 + [[40, 0, 900], [0, 0, 0]]),
-                           "'resized' breaks its rule .* first sample 4: \\[40, 0, 900\\]"),
-    "resized.args quality": ({**_resized(np.zeros((N, 3))),
-                              "resized.args": np.array([64, 0], "<i8")},
-                             "'resized.args' holds \\[64, 0\\]"),
+    "resized half a row": (
+        _resized([[0, 0, 0]] * 4 + [[40, 0, 900], [0, 0, 0]]),
+        "'resized' breaks its rule .* first sample 4: \\[40, 0, 900\\]",
+    ),
+    "resized.args quality": (
+        {**_resized(np.zeros((N, 3))), "resized.args": np.array([64, 0], "<i8")},
+        "'resized.args' holds \\[64, 0\\]",
+    ),
     "rst negative": (_rst([0, 0, -8, 0, 0, 0]), "'rst' breaks its rule .* first sample 2: -8"),
     "rst too large": (_rst([0, 1 << 16, 0, 0, 0, 0]), "'rst' breaks its rule"),
     "rst dtype": ({"rst": np.zeros(N, "<i8")}, "'rst' .* holds <i8"),
-    "report part": ({"report.totals": None},
-                    "'report.kinds' is present without 'report.totals'"),
+    "report part": ({"report.totals": None}, "'report.kinds' is present without 'report.totals'"),
 }
 
 
@@ -125,13 +139,17 @@ def test_report_skipping_an_index_beyond_the_inputs_is_refused(cache, tmp_path):
     extra["report.offsets"] = np.array([0, 1, 2], "<u8")
     extra["report.text"] = np.frombuffer(b"xy", np.uint8)
     path = _craft(tmp_path, cache, extra=extra)
-    with pytest.raises(CacheFormatError, match=r"report.*skipped input indices are not ascending "
-                                               r"within 0..6"):
+    with pytest.raises(
+        CacheFormatError,
+        match=r"report.*skipped input indices are not ascending "
+        r"within 0..6",
+    ):
         JpegCache.open(path)
 
 
-def _patch_section(raw: bytes, name: str, *, data: bytes | None = None,
-                   dtype: bytes | None = None) -> bytes:
+def _patch_section(
+    raw: bytes, name: str, *, data: bytes | None = None, dtype: bytes | None = None
+) -> bytes:
     """``raw`` with optional section ``name``'s bytes or element type replaced, every checksum
     recomputed."""
     b = bytearray(raw)
@@ -143,13 +161,13 @@ def _patch_section(raw: bytes, name: str, *, data: bytes | None = None,
         if entry[0].rstrip(b"\0").decode() == name:
             if data is not None:
                 assert len(data) == entry[3]
-                b[entry[2]:entry[2] + entry[3]] = data
+                b[entry[2] : entry[2] + entry[3]] = data
                 entry[6] = zlib.crc32(data)
             entry[1] = entry[1] if dtype is None else dtype
             _format.ENTRY.pack_into(b, at, *entry)
-    f[24] = zlib.crc32(bytes(b[directory:directory + count * _format.ENTRY.size]))
+    f[24] = zlib.crc32(bytes(b[directory : directory + count * _format.ENTRY.size]))
     _format.HEAD_V2.pack_into(b, 0, *f)
-    _format.CRC.pack_into(b, _format.HEAD_V2.size, zlib.crc32(bytes(b[:_format.HEAD_V2.size])))
+    _format.CRC.pack_into(b, _format.HEAD_V2.size, zlib.crc32(bytes(b[: _format.HEAD_V2.size])))
     return bytes(b)
 
 
@@ -159,8 +177,11 @@ def test_a_negative_ragged_offset_edited_into_the_file_is_refused(cache, tmp_pat
     boxes = [np.full((2, 5), i, np.float32) for i in range(N)]
     good = with_targets(cache, ragged=boxes).save(tmp_path / "good.gpucache")
     bad = tmp_path / "bad.gpucache"
-    bad.write_bytes(_patch_section(good.read_bytes(), "targets_ragged.offsets",
-                                   data=_negative(_ragged_offsets()).tobytes()))
+    bad.write_bytes(
+        _patch_section(
+            good.read_bytes(), "targets_ragged.offsets", data=_negative(_ragged_offsets()).tobytes()
+        )
+    )
     with pytest.raises(CacheFormatError, match="sample 2 goes from row 4 to -4"):
         JpegCache.open(bad)
     assert main(["verify", str(bad)]) == 2
@@ -170,8 +191,11 @@ def test_checksums_of_another_type_edited_into_the_file_are_refused(cache, tmp_p
     good = cache.save(tmp_path / "good.gpucache")
     bad = tmp_path / "bad.gpucache"
     bad.write_bytes(_patch_section(good.read_bytes(), "sample.crc32", dtype=b"<i4"))
-    with pytest.raises(CacheFormatError, match=r"'sample.crc32' \(CRC-32 per sample\) holds "
-                                               r"<i4 \(6,\), not <u4 \(6,\)"):
+    with pytest.raises(
+        CacheFormatError,
+        match=r"'sample.crc32' \(CRC-32 per sample\) holds "
+        r"<i4 \(6,\), not <u4 \(6,\)",
+    ):
         JpegCache.open(bad)
 
 
@@ -185,12 +209,20 @@ def test_an_in_memory_store_with_a_bad_section_is_refused_before_it_is_saved(cac
 
 
 def test_the_section_rules_use_the_names_their_owners_write(cache):
-    from gpucache.ingest import _resize
     from gpucache.decode import _roi_rst
+    from gpucache.ingest import _resize
     from gpucache.store import _report, _sections, _targets
 
-    names = {_resize.SECTION, _resize.ARGS, _roi_rst.SECTION, _targets.DENSE, _targets.RAGGED,
-             _targets.OFFSETS, _format.SAMPLE_CRC, *_report.report_sections(cache.report)}
+    names = {
+        _resize.SECTION,
+        _resize.ARGS,
+        _roi_rst.SECTION,
+        _targets.DENSE,
+        _targets.RAGGED,
+        _targets.OFFSETS,
+        _format.SAMPLE_CRC,
+        *_report.report_sections(cache.report),
+    }
     assert names == set(_sections.SPECS)
     assert _sections.problem(_report.report_sections(cache.report), N) is None
 
@@ -209,8 +241,7 @@ def _whole(samples: np.ndarray) -> np.ndarray:
     return np.stack([z, z, h, w, h, w, z, z, h, w, z], axis=1)
 
 
-def test_a_sample_record_smaller_than_its_image_is_a_clear_error_at_decode(cache, tmp_path,
-                                                                           capsys):
+def test_a_sample_record_smaller_than_its_image_is_a_clear_error_at_decode(cache, tmp_path, capsys):
     """A record at half the real size opens (its checksums are right) and used to decode the
     top-left quarter of each JPEG as if it were the whole image, without an error."""
     half = _half_record(cache)
@@ -219,10 +250,12 @@ def test_a_sample_record_smaller_than_its_image_is_a_clear_error_at_decode(cache
     d = decode_batch(opened, np.arange(N), _whole(half), on_error="skip", stack=False)
     assert len(d.indices) == 0 and [i for i, _ in d.failed] == list(range(N))
     h, w = int(cache.samples["height"][0]), int(cache.samples["width"][0])
-    assert (f"sample 0 ({cache.paths[0]}) could not be decoded: CacheFormatError: {path}: the "
-            f"store's record of sample 0 says {w // 2}x{h // 2} but its image header says "
-            f"{w}x{h} (as decoded): the store is corrupt or was altered after it was built; run "
-            "`gpucache verify` on it and rebuild it") in d.failed[0][1]
+    assert (
+        f"sample 0 ({cache.paths[0]}) could not be decoded: CacheFormatError: {path}: the "
+        f"store's record of sample 0 says {w // 2}x{h // 2} but its image header says "
+        f"{w}x{h} (as decoded): the store is corrupt or was altered after it was built; run "
+        "`gpucache verify` on it and rebuild it"
+    ) in d.failed[0][1]
     assert "says 15x10 but its image header says 30x20" in d.failed[N - 1][1]
     crop = _whole(half)
     crop[:, 2:4] //= 2  # a crop inside the recorded size: decoded from the real image before
@@ -252,8 +285,12 @@ def test_an_orientation_out_of_range_is_refused_at_open(cache, tmp_path):
 def test_rotated_records_still_decode(cache, tmp_path):
     """The check compares the record with the header turned by the record's orientation."""
     data = bytearray(make_jpeg_bytes(48, 20, seed=9))
-    exif = (b"Exif\0\0II*\0" + struct.pack("<IH", 8, 1) + struct.pack("<HHII", 0x0112, 3, 1, 6)
-            + b"\0\0\0\0")
+    exif = (
+        b"Exif\0\0II*\0"
+        + struct.pack("<IH", 8, 1)
+        + struct.pack("<HHII", 0x0112, 3, 1, 6)
+        + b"\0\0\0\0"
+    )
     app1 = b"\xff\xe1" + struct.pack(">H", len(exif) + 2) + exif
     rotated = JpegCache.from_files([bytes(data[:2] + app1 + data[2:])], progress=False)
     assert rotated.samples[["orientation", "height", "width"]].tolist() == [(6, 48, 20)]

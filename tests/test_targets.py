@@ -20,6 +20,7 @@ from gpucache import transforms as T
 from gpucache.decode._core import apply_plan
 from gpucache.testing import make_jpeg_bytes
 
+
 @pytest.fixture(scope="module")
 def cache(small_folder):
     return JpegCache.from_folder(small_folder, progress=False)
@@ -39,10 +40,19 @@ def test_targets_are_stored_saved_shared_and_loaded(cache, tmp_path):
     for store in (tc, opened, pickle.loads(pickle.dumps(opened))):
         assert np.array_equal(store.extra["targets"], multi_hot)
         off = store.extra["targets_ragged.offsets"]
-        assert [store.extra["targets_ragged"][off[i]:off[i + 1]].tolist() for i in range(n)] == \
-            [b.tolist() for b in boxes]
-    loader = GpuCachedLoader(opened, batch_size=8, device="cpu", num_workers=0, shuffle=True,
-                             seed=0, return_metadata=True, transform=[T.CenterCrop(32)])
+        assert [store.extra["targets_ragged"][off[i] : off[i + 1]].tolist() for i in range(n)] == [
+            b.tolist() for b in boxes
+        ]
+    loader = GpuCachedLoader(
+        opened,
+        batch_size=8,
+        device="cpu",
+        num_workers=0,
+        shuffle=True,
+        seed=0,
+        return_metadata=True,
+        transform=[T.CenterCrop(32)],
+    )
     for _, y, info in loader:
         idx = info.indices.numpy()
         assert y.dtype == torch.float32 and torch.equal(y, torch.from_numpy(multi_hot[idx]))
@@ -56,8 +66,12 @@ def test_targets_are_stored_saved_shared_and_loaded(cache, tmp_path):
 def test_per_input_rows_drop_skipped_inputs(tmp_path):
     good = [make_jpeg_bytes(40, 30, seed=k) for k in range(3)]
     built = JpegCache.from_files([good[0], b"junk", good[1], good[2]], progress=False)
-    tc = with_targets(built, targets=[[0.0], [1.0], [2.0], [3.0]],
-                      ragged=[[[1, 2]], [], [[3, 4], [5, 6]], []], per_input=True)
+    tc = with_targets(
+        built,
+        targets=[[0.0], [1.0], [2.0], [3.0]],
+        ragged=[[[1, 2]], [], [[3, 4], [5, 6]], []],
+        per_input=True,
+    )
     assert tc.extra["targets"][:, 0].tolist() == [0.0, 2.0, 3.0]
     assert tc.extra["targets_ragged.offsets"].tolist() == [0, 1, 3, 3]
     with pytest.raises(ValueError, match="share their row width"):
@@ -69,8 +83,14 @@ def test_per_input_rows_drop_skipped_inputs(tmp_path):
 def test_mixup_mixes_float_targets_in_the_loader(cache):
     n = len(cache)
     tc = with_targets(cache, targets=np.eye(4, dtype=np.float32)[cache.labels])
-    loader = GpuCachedLoader(tc, batch_size=8, device="cpu", num_workers=0, seed=3,
-                             transform=[T.CenterCrop(32), T.ToDtype(), T.MixUp(alpha=0.4)])
+    loader = GpuCachedLoader(
+        tc,
+        batch_size=8,
+        device="cpu",
+        num_workers=0,
+        seed=3,
+        transform=[T.CenterCrop(32), T.ToDtype(), T.MixUp(alpha=0.4)],
+    )
     ys = [y for _, y in loader]
     assert sum(len(y) for y in ys) == n
     assert all(torch.allclose(y.sum(1), torch.ones(len(y))) for y in ys)
@@ -82,8 +102,7 @@ def test_map_boxes_equals_executing_the_plan():
     img = torch.zeros(3, 90, 140, dtype=torch.uint8)
     box = np.array([[37.0, 21.0, 101.0, 60.0]])  # x0, y0, x1, y1: pixels [37, 101) x [21, 60)
     img[:, 21:60, 37:101] = 255
-    compose = T.Compose([T.RandomResizedCrop((70, 90), scale=(0.3, 1.0)),
-                         T.RandomHorizontalFlip()])
+    compose = T.Compose([T.RandomResizedCrop((70, 90), scale=(0.3, 1.0)), T.RandomHorizontalFlip()])
     plans = compose.plan(np.full(40, 90), np.full(40, 140), np.random.default_rng(0))
     assert plans[:, 10].any() and not plans[:, 10].all()
     found = 0
@@ -122,8 +141,10 @@ def _plain(img: Image.Image) -> bytes:
 
 def _images() -> list[Image.Image]:
     """Generated photos of six sizes."""
-    return [Image.open(io.BytesIO(make_jpeg_bytes(200 + 40 * k, 160, seed=k))).convert("RGB")
-            for k in range(6)]
+    return [
+        Image.open(io.BytesIO(make_jpeg_bytes(200 + 40 * k, 160, seed=k))).convert("RGB")
+        for k in range(6)
+    ]
 
 
 def test_box_drawn_into_images_follows_rrc_and_flip_through_the_loader():
@@ -134,12 +155,19 @@ def test_box_drawn_into_images_follows_rrc_and_flip_through_the_loader():
         w, h = im.size
         x0, y0 = int(rng.integers(0, w // 2)), int(rng.integers(0, h // 2))
         boxes.append([x0, y0, x0 + w // 3, y0 + h // 3])
-    painted = with_targets(JpegCache.from_files([_painted(im, b) for im, b in zip(images, boxes)],
-                                                progress=False),
-                           ragged=[np.array([b + [1]]) for b in boxes])
+    painted = with_targets(
+        JpegCache.from_files([_painted(im, b) for im, b in zip(images, boxes)], progress=False),
+        ragged=[np.array([b + [1]]) for b in boxes],
+    )
     plain = JpegCache.from_files([_plain(im) for im in images], progress=False)
-    kw = dict(batch_size=3, device="cpu", num_workers=0, seed=11, return_metadata=True,
-              transform=[T.RandomResizedCrop(96, scale=(0.35, 1.0)), T.RandomHorizontalFlip()])
+    kw = dict(
+        batch_size=3,
+        device="cpu",
+        num_workers=0,
+        seed=11,
+        return_metadata=True,
+        transform=[T.RandomResizedCrop(96, scale=(0.35, 1.0)), T.RandomHorizontalFlip()],
+    )
     checked, flips = 0, set()
     for epoch in range(3):
         a, b = GpuCachedLoader(painted, **kw), GpuCachedLoader(plain, **kw)
@@ -155,8 +183,9 @@ def test_box_drawn_into_images_follows_rrc_and_flip_through_the_loader():
                 if area < 9:  # cropped away (or a sliver)
                     assert len(ys) < 20
                     continue
-                seen = np.array([xs.min().item(), ys.min().item(), xs.max().item() + 1,
-                                 ys.max().item() + 1])
+                seen = np.array(
+                    [xs.min().item(), ys.min().item(), xs.max().item() + 1, ys.max().item() + 1]
+                )
                 assert np.abs(seen - mapped).max() <= 2.5, (info.plans[k], seen, mapped)
                 checked += 1
                 flips.add(int(info.plans[k][10]))

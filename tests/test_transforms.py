@@ -17,8 +17,14 @@ def cache(jpeg_folder):
 
 
 def test_val_transform_matches_torchvision(cache):
-    loader = GpuCachedLoader(cache, batch_size=8, num_workers=0, device="cpu",
-                             transform=[T.Resize(256), T.CenterCrop(224)], return_metadata=True)
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=8,
+        num_workers=0,
+        device="cpu",
+        transform=[T.Resize(256), T.CenterCrop(224)],
+        return_metadata=True,
+    )
     ref_t = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])
     diffs = []
     for images, _, info in loader:
@@ -61,12 +67,14 @@ def test_train_crop_covers_the_drawn_region(cache):
 
 def test_plans_compose_crops_and_flips():
     p = T.Compose([T.RandomHorizontalFlip(p=1.0), T.CenterCrop((10, 20))]).plan(
-        np.array([30]), np.array([50]), np.random.default_rng(0))
+        np.array([30]), np.array([50]), np.random.default_rng(0)
+    )
     img = torch.arange(3 * 30 * 50, dtype=torch.int64).reshape(3, 30, 50)
     ref = TF.center_crop(img.flip(-1), [10, 20])
     assert torch.equal(apply_plan(img, p[0]), ref)
-    small = T.Compose([T.CenterCrop(40)]).plan(np.array([30]), np.array([50]),
-                                              np.random.default_rng(0))
+    small = T.Compose([T.CenterCrop(40)]).plan(
+        np.array([30]), np.array([50]), np.random.default_rng(0)
+    )
     assert torch.equal(apply_plan(img, small[0]), TF.center_crop(img, [40, 40]))  # zero padding
 
 
@@ -93,7 +101,8 @@ def test_pixel_before_geometry_is_rejected():
 
 # ------------------------------------------------------------------ open transforms
 
-from gpucache.testing import make_jpeg_bytes# noqa: E402
+from gpucache.testing import make_jpeg_bytes  # noqa: E402
+
 
 def _photo_batch(n: int = 6, size: int = 64) -> torch.Tensor:
     """Generated photos, resized and cropped."""
@@ -140,8 +149,8 @@ def test_mixup_and_cutmix_mix_images_and_labels_alike():
     pasted = (images != x).any(1)  # where sample k shows sample k-1's pixels
     assert pasted.any()
     ys, xs = torch.nonzero(pasted[0], as_tuple=True)
-    box = images[:, :, ys.min():ys.max() + 1, xs.min():xs.max() + 1]
-    assert torch.equal(box, x.roll(1, 0)[:, :, ys.min():ys.max() + 1, xs.min():xs.max() + 1])
+    box = images[:, :, ys.min() : ys.max() + 1, xs.min() : xs.max() + 1]
+    assert torch.equal(box, x.roll(1, 0)[:, :, ys.min() : ys.max() + 1, xs.min() : xs.max() + 1])
     area = (ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1) / x[0, 0].numel()
     assert abs(soft[0, 1].item() - area.item()) < 1e-6 and abs(soft[0, 0].item() - 1 + area) < 1e-6
     with pytest.raises(ValueError, match="num_classes"):
@@ -150,9 +159,16 @@ def test_mixup_and_cutmix_mix_images_and_labels_alike():
 
 def test_any_callable_runs_on_the_batch_seeded():
     x = _photo_batch(n=4)
-    compose = T.Compose([T.RandomResizedCrop(32), v2.RandomGrayscale(p=0.5),
-                         lambda b: b.flip(-2), T.PerSample(v2.RandAugment()),
-                         T.ToDtype(torch.float32), v2.MixUp(num_classes=3)])
+    compose = T.Compose(
+        [
+            T.RandomResizedCrop(32),
+            v2.RandomGrayscale(p=0.5),
+            lambda b: b.flip(-2),
+            T.PerSample(v2.RandAugment()),
+            T.ToDtype(torch.float32),
+            v2.MixUp(num_classes=3),
+        ]
+    )
     assert [k for k, _ in compose.steps] == ["pixel"] * 4 + ["labels"]
     labels = torch.tensor([0, 1, 2, 0])
     a = compose.apply(x, labels, generator=T.batch_generator(0, 0, 0))
@@ -180,11 +196,19 @@ def test_wrong_transform_names_what_is_accepted():
 
 def test_loader_takes_torchvision_transforms_and_functions(cache):
     """A single torchvision op, a list mixing kinds, and plain functions are accepted."""
-    for transform in (v2.ColorJitter(brightness=0.5),
-                      [T.RandomResizedCrop(32), v2.ColorJitter(0.5), T.ColorJitter(0.3, 0.3, 0.3),
-                       lambda b: b // 2, T.Normalize([0.5] * 3, [0.25] * 3)]):
-        loader = GpuCachedLoader(cache, batch_size=8, num_workers=0, device="cpu",
-                                 transform=transform, seed=0)
+    for transform in (
+        v2.ColorJitter(brightness=0.5),
+        [
+            T.RandomResizedCrop(32),
+            v2.ColorJitter(0.5),
+            T.ColorJitter(0.3, 0.3, 0.3),
+            lambda b: b // 2,
+            T.Normalize([0.5] * 3, [0.25] * 3),
+        ],
+    ):
+        loader = GpuCachedLoader(
+            cache, batch_size=8, num_workers=0, device="cpu", transform=transform, seed=0
+        )
         batches = list(loader)
         assert sum(len(y) for _, y in batches) == len(cache)
     assert batches[0][0].shape == (8, 3, 32, 32) and batches[0][0].dtype == torch.float32
@@ -192,12 +216,23 @@ def test_loader_takes_torchvision_transforms_and_functions(cache):
 
 def test_loader_augmentation_is_seeded_per_batch_for_any_worker_count(cache):
     """(seed, epoch, batch) decide the pixel augmentation: 0 or 2 workers, same batches."""
-    transform = [T.RandomResizedCrop(48), T.ColorJitter(0.4, 0.4, 0.4),
-                 v2.RandomGrayscale(p=0.5), T.PerSample(v2.RandomRotation(20))]
+    transform = [
+        T.RandomResizedCrop(48),
+        T.ColorJitter(0.4, 0.4, 0.4),
+        v2.RandomGrayscale(p=0.5),
+        T.PerSample(v2.RandomRotation(20)),
+    ]
     runs = []
     for workers in (0, 2):
-        with GpuCachedLoader(cache, batch_size=8, device="cpu", num_workers=workers, seed=9,
-                             transform=transform, multiprocessing_context="fork") as loader:
+        with GpuCachedLoader(
+            cache,
+            batch_size=8,
+            device="cpu",
+            num_workers=workers,
+            seed=9,
+            transform=transform,
+            multiprocessing_context="fork",
+        ) as loader:
             runs.append([x for x, _ in loader])
             runs.append([x for x, _ in loader])  # the next epoch
     assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[2]))

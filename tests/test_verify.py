@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from gpucache import JpegCache
-from gpucache.store._checksum import crc32, crc32_combine, crc32_of, sample_crcs
 from gpucache.cli import main
+from gpucache.store._checksum import crc32, crc32_combine, crc32_of, sample_crcs
 
 
 @pytest.fixture()
@@ -73,7 +73,8 @@ def test_parallel_checksums_equal_zlib():
         ck.CHUNK_BYTES = old
     offsets = np.array([0, 10, 10, 70000, buf.size], dtype=np.int64)
     assert sample_crcs(buf, offsets, threads=2).tolist() == [
-        zlib.crc32(buf[s:e]) for s, e in zip(offsets, offsets[1:])]
+        zlib.crc32(buf[s:e]) for s, e in zip(offsets, offsets[1:])
+    ]
 
 
 def test_old_store_without_sample_checksums_still_verifies(saved, tmp_path, capsys):

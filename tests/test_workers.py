@@ -20,7 +20,6 @@ import warnings
 
 import psutil
 import pytest
-import torch
 
 from gpucache import GpuCachedLoader, JpegCache, WorkerError
 from gpucache import transforms as T
@@ -36,8 +35,9 @@ def _tiny_store(root, n: int) -> str:
     for i in range(12):
         files.append(root / f"{i}.jpg")
         files[-1].write_bytes(make_jpeg_bytes(16, 16, seed=i))
-    cache = JpegCache.from_files([files[i % 12] for i in range(n)], [i % 3 for i in range(n)],
-                                 progress=False)
+    cache = JpegCache.from_files(
+        [files[i % 12] for i in range(n)], [i % 3 for i in range(n)], progress=False
+    )
     return str(cache.save(root / "tiny.gpuc"))
 
 
@@ -99,9 +99,16 @@ def test_big_batches_never_deadlock(big_cache, batch_size, prefetch):
     # A task of 3000 samples is 288 KB of plans and a socket takes ~300 KB: with more than one
     # task queued behind the one being decoded, the old protocol blocked in send while its worker
     # blocked sending a 2.3 MB result.
-    with GpuCachedLoader(big_cache, batch_size=batch_size, num_workers=1, device="cpu",
-                         prefetch_factor=prefetch, transform=SIZE, timeout=60,
-                         multiprocessing_context="fork") as loader:
+    with GpuCachedLoader(
+        big_cache,
+        batch_size=batch_size,
+        num_workers=1,
+        device="cpu",
+        prefetch_factor=prefetch,
+        transform=SIZE,
+        timeout=60,
+        multiprocessing_context="fork",
+    ) as loader:
         seen = [len(labels) for _, (_, labels) in zip(range(2), loader)]  # then close()
     assert seen == [batch_size] * 2
 
@@ -109,8 +116,15 @@ def test_big_batches_never_deadlock(big_cache, batch_size, prefetch):
 def _blocked_mid_send(cache, *, timeout):
     """A loader whose single worker is blocked sending a 768 KB result nobody reads yet (a socket
     takes ~220 KB: the worker cannot finish sending it before the parent reads)."""
-    loader = GpuCachedLoader(cache, batch_size=1000, num_workers=1, device="cpu", transform=SIZE,
-                             timeout=timeout, multiprocessing_context="fork")
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=1000,
+        num_workers=1,
+        device="cpu",
+        transform=SIZE,
+        timeout=timeout,
+        multiprocessing_context="fork",
+    )
     it = iter(loader)
     images, _ = next(it)
     assert images.shape == (1000, 3, 16, 16)  # whole results: every sample decoded, none skipped
@@ -126,8 +140,11 @@ def test_stopped_worker_is_an_error_within_the_timeout(cache):
     os.kill(pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        with pytest.raises(WorkerError, match=rf"worker 0 \(pid {pid}\) returned no batch within "
-                                              r"timeout=2s while decoding samples \["):
+        with pytest.raises(
+            WorkerError,
+            match=rf"worker 0 \(pid {pid}\) returned no batch within "
+            r"timeout=2s while decoding samples \[",
+        ):
             next(it)
         # the timeout, then close(): a stopped worker needs the SIGKILL step (2 x 0.25 s grace)
         assert time.monotonic() - start < 2 + 8
@@ -141,16 +158,26 @@ def test_worker_killed_mid_send_names_worker_pid_and_samples(cache):
     loader, it = _blocked_mid_send(cache, timeout=20)
     pid = loader.worker_pids[0]
     os.kill(pid, signal.SIGKILL)
-    with pytest.raises(WorkerError, match=rf"worker 0 \(pid {pid}\) was killed by signal SIGKILL "
-                                          r"while sending its result for samples \[.*\(1000\)"):
+    with pytest.raises(
+        WorkerError,
+        match=rf"worker 0 \(pid {pid}\) was killed by signal SIGKILL "
+        r"while sending its result for samples \[.*\(1000\)",
+    ):
         next(it)
     assert loader.worker_pids == []
 
 
 @pytest.mark.timeout(60)
 def test_close_mid_epoch_stops_four_workers_blocked_sending(cache):
-    loader = GpuCachedLoader(cache, batch_size=500, num_workers=4, device="cpu", transform=SIZE,
-                             prefetch_factor=2, multiprocessing_context="fork")
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=500,
+        num_workers=4,
+        device="cpu",
+        transform=SIZE,
+        prefetch_factor=2,
+        multiprocessing_context="fork",
+    )
     it = iter(loader)
     next(it)
     _until(lambda: min(_queued(loader)) >= SENDING, "every worker is sending a result")
@@ -166,22 +193,29 @@ def test_close_mid_epoch_stops_four_workers_blocked_sending(cache):
 @pytest.mark.timeout(60)
 def _close_once_waiting(loader, main: int) -> None:
     """close() as soon as thread ``main`` waits inside the pool for a batch."""
-    _until(lambda: (f := sys._current_frames().get(main)) is not None
-           and f.f_code.co_name == "_wait", "the main thread waits for a batch")
+    _until(
+        lambda: (f := sys._current_frames().get(main)) is not None and f.f_code.co_name == "_wait",
+        "the main thread waits for a batch",
+    )
     loader.close()
 
 
 @pytest.mark.timeout(120)
 def test_close_from_another_thread_wakes_a_waiting_iteration(cache):
-    loader = GpuCachedLoader(cache, batch_size=50, num_workers=2, device="cpu", transform=SIZE,
-                             multiprocessing_context="fork")
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=50,
+        num_workers=2,
+        device="cpu",
+        transform=SIZE,
+        multiprocessing_context="fork",
+    )
     it = iter(loader)
     next(it)
     pids = loader.worker_pids
     for pid in pids:  # no more results: the iteration ends up waiting in the pool
         os.kill(pid, signal.SIGSTOP)
-    closer = threading.Thread(target=_close_once_waiting,
-                              args=(loader, threading.get_ident()))
+    closer = threading.Thread(target=_close_once_waiting, args=(loader, threading.get_ident()))
     closer.start()
     got = 1
     with pytest.raises(WorkerError, match="closed"):
@@ -201,8 +235,14 @@ def _raise_in_worker(worker_id):
 
 @pytest.mark.timeout(60)
 def test_raising_worker_init_fn_reports_its_traceback(cache):
-    loader = GpuCachedLoader(cache, batch_size=50, num_workers=2, device="cpu",
-                             worker_init_fn=_raise_in_worker, multiprocessing_context="fork")
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=50,
+        num_workers=2,
+        device="cpu",
+        worker_init_fn=_raise_in_worker,
+        multiprocessing_context="fork",
+    )
     with pytest.raises(WorkerError) as err:
         for _ in loader:
             pass
@@ -254,9 +294,17 @@ def _says_memory(msg: str, wid: int = 0) -> None:
 def test_a_worker_out_of_memory_decoding_is_an_error_not_a_skipped_sample(one_big, context):
     # 32 MB of address space beyond what the worker maps after start: a 64x64 JPEG decodes, the
     # 75 MB one cannot. It used to be skipped as "could not be decoded: MemoryError".
-    loader = GpuCachedLoader(one_big, batch_size=4, num_workers=1, device="cpu", exact=True,
-                             transform=SIZE, multiprocessing_context=context, timeout=90,
-                             worker_init_fn=functools.partial(limit_address_space, 32 << 20))
+    loader = GpuCachedLoader(
+        one_big,
+        batch_size=4,
+        num_workers=1,
+        device="cpu",
+        exact=True,
+        transform=SIZE,
+        multiprocessing_context=context,
+        timeout=90,
+        worker_init_fn=functools.partial(limit_address_space, 32 << 20),
+    )
     msg, batches = _memory_error(loader)
     assert batches == 1  # the small images decoded under the limit
     _says_memory(msg)
@@ -270,10 +318,15 @@ def test_a_worker_out_of_memory_copying_its_result_is_named(one_big, context):
     # Room for the 75 MB image, not for the copy of it that goes to the socket (images of
     # several sizes are sent as one buffer). That worker used to exit with code 1, the cause
     # only on its stderr.
-    loader = GpuCachedLoader(one_big, batch_size=1, num_workers=1, device="cpu",
-                             multiprocessing_context=context, timeout=90,
-                             worker_init_fn=functools.partial(limit_address_space,
-                                                              3 * BIG * BIG + (32 << 20)))
+    loader = GpuCachedLoader(
+        one_big,
+        batch_size=1,
+        num_workers=1,
+        device="cpu",
+        multiprocessing_context=context,
+        timeout=90,
+        worker_init_fn=functools.partial(limit_address_space, 3 * BIG * BIG + (32 << 20)),
+    )
     msg, batches = _memory_error(loader)
     assert batches == 4
     _says_memory(msg)
@@ -282,8 +335,9 @@ def test_a_worker_out_of_memory_copying_its_result_is_named(one_big, context):
 
 
 def _inline_epoch(cache) -> dict:
-    loader = GpuCachedLoader(cache, batch_size=4, num_workers=0, device="cpu", exact=True,
-                             transform=SIZE)
+    loader = GpuCachedLoader(
+        cache, batch_size=4, num_workers=0, device="cpu", exact=True, transform=SIZE
+    )
     batches = 0
     try:
         with warnings.catch_warnings():
@@ -320,8 +374,13 @@ next(iter(loader))
 def test_spawn_worker_dying_at_start_up_names_the_missing_main_guard(store_path, tmp_path):
     script = tmp_path / "no_guard.py"
     script.write_text(NO_MAIN_GUARD)
-    out = subprocess.run([sys.executable, str(script), store_path], capture_output=True,
-                         text=True, timeout=280, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, str(script), store_path],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+    )
     err = out.stderr.rsplit("Traceback (most recent call last)", 1)[-1]  # the parent's, last
     assert "WorkerError: worker 0" in err and "before it started (spawn start method)" in err
     assert 'if __name__ == "__main__":' in err and "OOM" not in err
@@ -365,8 +424,11 @@ PARENTS = textwrap.dedent("""
             os.waitpid(pid, 0)
 """)
 
-CASES = [(m, s, 4 if m == "fork" else 1) for m in ("fork", "spawn", "forkserver")
-         for s in ("SIGKILL", "SIGTERM")] + [("fork", "SIGINT", 4)]
+CASES = [
+    (m, s, 4 if m == "fork" else 1)
+    for m in ("fork", "spawn", "forkserver")
+    for s in ("SIGKILL", "SIGTERM")
+] + [("fork", "SIGINT", 4)]
 
 
 @pytest.fixture(scope="module")
@@ -374,8 +436,11 @@ def parents_killed(store_path, tmp_path_factory):
     """Signal each parent; seconds until its workers (and every other descendant) are gone."""
     script = tmp_path_factory.mktemp("parents") / "parents.py"
     script.write_text(PARENTS)
-    helper = subprocess.Popen([sys.executable, str(script), store_path, json.dumps(CASES)],
-                              stdout=subprocess.PIPE, text=True)
+    helper = subprocess.Popen(
+        [sys.executable, str(script), store_path, json.dumps(CASES)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     tree = psutil.Process(helper.pid)
     try:
         reports = [json.loads(helper.stdout.readline()) for _ in CASES]
@@ -445,8 +510,12 @@ def test_ctrl_c_while_waiting_for_a_batch_is_one_plain_keyboard_interrupt(store_
     """Ctrl-C in a loop waiting for workers: a KeyboardInterrupt traceback with nothing chained
     (no BlockingIOError from the non-blocking socket that reads like a second failure), and the
     workers stop with it."""
-    child = subprocess.Popen([sys.executable, "-c", _CTRL_C_CHILD, store_path],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CTRL_C_CHILD, store_path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         pids = [int(p) for p in child.stdout.readline().split()]
         assert len(pids) == 2, child.stderr.read()

@@ -36,13 +36,21 @@ SCALES = (1, 2, 4, 8)
 
 def load(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
-    lib.gc_decode_region.argtypes = [C_P, ctypes.c_ulong] + [C_INT] * 5 + [
-        C_P, ctypes.POINTER(C_INT), ctypes.c_char_p, C_INT]
-    lib.gc_decode_segments.argtypes = [C_P, ctypes.c_ulong] + [C_INT] * 6 + [
-        C_P, ctypes.POINTER(C_INT), ctypes.c_char_p, C_INT]
-    lib.gc_transcode_restart.argtypes = [C_P, ctypes.c_ulong, ctypes.POINTER(C_P),
-                                         ctypes.POINTER(ctypes.c_ulong), ctypes.POINTER(C_INT),
-                                         ctypes.c_char_p, C_INT]
+    lib.gc_decode_region.argtypes = (
+        [C_P, ctypes.c_ulong] + [C_INT] * 5 + [C_P, ctypes.POINTER(C_INT), ctypes.c_char_p, C_INT]
+    )
+    lib.gc_decode_segments.argtypes = (
+        [C_P, ctypes.c_ulong] + [C_INT] * 6 + [C_P, ctypes.POINTER(C_INT), ctypes.c_char_p, C_INT]
+    )
+    lib.gc_transcode_restart.argtypes = [
+        C_P,
+        ctypes.c_ulong,
+        ctypes.POINTER(C_P),
+        ctypes.POINTER(ctypes.c_ulong),
+        ctypes.POINTER(C_INT),
+        ctypes.c_char_p,
+        C_INT,
+    ]
     lib.gc_free.argtypes = [C_P]
     return lib
 
@@ -63,20 +71,34 @@ class Target:
 
     def region(self, data: bytes, denom: int, t: int, l: int, h: int, w: int):
         out, warned = np.empty((h, w, 3), np.uint8), C_INT()
-        ret = self.lib.gc_decode_region(data, len(data), denom, t, l, h, w, out.ctypes.data,
-                                        ctypes.byref(warned), self.err, 256)
+        ret = self.lib.gc_decode_region(
+            data, len(data), denom, t, l, h, w, out.ctypes.data, ctypes.byref(warned), self.err, 256
+        )
         return out if self._done(ret, warned) else None
 
     def segments(self, data: bytes, k: int, denom: int, t: int, l: int, h: int, w: int):
         out, warned = np.empty((h, w, 3), np.uint8), C_INT()
-        ret = self.lib.gc_decode_segments(data, len(data), k, denom, t, l, h, w, out.ctypes.data,
-                                          ctypes.byref(warned), self.err, 256)
+        ret = self.lib.gc_decode_segments(
+            data,
+            len(data),
+            k,
+            denom,
+            t,
+            l,
+            h,
+            w,
+            out.ctypes.data,
+            ctypes.byref(warned),
+            self.err,
+            256,
+        )
         return out if self._done(ret, warned) else None
 
     def transcode(self, data: bytes):
         out, n, k = C_P(), ctypes.c_ulong(), C_INT()
-        ret = self.lib.gc_transcode_restart(data, len(data), ctypes.byref(out), ctypes.byref(n),
-                                            ctypes.byref(k), self.err, 256)
+        ret = self.lib.gc_transcode_restart(
+            data, len(data), ctypes.byref(out), ctypes.byref(n), ctypes.byref(k), self.err, 256
+        )
         self.calls += 1
         if ret:
             self.errors += 1
@@ -126,17 +148,30 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
                 i = rng.randrange(max(end, 1))
                 b[i] ^= 1 << rng.randrange(8)
         elif op == 1:  # truncation
-            b = b[:rng.randrange(2, len(b))]
+            b = b[: rng.randrange(2, len(b))]
         elif op == 2:  # a marker inserted (random kind and length) in the headers or the scan
             i = rng.choice([p for p, _ in segs] + [rng.randrange(2, len(b))])
-            m = rng.choice([0xD0 + rng.randrange(8), 0xD9, 0xDD, 0xC4, 0xDB, 0xE1, 0xFE,
-                            0xC0, 0xC2, 0xDA, rng.randrange(256)])
+            m = rng.choice(
+                [
+                    0xD0 + rng.randrange(8),
+                    0xD9,
+                    0xDD,
+                    0xC4,
+                    0xDB,
+                    0xE1,
+                    0xFE,
+                    0xC0,
+                    0xC2,
+                    0xDA,
+                    rng.randrange(256),
+                ]
+            )
             body = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 12)))
             n = rng.choice((len(body) + 2, rng.randrange(65536)))
             b[i:i] = bytes((0xFF, m, n >> 8, n & 255)) + body
         elif op == 3:  # a marker segment removed
             p, n = rng.choice(segs)
-            del b[p:p + 2 + n]
+            del b[p : p + 2 + n]
         elif op == 4:  # DRI: odd values, added before the scan or changed
             v = rng.choice((0, 1, 2, 3, 5, 7, 255, 65535, rng.randrange(65536)))
             p = segs[-1][0]
@@ -145,20 +180,33 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
             p = rng.choice(sof)
             for off in rng.sample((5, 7), rng.randint(1, 2)):
                 v = rng.choice((0, 1, 2, 7, 8, 9, 15, 16, 17, 4095, 65535, rng.randrange(65536)))
-                b[p + off:p + off + 2] = bytes((v >> 8, v & 255))
+                b[p + off : p + off + 2] = bytes((v >> 8, v & 255))
         elif op == 6 and sof:  # sampling factors
             p = rng.choice(sof)
             for c in range(min(b[p + 9], 4)):
                 if rng.random() < 0.5 and p + 11 + 3 * c < len(b):
-                    b[p + 11 + 3 * c] = rng.choice((0x11, 0x12, 0x21, 0x22, 0x41, 0x14, 0x42,
-                                                    0x44, 0x31, 0x00, rng.randrange(256)))
+                    b[p + 11 + 3 * c] = rng.choice(
+                        (
+                            0x11,
+                            0x12,
+                            0x21,
+                            0x22,
+                            0x41,
+                            0x14,
+                            0x42,
+                            0x44,
+                            0x31,
+                            0x00,
+                            rng.randrange(256),
+                        )
+                    )
         elif op == 7 and sof:  # component count
             p = rng.choice(sof)
             b[p + 9] = rng.choice((0, 1, 2, 3, 4, 5, 255))
         elif op == 8:  # a length field
             p, n = rng.choice(segs)
             v = rng.choice((0, 1, 2, n - 1, n + 1, 65535, rng.randrange(65536)))
-            b[p + 2:p + 4] = bytes(((v >> 8) & 255, v & 255))
+            b[p + 2 : p + 4] = bytes(((v >> 8) & 255, v & 255))
         else:  # bytes of the scan overwritten
             start = segs[-1][0] + 2 + segs[-1][1]
             if start < len(b) - 1:
@@ -178,20 +226,28 @@ def box(rng: random.Random, h: int, w: int) -> tuple[int, int, int, int]:
 def natural(w: int, h: int, seed: int) -> np.ndarray:
     g = np.random.default_rng(seed)
     y, x = np.mgrid[0:h, 0:w]
-    base = np.stack([(x * 255 // max(w - 1, 1)), (y * 255 // max(h - 1, 1)),
-                     ((x + y) * 3) % 256], -1).astype(np.int16)
+    base = np.stack(
+        [(x * 255 // max(w - 1, 1)), (y * 255 // max(h - 1, 1)), ((x + y) * 3) % 256], -1
+    ).astype(np.int16)
     return np.clip(base + g.integers(-40, 40, (h, w, 3)), 0, 255).astype(np.uint8)
 
 
 def seeds(photos: Path, target: Target) -> list[bytes]:
     out = []
-    for i, (mode, kw) in enumerate([("RGB", dict(subsampling=0)), ("RGB", dict(subsampling=1)),
-                                    ("RGB", dict(subsampling=2)), ("L", {}),
-                                    ("RGB", dict(progressive=True)),
-                                    ("RGB", dict(exif=b"Exif\0\0" + bytes(6000)))]):
+    for i, (mode, kw) in enumerate(
+        [
+            ("RGB", dict(subsampling=0)),
+            ("RGB", dict(subsampling=1)),
+            ("RGB", dict(subsampling=2)),
+            ("L", {}),
+            ("RGB", dict(progressive=True)),
+            ("RGB", dict(exif=b"Exif\0\0" + bytes(6000))),
+        ]
+    ):
         buf = io.BytesIO()
         Image.fromarray(natural(37 + 16 * i, 29 + 8 * i, i)).convert(mode).save(
-            buf, "JPEG", quality=85, **kw)
+            buf, "JPEG", quality=85, **kw
+        )
         out.append(buf.getvalue())
     files = sorted(photos.rglob("*.jpg"))[::25][:8] if photos.is_dir() else []
     for k, f in enumerate(files):  # real photos: two as they are, the rest made smaller
@@ -215,12 +271,19 @@ def compare(stats: dict, name: str, data: bytes, got, want, where, warned: bool)
     if warned:
         stats["warned_mismatches"] += 1
     else:
-        stats["mismatches"].append({"target": name, "box": where, "size": len(data),
-                                    "max_diff": int(np.abs(got.astype(int) - want).max())})
+        stats["mismatches"].append(
+            {
+                "target": name,
+                "box": where,
+                "size": len(data),
+                "max_diff": int(np.abs(got.astype(int) - want).max()),
+            }
+        )
 
 
-def run_targets(target: Target, data: bytes, rng: random.Random, stats: dict, *,
-                transcode: float = 0.3) -> None:
+def run_targets(
+    target: Target, data: bytes, rng: random.Random, stats: dict, *, transcode: float = 0.3
+) -> None:
     """One input through the targets: the region decoder at two scales, the segment decoder when
     it has restart markers and, with probability ``transcode``, the transcoder and the segment
     decoder on its output. An input the library refuses before any decoder sees it (over the
@@ -240,14 +303,28 @@ def run_targets(target: Target, data: bytes, rng: random.Random, stats: dict, *,
             t, l, bh, bw = box(rng, min(sh, 64) if full is None else sh, sw)
             got = target.region(data, denom, t, l, bh, bw)
             if full is not None:
-                compare(stats, f"region/{denom}", data, got, full[t:t + bh, l:l + bw],
-                        (t, l, bh, bw), full_warned or target.last_warned)
+                compare(
+                    stats,
+                    f"region/{denom}",
+                    data,
+                    got,
+                    full[t : t + bh, l : l + bw],
+                    (t, l, bh, bw),
+                    full_warned or target.last_warned,
+                )
         if dri:  # the input as a restart-marker JPEG
             t, l, bh, bw = box(rng, sh, sw)
             got = target.segments(data, rng.choice((dri, dri, 1, 4)), denom, t, l, bh, bw)
             if full is not None:
-                compare(stats, f"segments/{denom}", data, got, full[t:t + bh, l:l + bw],
-                        (t, l, bh, bw), full_warned or target.last_warned)
+                compare(
+                    stats,
+                    f"segments/{denom}",
+                    data,
+                    got,
+                    full[t : t + bh, l : l + bw],
+                    (t, l, bh, bw),
+                    full_warned or target.last_warned,
+                )
     if rng.random() < transcode:
         done = target.transcode(data)
         if done is not None and h * w <= 4_000_000:
@@ -260,9 +337,15 @@ def run_targets(target: Target, data: bytes, rng: random.Random, stats: dict, *,
             for _ in range(3):
                 t, l, bh, bw = box(rng, sh, sw)
                 got = target.segments(rst, k, denom, t, l, bh, bw)
-                compare(stats, f"transcode+segments/{denom}", rst, got,
-                        None if full is None else full[t:t + bh, l:l + bw], (t, l, bh, bw),
-                        full_warned or target.last_warned)
+                compare(
+                    stats,
+                    f"transcode+segments/{denom}",
+                    rst,
+                    got,
+                    None if full is None else full[t : t + bh, l : l + bw],
+                    (t, l, bh, bw),
+                    full_warned or target.last_warned,
+                )
 
 
 def new_stats() -> dict:
@@ -291,8 +374,12 @@ def main() -> None:
     mismatch_dir = Path(out)
 
     def report() -> None:
-        print(json.dumps({**stats, "calls": target.calls, "errors": target.errors,
-                          "warned": target.warned}), flush=True)
+        print(
+            json.dumps(
+                {**stats, "calls": target.calls, "errors": target.errors, "warned": target.warned}
+            ),
+            flush=True,
+        )
 
     while time.monotonic() < deadline:
         data = mutate(rng.choice(pool), rng)

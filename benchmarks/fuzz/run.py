@@ -44,15 +44,23 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "gpucache" / "_jpeg_regions.c"
-FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
-         "-g", "-O1", "-shared", "-fPIC"]
+FLAGS = [
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+    "-fno-omit-frame-pointer",
+    "-g",
+    "-O1",
+    "-shared",
+    "-fPIC",
+]
 
 
 def asan_runtime() -> str | None:
     """Path of gcc's shared ASan runtime, or None (no gcc, or no libasan)."""
     try:
-        out = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True,
-                             text=True, check=True).stdout.strip()
+        out = subprocess.run(
+            ["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return out if os.path.isabs(out) and os.path.exists(out) else None
@@ -70,39 +78,64 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=0.0)
     ap.add_argument("--seconds", type=float, default=0.0)
-    ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "gpucache-fuzz",
-                    help="build dir, crash inputs and summary.json (default: %(default)s)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "gpucache-fuzz",
+        help="build dir, crash inputs and summary.json (default: %(default)s)",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--photos", type=Path,
-                    default=HERE.parents[2] / "shared" / "data" / "hymenoptera")
+    ap.add_argument(
+        "--photos", type=Path, default=HERE.parents[2] / "shared" / "data" / "hymenoptera"
+    )
     args = ap.parse_args()
     budget = args.minutes * 60 + args.seconds or 10.0
     runtime = asan_runtime()
     if runtime is None:
-        print("fuzz: gcc's ASan runtime (libasan.so) is missing: apt-get install gcc",
-              file=sys.stderr)
+        print(
+            "fuzz: gcc's ASan runtime (libasan.so) is missing: apt-get install gcc", file=sys.stderr
+        )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     lib = build(args.out)
-    env = {**os.environ, "LD_PRELOAD": runtime,
-           "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:allocator_may_return_null=1",
-           "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
+    env = {
+        **os.environ,
+        "LD_PRELOAD": runtime,
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:allocator_may_return_null=1",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+    }
     deadline = time.monotonic() + budget
-    total = {"iterations": 0, "refused": 0, "calls": 0, "mismatches": [], "crashes": [],
-             "errors": 0, "warned": 0, "warned_mismatches": 0, "harness_errors": [],
-             "seconds": budget, "children": 0}
+    total = {
+        "iterations": 0,
+        "refused": 0,
+        "calls": 0,
+        "mismatches": [],
+        "crashes": [],
+        "errors": 0,
+        "warned": 0,
+        "warned_mismatches": 0,
+        "harness_errors": [],
+        "seconds": budget,
+        "children": 0,
+    }
     seed = args.seed
     while time.monotonic() < deadline:
         left = deadline - time.monotonic()
-        cmd = [sys.executable, str(HERE / "loop.py"), str(lib), str(args.out), str(seed),
-               f"{left:.1f}", str(args.photos)]
+        cmd = [
+            sys.executable,
+            str(HERE / "loop.py"),
+            str(lib),
+            str(args.out),
+            str(seed),
+            f"{left:.1f}",
+            str(args.photos),
+        ]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         total["children"] += 1
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         if lines:
             part = json.loads(lines[-1])
-            for key in ("iterations", "refused", "calls", "errors", "warned",
-                        "warned_mismatches"):
+            for key in ("iterations", "refused", "calls", "errors", "warned", "warned_mismatches"):
                 total[key] += part[key]
             total["mismatches"] += part["mismatches"]
         sanitizer = "Sanitizer" in r.stderr or "runtime error:" in r.stderr
@@ -115,8 +148,13 @@ def main() -> int:
             if current.exists():
                 current.replace(crash)
             (args.out / f"crash-{n}.txt").write_text(r.stderr[-20000:])
-            total["crashes"].append({"input": str(crash), "rc": r.returncode,
-                                     "report": r.stderr.strip().splitlines()[-1:]})
+            total["crashes"].append(
+                {
+                    "input": str(crash),
+                    "rc": r.returncode,
+                    "report": r.stderr.strip().splitlines()[-1:],
+                }
+            )
             total["iterations"] += 1
         seed += 1
     text = json.dumps(total, indent=1)

@@ -33,41 +33,117 @@ def contenders(cap: int, exact_kw: dict, quality: int = 90) -> list[Contender]:
     gc = ("gpucache", "torch")
     rst, exact = {"restart_markers": True}, {"loader_kw": exact_kw}
     return [
-        Contender("pil", "DataLoader + ImageFolder + PIL + torchvision v2; original bytes "
-                  "(files), full decode", None, "p_torch:pil", ("torch", "torchvision", "pillow")),
-        Contender("gpucache", "gpucache, default store (saved file), cpu backend; original "
-                  "bytes, crop-only decode, reduced DCT scale where 2 px per output px remain",
-                  None, "p_torch:gpucache", gc),
-        Contender("gpucache-rst", "gpucache, restart-marker store; original pixels (lossless "
-                  "transcode), crop-only decode incl. entropy, reduced scale", None,
-                  "p_torch:gpucache", gc, {"build_kw": rst}),
-        Contender("gpucache-exact", "gpucache, default store; original bytes, crop-only decode "
-                  "at full scale (exact=True)", None, "p_torch:gpucache", gc, exact,
-                  flag="exact"),
-        Contender("gpucache-rst-exact", "gpucache, restart-marker store; crop-only decode at full "
-                  "scale (exact=True)", None, "p_torch:gpucache", gc,
-                  {"build_kw": rst, **exact}, flag="exact"),
-        Contender(f"gpucache-cap{cap}", f"gpucache, store built with max_side={cap}; images over "
-                  f"{cap} px re-encoded smaller", None, "p_torch:gpucache", gc,
-                  {"build_kw": {"max_side": cap}}, flag="max-side"),
-        Contender(f"gpucache-q{quality}", f"gpucache, store re-encoded at quality {quality} "
-                  f"(jpeg_quality={quality}, 4:2:0, where smaller); crop-only decode", None,
-                  "p_torch:gpucache", gc, {"build_kw": {"jpeg_quality": quality}},
-                  flag="jpeg-quality"),
-        Contender("dali", "DALI CPU pipeline; original bytes, crop-only decode (train and eval)",
-                  "dali", "p_dali:dali", ("nvidia-dali-cuda120",)),
-        Contender("ffcv-jpg", "FFCV jpg mode; bytes re-encoded at quality 90, 4:2:0", "ffcv",
-                  "p_ffcv:ffcv", ("ffcv", "numba"), {"mode": "jpg"}),
-        Contender("ffcv-original", "FFCV raw mode; original bytes", "ffcv", "p_ffcv:ffcv",
-                  ("ffcv", "numba"), {"mode": "original"}),
-        Contender(f"ffcv-smart{cap}", f"FFCV smart mode, max_resolution={cap}; raw pixels (no "
-                  "decode)", "ffcv", "p_ffcv:ffcv", ("ffcv", "numba"),
-                  {"mode": "smart", "max_resolution": cap}),
-        Contender("spdl", "SPDL thread pipeline; original bytes, FFmpeg full decode + filter "
-                  "graph", "spdl", "p_spdl:spdl", ("spdl",)),
-        Contender("litdata", "litdata optimize + StreamingDataLoader; original bytes, decode_jpeg "
-                  "(full) + v2", "litdata", "p_litdata:litdata", ("litdata", "torch")),
-        Contender("streaming", "MosaicML Streaming MDS + DataLoader; original bytes, decode_jpeg "
-                  "(full) + v2", "streaming", "p_streaming:streaming",
-                  ("mosaicml-streaming", "numpy")),
+        Contender(
+            "pil",
+            "DataLoader + ImageFolder + PIL + torchvision v2; original bytes (files), full decode",
+            None,
+            "p_torch:pil",
+            ("torch", "torchvision", "pillow"),
+        ),
+        Contender(
+            "gpucache",
+            "gpucache, default store (saved file), cpu backend; original "
+            "bytes, crop-only decode, reduced DCT scale where 2 px per output px remain",
+            None,
+            "p_torch:gpucache",
+            gc,
+        ),
+        Contender(
+            "gpucache-rst",
+            "gpucache, restart-marker store; original pixels (lossless "
+            "transcode), crop-only decode incl. entropy, reduced scale",
+            None,
+            "p_torch:gpucache",
+            gc,
+            {"build_kw": rst},
+        ),
+        Contender(
+            "gpucache-exact",
+            "gpucache, default store; original bytes, crop-only decode at full scale (exact=True)",
+            None,
+            "p_torch:gpucache",
+            gc,
+            exact,
+            flag="exact",
+        ),
+        Contender(
+            "gpucache-rst-exact",
+            "gpucache, restart-marker store; crop-only decode at full scale (exact=True)",
+            None,
+            "p_torch:gpucache",
+            gc,
+            {"build_kw": rst, **exact},
+            flag="exact",
+        ),
+        Contender(
+            f"gpucache-cap{cap}",
+            f"gpucache, store built with max_side={cap}; images over {cap} px re-encoded smaller",
+            None,
+            "p_torch:gpucache",
+            gc,
+            {"build_kw": {"max_side": cap}},
+            flag="max-side",
+        ),
+        Contender(
+            f"gpucache-q{quality}",
+            f"gpucache, store re-encoded at quality {quality} "
+            f"(jpeg_quality={quality}, 4:2:0, where smaller); crop-only decode",
+            None,
+            "p_torch:gpucache",
+            gc,
+            {"build_kw": {"jpeg_quality": quality}},
+            flag="jpeg-quality",
+        ),
+        Contender(
+            "dali",
+            "DALI CPU pipeline; original bytes, crop-only decode (train and eval)",
+            "dali",
+            "p_dali:dali",
+            ("nvidia-dali-cuda120",),
+        ),
+        Contender(
+            "ffcv-jpg",
+            "FFCV jpg mode; bytes re-encoded at quality 90, 4:2:0",
+            "ffcv",
+            "p_ffcv:ffcv",
+            ("ffcv", "numba"),
+            {"mode": "jpg"},
+        ),
+        Contender(
+            "ffcv-original",
+            "FFCV raw mode; original bytes",
+            "ffcv",
+            "p_ffcv:ffcv",
+            ("ffcv", "numba"),
+            {"mode": "original"},
+        ),
+        Contender(
+            f"ffcv-smart{cap}",
+            f"FFCV smart mode, max_resolution={cap}; raw pixels (no decode)",
+            "ffcv",
+            "p_ffcv:ffcv",
+            ("ffcv", "numba"),
+            {"mode": "smart", "max_resolution": cap},
+        ),
+        Contender(
+            "spdl",
+            "SPDL thread pipeline; original bytes, FFmpeg full decode + filter graph",
+            "spdl",
+            "p_spdl:spdl",
+            ("spdl",),
+        ),
+        Contender(
+            "litdata",
+            "litdata optimize + StreamingDataLoader; original bytes, decode_jpeg (full) + v2",
+            "litdata",
+            "p_litdata:litdata",
+            ("litdata", "torch"),
+        ),
+        Contender(
+            "streaming",
+            "MosaicML Streaming MDS + DataLoader; original bytes, decode_jpeg (full) + v2",
+            "streaming",
+            "p_streaming:streaming",
+            ("mosaicml-streaming", "numpy"),
+        ),
     ]

@@ -107,8 +107,14 @@ def make_mosaics(photos, dst: Path, n: int, seed: int) -> Path:
     return dst
 
 
-def prepare(src: Path, work: Path, mosaics: int, seed: int = 0, repeat: int = 1,
-            reencode: tuple[tuple[str, int], ...] = ()) -> dict[str, Path]:
+def prepare(
+    src: Path,
+    work: Path,
+    mosaics: int,
+    seed: int = 0,
+    repeat: int = 1,
+    reencode: tuple[tuple[str, int], ...] = (),
+) -> dict[str, Path]:
     photos = real_photos(src)
     tail = "" if repeat == 1 else f"-x{repeat}"
     made = {"photos": link_photos(photos, work / f"photos{tail}", repeat)}
@@ -127,7 +133,8 @@ def _kinds(text: str) -> tuple[tuple[str, int], ...]:
         if sub not in SUBSAMPLING or not quality.isdigit() or not 1 <= int(quality) <= 100:
             raise argparse.ArgumentTypeError(
                 f"{item!r}: write SUBSAMPLING:QUALITY, SUBSAMPLING one of 444, 422, 420 and "
-                "QUALITY 1-100, e.g. 444:95,420:90")
+                "QUALITY 1-100, e.g. 444:95,420:90"
+            )
         out.append((sub, int(quality)))
     return tuple(out)
 
@@ -139,9 +146,13 @@ def main(argv=None) -> int:
     p.add_argument("--mosaics", type=int, default=200, help="how many 2000x1500 mosaics")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="link each photo this many times")
-    p.add_argument("--reencode", type=_kinds, default=(), metavar="SUB:Q,...",
-                   help="also the photos re-encoded, e.g. 444:95,420:90 (4:4:4 at quality 95, "
-                        "4:2:0 at 90)")
+    p.add_argument(
+        "--reencode",
+        type=_kinds,
+        default=(),
+        metavar="SUB:Q,...",
+        help="also the photos re-encoded, e.g. 444:95,420:90 (4:4:4 at quality 95, 4:2:0 at 90)",
+    )
     a = p.parse_args(argv)
     made = prepare(a.src, a.work, a.mosaics, a.seed, a.repeat, a.reencode)
     print(json.dumps({k: str(v) for k, v in made.items()}))

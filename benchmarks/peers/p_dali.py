@@ -27,25 +27,45 @@ class Dali:
         self.n, self.bs = len(cfg["files"]), cfg["batch_size"]
         train = cfg["pipeline"] == "train"
 
-        @pipeline_def(batch_size=self.bs, num_threads=cfg["workers"], device_id=None,
-                      seed=cfg["seed"] + 1, exec_dynamic=True)
+        @pipeline_def(
+            batch_size=self.bs,
+            num_threads=cfg["workers"],
+            device_id=None,
+            seed=cfg["seed"] + 1,
+            exec_dynamic=True,
+        )
         def pipe():
-            jpegs, labels = fn.readers.file(files=cfg["files"], labels=list(range(self.n)),
-                                            shuffle_after_epoch=train, pad_last_batch=True,
-                                            name="reader")
+            jpegs, labels = fn.readers.file(
+                files=cfg["files"],
+                labels=list(range(self.n)),
+                shuffle_after_epoch=train,
+                pad_last_batch=True,
+                name="reader",
+            )
             if train:
-                images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB,
-                                                       random_area=[0.08, 1.0],
-                                                       random_aspect_ratio=[3 / 4, 4 / 3])
+                images = fn.decoders.image_random_crop(
+                    jpegs,
+                    device="cpu",
+                    output_type=types.RGB,
+                    random_area=[0.08, 1.0],
+                    random_aspect_ratio=[3 / 4, 4 / 3],
+                )
                 images = fn.resize(images, resize_x=CROP, resize_y=CROP, antialias=True)
                 images = fn.flip(images, horizontal=fn.random.coin_flip())
             else:
                 shape = fn.peek_image_shape(jpegs)  # H, W, C
-                side = dmath.min(fn.cast(shape[0], dtype=types.FLOAT),
-                                 fn.cast(shape[1], dtype=types.FLOAT)) * (CROP / 256)
-                images = fn.decoders.image_crop(jpegs, device="cpu", output_type=types.RGB,
-                                                crop_h=side, crop_w=side, crop_pos_x=0.5,
-                                                crop_pos_y=0.5)
+                side = dmath.min(
+                    fn.cast(shape[0], dtype=types.FLOAT), fn.cast(shape[1], dtype=types.FLOAT)
+                ) * (CROP / 256)
+                images = fn.decoders.image_crop(
+                    jpegs,
+                    device="cpu",
+                    output_type=types.RGB,
+                    crop_h=side,
+                    crop_w=side,
+                    crop_pos_x=0.5,
+                    crop_pos_y=0.5,
+                )
                 images = fn.resize(images, resize_x=CROP, resize_y=CROP, antialias=True)
             return images, labels
 

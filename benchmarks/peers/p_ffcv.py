@@ -48,8 +48,10 @@ class Ffcv:
     def __init__(self, cfg):
         from ffcv.fields import IntField, RGBImageField
         from ffcv.fields.basics import IntDecoder
-        from ffcv.fields.rgb_image import (CenterCropRGBImageDecoder,
-                                           RandomResizedCropRGBImageDecoder)
+        from ffcv.fields.rgb_image import (
+            CenterCropRGBImageDecoder,
+            RandomResizedCropRGBImageDecoder,
+        )
         from ffcv.loader import Loader, OrderOption
         from ffcv.transforms import RandomHorizontalFlip, ToTensor
         from ffcv.writer import DatasetWriter
@@ -58,25 +60,33 @@ class Ffcv:
         mode, cap = opt.get("mode", "jpg"), opt.get("max_resolution")
         path = Path(cfg["work"]) / f"data-{mode}-{cap}.beton"
         if not path.exists():
-            field = RGBImageField(write_mode="jpg" if mode == "original" else mode,
-                                  max_resolution=cap, jpeg_quality=90)
+            field = RGBImageField(
+                write_mode="jpg" if mode == "original" else mode,
+                max_resolution=cap,
+                jpeg_quality=90,
+            )
             if mode == "original":
                 field.encode = types.MethodType(_original_bytes_encode, field)
             tmp = path.with_suffix(".tmp")
-            DatasetWriter(str(tmp), {"image": field, "label": IntField()},
-                          num_workers=cfg["workers"]).from_indexed_dataset(
-                _Files(cfg["files"], mode == "original"))
+            DatasetWriter(
+                str(tmp), {"image": field, "label": IntField()}, num_workers=cfg["workers"]
+            ).from_indexed_dataset(_Files(cfg["files"], mode == "original"))
             tmp.rename(path)
         train = cfg["pipeline"] == "train"
         if train:
             image = [RandomResizedCropRGBImageDecoder((CROP, CROP)), RandomHorizontalFlip()]
         else:
             image = [CenterCropRGBImageDecoder((CROP, CROP), ratio=CROP / 256)]
-        self.loader = Loader(str(path), batch_size=cfg["batch_size"], num_workers=cfg["workers"],
-                             order=OrderOption.RANDOM if train else OrderOption.SEQUENTIAL,
-                             drop_last=False, os_cache=True, seed=cfg["seed"],
-                             pipelines={"image": image + [ToTensor()],
-                                        "label": [IntDecoder(), ToTensor()]})
+        self.loader = Loader(
+            str(path),
+            batch_size=cfg["batch_size"],
+            num_workers=cfg["workers"],
+            order=OrderOption.RANDOM if train else OrderOption.SEQUENTIAL,
+            drop_last=False,
+            os_cache=True,
+            seed=cfg["seed"],
+            pipelines={"image": image + [ToTensor()], "label": [IntDecoder(), ToTensor()]},
+        )
         self.setup_info = {"format_bytes": path.stat().st_size}
 
     def batches(self):

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import litdata as ld
-
 from p_torch import _du, _Loader, decode, tv_transform
 
 
@@ -29,13 +28,26 @@ class Litdata(_Loader):
     def __init__(self, cfg):
         out = Path(cfg["work"]) / "optimized"
         if not (out / "index.json").exists():
-            ld.optimize(fn=_record, inputs=list(enumerate(cfg["files"])), output_dir=str(out),
-                        chunk_bytes="64MB", num_workers=1)
-        ds = Records(str(out), cfg["pipeline"], shuffle=cfg["pipeline"] == "train",
-                     drop_last=False, seed=cfg["seed"])
-        self.loader = ld.StreamingDataLoader(ds, batch_size=cfg["batch_size"],
-                                             num_workers=cfg["workers"],
-                                             persistent_workers=cfg["workers"] > 0)
+            ld.optimize(
+                fn=_record,
+                inputs=list(enumerate(cfg["files"])),
+                output_dir=str(out),
+                chunk_bytes="64MB",
+                num_workers=1,
+            )
+        ds = Records(
+            str(out),
+            cfg["pipeline"],
+            shuffle=cfg["pipeline"] == "train",
+            drop_last=False,
+            seed=cfg["seed"],
+        )
+        self.loader = ld.StreamingDataLoader(
+            ds,
+            batch_size=cfg["batch_size"],
+            num_workers=cfg["workers"],
+            persistent_workers=cfg["workers"] > 0,
+        )
         self.setup_info = {"format_bytes": _du(out)}
 
 

@@ -58,8 +58,9 @@ class Spdl:
         index, seed = item
         packets = spdl.io.demux_image(self.files[index])
         rng = random.Random(seed)
-        frames = spdl.io.decode_packets(packets, filter_desc=self._filter(
-            packets.width, packets.height, rng))
+        frames = spdl.io.decode_packets(
+            packets, filter_desc=self._filter(packets.width, packets.height, rng)
+        )
         return spdl.io.to_numpy(spdl.io.convert_frames(frames)), index
 
     @staticmethod
@@ -74,13 +75,15 @@ class Spdl:
             self.rng.shuffle(order)
         seeds = [self.rng.getrandbits(32) for _ in order]
         w = self.cfg["workers"]
-        pipe = (PipelineBuilder()
-                .add_source(list(zip(order, seeds)))
-                .pipe(self._load, concurrency=w)
-                .aggregate(self.cfg["batch_size"])
-                .pipe(self._collate)
-                .add_sink(3)
-                .build(num_threads=w))
+        pipe = (
+            PipelineBuilder()
+            .add_source(list(zip(order, seeds)))
+            .pipe(self._load, concurrency=w)
+            .aggregate(self.cfg["batch_size"])
+            .pipe(self._collate)
+            .add_sink(3)
+            .build(num_threads=w)
+        )
         with pipe.auto_stop():
             yield from pipe.get_iterator(timeout=600)
 

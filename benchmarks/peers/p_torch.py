@@ -29,8 +29,7 @@ def decode(data: bytes):
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                       mode=ImageReadMode.RGB)
+    return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
 
 
 class _Loader:
@@ -55,8 +54,14 @@ def _dataloader(ds, cfg, **kw):
     from torch.utils.data import DataLoader
 
     w = cfg["workers"]
-    return DataLoader(ds, batch_size=cfg["batch_size"], num_workers=w, persistent_workers=w > 0,
-                      generator=torch.Generator().manual_seed(cfg["seed"]), **kw)
+    return DataLoader(
+        ds,
+        batch_size=cfg["batch_size"],
+        num_workers=w,
+        persistent_workers=w > 0,
+        generator=torch.Generator().manual_seed(cfg["seed"]),
+        **kw,
+    )
 
 
 class Pil(_Loader):
@@ -92,9 +97,16 @@ class Gpucache(_Loader):
         self.cache = JpegCache.open(path)
         self.setup_info = {"store_bytes": path.stat().st_size}
         self.loader = GpuCachedLoader(
-            self.cache, batch_size=cfg["batch_size"], shuffle=cfg["pipeline"] == "train",
-            seed=cfg["seed"], transform=gc_transform(cfg["pipeline"], **opt.get("transform_kw", {})),
-            device="cpu", backend="cpu", num_workers=cfg["workers"], **opt.get("loader_kw", {}))
+            self.cache,
+            batch_size=cfg["batch_size"],
+            shuffle=cfg["pipeline"] == "train",
+            seed=cfg["seed"],
+            transform=gc_transform(cfg["pipeline"], **opt.get("transform_kw", {})),
+            device="cpu",
+            backend="cpu",
+            num_workers=cfg["workers"],
+            **opt.get("loader_kw", {}),
+        )
 
     def close(self):
         self.loader.close()

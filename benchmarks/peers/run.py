@@ -43,10 +43,15 @@ class Proc:
     def __init__(self, c, cfg: dict, venvs: Path, log: Path):
         self.c, self.log = c, open(log, "w")
         env = {**os.environ, "PYTHONPATH": c.src or cfg["gpucache_src"]}
-        self.p = subprocess.Popen([c.python(venvs), str(HERE / "serve.py"), c.driver,
-                                   cfg["cfg_path"]], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
-                                  cwd=str(ROOT))
+        self.p = subprocess.Popen(
+            [c.python(venvs), str(HERE / "serve.py"), c.driver, cfg["cfg_path"]],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+        )
 
     def read(self, timeout: float) -> tuple[str, dict]:
         deadline = time.monotonic() + timeout
@@ -76,8 +81,7 @@ class Proc:
 
 
 def files_of(root: Path) -> list[str]:
-    return [str(p) for p in sorted(root.rglob("*"))
-            if p.suffix.lower() in JPEG_EXT and p.is_file()]
+    return [str(p) for p in sorted(root.rglob("*")) if p.suffix.lower() in JPEG_EXT and p.is_file()]
 
 
 def load() -> list[float]:
@@ -94,16 +98,21 @@ def missing_peer(c, venvs: Path) -> str | None:
     py = c.python(venvs)
     if not os.access(py, os.X_OK):
         return f"no environment at {venvs / c.venv}; run bash benchmarks/peers/install.sh {venvs}"
-    code = ("import sys, importlib.metadata as m\n"
-            "for d in sys.argv[1:]:\n"
-            "    try: m.version(d)\n"
-            "    except m.PackageNotFoundError: print(d)\n")
-    out = subprocess.run([py, "-c", code, *c.dists], capture_output=True, text=True, cwd="/",
-                         timeout=120)
+    code = (
+        "import sys, importlib.metadata as m\n"
+        "for d in sys.argv[1:]:\n"
+        "    try: m.version(d)\n"
+        "    except m.PackageNotFoundError: print(d)\n"
+    )
+    out = subprocess.run(
+        [py, "-c", code, *c.dists], capture_output=True, text=True, cwd="/", timeout=120
+    )
     lacking = out.stdout.split() if out.returncode == 0 else [out.stderr.strip()[-300:]]
     if lacking:
-        return (f"{venvs / c.venv} lacks {', '.join(lacking)}; run bash "
-                f"benchmarks/peers/install.sh {venvs}")
+        return (
+            f"{venvs / c.venv} lacks {', '.join(lacking)}; run bash "
+            f"benchmarks/peers/install.sh {venvs}"
+        )
     return None
 
 
@@ -112,10 +121,19 @@ def run_pipeline(pipeline: str, chosen, files, args, work: Path) -> dict:
     for c in chosen:
         cw = work / c.name
         cw.mkdir(parents=True, exist_ok=True)
-        cfg = {"files": files, "root": str(args.src), "pipeline": pipeline,
-               "batch_size": args.batch_size, "workers": args.workers, "seed": args.seed,
-               "work": str(cw), "options": c.options, "dists": list(c.dists),
-               "cfg_path": str(cw / f"{pipeline}.json"), "gpucache_src": str(args.gpucache_src)}
+        cfg = {
+            "files": files,
+            "root": str(args.src),
+            "pipeline": pipeline,
+            "batch_size": args.batch_size,
+            "workers": args.workers,
+            "seed": args.seed,
+            "work": str(cw),
+            "options": c.options,
+            "dists": list(c.dists),
+            "cfg_path": str(cw / f"{pipeline}.json"),
+            "gpucache_src": str(args.gpucache_src),
+        }
         Path(cfg["cfg_path"]).write_text(json.dumps(cfg))
         res = out[c.name] = {"what": c.what, "warmup": [], "epochs": [], "load": []}
         lacking = missing_peer(c, args.venvs)
@@ -136,17 +154,19 @@ def run_pipeline(pipeline: str, chosen, files, args, work: Path) -> dict:
     try:
         for r in range(args.rounds):
             names = list(procs)
-            names = names[r % len(names):] + names[:r % len(names)] if names else names
+            names = names[r % len(names) :] + names[: r % len(names)] if names else names
             line = []
             for n in names:
                 res, p = out[n], procs[n]
                 got = [p.epoch(args.timeout) for _ in range(2)]  # warm-up, then timed
                 bad = next((m for k, m in got if k != "epoch"), None) or next(
-                    (m for _, m in got if not m["exactly_once"]), None)
+                    (m for _, m in got if not m["exactly_once"]), None
+                )
                 if bad is not None:
                     res["error"] = bad.get("error") or (
                         f"not exactly once: {bad['missing']} samples missing, "
-                        f"{bad['repeated']} repeated in an epoch of {bad['images']}")
+                        f"{bad['repeated']} repeated in an epoch of {bad['images']}"
+                    )
                     procs.pop(n).close()
                     line.append(f"{n} failed")
                     continue
@@ -154,8 +174,11 @@ def run_pipeline(pipeline: str, chosen, files, args, work: Path) -> dict:
                 res["epochs"].append(got[1][1])
                 res["load"].append(load())
                 line.append(f"{n} {got[1][1]['img_s']:.0f}")
-            print(f"[{pipeline}] round {r + 1}/{args.rounds} (load {load()[0]}): "
-                  + ", ".join(line), file=sys.stderr, flush=True)
+            print(
+                f"[{pipeline}] round {r + 1}/{args.rounds} (load {load()[0]}): " + ", ".join(line),
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         for p in procs.values():
             p.close()
@@ -165,49 +188,95 @@ def run_pipeline(pipeline: str, chosen, files, args, work: Path) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="gpucache against every peer, interleaved epochs")
     p.add_argument("src", type=Path, help="an image folder (every JPEG below it is a sample)")
-    p.add_argument("--venvs", type=Path, default=Path("/work/peer-venvs"),
-                   help="where install.sh made the peers' environments")
-    p.add_argument("--work", type=Path, default=Path("/tmp/gpucache-peers/work"),
-                   help="where each contender's format is written once and kept")
+    p.add_argument(
+        "--venvs",
+        type=Path,
+        default=Path("/work/peer-venvs"),
+        help="where install.sh made the peers' environments",
+    )
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/gpucache-peers/work"),
+        help="where each contender's format is written once and kept",
+    )
     p.add_argument("--out", type=Path, required=True, help="OUT.json, OUT.md and OUT.png")
     p.add_argument("--pipelines", default="train,eval")
     p.add_argument("--only", help="comma list of contenders (default: all enabled)")
     p.add_argument("--skip", default="", help="comma list of contenders to leave out")
-    p.add_argument("--exact", action="store_true",
-                   help="add gpucache with exact (full-scale) decode beside the default, which "
-                        "decodes at a reduced DCT scale where the output is 2x smaller")
-    p.add_argument("--exact-kw", type=json.loads, default={"exact": True},
-                   help="the GpuCachedLoader keywords of --exact (JSON)")
-    p.add_argument("--max-side", type=int, default=None,
-                   help="add gpucache built with this size cap; FFCV smart uses it too")
-    p.add_argument("--jpeg-quality", type=int, default=None, metavar="Q",
-                   help="add gpucache built with jpeg_quality=Q (every image re-encoded where "
-                        "smaller, as FFCV's jpg mode at 90)")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="add gpucache with exact (full-scale) decode beside the default, which "
+        "decodes at a reduced DCT scale where the output is 2x smaller",
+    )
+    p.add_argument(
+        "--exact-kw",
+        type=json.loads,
+        default={"exact": True},
+        help="the GpuCachedLoader keywords of --exact (JSON)",
+    )
+    p.add_argument(
+        "--max-side",
+        type=int,
+        default=None,
+        help="add gpucache built with this size cap; FFCV smart uses it too",
+    )
+    p.add_argument(
+        "--jpeg-quality",
+        type=int,
+        default=None,
+        metavar="Q",
+        help="add gpucache built with jpeg_quality=Q (every image re-encoded where "
+        "smaller, as FFCV's jpg mode at 90)",
+    )
     p.add_argument("--limit", type=int, default=None, help="use only N of the images")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5, help="timed epochs per contender")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800, help="seconds for one epoch or setup")
-    p.add_argument("--gpucache-src", type=Path, default=ROOT,
-                   help="the gpucache source tree the gpucache contenders import (default: this "
-                        "checkout; e.g. an older commit's, C extension built in place)")
-    p.add_argument("--before-src", type=Path, default=None,
-                   help="also run gpucache and gpucache-rst from this source tree, as "
-                        "gpucache-before and gpucache-rst-before, in the same rounds")
+    p.add_argument(
+        "--gpucache-src",
+        type=Path,
+        default=ROOT,
+        help="the gpucache source tree the gpucache contenders import (default: this "
+        "checkout; e.g. an older commit's, C extension built in place)",
+    )
+    p.add_argument(
+        "--before-src",
+        type=Path,
+        default=None,
+        help="also run gpucache and gpucache-rst from this source tree, as "
+        "gpucache-before and gpucache-rst-before, in the same rounds",
+    )
     p.add_argument("--note", default="", help="a line recorded with the result")
     args = p.parse_args(argv)
-    flags = {"exact": args.exact, "max-side": args.max_side is not None,
-             "jpeg-quality": args.jpeg_quality is not None}
+    flags = {
+        "exact": args.exact,
+        "max-side": args.max_side is not None,
+        "jpeg-quality": args.jpeg_quality is not None,
+    }
     cap = args.max_side or 512
-    chosen = [c for c in contenders(cap, args.exact_kw, args.jpeg_quality or 90)
-              if (c.flag is None or flags[c.flag]) and c.name not in args.skip.split(",")
-              and (not args.only or c.name in args.only.split(","))]
+    chosen = [
+        c
+        for c in contenders(cap, args.exact_kw, args.jpeg_quality or 90)
+        if (c.flag is None or flags[c.flag])
+        and c.name not in args.skip.split(",")
+        and (not args.only or c.name in args.only.split(","))
+    ]
     if args.before_src is not None:
         at = chosen.index(next(c for c in chosen if c.name.startswith("gpucache")))
-        before = [replace(c, name=f"{c.name}-before", src=str(args.before_src.resolve()),
-                          what=f"{c.what}, from {args.before_src}")
-                  for c in chosen if c.name in ("gpucache", "gpucache-rst")]
+        before = [
+            replace(
+                c,
+                name=f"{c.name}-before",
+                src=str(args.before_src.resolve()),
+                what=f"{c.what}, from {args.before_src}",
+            )
+            for c in chosen
+            if c.name in ("gpucache", "gpucache-rst")
+        ]
         chosen[at:at] = before
     files = files_of(args.src)
     if args.limit and args.limit < len(files):  # evenly spaced, so every class keeps its share
@@ -219,11 +288,18 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     from gpucache.bench._report import machine_info
 
-    report = {"machine": machine_info(), "load_start": load(), "note": args.note,
-              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "data": {"src": str(args.src), "images": len(files),
-                       "bytes": sum(os.path.getsize(f) for f in files)},
-              "pipelines": {}}
+    report = {
+        "machine": machine_info(),
+        "load_start": load(),
+        "note": args.note,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "data": {
+            "src": str(args.src),
+            "images": len(files),
+            "bytes": sum(os.path.getsize(f) for f in files),
+        },
+        "pipelines": {},
+    }
     t0 = time.perf_counter()
     for pipeline in args.pipelines.split(","):
         report["pipelines"][pipeline] = run_pipeline(pipeline, chosen, files, args, work)

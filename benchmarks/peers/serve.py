@@ -37,11 +37,18 @@ def check(images, indices, batch_size: int) -> np.ndarray:
     idx = _array(indices).reshape(-1).astype(np.int64)
     n = len(idx)
     shape, dtype = tuple(images.shape), str(images.dtype).replace("torch.", "")
-    ok = dtype == "uint8" and 0 < n <= batch_size and len(shape) == 4 and shape[0] == n and \
-        shape[1:] in ((3, CROP, CROP), (CROP, CROP, 3))
+    ok = (
+        dtype == "uint8"
+        and 0 < n <= batch_size
+        and len(shape) == 4
+        and shape[0] == n
+        and shape[1:] in ((3, CROP, CROP), (CROP, CROP, 3))
+    )
     if not ok:
-        raise ValueError(f"a batch of {n} indices came with images {dtype} {shape}; expected "
-                         f"uint8 ({n}, 3, {CROP}, {CROP}) or ({n}, {CROP}, {CROP}, 3)")
+        raise ValueError(
+            f"a batch of {n} indices came with images {dtype} {shape}; expected "
+            f"uint8 ({n}, 3, {CROP}, {CROP}) or ({n}, {CROP}, {CROP}, 3)"
+        )
     return idx
 
 
@@ -53,17 +60,24 @@ def run_epoch(contender, n_samples: int, batch_size: int) -> dict:
         now = time.perf_counter()
         idx = check(images, indices, batch_size)
         if idx.min() < 0 or idx.max() >= n_samples:
-            raise ValueError(f"sample index out of range 0..{n_samples - 1}: {idx.min()}..{idx.max()}")
+            raise ValueError(
+                f"sample index out of range 0..{n_samples - 1}: {idx.min()}..{idx.max()}"
+            )
         np.add.at(counts, idx, 1)
         batches += 1
         last = time.perf_counter()
         t0 += last - now  # the checks are not the loader's time
     seconds = last - t0
     missing, repeated = int((counts == 0).sum()), int((counts > 1).sum())
-    return {"seconds": seconds, "images": int(counts.sum()), "batches": batches,
-            "img_s": float(counts.sum() / seconds) if seconds > 0 else None,
-            "exactly_once": missing == 0 and repeated == 0, "missing": missing,
-            "repeated": repeated}
+    return {
+        "seconds": seconds,
+        "images": int(counts.sum()),
+        "batches": batches,
+        "img_s": float(counts.sum() / seconds) if seconds > 0 else None,
+        "exactly_once": missing == 0 and repeated == 0,
+        "missing": missing,
+        "repeated": repeated,
+    }
 
 
 def _version(dist: str) -> str | None:

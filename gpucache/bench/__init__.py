@@ -27,50 +27,89 @@ from ._contenders import CONTENDERS, GPU_BACKENDS
 __all__ = ["add_parser", "run", "main"]
 
 CASES = ("main", "batch100", "scaling-workers", "scaling-size")
-DESCRIPTION = ("Time GpuCachedLoader against torch DataLoader peers (PIL from files, a list-of-bytes "
-               "RAM cache) on the same data, workers, batch size and transform: images/s, batch "
-               "latency, time to first batch, copies of the data held and peak parent RSS.")
+DESCRIPTION = (
+    "Time GpuCachedLoader against torch DataLoader peers (PIL from files, a list-of-bytes "
+    "RAM cache) on the same data, workers, batch size and transform: images/s, batch "
+    "latency, time to first batch, copies of the data held and peak parent RSS."
+)
 
 
 def _csv(kind):
     def parse(text: str):
         return [kind(x) for x in text.split(",") if x.strip()]
+
     return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", nargs="?", help="ImageFolder root or a saved store file")
-    p.add_argument("--synthetic", type=int, metavar="N",
-                   help="use N generated JPEGs instead of SRC (made once, kept in the temp dir)")
-    p.add_argument("--pipeline", choices=("train", "val"), default="train",
-                   help="train: random-resized-crop 224 + flip; val: resize 256 + center crop 224")
-    p.add_argument("--backend", action="append", type=_csv(str), default=[],
-                   help="gpucache backends to run (repeatable or comma list: cpu,nvjpeg,dali); "
-                        "default cpu, plus nvjpeg and dali when CUDA is present")
-    p.add_argument("--contenders", type=_csv(str), default=None,
-                   help=f"comma list of contenders to run: {', '.join(CONTENDERS)}")
+    p.add_argument(
+        "--synthetic",
+        type=int,
+        metavar="N",
+        help="use N generated JPEGs instead of SRC (made once, kept in the temp dir)",
+    )
+    p.add_argument(
+        "--pipeline",
+        choices=("train", "val"),
+        default="train",
+        help="train: random-resized-crop 224 + flip; val: resize 256 + center crop 224",
+    )
+    p.add_argument(
+        "--backend",
+        action="append",
+        type=_csv(str),
+        default=[],
+        help="gpucache backends to run (repeatable or comma list: cpu,nvjpeg,dali); "
+        "default cpu, plus nvjpeg and dali when CUDA is present",
+    )
+    p.add_argument(
+        "--contenders",
+        type=_csv(str),
+        default=None,
+        help=f"comma list of contenders to run: {', '.join(CONTENDERS)}",
+    )
     p.add_argument("--workers", type=int, default=None, help="workers (default: usable cores)")
     p.add_argument("--batch-size", type=int, default=64, help="default 64")
-    p.add_argument("--epochs", type=int, default=3,
-                   help="measured epochs after the warm-up (default 3)")
+    p.add_argument(
+        "--epochs", type=int, default=3, help="measured epochs after the warm-up (default 3)"
+    )
     p.add_argument("--seed", type=int, default=0, help="loader and synthetic-data seed")
-    p.add_argument("--case", action="append", choices=CASES, default=[],
-                   help="what to run (repeatable; default main)")
+    p.add_argument(
+        "--case",
+        action="append",
+        choices=CASES,
+        default=[],
+        help="what to run (repeatable; default main)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the copies-held probes")
-    p.add_argument("--probe-mb", type=_csv(float), default=(30.0, 90.0),
-                   help="the two data sizes of the copies-held probes, MB (default 30,90)")
-    p.add_argument("--sizes-mb", type=_csv(float), default=[100.0, 1000.0],
-                   help="scaling-size: data sizes in MB (default 100,1000)")
-    p.add_argument("--batches", type=int, default=10,
-                   help="batch100: batches timed per contender in the calling process")
+    p.add_argument(
+        "--probe-mb",
+        type=_csv(float),
+        default=(30.0, 90.0),
+        help="the two data sizes of the copies-held probes, MB (default 30,90)",
+    )
+    p.add_argument(
+        "--sizes-mb",
+        type=_csv(float),
+        default=[100.0, 1000.0],
+        help="scaling-size: data sizes in MB (default 100,1000)",
+    )
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=10,
+        help="batch100: batches timed per contender in the calling process",
+    )
     p.add_argument("--json", type=Path, help="write every raw number here")
     p.add_argument("--plot", type=Path, help="draw images/s and copies held to this PNG")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``gpucache bench`` on the ``gpucache`` command's subparsers."""
-    p = subparsers.add_parser("bench", help="compare GpuCachedLoader with DataLoader peers",
-                              description=DESCRIPTION)
+    p = subparsers.add_parser(
+        "bench", help="compare GpuCachedLoader with DataLoader peers", description=DESCRIPTION
+    )
     add_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -78,8 +117,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def select(args, cuda: bool) -> list[str]:
     """The contenders to run: ``--contenders`` and ``--backend``, less what this machine lacks."""
-    backends = {b for group in args.backend for b in group} or \
-        ({"cpu", *GPU_BACKENDS} if cuda else {"cpu"})
+    backends = {b for group in args.backend for b in group} or (
+        {"cpu", *GPU_BACKENDS} if cuda else {"cpu"}
+    )
     bad = backends - {"cpu", *GPU_BACKENDS}
     if bad:
         raise ValueError(f"unknown backend {sorted(bad)}; choose from cpu, nvjpeg, dali")
@@ -106,8 +146,10 @@ def select(args, cuda: bool) -> list[str]:
             from ..decode._roi_rst import transcoder_available
 
             if not transcoder_available():
-                say(f"{n}: skipped, gpucache's restart-marker transcoder was not built "
-                    "(needs a C compiler and libjpeg headers at install)")
+                say(
+                    f"{n}: skipped, gpucache's restart-marker transcoder was not built "
+                    "(needs a C compiler and libjpeg headers at install)"
+                )
                 continue
         keep.append(n)
     return keep
@@ -117,9 +159,13 @@ def _invalid(args) -> str | None:
     """What is wrong with the arguments, or None."""
     if bool(args.src) == bool(args.synthetic):
         return "give SRC (an ImageFolder or a store file) or --synthetic N"
-    for name, v, low in (("--workers", args.workers, 0), ("--batch-size", args.batch_size, 1),
-                         ("--epochs", args.epochs, 1), ("--synthetic", args.synthetic, 1),
-                         ("--batches", args.batches, 1)):
+    for name, v, low in (
+        ("--workers", args.workers, 0),
+        ("--batch-size", args.batch_size, 1),
+        ("--epochs", args.epochs, 1),
+        ("--synthetic", args.synthetic, 1),
+        ("--batches", args.batches, 1),
+    ):
         if v is not None and v < low:
             return f"{name} should be >= {low}, got {v}"
     if len(args.probe_mb) != 2 or not 0 < args.probe_mb[0] < args.probe_mb[1]:
@@ -143,8 +189,13 @@ def run(args) -> int:
     except ValueError as err:
         say(f"gpucache bench: {err}")
         return 2
-    cfg = Config(pipeline=args.pipeline, batch_size=args.batch_size, epochs=args.epochs,
-                 workers=usable_cores() if args.workers is None else args.workers, seed=args.seed)
+    cfg = Config(
+        pipeline=args.pipeline,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        workers=usable_cores() if args.workers is None else args.workers,
+        seed=args.seed,
+    )
     try:
         return _run(args, names, cfg)
     except BenchError as err:
@@ -166,16 +217,22 @@ def plan(names: list[str], images: int, cfg: Config, args, cases: list[str]) -> 
     seconds = len(names) * (per + probes * _PROBE_S) if "main" in cases else 0.0
     if "batch100" in cases:
         seconds += len(names) * per
-    lines = [f"plan: {len(names)} contenders ({', '.join(names)}), each 1 warm-up + {cfg.epochs} "
-             f"measured epochs of {images} images (batch {cfg.batch_size}, {cfg.workers} "
-             f"workers); cases: {', '.join(cases)}"]
+    lines = [
+        f"plan: {len(names)} contenders ({', '.join(names)}), each 1 warm-up + {cfg.epochs} "
+        f"measured epochs of {images} images (batch {cfg.batch_size}, {cfg.workers} "
+        f"workers); cases: {', '.join(cases)}"
+    ]
     if probes:
-        lines.append(f"      copies held: {probes} fresh probe processes a contender "
-                     f"({args.probe_mb[0]:g} and {args.probe_mb[1]:g} MB of data)")
+        lines.append(
+            f"      copies held: {probes} fresh probe processes a contender "
+            f"({args.probe_mb[0]:g} and {args.probe_mb[1]:g} MB of data)"
+        )
     rough = f"about {seconds / 60:.0f} min" if seconds >= 90 else f"about {seconds:.0f} s"
     extra = " plus the scaling cases" if {"scaling-workers", "scaling-size"} & set(cases) else ""
-    lines.append(f"      estimated time: {rough}{extra} (rough; shorter: --contenders, --epochs, "
-                 "--no-memory)")
+    lines.append(
+        f"      estimated time: {rough}{extra} (rough; shorter: --contenders, --epochs, "
+        "--no-memory)"
+    )
     return "\n".join(lines)
 
 
@@ -190,14 +247,20 @@ def _run(args, names: list[str], cfg: Config) -> int:
         names100 = names
     t_start = time.perf_counter()
     machine = _report.machine_info()
-    report: dict = {"machine": machine, "args": {k: (str(v) if isinstance(v, Path) else v)
-                                                 for k, v in vars(args).items() if k != "func"}}
+    report: dict = {
+        "machine": machine,
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"
+        },
+    }
     plots = []
     with tempfile.TemporaryDirectory(prefix="gpucache-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        need_store = any(CONTENDERS[n].backing in ("file", "rst")
-                         for n in (names if set(cases) & {"main", "scaling-workers"} else [])
-                         + (names100 if "batch100" in cases else []))
+        need_store = any(
+            CONTENDERS[n].backing in ("file", "rst")
+            for n in (names if set(cases) & {"main", "scaling-workers"} else [])
+            + (names100 if "batch100" in cases else [])
+        )
         source = prepare_source(args, tmp, need_store)
         report["data"] = source.info
         title = _report.header(source, cfg, machine)
@@ -210,18 +273,33 @@ def _run(args, names: list[str], cfg: Config) -> int:
                 print(_report.format_table(results))
                 width = max(len(n) for n in names)
                 print("\n".join(f"  {n:<{width}}  {CONTENDERS[n].what}" for n in names))
-                print("ratio: images/s over the first row's; copies: extra PSS per data byte "
-                      f"(probes of {args.probe_mb[0]:g} and {args.probe_mb[1]:g} MB)")
-                plots.append(("main", lambda p, r=results: _report.plot_main(
-                    r, p, "gpucache bench: " + title)))
+                print(
+                    "ratio: images/s over the first row's; copies: extra PSS per data byte "
+                    f"(probes of {args.probe_mb[0]:g} and {args.probe_mb[1]:g} MB)"
+                )
+                plots.append(
+                    (
+                        "main",
+                        lambda p, r=results: _report.plot_main(r, p, "gpucache bench: " + title),
+                    )
+                )
             elif case == "batch100":
                 report["batch100"] = _cases.case_batch100(names100, source, cfg, args)
             elif case == "scaling-workers":
                 report["scaling_workers"] = rep = _cases.case_scaling_workers(
-                    names, source, cfg, args, tmp)
-                plots.append(("scaling-workers", lambda p, t=rep["table"]: _report.plot_scaling(
-                    t, p, "scaling with workers: " + title.replace(f", {cfg.workers} workers",
-                                                                   ""))))
+                    names, source, cfg, args, tmp
+                )
+                plots.append(
+                    (
+                        "scaling-workers",
+                        lambda p, t=rep["table"]: _report.plot_scaling(
+                            t,
+                            p,
+                            "scaling with workers: "
+                            + title.replace(f", {cfg.workers} workers", ""),
+                        ),
+                    )
+                )
             elif case == "scaling-size":
                 report["scaling_size"] = _cases.case_scaling_size(source, args, tmp)
     report["wall_s"] = time.perf_counter() - t_start
@@ -230,8 +308,11 @@ def _run(args, names: list[str], cfg: Config) -> int:
         args.json.write_text(json.dumps(report, indent=1, default=str))
         print(f"wrote {args.json}")
     for k, (case, draw) in enumerate(plots if args.plot else []):
-        path = args.plot if k == 0 else args.plot.with_name(
-            f"{args.plot.stem}-{case}{args.plot.suffix}")
+        path = (
+            args.plot
+            if k == 0
+            else args.plot.with_name(f"{args.plot.stem}-{case}{args.plot.suffix}")
+        )
         draw(path)
         print(f"wrote {path}")
     return 0

@@ -22,9 +22,12 @@ def case_main(names, source, cfg, args, tmp) -> tuple[dict, list[Result]]:
     results = run_interleaved(names, source, cfg)
     if not args.no_memory:
         measure_memory(names, source, cfg, args.probe_mb, tmp, results)
-    return {"config": asdict(cfg), "contenders": [
-        {**asdict(r), "summary": r.summary(), **asdict(CONTENDERS[r.name])} for r in results]}, \
-        results
+    return {
+        "config": asdict(cfg),
+        "contenders": [
+            {**asdict(r), "summary": r.summary(), **asdict(CONTENDERS[r.name])} for r in results
+        ],
+    }, results
 
 
 def _sizes(epoch: dict, bs: int) -> list[int]:
@@ -35,8 +38,14 @@ def _sizes(epoch: dict, bs: int) -> list[int]:
 def _line(name: str, ms: list[float], base: float | None, first: str) -> tuple[float, float, str]:
     med, p99 = float(np.median(ms)), float(np.percentile(ms, 99))
     base = base or med
-    return med, p99, (f"  {name:<15} median {med:7.0f} ms  p99 {p99:7.0f} ms  ({base / med:.2f}x "
-                      f"as fast as {first})")
+    return (
+        med,
+        p99,
+        (
+            f"  {name:<15} median {med:7.0f} ms  p99 {p99:7.0f} ms  ({base / med:.2f}x "
+            f"as fast as {first})"
+        ),
+    )
 
 
 def case_batch100(names, source, cfg, args) -> dict:
@@ -53,8 +62,13 @@ def case_batch100(names, source, cfg, args) -> dict:
             continue
         med, p99, text = _line(r.name, full, base, streamed[0].name)
         base = base or med
-        out["streamed"][r.name] = {"median_ms": med, "p99_ms": p99, "batches": len(full),
-                                   "first_batch_s": r.first_batch_s, "raw_ms": full}
+        out["streamed"][r.name] = {
+            "median_ms": med,
+            "p99_ms": p99,
+            "batches": len(full),
+            "first_batch_s": r.first_batch_s,
+            "raw_ms": full,
+        }
         print(text)
     runners: dict[str, Runner] = {}
     times: dict[str, list[float]] = {}
@@ -105,8 +119,9 @@ def case_scaling_workers(names, source, cfg, args, tmp) -> dict:
         if not args.no_memory:
             measure_memory(names, source, cw, args.probe_mb, tmp, results)
         for r in results:
-            table[r.name].append({"workers": w, **r.summary(), "error": r.error,
-                                  "first_batch_s": r.first_batch_s})
+            table[r.name].append(
+                {"workers": w, **r.summary(), "error": r.error, "first_batch_s": r.first_batch_s}
+            )
     print("\nimages/s (copies held) against workers:")
     print(f"{'contender':<15}" + "".join(f"{f'{w} workers':>20}" for w in ws))
     notes = []
@@ -159,9 +174,11 @@ def case_scaling_size(source, args, tmp) -> dict:
         target = int(mb * 2**20)
         room = shutil.disk_usage(tmp).free
         if room < 2.2 * target:
-            raise BenchError(f"scaling-size needs about {2.2 * target / 2**30:.1f} GiB free in "
-                             f"{tmp} for {mb:g} MB of images plus the store; it has "
-                             f"{room / 2**30:.1f} GiB. Use smaller --sizes-mb or set TMPDIR.")
+            raise BenchError(
+                f"scaling-size needs about {2.2 * target / 2**30:.1f} GiB free in "
+                f"{tmp} for {mb:g} MB of images plus the store; it has "
+                f"{room / 2**30:.1f} GiB. Use smaller --sizes-mb or set TMPDIR."
+            )
         folder = tmp / f"size-{mb:g}"
         evicted = _evict(_write_copies(source, folder, target))
         t0 = time.perf_counter()
@@ -178,19 +195,34 @@ def case_scaling_size(source, args, tmp) -> dict:
         opened = time.perf_counter() - t0
         if len(cache) != n or cache.nbytes != nbytes:
             raise BenchError(f"reopened store differs: {len(cache)} vs {n} samples")
-        rows.append({"target_mb": mb, "images": n, "bytes": nbytes,
-                     "file_bytes": path.stat().st_size, "build_s": build, "save_s": save,
-                     "open_s": opened, "build_mb_s": nbytes / 2**20 / build,
-                     "page_cache_evicted": evicted})
+        rows.append(
+            {
+                "target_mb": mb,
+                "images": n,
+                "bytes": nbytes,
+                "file_bytes": path.stat().st_size,
+                "build_s": build,
+                "save_s": save,
+                "open_s": opened,
+                "build_mb_s": nbytes / 2**20 / build,
+                "page_cache_evicted": evicted,
+            }
+        )
         del cache
         shutil.rmtree(folder)
         path.unlink()
-        say(f"size {mb:g} MB: {n} images, build {build:.2f} s, save {save:.2f} s, "
-            f"open {opened * 1e3:.1f} ms")
-    print("\nstore build / save / open against data size (files written to disk, page cache "
-          "evicted before the build):")
+        say(
+            f"size {mb:g} MB: {n} images, build {build:.2f} s, save {save:.2f} s, "
+            f"open {opened * 1e3:.1f} ms"
+        )
+    print(
+        "\nstore build / save / open against data size (files written to disk, page cache "
+        "evicted before the build):"
+    )
     print(f"{'size MB':>8} {'images':>7} {'build s':>8} {'MB/s':>7} {'save s':>7} {'open ms':>8}")
     for r in rows:
-        print(f"{r['bytes'] / 2**20:>8.0f} {r['images']:>7} {r['build_s']:>8.2f} "
-              f"{r['build_mb_s']:>7.0f} {r['save_s']:>7.2f} {r['open_s'] * 1e3:>8.1f}")
+        print(
+            f"{r['bytes'] / 2**20:>8.0f} {r['images']:>7} {r['build_s']:>8.2f} "
+            f"{r['build_mb_s']:>7.0f} {r['save_s']:>7.2f} {r['open_s'] * 1e3:>8.1f}"
+        )
     return {"rows": rows}

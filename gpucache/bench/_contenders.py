@@ -41,28 +41,78 @@ class Contender:
     roi: bool = True  # gpucache cpu: decode only the crop box when nvImageCodec is there
 
 
-CONTENDERS = {c.name: c for c in (
-    Contender("pil", "pil", "DataLoader + ImageFolder + PIL + torchvision v2, from files"),
-    Contender("bytes-fork", "bytes", "DataLoader over a list of bytes + decode_jpeg, fork", "fork"),
-    Contender("bytes-spawn", "bytes", "DataLoader over a list of bytes + decode_jpeg, spawn",
-              "spawn"),
-    Contender("cpu-mem-fork", "gpucache", "GpuCachedLoader cpu, in-memory store, fork", "fork",
-              "memory", "cpu"),
-    Contender("cpu-mem-spawn", "gpucache", "GpuCachedLoader cpu, in-memory store, spawn", "spawn",
-              "memory", "cpu"),
-    Contender("cpu-file-fork", "gpucache", "GpuCachedLoader cpu, store opened from file, fork "
-              "(crops decoded region-only)", "fork", "file", "cpu"),
-    Contender("cpu-file-spawn", "gpucache", "GpuCachedLoader cpu, store opened from file, spawn",
-              "spawn", "file", "cpu"),
-    Contender("cpu-full-fork", "gpucache", "GpuCachedLoader cpu, file store, fork, ROI decode off "
-              "(full decode, then crop)", "fork", "file", "cpu", roi=False),
-    Contender("cpu-rst-fork", "gpucache", "GpuCachedLoader cpu, restart-marker store (only the "
-              "crop's segments decoded), fork", "fork", "rst", "cpu"),
-    Contender("nvjpeg", "gpucache", "GpuCachedLoader nvjpeg (GPU), store from file", None, "file",
-              "nvjpeg"),
-    Contender("dali", "gpucache", "GpuCachedLoader dali (GPU), store from file", None, "file",
-              "dali"),
-)}
+CONTENDERS = {
+    c.name: c
+    for c in (
+        Contender("pil", "pil", "DataLoader + ImageFolder + PIL + torchvision v2, from files"),
+        Contender(
+            "bytes-fork", "bytes", "DataLoader over a list of bytes + decode_jpeg, fork", "fork"
+        ),
+        Contender(
+            "bytes-spawn", "bytes", "DataLoader over a list of bytes + decode_jpeg, spawn", "spawn"
+        ),
+        Contender(
+            "cpu-mem-fork",
+            "gpucache",
+            "GpuCachedLoader cpu, in-memory store, fork",
+            "fork",
+            "memory",
+            "cpu",
+        ),
+        Contender(
+            "cpu-mem-spawn",
+            "gpucache",
+            "GpuCachedLoader cpu, in-memory store, spawn",
+            "spawn",
+            "memory",
+            "cpu",
+        ),
+        Contender(
+            "cpu-file-fork",
+            "gpucache",
+            "GpuCachedLoader cpu, store opened from file, fork (crops decoded region-only)",
+            "fork",
+            "file",
+            "cpu",
+        ),
+        Contender(
+            "cpu-file-spawn",
+            "gpucache",
+            "GpuCachedLoader cpu, store opened from file, spawn",
+            "spawn",
+            "file",
+            "cpu",
+        ),
+        Contender(
+            "cpu-full-fork",
+            "gpucache",
+            "GpuCachedLoader cpu, file store, fork, ROI decode off (full decode, then crop)",
+            "fork",
+            "file",
+            "cpu",
+            roi=False,
+        ),
+        Contender(
+            "cpu-rst-fork",
+            "gpucache",
+            "GpuCachedLoader cpu, restart-marker store (only the crop's segments decoded), fork",
+            "fork",
+            "rst",
+            "cpu",
+        ),
+        Contender(
+            "nvjpeg",
+            "gpucache",
+            "GpuCachedLoader nvjpeg (GPU), store from file",
+            None,
+            "file",
+            "nvjpeg",
+        ),
+        Contender(
+            "dali", "gpucache", "GpuCachedLoader dali (GPU), store from file", None, "file", "dali"
+        ),
+    )
+}
 
 
 def tv_transform(pipeline: str, *, pil: bool):
@@ -166,9 +216,12 @@ class Runner:
             from ..store._store import JpegCache
 
             if c.backing == "memory":
-                self.cache = JpegCache.from_files([p for p, _ in src.samples],
-                                                  [y for _, y in src.samples],
-                                                  classes=src.classes, progress=False)
+                self.cache = JpegCache.from_files(
+                    [p for p, _ in src.samples],
+                    [y for _, y in src.samples],
+                    classes=src.classes,
+                    progress=False,
+                )
             else:
                 if src.store is None:
                     raise BenchError("no saved store for a file-backed contender")
@@ -184,8 +237,9 @@ class Runner:
                 self.device = "cuda"
         return time.perf_counter() - t0
 
-    def make_loader(self, *, batch_size: int | None = None, workers: int | None = None,
-                    worker_init_fn=None) -> None:
+    def make_loader(
+        self, *, batch_size: int | None = None, workers: int | None = None, worker_init_fn=None
+    ) -> None:
         import torch
 
         bs = batch_size or self.cfg.batch_size
@@ -195,24 +249,37 @@ class Runner:
             from torch.utils.data import DataLoader
 
             self.loader = DataLoader(
-                self.data, batch_size=bs, shuffle=shuffle, num_workers=w,
-                persistent_workers=w > 0, pin_memory=False,
+                self.data,
+                batch_size=bs,
+                shuffle=shuffle,
+                num_workers=w,
+                persistent_workers=w > 0,
+                pin_memory=False,
                 multiprocessing_context=self.c.context if w > 0 else None,
                 generator=torch.Generator().manual_seed(self.cfg.seed),
-                worker_init_fn=worker_init_fn)
+                worker_init_fn=worker_init_fn,
+            )
         else:
             from ..loader._loader import GpuCachedLoader
 
             if not self.c.roi:
                 if w == 0:
-                    raise BenchError(f"{self.c.name} switches ROI off in its workers: needs "
-                                     "workers > 0")
+                    raise BenchError(
+                        f"{self.c.name} switches ROI off in its workers: needs workers > 0"
+                    )
                 worker_init_fn = NoRoi(worker_init_fn)
             self.loader = GpuCachedLoader(
-                self.cache, batch_size=bs, shuffle=shuffle, seed=self.cfg.seed,
-                transform=gc_transform(self.cfg.pipeline), device=self.device,
-                backend=self.c.backend, num_workers=w, multiprocessing_context=self.c.context,
-                worker_init_fn=worker_init_fn)
+                self.cache,
+                batch_size=bs,
+                shuffle=shuffle,
+                seed=self.cfg.seed,
+                transform=gc_transform(self.cfg.pipeline),
+                device=self.device,
+                backend=self.c.backend,
+                num_workers=w,
+                multiprocessing_context=self.c.context,
+                worker_init_fn=worker_init_fn,
+            )
         self.batch_size = bs
 
     def close(self) -> None:

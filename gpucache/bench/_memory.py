@@ -37,8 +37,9 @@ def probe_main(spec_path: str) -> int:
     from ..testing._memory import tree_pss
 
     spec = json.loads(Path(spec_path).read_text())
-    src = Source(spec["root"], [(p, int(y)) for p, y in spec["samples"]], spec["classes"],
-                 spec["store"])
+    src = Source(
+        spec["root"], [(p, int(y)) for p, y in spec["samples"]], spec["classes"], spec["store"]
+    )
     r = Runner(CONTENDERS[spec["contender"]], src, Config(**spec["config"]))
     t0 = time.perf_counter()
     r.setup()
@@ -54,9 +55,16 @@ def probe_main(spec_path: str) -> int:
     _wait_for_acks(asked, Path(os.environ[ACK_ENV]))
     data = tree_pss(without_libraries=True)
     everything = tree_pss()
-    out = {"pss": data, "pss_libs": everything - data, "pss_all": everything,
-           "processes": 1 + len(children), "data_bytes": r.data_bytes, "images": ep["images"],
-           "peak_rss": _peak_rss(), "seconds": time.perf_counter() - t0}
+    out = {
+        "pss": data,
+        "pss_libs": everything - data,
+        "pss_all": everything,
+        "processes": 1 + len(children),
+        "data_bytes": r.data_bytes,
+        "images": ep["images"],
+        "peak_rss": _peak_rss(),
+        "seconds": time.perf_counter() - t0,
+    }
     r.close()
     shutil.rmtree(os.environ.pop(ACK_ENV), ignore_errors=True)
     print(json.dumps(out))
@@ -124,8 +132,9 @@ def _peak_rss() -> int:
     return 0
 
 
-def _probe_sources(source: Source, sizes_mb: tuple[float, float], tmp: Path,
-                   need_store: bool, unit: int = 1) -> list[Source]:
+def _probe_sources(
+    source: Source, sizes_mb: tuple[float, float], tmp: Path, need_store: bool, unit: int = 1
+) -> list[Source]:
     """Two data sets of about sizes_mb: one sample of the files, repeated 1 and k times.
 
     The sample is a whole number of ``unit`` (batch size x workers) images, so every batch of
@@ -149,8 +158,12 @@ def _probe_sources(source: Source, sizes_mb: tuple[float, float], tmp: Path,
         if need_store:
             from ..store._store import JpegCache
 
-            cache = JpegCache.from_files([p for p, _ in samples], [y for _, y in samples],
-                                         classes=source.classes, progress=False)
+            cache = JpegCache.from_files(
+                [p for p, _ in samples],
+                [y for _, y in samples],
+                classes=source.classes,
+                progress=False,
+            )
             s.store = str(cache.save(tmp / f"probe-{name}.gpucache"))
             del cache
         out.append(s)
@@ -159,29 +172,52 @@ def _probe_sources(source: Source, sizes_mb: tuple[float, float], tmp: Path,
 
 def _run_probe(contender: str, src: Source, cfg: Config, tmp: Path, epochs: int) -> dict:
     spec = tmp / f"probe-{contender}-{len(src.samples)}.json"
-    spec.write_text(json.dumps({"contender": contender, "root": src.root,
-                                "samples": src.samples, "classes": src.classes,
-                                "store": src.store, "config": asdict(cfg), "epochs": epochs}))
+    spec.write_text(
+        json.dumps(
+            {
+                "contender": contender,
+                "root": src.root,
+                "samples": src.samples,
+                "classes": src.classes,
+                "store": src.store,
+                "config": asdict(cfg),
+                "epochs": epochs,
+            }
+        )
+    )
     env = dict(os.environ, **MALLOC_ENV)
     repo = str(Path(__file__).resolve().parents[2])  # a source checkout works too
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "gpucache.bench", "--memory-probe", str(spec)],
-                          capture_output=True, text=True, env=env, cwd=tmp, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpucache.bench", "--memory-probe", str(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp,
+        timeout=900,
+    )
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise BenchError(f"memory probe of {contender} failed (exit {proc.returncode}): {tail}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure_memory(names: list[str], source: Source, cfg: Config, sizes_mb: tuple[float, float],
-                   tmp: Path, results: list[Result]) -> None:
+def measure_memory(
+    names: list[str],
+    source: Source,
+    cfg: Config,
+    sizes_mb: tuple[float, float],
+    tmp: Path,
+    results: list[Result],
+) -> None:
     """Copies held and peak parent RSS of each contender (two fresh processes each)."""
     if not sys.platform.startswith("linux"):
         say("memory probes skipped: PSS needs Linux (/proc/PID/smaps)")
         return
     need_store = any(CONTENDERS[n].backing in ("file", "rst") for n in names)
-    small, large = _probe_sources(source, sizes_mb, tmp, need_store,
-                                  cfg.batch_size * max(1, cfg.workers))
+    small, large = _probe_sources(
+        source, sizes_mb, tmp, need_store, cfg.batch_size * max(1, cfg.workers)
+    )
     by_name = {r.name: r for r in results}
     bar = progress(len(names), "memory probes")
     for n in names:
@@ -194,8 +230,12 @@ def measure_memory(names: list[str], source: Source, cfg: Config, sizes_mb: tupl
             a = _run_probe(n, small, cfg, tmp, len(large.samples) // len(small.samples))
             b = _run_probe(n, large, cfg, tmp, 1)
             d_bytes = b["data_bytes"] - a["data_bytes"]
-            res.memory = {"copies": (b["pss"] - a["pss"]) / d_bytes if d_bytes else None,
-                          "peak_rss_mb": b["peak_rss"] / 2**20, "small": a, "large": b}
+            res.memory = {
+                "copies": (b["pss"] - a["pss"]) / d_bytes if d_bytes else None,
+                "peak_rss_mb": b["peak_rss"] / 2**20,
+                "small": a,
+                "large": b,
+            }
             msg = f"memory {n}: {res.memory['copies']:.2f} copies held"
         except Exception as err:  # noqa: BLE001
             res.memory = {"error": f"{type(err).__name__}: {err}"[:300]}

@@ -24,8 +24,8 @@ def machine_info() -> dict:
     import torch
 
     from .. import __version__
-    from ..decode._workers import usable_cores
     from ..decode._core import jpeg_decoder_name
+    from ..decode._workers import usable_cores
 
     model = platform.processor() or platform.machine()
     try:
@@ -41,13 +41,20 @@ def machine_info() -> dict:
             versions[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             versions[mod] = None
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu": model, "cores": os.cpu_count(), "usable_cores": usable_cores(),
-            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-            "python": platform.python_version(), "platform": platform.platform(),
-            "gpucache": __version__, "versions": versions, "jpeg_decoder": jpeg_decoder_name(),
-            "default_start_method": mp.get_start_method(allow_none=True) or "default",
-            "cuda": torch.cuda.is_available()}
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "usable_cores": usable_cores(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "gpucache": __version__,
+        "versions": versions,
+        "jpeg_decoder": jpeg_decoder_name(),
+        "default_start_method": mp.get_start_method(allow_none=True) or "default",
+        "cuda": torch.cuda.is_available(),
+    }
     if info["cuda"]:
         info["gpu"] = torch.cuda.get_device_name(0)
     if os.path.isdir("/dev/shm"):
@@ -74,18 +81,22 @@ def copies_cell(name: str, copies: float | None, *, short: bool = False) -> tupl
             return ("reads files" if short else "0 (reads files)"), None
         return f"{fmt(copies, '.2f')}?", (
             f"{name} reads files and holds no cache, yet measured {copies:.2f} copies: its heaps "
-            "differed between the two probes (readings in the JSON); try other --probe-mb sizes")
+            "differed between the two probes (readings in the JSON); try other --probe-mb sizes"
+        )
     if copies < -0.05:
         return f"{fmt(copies, '.2f')}?", (
             f"{name}: negative copies held: the two probes' worker heaps differed by more than "
-            "the data; try other --probe-mb sizes")
+            "the data; try other --probe-mb sizes"
+        )
     return fmt(copies, ".2f"), None
 
 
 def format_table(results: list[Result]) -> str:
     base = next((r.summary().get("img_s") for r in results), None)
-    head = (f"{'contender':<15} {'img/s (min-max)':>17} {'ratio':>6} {'p50 ms':>7} {'p99 ms':>7} "
-            f"{'1st batch s':>11} {'copies':>15} {'peak RSS MB':>11}")
+    head = (
+        f"{'contender':<15} {'img/s (min-max)':>17} {'ratio':>6} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'1st batch s':>11} {'copies':>15} {'peak RSS MB':>11}"
+    )
     lines, notes = [head, "-" * len(head)], []
     for r in results:
         s = r.summary()
@@ -95,9 +106,11 @@ def format_table(results: list[Result]) -> str:
         else:
             rate, ratio = "-", "-"
         copies, note = copies_cell(r.name, s.get("copies"))
-        lines.append(f"{r.name:<15} {rate:>17} {ratio:>6} {fmt(s.get('p50_ms'), '.0f'):>7} "
-                     f"{fmt(s.get('p99_ms'), '.0f'):>7} {fmt(r.first_batch_s, '.2f'):>11} "
-                     f"{copies:>15} {fmt(s.get('peak_rss_mb'), '.0f'):>11}")
+        lines.append(
+            f"{r.name:<15} {rate:>17} {ratio:>6} {fmt(s.get('p50_ms'), '.0f'):>7} "
+            f"{fmt(s.get('p99_ms'), '.0f'):>7} {fmt(r.first_batch_s, '.2f'):>11} "
+            f"{copies:>15} {fmt(s.get('peak_rss_mb'), '.0f'):>11}"
+        )
         notes += [note] if note else []
         if r.error:
             notes.append(f"{r.name} failed: {r.error}")
@@ -108,10 +121,12 @@ def format_table(results: list[Result]) -> str:
 
 def header(source: Source, cfg: Config, machine: dict) -> str:
     i = source.info
-    return (f"{i['images']} images ({i['bytes'] / 2**20:,.1f} MiB, {i['classes']} classes) from "
-            f"{i['src']}\npipeline {cfg.pipeline}, batch {cfg.batch_size}, {cfg.workers} workers, "
-            f"{cfg.epochs} epochs after a warm-up; {machine['cpu']}, {machine['usable_cores']} "
-            f"cores, torch {machine['versions']['torch']}, decoder {machine['jpeg_decoder']}")
+    return (
+        f"{i['images']} images ({i['bytes'] / 2**20:,.1f} MiB, {i['classes']} classes) from "
+        f"{i['src']}\npipeline {cfg.pipeline}, batch {cfg.batch_size}, {cfg.workers} workers, "
+        f"{cfg.epochs} epochs after a warm-up; {machine['cpu']}, {machine['usable_cores']} "
+        f"cores, torch {machine['versions']['torch']}, decoder {machine['jpeg_decoder']}"
+    )
 
 
 def _pyplot():
@@ -146,8 +161,9 @@ def plot_main(results: list[Result], path: Path, title: str) -> None:
     a1.barh(names, rate, xerr=err, color=colors, capsize=3, ecolor="#444444")
     top = max(x["img_s_max"] for x in s)
     for y, x in enumerate(s):
-        a1.text(x["img_s_max"] + top * 0.01, y, f"{x['img_s']:.0f}", va="center", ha="left",
-                fontsize=8)
+        a1.text(
+            x["img_s_max"] + top * 0.01, y, f"{x['img_s']:.0f}", va="center", ha="left", fontsize=8
+        )
     a1.set_xlabel("images/s (median over epochs; whiskers min-max)")
     a1.set_xlim(0, top * 1.15)
     copies = [_plotted_copies(n, x.get("copies")) for n, x in zip(names, s)]
@@ -156,9 +172,14 @@ def plot_main(results: list[Result], path: Path, title: str) -> None:
     for y, (n, v, x) in enumerate(zip(names, bars, s)):
         text = "n/a" if x.get("copies") is None else copies_cell(n, x["copies"])[0]
         a2.text(max(v, 0.0), y, f" {text}", va="center", ha="left", fontsize=8)
-    a2.legend(handles=[Patch(color="#2a7ab0", label="gpucache"),
-                       Patch(color="#999999", label="DataLoader peers")],
-              fontsize=8, loc="lower right")
+    a2.legend(
+        handles=[
+            Patch(color="#2a7ab0", label="gpucache"),
+            Patch(color="#999999", label="DataLoader peers"),
+        ],
+        fontsize=8,
+        loc="lower right",
+    )
     a2.axvline(1.0, color="k", lw=0.8, ls="--")
     a2.set_xlabel("copies of the data held (parent + workers, PSS)")
     a2.set_xlim(min(0.0, bars.min() * 1.25), max(bars.max(), 1.0) * 1.35)

@@ -31,11 +31,15 @@ class Result:
         if self.epochs:
             rates = [e["img_s"] for e in self.epochs]
             lat = np.concatenate([e["batch_ms"] for e in self.epochs])
-            out.update(img_s=float(np.median(rates)), img_s_min=min(rates), img_s_max=max(rates),
-                       p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)))
+            out.update(
+                img_s=float(np.median(rates)),
+                img_s_min=min(rates),
+                img_s_max=max(rates),
+                p50_ms=float(np.percentile(lat, 50)),
+                p99_ms=float(np.percentile(lat, 99)),
+            )
         if self.memory:
-            out.update(copies=self.memory.get("copies"),
-                       peak_rss_mb=self.memory.get("peak_rss_mb"))
+            out.update(copies=self.memory.get("copies"), peak_rss_mb=self.memory.get("peak_rss_mb"))
         return out
 
 
@@ -48,13 +52,21 @@ def check_batch(r: Runner, images, labels) -> int:
     import torch
 
     n = len(labels)
-    if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 \
-            or tuple(images.shape) != (n, 3, CROP, CROP) or not 0 < n <= r.batch_size \
-            or images.device.type != r.device:
-        got = (f"{type(images).__name__} {getattr(images, 'dtype', '')} "
-               f"{tuple(getattr(images, 'shape', ()))} on {getattr(images, 'device', '?')}")
-        raise BenchError(f"{r.c.name}: a batch of {n} labels came with images {got}; "
-                         f"expected uint8 ({n}, 3, {CROP}, {CROP}) on {r.device}")
+    if (
+        not isinstance(images, torch.Tensor)
+        or images.dtype != torch.uint8
+        or tuple(images.shape) != (n, 3, CROP, CROP)
+        or not 0 < n <= r.batch_size
+        or images.device.type != r.device
+    ):
+        got = (
+            f"{type(images).__name__} {getattr(images, 'dtype', '')} "
+            f"{tuple(getattr(images, 'shape', ()))} on {getattr(images, 'device', '?')}"
+        )
+        raise BenchError(
+            f"{r.c.name}: a batch of {n} labels came with images {got}; "
+            f"expected uint8 ({n}, 3, {CROP}, {CROP}) on {r.device}"
+        )
     return n
 
 
@@ -83,11 +95,17 @@ def epoch(r: Runner) -> dict:
         for index, _ in r.loader.stats.skipped_samples[skipped0:]:
             expected[r.cache.labels[index]] -= 1
     if not np.array_equal(counts, expected) or (small > 1 and r.cache is None):
-        raise BenchError(f"{r.c.name}: an epoch gave label counts {counts.tolist()}, the "
-                         f"data set has {expected.tolist()} ({small} short batches)")
+        raise BenchError(
+            f"{r.c.name}: an epoch gave label counts {counts.tolist()}, the "
+            f"data set has {expected.tolist()} ({small} short batches)"
+        )
     n = int(counts.sum())
-    return {"seconds": seconds, "images": n, "img_s": n / seconds,
-            "batch_ms": [round(x * 1e3, 3) for x in lat]}
+    return {
+        "seconds": seconds,
+        "images": n,
+        "img_s": n / seconds,
+        "batch_ms": [round(x * 1e3, 3) for x in lat],
+    }
 
 
 def step(r: Runner) -> tuple[float, int]:
@@ -134,8 +152,10 @@ def run_interleaved(names: list[str], source: Source, cfg: Config) -> list[Resul
             try:
                 _warm_up(r, res)
                 runners[n] = r
-                msg = (f"warm-up {n}: {res.warmup_s:.1f} s, first batch {res.first_batch_s:.2f} s"
-                       f" (setup {res.setup_s:.1f} s)")
+                msg = (
+                    f"warm-up {n}: {res.warmup_s:.1f} s, first batch {res.first_batch_s:.2f} s"
+                    f" (setup {res.setup_s:.1f} s)"
+                )
             except Exception as err:  # noqa: BLE001 - one contender failing leaves the others
                 res.error = _error(err)
                 r.close()
@@ -147,7 +167,7 @@ def run_interleaved(names: list[str], source: Source, cfg: Config) -> list[Resul
                 say(msg)
         for e in range(cfg.epochs):
             order = list(runners)
-            order = order[e % len(order):] + order[:e % len(order)] if order else order
+            order = order[e % len(order) :] + order[: e % len(order)] if order else order
             line = []
             for n in order:
                 try:

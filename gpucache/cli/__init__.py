@@ -9,17 +9,20 @@ import time
 
 import numpy as np
 
-from . import _build as _build_cli, _cache as _cache_cli
 from .. import bench
 from .._errors import GpucacheError
-from ..ingest._resize import SECTION as RESIZED, max_side_of, resized
+from ..ingest._resize import SECTION as RESIZED
+from ..ingest._resize import max_side_of, resized
 from ..ingest._sniff import Kind
 from ..store._store import JpegCache
+from . import _build as _build_cli
+from . import _cache as _cache_cli
 
-
-DESCRIPTION = ("gpucache build | info | verify | bench | cache: pack images into one store file, "
-               "summarize and check stores, compare loaders' speed, and list or clean the node "
-               "cache. Each command: gpucache COMMAND --help.")
+DESCRIPTION = (
+    "gpucache build | info | verify | bench | cache: pack images into one store file, "
+    "summarize and check stores, compare loaders' speed, and list or clean the node "
+    "cache. Each command: gpucache COMMAND --help."
+)
 
 
 def _build(args) -> int:
@@ -27,8 +30,10 @@ def _build(args) -> int:
     try:
         cache = _build_cli.store_from_args(args, JpegCache)
         if cache is None:
-            print("gpucache build: give an ImageFolder root or one of --csv, --webdataset, --hf",
-                  file=sys.stderr)
+            print(
+                "gpucache build: give an ImageFolder root or one of --csv, --webdataset, --hf",
+                file=sys.stderr,
+            )
             return 2
     except (ValueError, RuntimeError, MemoryError) as err:  # BuildError; no transcoder (the fix)
         print(err, file=sys.stderr)
@@ -38,10 +43,11 @@ def _build(args) -> int:
     if report is not None:  # the skipped files were logged as the build went (first 20)
         print(str(report).splitlines()[0])
         if len(report.skipped) > 20:
-            print(f"all {len(report.skipped)} skipped files: gpucache info --skipped "
-                  f"{args.output}")
-    print(f"wrote {args.output}: {len(cache)} samples, {cache.nbytes / 2**20:,.1f} MiB of images, "
-          f"{len(cache.classes)} classes in {time.perf_counter() - t0:.1f} s")
+            print(f"all {len(report.skipped)} skipped files: gpucache info --skipped {args.output}")
+    print(
+        f"wrote {args.output}: {len(cache)} samples, {cache.nbytes / 2**20:,.1f} MiB of images, "
+        f"{len(cache.classes)} classes in {time.perf_counter() - t0:.1f} s"
+    )
     return 0
 
 
@@ -51,14 +57,18 @@ def _info(args) -> int:
     kinds = {Kind(int(v)).name: int(c) for v, c in zip(values, counts)}
     s = cache.samples
     print(f"{args.file}: {len(cache)} samples, {cache.nbytes / 2**20:,.1f} MiB of images")
-    print(f"classes ({len(cache.classes)}): {', '.join(cache.classes[:20])}"
-          f"{' ...' if len(cache.classes) > 20 else ''}")
+    print(
+        f"classes ({len(cache.classes)}): {', '.join(cache.classes[:20])}"
+        f"{' ...' if len(cache.classes) > 20 else ''}"
+    )
     print("kinds: " + ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())))
     if len(cache):
-        print(f"height: {s['height'].min()}..{s['height'].max()}, width: "
-              f"{s['width'].min()}..{s['width'].max()}; grayscale {int((s['components'] == 1).sum())}"
-              f", CMYK {int((s['components'] == 4).sum())}; GPU-decodable "
-              f"{int(cache.gpu_decodable().sum())}")
+        print(
+            f"height: {s['height'].min()}..{s['height'].max()}, width: "
+            f"{s['width'].min()}..{s['width'].max()}; grayscale {int((s['components'] == 1).sum())}"
+            f", CMYK {int((s['components'] == 4).sum())}; GPU-decodable "
+            f"{int(cache.gpu_decodable().sum())}"
+        )
     print(f"metadata: {'yes' if cache.metadata is not None else 'no'}")
     if cache.report is None:
         print("build report: none stored")
@@ -73,11 +83,15 @@ def _info(args) -> int:
         was = int(cache.extra[RESIZED][mask, 2].astype(np.int64).sum())
         now = int(np.diff(cache._offsets)[mask].sum())
         cap = f"max_side {settings[0]}, " if settings[0] else ""
-        print(f"re-encoded at build ({cap}quality {settings[1]}): {int(mask.sum())} of "
-              f"{len(cache)} samples, {was / 2**20:,.1f} MiB -> {now / 2**20:,.1f} MiB")
+        print(
+            f"re-encoded at build ({cap}quality {settings[1]}): {int(mask.sum())} of "
+            f"{len(cache)} samples, {was / 2**20:,.1f} MiB -> {now / 2**20:,.1f} MiB"
+        )
     if cache.extra:
-        print("sections: " + ", ".join(f"{name} {arr.dtype.str} {arr.shape}"
-                                       for name, arr in cache.extra.items()))
+        print(
+            "sections: "
+            + ", ".join(f"{name} {arr.dtype.str} {arr.shape}" for name, arr in cache.extra.items())
+        )
     return 0
 
 
@@ -102,8 +116,10 @@ def _verify(args) -> int:
         print(f"{args.file}: {p}", file=sys.stderr)
     print(f"{args.file}: {checked}{decoded} ({time.perf_counter() - t0:.1f} s)")
     if problems:
-        print("rebuild the store (`gpucache build`) or copy it again from a good copy",
-              file=sys.stderr)
+        print(
+            "rebuild the store (`gpucache build`) or copy it again from a good copy",
+            file=sys.stderr,
+        )
     return 1 if problems else 0
 
 
@@ -118,39 +134,73 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src", nargs="?", help="ImageFolder root (root/<class>/<image>)")
     p.add_argument("--csv", help="a CSV of path,label[,metadata] rows instead of a folder")
     p.add_argument("--webdataset", nargs="+", metavar="SHARD", help="WebDataset .tar shards")
-    p.add_argument("--hf", metavar="DATASET", help="a Hugging Face dataset: a save_to_disk "
-                   "folder or a hub name (with --hf-split, --hf-image-column)")
-    p.add_argument("--hf-split", default="train", metavar="SPLIT",
-                   help="with --hf: the split to pack (default: train)")
-    p.add_argument("--hf-image-column", default="image", metavar="COLUMN",
-                   help="with --hf: the column holding the images (default: image)")
+    p.add_argument(
+        "--hf",
+        metavar="DATASET",
+        help="a Hugging Face dataset: a save_to_disk "
+        "folder or a hub name (with --hf-split, --hf-image-column)",
+    )
+    p.add_argument(
+        "--hf-split",
+        default="train",
+        metavar="SPLIT",
+        help="with --hf: the split to pack (default: train)",
+    )
+    p.add_argument(
+        "--hf-image-column",
+        default="image",
+        metavar="COLUMN",
+        help="with --hf: the column holding the images (default: image)",
+    )
     p.add_argument("-o", "--output", required=True, help="store file to write")
-    p.add_argument("--on-error", choices=("skip", "raise"), default="skip",
-                   help="a corrupt, truncated or non-image file: skip it and list it in the "
-                        "build report (default), or stop the build with an error naming it")
+    p.add_argument(
+        "--on-error",
+        choices=("skip", "raise"),
+        default="skip",
+        help="a corrupt, truncated or non-image file: skip it and list it in the "
+        "build report (default), or stop the build with an error naming it",
+    )
     _build_cli.add_threads(p, "reader threads (default: every core)")
     _build_cli.add_options(p)
-    p.add_argument("--restart-markers", action="store_true",
-                   help="transcode JPEGs losslessly with restart markers: random crops decode "
-                        "only their segments (faster CPU crops, about +3%% size; same pixels)")
-    p.add_argument("--max-side", type=int, default=None, metavar="PX",
-                   help="re-encode images whose long side exceeds PX to that long side (JPEG, "
-                        "quality 90 or --jpeg-quality, recorded in the store); the rest keep their "
-                        "bytes")
-    p.add_argument("--jpeg-quality", type=int, default=None, metavar="Q",
-                   help="re-encode every image as JPEG at quality Q (1-100, 4:2:0, upright) where "
-                        "that makes it smaller, as FFCV's jpg mode (lossy; recorded in the store)")
+    p.add_argument(
+        "--restart-markers",
+        action="store_true",
+        help="transcode JPEGs losslessly with restart markers: random crops decode "
+        "only their segments (faster CPU crops, about +3%% size; same pixels)",
+    )
+    p.add_argument(
+        "--max-side",
+        type=int,
+        default=None,
+        metavar="PX",
+        help="re-encode images whose long side exceeds PX to that long side (JPEG, "
+        "quality 90 or --jpeg-quality, recorded in the store); the rest keep their "
+        "bytes",
+    )
+    p.add_argument(
+        "--jpeg-quality",
+        type=int,
+        default=None,
+        metavar="Q",
+        help="re-encode every image as JPEG at quality Q (1-100, 4:2:0, upright) where "
+        "that makes it smaller, as FFCV's jpg mode (lossy; recorded in the store)",
+    )
     p.set_defaults(func=_build)
     p = sub.add_parser("info", help="summarize a store file (reads no image data)")
     p.add_argument("file")
-    p.add_argument("--skipped", action="store_true",
-                   help="list every file the build skipped, with the reason")
+    p.add_argument(
+        "--skipped", action="store_true", help="list every file the build skipped, with the reason"
+    )
     p.set_defaults(func=_info)
     p = sub.add_parser("verify", help="check every sample's checksum and decode it, on every core")
     p.add_argument("file")
     _build_cli.add_threads(p, "threads to check with (default: every core)")
-    p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
-                   help="decode every sample too (default; --no-decode: checksums only)")
+    p.add_argument(
+        "--decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode every sample too (default; --no-decode: checksums only)",
+    )
     p.set_defaults(func=_verify)
     bench.add_parser(sub)
     _cache_cli.add_parser(sub)

@@ -26,38 +26,69 @@ def max_pixels(text: str) -> int | None:
 
 def add_threads(p: argparse.ArgumentParser, what: str) -> None:
     """``--num-threads`` (``num_threads=`` in Python), with ``-j`` and ``--threads`` as aliases."""
-    p.add_argument("-j", "--num-threads", "--threads", dest="num_threads", type=int, default=None,
-                   metavar="N", help=what)
+    p.add_argument(
+        "-j",
+        "--num-threads",
+        "--threads",
+        dest="num_threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help=what,
+    )
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
     """The build options the Python builders take, and the per-source ones."""
-    p.add_argument("--max-pixels", type=max_pixels, default=DEFAULT_MAX_PIXELS, metavar="N",
-                   help=f"refuse images whose header claims more pixels (default "
-                        f"{DEFAULT_MAX_PIXELS:,}; none: no bound)")
-    p.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="build into this cache folder once (reused while the inputs are "
-                        "unchanged), then write --output")
+    p.add_argument(
+        "--max-pixels",
+        type=max_pixels,
+        default=DEFAULT_MAX_PIXELS,
+        metavar="N",
+        help=f"refuse images whose header claims more pixels (default "
+        f"{DEFAULT_MAX_PIXELS:,}; none: no bound)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="build into this cache folder once (reused while the inputs are "
+        "unchanged), then write --output",
+    )
     p.add_argument("--delimiter", default=",", help="with --csv: the field delimiter (default ,)")
-    p.add_argument("--metadata-ext", default=None, metavar="EXT",
-                   help="with --webdataset: the member extension holding each sample's metadata "
-                        "text (e.g. json)")
-    p.add_argument("--hf-label-column", default="label", metavar="COLUMN",
-                   help="with --hf: the column holding the labels (default: label; none: "
-                        "unlabeled)")
+    p.add_argument(
+        "--metadata-ext",
+        default=None,
+        metavar="EXT",
+        help="with --webdataset: the member extension holding each sample's metadata "
+        "text (e.g. json)",
+    )
+    p.add_argument(
+        "--hf-label-column",
+        default="label",
+        metavar="COLUMN",
+        help="with --hf: the column holding the labels (default: label; none: unlabeled)",
+    )
 
 
 def store_from_args(args, cls):
     """The store ``gpucache build`` ARGS name; None when they name no input."""
-    kw = dict(on_error=args.on_error, num_threads=args.num_threads, progress=True,
-              max_pixels=args.max_pixels, restart_markers=args.restart_markers,
-              max_side=args.max_side, jpeg_quality=args.jpeg_quality)
+    kw = dict(
+        on_error=args.on_error,
+        num_threads=args.num_threads,
+        progress=True,
+        max_pixels=args.max_pixels,
+        restart_markers=args.restart_markers,
+        max_side=args.max_side,
+        jpeg_quality=args.jpeg_quality,
+    )
     cache_dir = dict(cache_dir=args.cache_dir)
     if args.csv:
         return cls.from_csv(args.csv, delimiter=args.delimiter, **kw, **cache_dir)
     if args.webdataset:
-        return cls.from_webdataset(args.webdataset, metadata_ext=args.metadata_ext, **kw,
-                                   **cache_dir)
+        return cls.from_webdataset(
+            args.webdataset, metadata_ext=args.metadata_ext, **kw, **cache_dir
+        )
     if args.hf:
         import datasets
 
@@ -68,8 +99,9 @@ def store_from_args(args, cls):
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[args.hf_split]
         label = None if args.hf_label_column.lower() == "none" else args.hf_label_column
-        return cls.from_hf(ds, image_column=args.hf_image_column, label_column=label, **kw,
-                           **cache_dir)
+        return cls.from_hf(
+            ds, image_column=args.hf_image_column, label_column=label, **kw, **cache_dir
+        )
     if args.src is None:
         return None
     return cls.from_folder(Path(args.src), **kw, **cache_dir)

@@ -63,21 +63,31 @@ def _list(args) -> int:
     found = entries(folder)
     print(f"{folder}: {len(found)} stores, {_human(sum(e.nbytes for e in found))}")
     for e in reversed(found):  # most recently used first
-        print(f"  {e.key}  {_human(e.nbytes):>11}  used {_ago(e.age_s):>6} ago"
-              f"{'  IN USE' if e.in_use else '        '}  {e.source or '(source not recorded)'}")
+        print(
+            f"  {e.key}  {_human(e.nbytes):>11}  used {_ago(e.age_s):>6} ago"
+            f"{'  IN USE' if e.in_use else '        '}  {e.source or '(source not recorded)'}"
+        )
     return 0
 
 
 def _clean(args) -> int:
     if not (args.all or args.older_than is not None or args.max_size is not None):
-        print("gpucache cache clean: say what to remove: --older-than AGE, --max-size SIZE or "
-              "--all (stores in use are never removed)", file=sys.stderr)
+        print(
+            "gpucache cache clean: say what to remove: --older-than AGE, --max-size SIZE or "
+            "--all (stores in use are never removed)",
+            file=sys.stderr,
+        )
         return 2
     folder = _folder(args)
     if isinstance(folder, int):
         return folder
-    gone = clean(folder, older_than=args.older_than, max_bytes=args.max_size,
-                 everything=args.all, dry_run=args.dry_run)
+    gone = clean(
+        folder,
+        older_than=args.older_than,
+        max_bytes=args.max_size,
+        everything=args.all,
+        dry_run=args.dry_run,
+    )
     verb = "would remove" if args.dry_run else "removed"
     for e in gone.stores:
         print(f"{verb} {e.path} ({_human(e.nbytes)}, used {_ago(e.age_s)} ago)")
@@ -85,24 +95,37 @@ def _clean(args) -> int:
         print(f"removed {path} (a record or temporary file of the node cache that no store needs)")
     kept = entries(folder) if not args.dry_run else []
     busy = sum(e.in_use for e in kept)
-    print(f"{verb} {len(gone.stores)} stores, {_human(sum(e.nbytes for e in gone.stores))}"
-          + (f", {len(gone.leftovers)} leftover files" if gone.leftovers else "")
-          + (f"; {busy} in use kept" if busy else ""))
+    print(
+        f"{verb} {len(gone.stores)} stores, {_human(sum(e.nbytes for e in gone.stores))}"
+        + (f", {len(gone.leftovers)} leftover files" if gone.leftovers else "")
+        + (f"; {busy} in use kept" if busy else "")
+    )
     return 0
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("cache", help="list or clean the node cache's stores")
     csub = p.add_subparsers(dest="cache_command", required=True)
-    for name, func, text in (("list", _list, "stores: key, size, last use, in use, source"),
-                             ("clean", _clean, "remove stores not in use")):
+    for name, func, text in (
+        ("list", _list, "stores: key, size, last use, in use, source"),
+        ("clean", _clean, "remove stores not in use"),
+    ):
         q = csub.add_parser(name, help=text)
-        q.add_argument("--dir", help=f"the cache folder (default: {default_dir()}, the "
-                                     "default of cache_dir=)")
+        q.add_argument(
+            "--dir", help=f"the cache folder (default: {default_dir()}, the default of cache_dir=)"
+        )
         q.set_defaults(func=func)
-    q.add_argument("--older-than", type=_age, metavar="AGE",
-                   help="stores not opened for this long, e.g. 12h, 7d")
-    q.add_argument("--max-size", type=_size, metavar="SIZE",
-                   help="then the least recently used until the rest fit, e.g. 200G")
+    q.add_argument(
+        "--older-than",
+        type=_age,
+        metavar="AGE",
+        help="stores not opened for this long, e.g. 12h, 7d",
+    )
+    q.add_argument(
+        "--max-size",
+        type=_size,
+        metavar="SIZE",
+        help="then the least recently used until the rest fit, e.g. 200G",
+    )
     q.add_argument("--all", action="store_true", help="every store not in use")
     q.add_argument("--dry-run", action="store_true", help="only say what would go")

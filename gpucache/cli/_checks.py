@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from .._progress import tqdm
 
+from .._progress import tqdm
 from ..store import _checksum
 from ..store._format import SAMPLE_CRC
 from ..store._oom import BUILD_FIX, raise_if_out_of_memory
@@ -39,12 +39,12 @@ class Problem:
 
 
 def _bar(total: int, desc: str, unit: str, progress: bool, **kw):
-    return tqdm(total=total, desc=desc, unit=unit, disable=None if progress else True,
-                leave=False, **kw)
+    return tqdm(
+        total=total, desc=desc, unit=unit, disable=None if progress else True, leave=False, **kw
+    )
 
 
-def check_checksums(cache, *, threads: int | None = None, progress: bool = True
-                    ) -> list[Problem]:
+def check_checksums(cache, *, threads: int | None = None, progress: bool = True) -> list[Problem]:
     """Problems found by the stored checksums: per sample where the store has them."""
     parsed = cache._file
     stored = parsed.extra.get(SAMPLE_CRC)
@@ -53,17 +53,31 @@ def check_checksums(cache, *, threads: int | None = None, progress: bool = True
             crc = _checksum.crc32(cache._data, threads=threads, on_bytes=bar.update)
         if crc == parsed.data_crc:
             return []
-        return [Problem(None, None, f"data checksum mismatch (stored {parsed.data_crc:08x}, "
-                        f"computed {crc:08x}): the image data is corrupt; this store has no "
-                        "per-sample checksums to say where (save it again with this version "
-                        "to add them, or rebuild it)")]
+        return [
+            Problem(
+                None,
+                None,
+                f"data checksum mismatch (stored {parsed.data_crc:08x}, "
+                f"computed {crc:08x}): the image data is corrupt; this store has no "
+                "per-sample checksums to say where (save it again with this version "
+                "to add them, or rebuild it)",
+            )
+        ]
     with _bar(len(cache), "checksum", "img", progress) as bar:
-        computed = _checksum.sample_crcs(cache._data, cache._offsets, threads=threads,
-                                         on_samples=bar.update)
+        computed = _checksum.sample_crcs(
+            cache._data, cache._offsets, threads=threads, on_samples=bar.update
+        )
     bad = np.flatnonzero(computed != stored)
     paths = cache.paths
-    return [Problem(int(i), paths[int(i)], f"checksum mismatch (stored {int(stored[i]):08x}, "
-                    f"computed {int(computed[i]):08x}): its bytes are corrupt") for i in bad]
+    return [
+        Problem(
+            int(i),
+            paths[int(i)],
+            f"checksum mismatch (stored {int(stored[i]):08x}, "
+            f"computed {int(computed[i]):08x}): its bytes are corrupt",
+        )
+        for i in bad
+    ]
 
 
 def _decode_noting(cache, i: int):
@@ -76,18 +90,31 @@ def _decode_noting(cache, i: int):
 
     rec = cache.samples[i]
     height, width = int(rec["height"]), int(rec["width"])
-    if (_roi.region_decoder(int(rec["components"])) is _roi._c_region
-            and rec["kind"] in _ROI_KINDS and rec["precision"] == 8):
+    if (
+        _roi.region_decoder(int(rec["components"])) is _roi._c_region
+        and rec["kind"] in _ROI_KINDS
+        and rec["precision"] == 8
+    ):
         check_pixels(cache, i)
         _roi.take_warning()
-        img = _roi.decode_crop(cache[i], 0, 0, height, width, orientation=int(rec["orientation"]),
-                               height=height, width=width, region=_roi._c_region)
+        img = _roi.decode_crop(
+            cache[i],
+            0,
+            0,
+            height,
+            width,
+            orientation=int(rec["orientation"]),
+            height=height,
+            width=width,
+            region=_roi._c_region,
+        )
         return img, _roi.take_warning()
     return decode_sample(cache, i), None
 
 
-def check_decodes(cache, *, threads: int | None = None, progress: bool = True,
-                  warned: list[Problem] | None = None) -> list[Problem]:
+def check_decodes(
+    cache, *, threads: int | None = None, progress: bool = True, warned: list[Problem] | None = None
+) -> list[Problem]:
     """Problems found by decoding every sample in full (and checking its size). Samples that
     decode with a libjpeg warning (corrupt data decoded anyway) are appended to ``warned``."""
     from ..decode._core import check_size
@@ -112,8 +139,10 @@ def check_decodes(cache, *, threads: int | None = None, progress: bool = True,
     found: list[Problem] = []
     starts: Iterator[int] = iter(range(0, n, DECODE_CHUNK))
     with _bar(n, "decode", "img", progress) as bar:
-        for first, part in zip(range(0, n, DECODE_CHUNK), _checksum.ordered_map(
-                one, starts, threads or _checksum.default_threads(), None)):
+        for first, part in zip(
+            range(0, n, DECODE_CHUNK),
+            _checksum.ordered_map(one, starts, threads or _checksum.default_threads(), None),
+        ):
             found += part
             bar.update(min(DECODE_CHUNK, n - first))
     return found

@@ -47,9 +47,11 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={str(device)!r} but CUDA is not available on this machine "
-                           f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
-                           "use device='cpu' or device=None to pick what is present.")
+        raise RuntimeError(
+            f"device={str(device)!r} but CUDA is not available on this machine "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
+            "use device='cpu' or device=None to pick what is present."
+        )
     if dev.type == "cuda" and dev.index is None:
         check_local_rank()
     return normalize_device(dev)
@@ -76,8 +78,10 @@ def check_local_rank() -> None:
         f"gpucache: LOCAL_RANK={local_rank} but the current CUDA device is cuda:{current}, so "
         f"this rank decodes on cuda:{current} along with the other ranks that did not choose a "
         "device. Call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before making the "
-        "loader, or pass device=f\"cuda:{os.environ['LOCAL_RANK']}\".", RuntimeWarning,
-        stacklevel=4)
+        "loader, or pass device=f\"cuda:{os.environ['LOCAL_RANK']}\".",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def resolve(backend: str, device: torch.device) -> str:
@@ -88,9 +92,13 @@ def resolve(backend: str, device: torch.device) -> str:
             return "cpu"
         return "dali" if dali_available() else "nvjpeg"
     if backend == "nvjpeg" and device.type != "cuda":
-        raise ValueError(f"backend='nvjpeg' decodes on a CUDA device, but device is {device}; use "
-                         "backend='cpu', or backend='dali', whose CPU mode runs without a GPU.")
+        raise ValueError(
+            f"backend='nvjpeg' decodes on a CUDA device, but device is {device}; use "
+            "backend='cpu', or backend='dali', whose CPU mode runs without a GPU."
+        )
     if backend == "dali" and not dali_available():
-        raise ImportError("backend='dali' needs NVIDIA DALI: pip install 'gpucache[dali]' "
-                          "(nvidia-dali-cuda120), or use backend='auto'.")
+        raise ImportError(
+            "backend='dali' needs NVIDIA DALI: pip install 'gpucache[dali]' "
+            "(nvidia-dali-cuda120), or use backend='auto'."
+        )
     return backend

@@ -36,7 +36,7 @@ class Backend(ABC):
         while len(self):
             self.get()
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a backend with nothing to free keeps it
         """Free processes, pipelines, streams and buffers. Idempotent."""
 
     @property

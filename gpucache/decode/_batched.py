@@ -24,9 +24,16 @@ from . import normalize_device
 
 #: EXIF Orientation (1-8) -> (transpose H and W first, then flip H, then flip W), which takes the
 #: stored pixels to the displayed image (TIFF 6.0 / EXIF 2.3 definitions of the tag's values).
-_ORIENT = {1: (False, False, False), 2: (False, False, True), 3: (False, True, True),
-           4: (False, True, False), 5: (True, False, False), 6: (True, False, True),
-           7: (True, True, True), 8: (True, True, False)}
+_ORIENT = {
+    1: (False, False, False),
+    2: (False, False, True),
+    3: (False, True, True),
+    4: (False, True, False),
+    5: (True, False, False),
+    6: (True, False, True),
+    7: (True, True, True),
+    8: (True, True, False),
+}
 
 
 def orient(img: torch.Tensor, orientation: int) -> torch.Tensor:
@@ -61,8 +68,11 @@ def _probe_jpeg() -> torch.Tensor:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-def applies_exif(decode: Callable[[list[torch.Tensor]], list[torch.Tensor]], *,
-                 adopt: Callable[[list[torch.Tensor]], None] | None = None) -> bool:
+def applies_exif(
+    decode: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    *,
+    adopt: Callable[[list[torch.Tensor]], None] | None = None,
+) -> bool:
     """Whether ``decode`` applies EXIF orientation, by decoding a tagged probe image. The nvjpeg
     backend calls it under its allocation stream and passes ``adopt`` for the output."""
     (img,) = decode([_probe_jpeg()])
@@ -71,17 +81,20 @@ def applies_exif(decode: Callable[[list[torch.Tensor]], list[torch.Tensor]], *,
     return tuple(img.shape[1:]) == (16, 8)
 
 
-def make_decoder(name: str, device: torch.device | str,
-                 decode: Callable[[list[torch.Tensor]], list[torch.Tensor]], *,
-                 applies_exif: bool | None = None) -> BatchDecoder:
+def make_decoder(
+    name: str,
+    device: torch.device | str,
+    decode: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    *,
+    applies_exif: bool | None = None,
+) -> BatchDecoder:
     """A decoder for ``device`` (normalised: ``cuda`` -> ``cuda:<current>``)."""
     return BatchDecoder(name, normalize_device(device), decode, applies_exif)
 
 
 def torchvision_decoder(device: torch.device) -> BatchDecoder:
     """torchvision's ``decode_jpeg`` (batched nvJPEG on CUDA, libjpeg-turbo on the CPU), no EXIF."""
-    from torchvision.io import ImageReadMode
-    from torchvision.io import decode_jpeg
+    from torchvision.io import ImageReadMode, decode_jpeg
 
     from ._jpeg import quiet_torchvision_deprecation
 
@@ -89,8 +102,9 @@ def torchvision_decoder(device: torch.device) -> BatchDecoder:
 
     def decode(data: list[torch.Tensor]) -> list[torch.Tensor]:
         quiet_torchvision_deprecation()  # thread-safe, unlike catch_warnings (see there)
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device,
-                           apply_exif_orientation=False)
+        return decode_jpeg(
+            data, mode=ImageReadMode.RGB, device=device, apply_exif_orientation=False
+        )
 
     return make_decoder("torchvision", device, decode, applies_exif=False)
 
@@ -101,12 +115,14 @@ def torchcodec_decoder(device: torch.device) -> BatchDecoder:
     from torchcodec.decoders import decode_jpeg
 
     device = normalize_device(device)
-    return make_decoder("torchcodec", device,
-                        lambda data: decode_jpeg(data, mode="RGB", device=str(device)))
+    return make_decoder(
+        "torchcodec", device, lambda data: decode_jpeg(data, mode="RGB", device=str(device))
+    )
 
 
-def default_decoder(device: torch.device, *,
-                    prefer: Literal["auto", "torchcodec", "torchvision"] = "auto") -> BatchDecoder:
+def default_decoder(
+    device: torch.device, *, prefer: Literal["auto", "torchcodec", "torchvision"] = "auto"
+) -> BatchDecoder:
     """TorchCodec's decoder when it is installed and loads (``prefer="auto"``), else
     torchvision's. A TorchCodec that is installed but fails to load (e.g. its FFmpeg libraries
     are missing: RuntimeError) is reported with a warning, and torchvision's is used."""
@@ -118,12 +134,18 @@ def default_decoder(device: torch.device, *,
                 raise
         except (RuntimeError, OSError) as err:
             if prefer == "torchcodec":
-                raise RuntimeError(f"TorchCodec is installed but failed to load ({err}); fix its "
-                                   "install (it needs FFmpeg's libraries) or use "
-                                   "prefer='torchvision'.") from err
-            warnings.warn(f"gpucache: TorchCodec is installed but failed to load "
-                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''});"
-                          " decoding with torchvision's decode_jpeg instead. Fix TorchCodec's "
-                          "install (it needs FFmpeg's libraries) or uninstall it to silence "
-                          "this.", RuntimeWarning, stacklevel=2)
+                raise RuntimeError(
+                    f"TorchCodec is installed but failed to load ({err}); fix its "
+                    "install (it needs FFmpeg's libraries) or use "
+                    "prefer='torchvision'."
+                ) from err
+            warnings.warn(
+                f"gpucache: TorchCodec is installed but failed to load "
+                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''});"
+                " decoding with torchvision's decode_jpeg instead. Fix TorchCodec's "
+                "install (it needs FFmpeg's libraries) or uninstall it to silence "
+                "this.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return torchvision_decoder(device)

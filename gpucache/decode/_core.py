@@ -17,17 +17,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..store._limits import check_pixels
-from ..store._oom import raise_if_out_of_memory
+from .._errors import GpucacheError
 from ..ingest._pixels import eight_bit
 from ..ingest._sniff import JPEG_KINDS, Kind
-from .._errors import GpucacheError
+from ..store._limits import check_pixels
+from ..store._oom import raise_if_out_of_memory
 from . import _roi, _roi_rst
 from ._jpeg import (  # noqa: F401 - the full JPEG decode, shared with the region decoder's check
-    TV_DEPRECATION, decode_jpeg, jpeg_decoder_name, quiet_torchvision_deprecation)
+    TV_DEPRECATION,
+    decode_jpeg,
+    jpeg_decoder_name,
+    quiet_torchvision_deprecation,
+)
 from ._scaled import fast_plan
 
 _ROI_KINDS = (Kind.JPEG, Kind.JPEG_PROGRESSIVE)  # not arithmetic-coded
+
 
 def decode_pil(data: np.ndarray) -> torch.Tensor:
     """PNG, GIF (first frame), WebP, BMP, TIFF, PNM -> RGB uint8 CHW, EXIF orientation applied,
@@ -57,24 +62,29 @@ def apply_plan(img: torch.Tensor, plan) -> torch.Tensor:
 
     Device-agnostic: the GPU backends run this same function on CUDA tensors."""
     t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan)
-    return finish_plan(img[:, t1:t1 + h1, l1:l1 + w1], rh, rw, t2, l2, h2, w2, flip)
+    return finish_plan(img[:, t1 : t1 + h1, l1 : l1 + w1], rh, rw, t2, l2, h2, w2, flip)
 
 
-def finish_plan(x: torch.Tensor, rh: int, rw: int, t2: int, l2: int, h2: int, w2: int,
-                flip: int) -> torch.Tensor:
+def finish_plan(
+    x: torch.Tensor, rh: int, rw: int, t2: int, l2: int, h2: int, w2: int, flip: int
+) -> torch.Tensor:
     """The plan after its first crop: resize ``x`` to (rh, rw), crop (zero-padded), flip."""
     h1, w1 = x.shape[-2:]
     if (rh, rw) != (h1, w1):
         if x.device.type == "cpu":  # uint8 in, uint8 out: torch's vectorized CPU kernel
             x = F.interpolate(x[None], size=(rh, rw), mode="bilinear", antialias=True)[0]
         else:  # the same filter in float on other devices, rounded back to uint8
-            x = F.interpolate(x[None].float(), size=(rh, rw), mode="bilinear",
-                              antialias=True)[0].round_().clamp_(0, 255).to(torch.uint8)
+            x = (
+                F.interpolate(x[None].float(), size=(rh, rw), mode="bilinear", antialias=True)[0]
+                .round_()
+                .clamp_(0, 255)
+                .to(torch.uint8)
+            )
     if (t2, l2, h2, w2) != (0, 0, rh, rw):
         if t2 < 0 or l2 < 0 or t2 + h2 > rh or l2 + w2 > rw:  # crop larger than image: zero pad
             x = F.pad(x, (max(0, -l2), max(0, l2 + w2 - rw), max(0, -t2), max(0, t2 + h2 - rh)))
             t2, l2 = max(t2, 0), max(l2, 0)
-        x = x[:, t2:t2 + h2, l2:l2 + w2]
+        x = x[:, t2 : t2 + h2, l2 : l2 + w2]
     if flip:
         x = x.flip(-1)
     return x
@@ -97,16 +107,19 @@ class SampleError(GpucacheError, RuntimeError):
 
 
 def describe(cache, i: int, err: BaseException) -> str:
-    return (f"sample {i} ({cache.paths[i]}) could not be decoded: {type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}")
+    return (
+        f"sample {i} ({cache.paths[i]}) could not be decoded: {type(err).__name__}: "
+        f"{str(err).splitlines()[0] if str(err) else ''}"
+    )
 
 
 def check_size(cache, i: int, img: torch.Tensor) -> torch.Tensor:
     """``img`` if it has the size the header promised (plans were drawn for that size)."""
     expected = (int(cache.samples["height"][i]), int(cache.samples["width"][i]))
     if tuple(img.shape[1:]) != expected:
-        raise ValueError(f"decoded size {tuple(img.shape[1:])} differs from the header's "
-                         f"{expected}")
+        raise ValueError(
+            f"decoded size {tuple(img.shape[1:])} differs from the header's {expected}"
+        )
     return img
 
 
@@ -131,24 +144,51 @@ def out_size(plans: np.ndarray) -> tuple[int, int]:
     return (int(plans[0, 8]), int(plans[0, 9])) if len(plans) else (0, 0)
 
 
-def _decode_box(cache, i: int, plan: list[int], kind: int, components: int, precision: int,
-                orientation: int, height: int, width: int, restart: int,
-                regions: dict, denom: int) -> tuple[torch.Tensor, bool]:
+def _decode_box(
+    cache,
+    i: int,
+    plan: list[int],
+    kind: int,
+    components: int,
+    precision: int,
+    orientation: int,
+    height: int,
+    width: int,
+    restart: int,
+    regions: dict,
+    denom: int,
+) -> tuple[torch.Tensor, bool]:
     """Sample ``i`` cropped to the plan's first crop box; True if only the box was decoded.
 
     With ``denom`` > 1 (``exact=False``, :func:`._scaled.fast_plan`) the box is decoded at
     1/``denom`` DCT scale (compiled decoder only), so the result is smaller than the box."""
     t1, l1, h1, w1 = plan[:4]
     region = regions.get(components)
-    if (region is not None and kind in _ROI_KINDS and precision == 8
-            and 0 <= t1 and 0 <= l1 and t1 + h1 <= height and l1 + w1 <= width):
+    if (
+        region is not None
+        and kind in _ROI_KINDS
+        and precision == 8
+        and 0 <= t1
+        and 0 <= l1
+        and t1 + h1 <= height
+        and l1 + w1 <= width
+    ):
         denom = denom if region is _roi._c_region else 1
         whole = (h1, w1) == (height, width)
         if whole and denom == 1:  # no crop: whole, but through the compiled decoder,
             if region is not _roi._c_region:  # which reports libjpeg's warnings per sample
                 return _decode_full(cache, i, kind), False
-            return _roi.decode_crop(cache[i], 0, 0, height, width, orientation=orientation,
-                                    height=height, width=width, region=region), False
+            return _roi.decode_crop(
+                cache[i],
+                0,
+                0,
+                height,
+                width,
+                orientation=orientation,
+                height=height,
+                width=width,
+                region=region,
+            ), False
         kw = dict(orientation=orientation, height=height, width=width, region=region)
         try:
             if restart:
@@ -156,15 +196,28 @@ def _decode_box(cache, i: int, plan: list[int], kind: int, components: int, prec
             else:
                 x = _roi.decode_crop(cache[i], t1, l1, h1, w1, denom=denom, **kw)
         except _roi.ScaleRefused:  # sampling factors it does not scale: the exact path
-            return _decode_box(cache, i, plan, kind, components, precision, orientation,
-                               height, width, restart, regions, 1)
+            return _decode_box(
+                cache,
+                i,
+                plan,
+                kind,
+                components,
+                precision,
+                orientation,
+                height,
+                width,
+                restart,
+                regions,
+                1,
+            )
         return x, not whole
     img = check_size(cache, i, _decode_full(cache, i, kind))
-    return img[:, t1:t1 + h1, l1:l1 + w1], False
+    return img[:, t1 : t1 + h1, l1 : l1 + w1], False
 
 
-def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str,
-                 stack: bool, exact: bool = True) -> Decoded:
+def decode_batch(
+    cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str, stack: bool, exact: bool = True
+) -> Decoded:
     """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise).
 
     A JPEG whose plan crops is decoded only inside the crop box when ROI decode is available
@@ -181,20 +234,46 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
     regions = {c: _roi.region_decoder(c) for c in (1, 3, 4)}  # by component count
     if regions[3] is None:
         _roi.notice_once()
-    rows = zip(indices.tolist(), np.asarray(plans).tolist(), rec["kind"].tolist(),
-               rec["components"].tolist(), rec["precision"].tolist(), rec["orientation"].tolist(),
-               rec["height"].tolist(), rec["width"].tolist(), restart)
+    rows = zip(
+        indices.tolist(),
+        np.asarray(plans).tolist(),
+        rec["kind"].tolist(),
+        rec["components"].tolist(),
+        rec["precision"].tolist(),
+        rec["orientation"].tolist(),
+        rec["height"].tolist(),
+        rec["width"].tolist(),
+        restart,
+    )
     for i, plan, kind, components, precision, orientation, height, width, k in rows:
         denom = 1
         if not exact:  # the scale only where the compiled decoder takes the sample
-            plan, denom = fast_plan(plan, height, width, orientation=orientation,
-                                    scalable=regions.get(components) is _roi._c_region
-                                    and kind in _ROI_KINDS and precision == 8)
+            plan, denom = fast_plan(
+                plan,
+                height,
+                width,
+                orientation=orientation,
+                scalable=regions.get(components) is _roi._c_region
+                and kind in _ROI_KINDS
+                and precision == 8,
+            )
         try:
             check_pixels(cache, i)
             _roi.take_warning()
-            x, used_roi = _decode_box(cache, i, plan, kind, components, precision,
-                                      orientation, height, width, k, regions, denom)
+            x, used_roi = _decode_box(
+                cache,
+                i,
+                plan,
+                kind,
+                components,
+                precision,
+                orientation,
+                height,
+                width,
+                k,
+                regions,
+                denom,
+            )
             note = _roi.take_warning()
             if note is not None:
                 warned.append((i, warned_reason(cache, i, note)))
@@ -210,6 +289,9 @@ def decode_batch(cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str
             failed.append((i, failure(cache, i, err, on_error)))
     out: torch.Tensor | list[torch.Tensor] = images
     if stack:
-        out = (torch.stack(images) if images
-               else torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8))
+        out = (
+            torch.stack(images)
+            if images
+            else torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8)
+        )
     return Decoded(out, np.asarray(kept, dtype=np.int64), failed, len(kept), roi, warned)

@@ -10,25 +10,43 @@ from collections import deque
 
 import numpy as np
 
-from ._workers import WorkerPool
-from ._base import Backend
 from ..store._oom import raise_if_out_of_memory
+from ._base import Backend
 from ._core import Decoded, decode_batch
+from ._workers import WorkerPool
 
 
 class CpuBackend(Backend):
     name = "cpu"
 
-    def __init__(self, cache, *, num_workers: int, context: str | None, seed: int,
-                 worker_init_fn, on_error: str, timeout: float | None, pin_memory: bool,
-                 exact: bool = True):
+    def __init__(
+        self,
+        cache,
+        *,
+        num_workers: int,
+        context: str | None,
+        seed: int,
+        worker_init_fn,
+        on_error: str,
+        timeout: float | None,
+        pin_memory: bool,
+        exact: bool = True,
+    ):
         self.cache, self.on_error, self.pin_memory = cache, on_error, pin_memory
         self.exact = exact  # False: reduced-size (DCT-scaled) decode where a plan allows it
         self.pool = None
         if num_workers > 0:
-            self.pool = WorkerPool(cache, num_workers=num_workers, context=context, seed=seed,
-                                   worker_init_fn=worker_init_fn, on_error=on_error,
-                                   timeout=timeout, pin_memory=pin_memory, exact=exact)
+            self.pool = WorkerPool(
+                cache,
+                num_workers=num_workers,
+                context=context,
+                seed=seed,
+                worker_init_fn=worker_init_fn,
+                on_error=on_error,
+                timeout=timeout,
+                pin_memory=pin_memory,
+                exact=exact,
+            )
         self._inline: deque[tuple[np.ndarray, np.ndarray, bool]] = deque()
 
     def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
@@ -42,8 +60,9 @@ class CpuBackend(Backend):
             return self.pool.get()
         indices, plans, stack = self._inline.popleft()
         try:
-            out = decode_batch(self.cache, indices, plans, on_error=self.on_error, stack=stack,
-                               exact=self.exact)
+            out = decode_batch(
+                self.cache, indices, plans, on_error=self.on_error, stack=stack, exact=self.exact
+            )
         except RuntimeError as err:  # the batch's own (the stack); a sample's is OutOfMemory
             raise_if_out_of_memory(err, f"while decoding a batch of {len(indices)} samples")
             raise

@@ -31,14 +31,16 @@ try:
     from nvidia.dali import fn, types
     from nvidia.dali.pipeline import Pipeline
 except ImportError as err:  # pragma: no cover - depends on what is installed
-    raise ImportError("backend='dali' needs NVIDIA DALI: pip install nvidia-dali-cuda120 (or "
-                      "gpucache[dali]), or use backend='nvjpeg' or 'cpu'.") from err
+    raise ImportError(
+        "backend='dali' needs NVIDIA DALI: pip install nvidia-dali-cuda120 (or "
+        "gpucache[dali]), or use backend='nvjpeg' or 'cpu'."
+    ) from err
 
 from . import normalize_device
 from ._base import Backend
+from ._core import ON_ERROR, Decoded, out_size
 from ._fallback import Part, decode_on_cpu, join, out_of_memory, split
 from ._streams import consumer_stream
-from ._core import ON_ERROR, Decoded, out_size
 
 log = logging.getLogger("gpucache")
 
@@ -59,13 +61,26 @@ class _Batch:
 class DaliBackend(Backend):
     name = "dali"
 
-    def __init__(self, cache, *, device: torch.device, batch_size: int, on_error: str, seed: int,
-                 num_threads: int, prefetch: int = 2, hw_decoder_load: float = 0.65):
+    def __init__(
+        self,
+        cache,
+        *,
+        device: torch.device,
+        batch_size: int,
+        on_error: str,
+        seed: int,
+        num_threads: int,
+        prefetch: int = 2,
+        hw_decoder_load: float = 0.65,
+    ):
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"backend='dali' runs on 'cpu' or 'cuda', got device={device}.")
-        for name, value in (("batch_size", batch_size), ("num_threads", num_threads),
-                            ("prefetch", prefetch)):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("num_threads", num_threads),
+            ("prefetch", prefetch),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} should be an integer >= 1, got {value!r}.")
         if on_error not in ON_ERROR:
@@ -86,23 +101,38 @@ class DaliBackend(Backend):
         if self._pipe is not None:
             return self._pipe
         gpu = self._graph_on_gpu()  # the only CUDA-specific lines of this backend
-        decoder = (dict(device="mixed", hw_decoder_load=self.hw_decoder_load,
-                        jpeg_fancy_upsampling=True) if gpu else dict(device="cpu"))
-        pipe = Pipeline(batch_size=self.batch_size, num_threads=self.num_threads,
-                        device_id=self.device.index if gpu else None, seed=self.seed,
-                        prefetch_queue_depth=1, exec_dynamic=True)
+        decoder = (
+            dict(device="mixed", hw_decoder_load=self.hw_decoder_load, jpeg_fancy_upsampling=True)
+            if gpu
+            else dict(device="cpu")
+        )
+        pipe = Pipeline(
+            batch_size=self.batch_size,
+            num_threads=self.num_threads,
+            device_id=self.device.index if gpu else None,
+            seed=self.seed,
+            prefetch_queue_depth=1,
+            exec_dynamic=True,
+        )
         with pipe:
             enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
             plan = fn.external_source(name="plan", dtype=types.INT32, ndim=1)  # the 11 integers
-            img = fn.decoders.image_slice(enc, plan[0:2], plan[2:4], output_type=types.RGB,
-                                          **decoder, **_PIXELS)
-            img = fn.resize(img, resize_y=fn.cast(plan[4], dtype=types.FLOAT),
-                            resize_x=fn.cast(plan[5], dtype=types.FLOAT), antialias=True,
-                            interp_type=types.INTERP_LINEAR)
-            img = fn.slice(img, plan[6:8], plan[8:10], out_of_bounds_policy="pad", fill_values=0,
-                           **_PIXELS)
-            img = fn.crop_mirror_normalize(img, mirror=plan[10], dtype=types.UINT8,
-                                           output_layout="CHW")
+            img = fn.decoders.image_slice(
+                enc, plan[0:2], plan[2:4], output_type=types.RGB, **decoder, **_PIXELS
+            )
+            img = fn.resize(
+                img,
+                resize_y=fn.cast(plan[4], dtype=types.FLOAT),
+                resize_x=fn.cast(plan[5], dtype=types.FLOAT),
+                antialias=True,
+                interp_type=types.INTERP_LINEAR,
+            )
+            img = fn.slice(
+                img, plan[6:8], plan[8:10], out_of_bounds_policy="pad", fill_values=0, **_PIXELS
+            )
+            img = fn.crop_mirror_normalize(
+                img, mirror=plan[10], dtype=types.UINT8, output_layout="CHW"
+            )
             pipe.set_outputs(img)
         pipe.build()
         self._pipe = pipe
@@ -155,10 +185,18 @@ class DaliBackend(Backend):
             raise RuntimeError("this DaliBackend is closed; make a new one (or a new loader).")
         indices = np.asarray(indices, dtype=np.int64)
         if len(indices) > self.batch_size:
-            raise ValueError(f"a batch of {len(indices)} samples is larger than the pipeline's "
-                             f"batch_size={self.batch_size}; pass the loader's batch size.")
-        self._queue.append(_Batch(indices, np.asarray(plans), stack, *split(self.cache, indices,
-                                                                      on_error=self.on_error)))
+            raise ValueError(
+                f"a batch of {len(indices)} samples is larger than the pipeline's "
+                f"batch_size={self.batch_size}; pass the loader's batch size."
+            )
+        self._queue.append(
+            _Batch(
+                indices,
+                np.asarray(plans),
+                stack,
+                *split(self.cache, indices, on_error=self.on_error),
+            )
+        )
         self._pump()
 
     def get(self) -> Decoded:
@@ -187,31 +225,52 @@ class DaliBackend(Backend):
             b.views = None
             self._pump()  # keep DALI busy while the CPU path below runs
             if len(b.cpu_pos):
-                parts.append((b.cpu_pos, decode_on_cpu(self.cache, b.indices, b.plans, b.cpu_pos,
-                                                       on_error=self.on_error), True))
+                parts.append(
+                    (
+                        b.cpu_pos,
+                        decode_on_cpu(
+                            self.cache, b.indices, b.plans, b.cpu_pos, on_error=self.on_error
+                        ),
+                        True,
+                    )
+                )
         except BaseException:
             if self._queue and self._queue[0] is b:
                 self._queue.popleft()
             self._reset()  # b's output may still be queued in DALI: drop it to keep the order
             raise
-        return join(len(b.indices), parts, indices=b.indices, stack=b.stack, device=self.device,
-                    out_hw=out_size(b.plans))
+        return join(
+            len(b.indices),
+            parts,
+            indices=b.indices,
+            stack=b.stack,
+            device=self.device,
+            out_hw=out_size(b.plans),
+        )
 
     def _oom(self, err: BaseException, n: int) -> torch.OutOfMemoryError:
-        return out_of_memory(err, f"the DALI backend decoding a batch of {n} samples",
-                             self.device, f"lower batch_size, hw_decoder_load (now "
-                             f"{self.hw_decoder_load}) or prefetch_factor (now {self.prefetch} "
-                             "batches in flight), or free memory held elsewhere")
+        return out_of_memory(
+            err,
+            f"the DALI backend decoding a batch of {n} samples",
+            self.device,
+            f"lower batch_size, hw_decoder_load (now "
+            f"{self.hw_decoder_load}) or prefetch_factor (now {self.prefetch} "
+            "batches in flight), or free memory held elsewhere",
+        )
 
     def _isolate(self, b: _Batch, err: RuntimeError) -> list[Part]:
         """Run a failed batch's DALI samples one at a time; what DALI rejects tries the CPU."""
         reason = str(err).split("encountered:")[-1].strip().splitlines()[0] if str(err) else ""
-        log.warning("gpucache: DALI failed a batch of %d samples (%s); decoding them one at a "
-                    "time to find the bad one(s)", len(b.gpu_pos), reason)
+        log.warning(
+            "gpucache: DALI failed a batch of %d samples (%s); decoding them one at a "
+            "time to find the bad one(s)",
+            len(b.gpu_pos),
+            reason,
+        )
         good: list[torch.Tensor] = []
         good_pos, rejected = [], []
         for p in b.gpu_pos.tolist():
-            views = self._run(b.indices[p:p + 1], b.plans[p:p + 1])
+            views = self._run(b.indices[p : p + 1], b.plans[p : p + 1])
             try:
                 good.append(self._outputs()[0])
                 good_pos.append(p)
@@ -221,12 +280,16 @@ class DaliBackend(Backend):
             del views  # DALI read them in place until now
         parts: list[Part] = [(np.asarray(good_pos, dtype=np.int64), good, False)]
         if rejected:  # libjpeg-turbo gets the last word: decoded there, or reported as failed
-            results = decode_on_cpu(self.cache, b.indices, b.plans, rejected,
-                                    on_error=self.on_error)
+            results = decode_on_cpu(
+                self.cache, b.indices, b.plans, rejected, on_error=self.on_error
+            )
             for p, r in zip(rejected, results):
                 if isinstance(r, torch.Tensor):
-                    log.warning("gpucache: DALI could not decode sample %d (%s); decoded it on "
-                                "the CPU", int(b.indices[p]), self.cache.paths[int(b.indices[p])])
+                    log.warning(
+                        "gpucache: DALI could not decode sample %d (%s); decoded it on the CPU",
+                        int(b.indices[p]),
+                        self.cache.paths[int(b.indices[p])],
+                    )
             parts.append((np.asarray(rejected, dtype=np.int64), results, True))
         return parts
 

@@ -42,34 +42,49 @@ def split(cache, indices: np.ndarray, *, on_error: str) -> tuple[np.ndarray, np.
     ok = np.ones(len(indices), dtype=bool)
     ok[refused] = False
     gpu = cache.gpu_decodable()[indices]
-    return (np.flatnonzero(ok & gpu), np.flatnonzero(ok & ~gpu),
-            (np.asarray(refused, dtype=np.int64), reasons, False))
+    return (
+        np.flatnonzero(ok & gpu),
+        np.flatnonzero(ok & ~gpu),
+        (np.asarray(refused, dtype=np.int64), reasons, False),
+    )
 
 
-def decode_on_cpu(cache, indices: np.ndarray, plans: np.ndarray, positions: Iterable[int], *,
-                  on_error: str) -> list[Result]:
+def decode_on_cpu(
+    cache, indices: np.ndarray, plans: np.ndarray, positions: Iterable[int], *, on_error: str
+) -> list[Result]:
     """Decode and transform ``indices[positions]`` on the CPU, one result per position.
 
     Raises :class:`.cpu.SampleError` for a bad sample when ``on_error="raise"``. ``decode_batch``
     checks the pixel budget itself, so no path into this fallback decodes a sample it refuses."""
     out: list[Result] = []
     for p in positions:
-        d = decode_batch(cache, indices[p:p + 1], plans[p:p + 1], on_error=on_error, stack=False)
+        d = decode_batch(
+            cache, indices[p : p + 1], plans[p : p + 1], on_error=on_error, stack=False
+        )
         out.append(d.images[0] if d.images else d.failed[0][1])
     return out
 
 
-def out_of_memory(err: BaseException, what: str, device: torch.device,
-                  advice: str) -> torch.OutOfMemoryError:
+def out_of_memory(
+    err: BaseException, what: str, device: torch.device, advice: str
+) -> torch.OutOfMemoryError:
     """Out-of-memory is no bad sample: an error that says where and what to change (the caller
     raises it ``from err``), never a per-sample retry or a CPU fallback that hides it."""
     first = str(err).splitlines()[0] if str(err) else type(err).__name__
-    return torch.OutOfMemoryError(f"gpucache: {what} ran out of memory on {device}; {advice}. "
-                                  f"The allocator said: {first}")
+    return torch.OutOfMemoryError(
+        f"gpucache: {what} ran out of memory on {device}; {advice}. The allocator said: {first}"
+    )
 
 
-def join(n: int, parts: Iterable[Part], *, indices: np.ndarray, stack: bool,
-         device: torch.device, out_hw: tuple[int, int] = (0, 0)) -> Decoded:
+def join(
+    n: int,
+    parts: Iterable[Part],
+    *,
+    indices: np.ndarray,
+    stack: bool,
+    device: torch.device,
+    out_hw: tuple[int, int] = (0, 0),
+) -> Decoded:
     """Reassemble the parts of an ``n``-sample batch into one :class:`Decoded`, in batch order.
 
     Failed positions are left out and reported as ``(store index, reason)``; ``out_hw`` is the
@@ -88,8 +103,10 @@ def join(n: int, parts: Iterable[Part], *, indices: np.ndarray, stack: bool,
             slots[p] = r
             cpu_decoded += bool(on_cpu and isinstance(r, torch.Tensor))
     if any(r is None for r in slots):
-        raise ValueError(f"join: positions {[p for p, r in enumerate(slots) if r is None]} of a "
-                         f"{n}-sample batch have no result; every position needs one part.")
+        raise ValueError(
+            f"join: positions {[p for p, r in enumerate(slots) if r is None]} of a "
+            f"{n}-sample batch have no result; every position needs one part."
+        )
     kept = [p for p, r in enumerate(slots) if isinstance(r, torch.Tensor)]
     failed = [(int(indices[p]), r) for p, r in enumerate(slots) if not isinstance(r, torch.Tensor)]
     kept_indices = np.asarray(indices, dtype=np.int64)[kept]
@@ -97,8 +114,12 @@ def join(n: int, parts: Iterable[Part], *, indices: np.ndarray, stack: bool,
         images = [to_device(slots[p], device) for p in kept]  # type: ignore[arg-type]
         return Decoded(images, kept_indices, failed, cpu_decoded)
     if not kept:
-        return Decoded(torch.empty((0, 3, *out_hw), dtype=torch.uint8, device=device),
-                       kept_indices, failed, cpu_decoded)
+        return Decoded(
+            torch.empty((0, 3, *out_hw), dtype=torch.uint8, device=device),
+            kept_indices,
+            failed,
+            cpu_decoded,
+        )
     blocks, order = [], []
     for positions, results, _ in parts:
         pos = [p for p in positions.tolist() if isinstance(slots[p], torch.Tensor)]

@@ -21,8 +21,13 @@ except Exception:  # pragma: no cover - depends on what is installed
 TV_DEPRECATION = r"The image decoding and encoding capabilities of TorchVision are deprecated"
 _TV_MODULE = r"torchvision(\.|$)"
 #: The entry ``warnings.filterwarnings`` makes for it (message compiled with re.I, as it does).
-_TV_FILTER = ("ignore", re.compile(TV_DEPRECATION, re.I), DeprecationWarning,
-              re.compile(_TV_MODULE), 0)
+_TV_FILTER = (
+    "ignore",
+    re.compile(TV_DEPRECATION, re.I),
+    DeprecationWarning,
+    re.compile(_TV_MODULE),
+    0,
+)
 
 
 def quiet_torchvision_deprecation() -> None:
@@ -37,8 +42,9 @@ def quiet_torchvision_deprecation() -> None:
     of the caller's ended, or a filter was added in front of it)."""
     filters = warnings.filters
     if not filters or filters[0] != _TV_FILTER:
-        warnings.filterwarnings("ignore", message=TV_DEPRECATION, category=DeprecationWarning,
-                                module=_TV_MODULE)
+        warnings.filterwarnings(
+            "ignore", message=TV_DEPRECATION, category=DeprecationWarning, module=_TV_MODULE
+        )
 
 
 def jpeg_decoder_name() -> str:

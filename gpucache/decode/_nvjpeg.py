@@ -85,38 +85,56 @@ def _result(x):
 class NvjpegBackend(Backend):
     name = "nvjpeg"
 
-    def __init__(self, cache, *, device: torch.device, on_error: str,
-                 decoder: BatchDecoder | None = None, threaded: bool = True,
-                 cpu_threads: int = CPU_THREADS, decode_threads: int | None = None):
+    def __init__(
+        self,
+        cache,
+        *,
+        device: torch.device,
+        on_error: str,
+        decoder: BatchDecoder | None = None,
+        threaded: bool = True,
+        cpu_threads: int = CPU_THREADS,
+        decode_threads: int | None = None,
+    ):
         device = normalize_device(device)
         self.cache, self.device, self.on_error = cache, device, on_error
         self.decoder = decoder if decoder is not None else default_decoder(device)
         if normalize_device(self.decoder.device) != device:
-            raise ValueError(f"decoder {self.decoder.name!r} decodes to {self.decoder.device}, "
-                             f"but the backend's device is {device}; make it for {device}.")
+            raise ValueError(
+                f"decoder {self.decoder.name!r} decodes to {self.decoder.device}, "
+                f"but the backend's device is {device}; make it for {device}."
+            )
         self._streams = CudaStreams(device) if device.type == "cuda" else HostStreams(device)
-        self.applies_exif = (self.decoder.applies_exif if self.decoder.applies_exif is not None
-                             else self.measure_applies_exif())
+        self.applies_exif = (
+            self.decoder.applies_exif
+            if self.decoder.applies_exif is not None
+            else self.measure_applies_exif()
+        )
         kinds = cache.samples["kind"]
         # progressive JPEGs go to the CPU stage: nvJPEG Huffman-decodes them on the host anyway
         self._gpu_mask = cache.gpu_decodable() & (kinds != Kind.JPEG_PROGRESSIVE)
         # padded input of the batched transforms held at once: a sixteenth of the GPU's memory
-        self._budget = max(BUDGET_BYTES, torch.cuda.get_device_properties(device).total_memory
-                           // 16 if device.type == "cuda" else 0)
+        self._budget = max(
+            BUDGET_BYTES,
+            torch.cuda.get_device_properties(device).total_memory // 16
+            if device.type == "cuda"
+            else 0,
+        )
         self._scratch = Scratch()  # the transform stage's work buffer (its one thread and stream)
         self._pending: list[_Job] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}
         if threaded:
             self._pools = {
                 "cpu": ThreadPoolExecutor(max(1, cpu_threads), "gpucache-nvjpeg-cpu"),
-                "decode": ThreadPoolExecutor(self._decode_threads(decode_threads),
-                                             "gpucache-nvjpeg-decode"),
-                "transform": ThreadPoolExecutor(1, "gpucache-nvjpeg-transform")}
+                "decode": ThreadPoolExecutor(
+                    self._decode_threads(decode_threads), "gpucache-nvjpeg-decode"
+                ),
+                "transform": ThreadPoolExecutor(1, "gpucache-nvjpeg-transform"),
+            }
         self._closed = False
         self._threads: list[threading.Thread] = []  # the stages' threads, once they ran
         # garbage collection may happen on a pool's own thread: stop them without joining there
-        self._finalizer = weakref.finalize(self, _shutdown, list(self._pools.values()),
-                                           wait=False)
+        self._finalizer = weakref.finalize(self, _shutdown, list(self._pools.values()), wait=False)
 
     def _decode_threads(self, given: int | None) -> int:
         """Decoding threads: TorchCodec keeps a cache of decoders per device and gives concurrent calls
@@ -141,13 +159,15 @@ class NvjpegBackend(Backend):
         if self._pools and threading.current_thread() not in self._threads:
             self._threads.append(threading.current_thread())
 
-    def _cpu_stage(self, indices: np.ndarray, plans: np.ndarray,
-                   positions: np.ndarray) -> list[Result]:
+    def _cpu_stage(
+        self, indices: np.ndarray, plans: np.ndarray, positions: np.ndarray
+    ) -> list[Result]:
         self._note_thread()
         return decode_on_cpu(self.cache, indices, plans, positions, on_error=self.on_error)
 
-    def _decode_stage(self, indices: np.ndarray, positions: np.ndarray
-                      ) -> tuple[list[torch.Tensor | Exception], object]:
+    def _decode_stage(
+        self, indices: np.ndarray, positions: np.ndarray
+    ) -> tuple[list[torch.Tensor | Exception], object]:
         """Batched decode of ``indices[positions]`` under this thread's allocation stream: the
         outputs (or why each failed) and the event that marks them written (None off CUDA)."""
         self._note_thread()
@@ -184,21 +204,34 @@ class NvjpegBackend(Backend):
                 f"gpucache: {self.decoder.name}'s decoder on {self.device} failed to start "
                 f"({type(err).__name__}: {first}); nvJPEG did not initialise. Check the CUDA "
                 "driver and that torchvision/TorchCodec were built with nvJPEG for this CUDA "
-                "version, or decode on the CPU with backend='cpu'.") from err
+                "version, or decode on the CPU with backend='cpu'."
+            ) from err
 
     def _raise_if_oom(self, err: BaseException, n: int) -> None:
         """Out of device memory is not a bad sample, however the decoder says it (torchvision
         rethrows CUDA's as ``RuntimeError("Error while decoding JPEG images: CUDA out of
         memory...")``): ``torch.OutOfMemoryError`` with advice, never retries or the CPU."""
         if isinstance(err, torch.OutOfMemoryError) or is_out_of_memory(err):
-            raise out_of_memory(err, f"the nvjpeg backend ({self.decoder.name}'s decoder) "
-                                f"decoding a batch of {n} samples", self.device,
-                                "at least 2 batches are decoded ahead: lower batch_size or "
-                                "prefetch_factor, or free memory held elsewhere") from err
+            raise out_of_memory(
+                err,
+                f"the nvjpeg backend ({self.decoder.name}'s decoder) "
+                f"decoding a batch of {n} samples",
+                self.device,
+                "at least 2 batches are decoded ahead: lower batch_size or "
+                "prefetch_factor, or free memory held elsewhere",
+            ) from err
 
-    def _transform_stage(self, indices: np.ndarray, plans: np.ndarray, stack: bool,
-                         gpu_pos: np.ndarray, gpu, cpu_pos: np.ndarray, cpu,
-                         refused: Part) -> _Done:
+    def _transform_stage(
+        self,
+        indices: np.ndarray,
+        plans: np.ndarray,
+        stack: bool,
+        gpu_pos: np.ndarray,
+        gpu,
+        cpu_pos: np.ndarray,
+        cpu,
+        refused: Part,
+    ) -> _Done:
         self._note_thread()
         with self._streams.on_side():
             decoded, ready = _result(gpu)
@@ -206,12 +239,24 @@ class NvjpegBackend(Backend):
             parts = self._plan_gpu(indices, plans, stack, gpu_pos, decoded)
             parts.append((cpu_pos, _result(cpu), True))
             parts.append(refused)
-            out = join(len(indices), parts, indices=indices, stack=stack, device=self.device,
-                       out_hw=out_size(plans))
+            out = join(
+                len(indices),
+                parts,
+                indices=indices,
+                stack=stack,
+                device=self.device,
+                out_hw=out_size(plans),
+            )
             return _Done(out, self._streams.record())
 
-    def _plan_gpu(self, indices: np.ndarray, plans: np.ndarray, stack: bool,
-                  positions: np.ndarray, images: list) -> list[Part]:
+    def _plan_gpu(
+        self,
+        indices: np.ndarray,
+        plans: np.ndarray,
+        stack: bool,
+        positions: np.ndarray,
+        images: list,
+    ) -> list[Part]:
         """The decoded samples' plans (one batched call when ``stack``); samples the decoder
         rejected try the CPU, and a decoded size that differs from the header fails the sample."""
         if not len(positions):
@@ -234,23 +279,45 @@ class NvjpegBackend(Backend):
         parts: list[Part] = []
         if ok and stack:
             rows = indices[ok]
-            parts.append((np.asarray(ok, dtype=np.int64),
-                          resample(kept, plans[ok], orientations=None if self.applies_exif
-                                   else orientation[rows], budget_bytes=self._budget,
-                                   scratch=self._scratch), False))
+            parts.append(
+                (
+                    np.asarray(ok, dtype=np.int64),
+                    resample(
+                        kept,
+                        plans[ok],
+                        orientations=None if self.applies_exif else orientation[rows],
+                        budget_bytes=self._budget,
+                        scratch=self._scratch,
+                    ),
+                    False,
+                )
+            )
         elif ok:
-            parts.append((np.asarray(ok, dtype=np.int64),
-                          [apply_plan(x, plans[p]) for x, p in zip(kept, ok)], False))
+            parts.append(
+                (
+                    np.asarray(ok, dtype=np.int64),
+                    [apply_plan(x, plans[p]) for x, p in zip(kept, ok)],
+                    False,
+                )
+            )
         if results:
-            parts.append((np.asarray([p for p, _ in results], dtype=np.int64),
-                          [r for _, r in results], False))
+            parts.append(
+                (
+                    np.asarray([p for p, _ in results], dtype=np.int64),
+                    [r for _, r in results],
+                    False,
+                )
+            )
         if retry:  # libjpeg-turbo gets the last word: decoded there, or reported as failed
             rescued = decode_on_cpu(self.cache, indices, plans, retry, on_error=self.on_error)
             for p, r in zip(retry, rescued):
                 if isinstance(r, torch.Tensor):
-                    log.warning("gpucache: %s could not decode sample %d (%s); decoded it on the "
-                                "CPU", self.decoder.name, int(indices[p]),
-                                self.cache.paths[int(indices[p])])
+                    log.warning(
+                        "gpucache: %s could not decode sample %d (%s); decoded it on the CPU",
+                        self.decoder.name,
+                        int(indices[p]),
+                        self.cache.paths[int(indices[p])],
+                    )
             parts.append((np.asarray(retry, dtype=np.int64), rescued, True))
         return parts
 
@@ -271,14 +338,14 @@ class NvjpegBackend(Backend):
         if not self._pools:
             cpu = self._cpu_stage(indices, plans, cpu_pos)
             gpu = self._decode_stage(indices, gpu_pos)
-            done = self._transform_stage(indices, plans, stack, gpu_pos, gpu, cpu_pos, cpu,
-                                         refused)
+            done = self._transform_stage(indices, plans, stack, gpu_pos, gpu, cpu_pos, cpu, refused)
             self._pending.append(_Job(cpu, gpu, done))
             return
         cpu = self._pools["cpu"].submit(self._cpu_stage, indices, plans, cpu_pos)
         gpu = self._pools["decode"].submit(self._decode_stage, indices, gpu_pos)
-        done = self._pools["transform"].submit(self._transform_stage, indices, plans, stack,
-                                               gpu_pos, gpu, cpu_pos, cpu, refused)
+        done = self._pools["transform"].submit(
+            self._transform_stage, indices, plans, stack, gpu_pos, gpu, cpu_pos, cpu, refused
+        )
         self._pending.append(_Job(cpu, gpu, done))
 
     def get(self) -> Decoded:
@@ -291,8 +358,9 @@ class NvjpegBackend(Backend):
             self.close()  # the threads stop; what was queued behind the failed batch is dropped
             raise
         images = done.decoded.images
-        self._streams.hand_over(done.event, [images] if isinstance(images, torch.Tensor)
-                                else images)
+        self._streams.hand_over(
+            done.event, [images] if isinstance(images, torch.Tensor) else images
+        )
         return done.decoded
 
     def __len__(self) -> int:

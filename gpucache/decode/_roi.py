@@ -47,9 +47,16 @@ ENABLED = True
 USE_C = True
 
 # orientation -> (transpose, flip width, flip height), applied in that order to the coded image
-_OPS = {1: (False, False, False), 2: (False, True, False), 3: (False, True, True),
-        4: (False, False, True), 5: (True, False, False), 6: (True, True, False),
-        7: (True, True, True), 8: (True, False, True)}
+_OPS = {
+    1: (False, False, False),
+    2: (False, True, False),
+    3: (False, True, True),
+    4: (False, False, True),
+    5: (True, False, False),
+    6: (True, True, False),
+    7: (True, True, True),
+    8: (True, False, True),
+}
 
 _state: dict[str, object] = {}  # per process: the compiled library, its self-check, the notice
 _lock = threading.Lock()
@@ -72,7 +79,8 @@ def _check_jpeg() -> bytes:
     rgb = np.stack([x * 4.5, y * 6.5, (x + y) * 2.8], axis=-1) + rng.normal(0, 12, (37, 53, 3))
     buf = io.BytesIO()
     Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8), "RGB").save(
-        buf, "JPEG", quality=90, subsampling=2)
+        buf, "JPEG", quality=90, subsampling=2
+    )
     return buf.getvalue()
 
 
@@ -84,11 +92,14 @@ def _c_ok() -> bool:
         if ok:  # once per process: a 4:2:0 JPEG with partial MCUs, an inner box
             data = _check_jpeg()
             full = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            ok = torch.equal(_c_region(data, 9, 17, 20, 30, height=37, width=53),
-                             full[:, 9:29, 17:47])
+            ok = torch.equal(
+                _c_region(data, 9, 17, 20, 30, height=37, width=53), full[:, 9:29, 17:47]
+            )
             if not ok:
-                log.warning("gpucache: the compiled region decoder's output differs from "
-                            "decode_jpeg's here (another libjpeg build?); not using it")
+                log.warning(
+                    "gpucache: the compiled region decoder's output differs from "
+                    "decode_jpeg's here (another libjpeg build?); not using it"
+                )
         _state["c_ok"] = ok
     return bool(_state["c_ok"])
 
@@ -112,16 +123,20 @@ def notice_once() -> None:
     """Log, once per process, that crops are fully decoded because ROI decode is unavailable."""
     if route() is None and not _state.get("noticed"):
         _state["noticed"] = True
-        why = ("ROI decode is switched off (gpucache.decode._roi.ENABLED = False)" if not ENABLED
-               else "neither gpucache's compiled region decoder (built at install with a C "
-               "compiler and libjpeg-turbo headers) nor nvImageCodec is available, so JPEGs are "
-               "decoded at full size before cropping (slower, same output); pip install "
-               "'gpucache[roi]' to decode only the crop")
+        why = (
+            "ROI decode is switched off (gpucache.decode._roi.ENABLED = False)"
+            if not ENABLED
+            else "neither gpucache's compiled region decoder (built at install with a C "
+            "compiler and libjpeg-turbo headers) nor nvImageCodec is available, so JPEGs are "
+            "decoded at full size before cropping (slower, same output); pip install "
+            "'gpucache[roi]' to decode only the crop"
+        )
         log.info("gpucache: %s", why)
 
 
-def coded_box(top: int, left: int, h: int, w: int, orientation: int, height: int,
-              width: int) -> tuple[int, int, int, int]:
+def coded_box(
+    top: int, left: int, h: int, w: int, orientation: int, height: int, width: int
+) -> tuple[int, int, int, int]:
     """Map a box on the oriented ``height`` x ``width`` image to the coded (stored) image."""
     transpose, flip_w, flip_h = _OPS.get(orientation, _OPS[1])
     if flip_h:
@@ -135,8 +150,17 @@ class ScaleRefused(ValueError):
     """The compiled decoder does not scale JPEGs with these sampling factors (see _jpeg_regions.c)."""
 
 
-def _c_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *, height: int,
-              width: int, denom: int = 1) -> torch.Tensor:
+def _c_region(
+    data: np.ndarray | bytes,
+    top: int,
+    left: int,
+    h: int,
+    w: int,
+    *,
+    height: int,
+    width: int,
+    denom: int = 1,
+) -> torch.Tensor:
     """Rows ``top:top+h``, columns ``left:left+w`` of the coded image (compiled decoder; the
     margin is taken inside it), decoded at scale 1/``denom`` (1, 2, 4, 8; the box, ``height`` and
     ``width`` are then in scaled pixels). RGB uint8 CHW, a view of HWC like ``decode_jpeg``'s."""
@@ -145,8 +169,9 @@ def _c_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *, 
     arr = data if isinstance(data, bytes) else np.ascontiguousarray(data)
     buf = arr if isinstance(arr, bytes) else arr.ctypes.data_as(ctypes.c_char_p)
     warned = ctypes.c_int()
-    ret = _native._state["lib"].gc_decode_region(buf, len(arr), denom, top, left, h, w, out.ctypes.data,
-                                         ctypes.byref(warned), err, 200)
+    ret = _native._state["lib"].gc_decode_region(
+        buf, len(arr), denom, top, left, h, w, out.ctypes.data, ctypes.byref(warned), err, 200
+    )
     if ret == 3:
         raise ScaleRefused(err.value.decode(errors="replace"))
     if ret:
@@ -172,15 +197,19 @@ def _nv_decoder():
     pid = os.getpid()
     if getattr(_local, "pid", None) != pid:  # one decoder per thread, never inherited by fork
         n = _nvimgcodec
-        _local.decoder = n.Decoder(device_id=n.NVIMGCODEC_DEVICE_CPU_ONLY,
-                                   max_num_cpu_threads=1, backends=[n.Backend(n.CPU_ONLY)])
+        _local.decoder = n.Decoder(
+            device_id=n.NVIMGCODEC_DEVICE_CPU_ONLY,
+            max_num_cpu_threads=1,
+            backends=[n.Backend(n.CPU_ONLY)],
+        )
         _local.params = n.DecodeParams(apply_exif_orientation=False, color_spec=n.SRGB)
         _local.pid = pid
     return _local.decoder, _local.params
 
 
-def _nv_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *, height: int,
-               width: int) -> torch.Tensor:
+def _nv_region(
+    data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *, height: int, width: int
+) -> torch.Tensor:
     """The same through nvImageCodec. The region asked has a 1-pixel margin on each side (within
     the image): without it, a 1-pixel-wide region at column 0 of a 4:2:0 image differs from a
     full decode (measured; tests/test_roi.py keeps it covered)."""
@@ -192,11 +221,14 @@ def _nv_region(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *,
     img = np.asarray(dec.decode(sub, params=params).cpu())
     if img.shape != (b0 - t0, r0 - l0, 3):
         raise ValueError(f"region decode returned {img.shape}, expected {(b0 - t0, r0 - l0, 3)}")
-    return torch.from_numpy(img).permute(2, 0, 1)[:, top - t0:top - t0 + h, left - l0:left - l0 + w]
+    return torch.from_numpy(img).permute(2, 0, 1)[
+        :, top - t0 : top - t0 + h, left - l0 : left - l0 + w
+    ]
 
 
-def scaled_box(t: int, l: int, h: int, w: int, height: int, width: int, denom: int
-               ) -> tuple[int, int, int, int, int, int]:
+def scaled_box(
+    t: int, l: int, h: int, w: int, height: int, width: int, denom: int
+) -> tuple[int, int, int, int, int, int]:
     """The box (t, l, h, w) of a ``height`` x ``width`` image in the image decoded at 1/``denom``
     (edges rounded to the nearest scaled pixel), and that image's size (libjpeg's: rounded up)."""
     sh, sw = -(-height // denom), -(-width // denom)
@@ -207,9 +239,19 @@ def scaled_box(t: int, l: int, h: int, w: int, height: int, width: int, denom: i
     return ts, ls, te - ts, le - ls, sh, sw
 
 
-def decode_crop(data: np.ndarray | bytes, top: int, left: int, h: int, w: int, *,
-                orientation: int, height: int, width: int, region: Region,
-                denom: int = 1) -> torch.Tensor:
+def decode_crop(
+    data: np.ndarray | bytes,
+    top: int,
+    left: int,
+    h: int,
+    w: int,
+    *,
+    orientation: int,
+    height: int,
+    width: int,
+    region: Region,
+    denom: int = 1,
+) -> torch.Tensor:
     """The box (top, left, h, w) of the oriented image, decoded with ``region`` from the JPEG
     ``data`` alone (``region`` from :func:`region_decoder`); with ``denom`` > 1 (compiled decoder
     only), the box decoded at 1/``denom`` scale (about ``h / denom`` x ``w / denom``; raises

@@ -20,9 +20,10 @@ import torch
 
 from .. import _native
 from .._native import MISSING, transcode, transcoder_available  # noqa: F401 - the build's names
-from ..ingest._restart import SECTION  # the store's optional section: int32 restart interval per sample
+from ..ingest._restart import (
+    SECTION,
+)  # the store's optional section: int32 restart interval per sample
 from . import _roi
-
 
 
 def _load():
@@ -73,8 +74,9 @@ class Layout:
         self.segs_per_row, self.seg_w = per_row // k, k * self.mcu_w
         self.rst, end = _restarts(data, sos_end, rows * self.segs_per_row - 1)
         if len(self.rst) + 1 != rows * self.segs_per_row:
-            raise ValueError(f"{len(self.rst) + 1} restart segments, expected "
-                             f"{rows * self.segs_per_row}")
+            raise ValueError(
+                f"{len(self.rst) + 1} restart segments, expected {rows * self.segs_per_row}"
+            )
         self.starts = np.concatenate(([sos_end], self.rst + 2))
         self.ends = np.concatenate((self.rst, [end]))
 
@@ -86,8 +88,9 @@ def _restarts(data: np.ndarray, start: int, expected: int) -> tuple[np.ndarray, 
         pos = np.empty(max(expected, 0) + 1, dtype=np.int64)
         eoi = ctypes.c_longlong()
         arr = np.ascontiguousarray(data)
-        count = lib.gc_find_restarts(arr.ctypes.data, len(arr), start, pos.ctypes.data,
-                                     len(pos), ctypes.byref(eoi))
+        count = lib.gc_find_restarts(
+            arr.ctypes.data, len(arr), start, pos.ctypes.data, len(pos), ctypes.byref(eoi)
+        )
         if count >= 0:
             return pos[:count], eoi.value
     ent = data[start:]
@@ -99,8 +102,9 @@ def _restarts(data: np.ndarray, start: int, expected: int) -> tuple[np.ndarray, 
     return rst[rst < end], end
 
 
-def segment_jpeg(data: np.ndarray, lay: Layout, top: int, left: int, h: int, w: int
-                 ) -> tuple[np.ndarray, int, int, int, int]:
+def segment_jpeg(
+    data: np.ndarray, lay: Layout, top: int, left: int, h: int, w: int
+) -> tuple[np.ndarray, int, int, int, int]:
     """A valid JPEG of the segments covering rows top:top+h, columns left:left+w (1-px margin).
 
     Returns (jpeg bytes, its top and left in the coded image, its height and width)."""
@@ -121,8 +125,8 @@ def segment_jpeg(data: np.ndarray, lay: Layout, top: int, left: int, h: int, w: 
     first = np.arange(ra, rb + 1) * lay.segs_per_row + ca  # first segment of each row's span
     starts, ends = lay.starts[first], lay.ends[first + (cb - ca)]
     lens = ends - starts
-    head = bytearray(data[:lay.sos_end])
-    head[lay.sof + 5:lay.sof + 9] = bytes((sub_h >> 8, sub_h & 255, sub_w >> 8, sub_w & 255))
+    head = bytearray(data[: lay.sos_end])
+    head[lay.sof + 5 : lay.sof + 9] = bytes((sub_h >> 8, sub_h & 255, sub_w >> 8, sub_w & 255))
     mv = memoryview(data)
     pieces = [head]
     for s, e in zip(starts.tolist(), ends.tolist()):  # one contiguous span per MCU row
@@ -137,9 +141,20 @@ def segment_jpeg(data: np.ndarray, lay: Layout, top: int, left: int, h: int, w: 
     return out, y0, x0, sub_h, sub_w
 
 
-def decode_crop(data: np.ndarray, k: int, top: int, left: int, h: int, w: int, *,
-                orientation: int, height: int, width: int, region: _roi.Region,
-                denom: int = 1) -> torch.Tensor:
+def decode_crop(
+    data: np.ndarray,
+    k: int,
+    top: int,
+    left: int,
+    h: int,
+    w: int,
+    *,
+    orientation: int,
+    height: int,
+    width: int,
+    region: _roi.Region,
+    denom: int = 1,
+) -> torch.Tensor:
     """The box (top, left, h, w) of the oriented image, from a restart-marker JPEG's segments
     (decoded with ``region``, from :func:`._roi.region_decoder`); ``denom`` > 1 (compiled
     decoder only) as in :func:`._roi.decode_crop`."""
@@ -153,8 +168,20 @@ def decode_crop(data: np.ndarray, k: int, top: int, left: int, h: int, w: int, *
         err = ctypes.create_string_buffer(200)
         arr = np.ascontiguousarray(data)
         warned = ctypes.c_int()
-        ret = _load().gc_decode_segments(arr.ctypes.data, len(arr), k, denom, t, l, hh, ww,
-                                         out.ctypes.data, ctypes.byref(warned), err, len(err))
+        ret = _load().gc_decode_segments(
+            arr.ctypes.data,
+            len(arr),
+            k,
+            denom,
+            t,
+            l,
+            hh,
+            ww,
+            out.ctypes.data,
+            ctypes.byref(warned),
+            err,
+            len(err),
+        )
         if ret == 0:
             _roi.note_warning(warned.value, err.value)
             return _roi.orient(torch.from_numpy(out).permute(2, 0, 1), orientation)
@@ -163,8 +190,18 @@ def decode_crop(data: np.ndarray, k: int, top: int, left: int, h: int, w: int, *
         if ret == 3:
             raise _roi.ScaleRefused(err.value.decode(errors="replace"))
     if denom > 1:  # not such a JPEG after all: the plain region decoder scales it
-        return _roi.decode_crop(data, top, left, h, w, orientation=orientation, height=height,
-                                width=width, region=region, denom=denom)
+        return _roi.decode_crop(
+            data,
+            top,
+            left,
+            h,
+            w,
+            orientation=orientation,
+            height=height,
+            width=width,
+            region=region,
+            denom=denom,
+        )
     lay = Layout(data, k)  # the same in Python (any region decoder), or to say what is wrong
     sub, y0, x0, sub_h, sub_w = segment_jpeg(data, lay, t, l, hh, ww)
     box = region(sub, t - y0, l - x0, hh, ww, height=sub_h, width=sub_w)

@@ -42,8 +42,9 @@ def reduced_scale(h1: int, w1: int, rh: int, rw: int) -> int:
     return 1
 
 
-def _edge(lo: float, step: float, reach: int, d: int, g: int, size: int, bound: int
-          ) -> tuple[int, int, float]:
+def _edge(
+    lo: float, step: float, reach: int, d: int, g: int, size: int, bound: int
+) -> tuple[int, int, float]:
     """One side of a box: (k, edge, shift), the box edge ``edge`` (a source pixel) at k output
     pixels of context beyond the crop edge at source position ``lo`` (``step`` source pixels an
     output pixel, negative for the start side); ``reach`` is the k at which the position is
@@ -82,8 +83,9 @@ def _edge(lo: float, step: float, reach: int, d: int, g: int, size: int, bound: 
 
 
 @functools.lru_cache(maxsize=4096)  # eval plans repeat per image size
-def _cut(t1: int, h1: int, r: int, t2: int, h2: int, size: int, d: int, g: int
-         ) -> tuple[int, int, int, int, float]:
+def _cut(
+    t1: int, h1: int, r: int, t2: int, h2: int, size: int, d: int, g: int
+) -> tuple[int, int, int, int, float]:
     """One axis of :func:`fast_plan`: crop1 [t1, t1 + h1) of an axis of ``size`` source
     pixels, resized to ``r``, then crop2 [t2, t2 + h2). Returns the box (start, length),
     (n, offset): the box resized to n holds crop2 at offset, sampled where the plan samples
@@ -100,8 +102,9 @@ def _cut(t1: int, h1: int, r: int, t2: int, h2: int, size: int, d: int, g: int
     return a, b - a, h2 + o + o2, o, max(e1, e2) / s
 
 
-def fast_plan(plan: list[int], height: int, width: int, *, orientation: int = 1,
-              scalable: bool) -> tuple[list[int], int]:
+def fast_plan(
+    plan: list[int], height: int, width: int, *, orientation: int = 1, scalable: bool
+) -> tuple[list[int], int]:
     """``plan`` for a ``height`` x ``width`` image (as oriented by its EXIF ``orientation``) as
     ``exact=False`` decodes it, and the DCT scale denominator its box decodes at (1 unless
     ``scalable``: the compiled decoder's route). A scale at which a box edge would move the

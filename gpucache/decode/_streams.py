@@ -41,8 +41,10 @@ def check_on_device(tensors: Iterable[torch.Tensor], device: torch.device) -> li
     tensors, device = list(tensors), normalize_device(device)
     stray = sorted({str(t.device) for t in tensors if normalize_device(t.device) != device})
     if stray:
-        raise RuntimeError(f"hand-over of tensors on {stray} by a backend on {device}: every "
-                           "result (CPU fallback included) must be moved to the device first.")
+        raise RuntimeError(
+            f"hand-over of tensors on {stray} by a backend on {device}: every "
+            "result (CPU fallback included) must be moved to the device first."
+        )
     return tensors
 
 

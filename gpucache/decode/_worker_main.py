@@ -29,8 +29,8 @@ import traceback
 import numpy as np
 import torch
 
-from ._core import Decoded, SampleError, decode_batch
 from ..store._oom import OutOfMemory, is_out_of_memory, said
+from ._core import Decoded, SampleError, decode_batch
 
 LEN = struct.Struct("<Q")  # every message: 8-byte little-endian length, then a pickle
 _PR_SET_PDEATHSIG = 1
@@ -45,8 +45,18 @@ def frame(obj) -> bytes:
     return LEN.pack(len(payload)) + payload
 
 
-def worker_main(wid: int, sock: socket.socket, cache, seed: int, worker_init_fn, on_error: str,
-                parent_pid: int, start_method: str, pdeathsig: bool, exact: bool = True) -> None:
+def worker_main(
+    wid: int,
+    sock: socket.socket,
+    cache,
+    seed: int,
+    worker_init_fn,
+    on_error: str,
+    parent_pid: int,
+    start_method: str,
+    pdeathsig: bool,
+    exact: bool = True,
+) -> None:
     if start_method == "fork":
         for end in list(PARENT_ENDS.values()):
             end.close()
@@ -56,8 +66,9 @@ def worker_main(wid: int, sock: socket.socket, cache, seed: int, worker_init_fn,
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a handler inherited from the parent
     sock.setblocking(True)
     tasks: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_read_tasks, args=(sock, tasks), name="gpucache-reader",
-                     daemon=True).start()
+    threading.Thread(
+        target=_read_tasks, args=(sock, tasks), name="gpucache-reader", daemon=True
+    ).start()
     where = "while starting"
     try:
         _setup(seed)
@@ -65,9 +76,16 @@ def worker_main(wid: int, sock: socket.socket, cache, seed: int, worker_init_fn,
             where = "in worker_init_fn"
             worker_init_fn(wid)
     except BaseException as err:  # noqa: BLE001 - reported to the parent with its traceback
-        _send(sock, {"kind": "init_error", "error": f"{type(err).__name__}: {err}",
-                     "where": where, "memory": is_out_of_memory(err),
-                     "traceback": traceback.format_exc()})
+        _send(
+            sock,
+            {
+                "kind": "init_error",
+                "error": f"{type(err).__name__}: {err}",
+                "where": where,
+                "memory": is_out_of_memory(err),
+                "traceback": traceback.format_exc(),
+            },
+        )
         os._exit(1)
     _send(sock, {"kind": "ready"})
     while True:
@@ -78,8 +96,17 @@ def worker_main(wid: int, sock: socket.socket, cache, seed: int, worker_init_fn,
         _serve(sock, cache, *item, on_error=on_error, exact=exact)
 
 
-def _serve(sock: socket.socket, cache, task: int, indices, plans, stack: bool, *,
-           on_error: str, exact: bool) -> None:
+def _serve(
+    sock: socket.socket,
+    cache,
+    task: int,
+    indices,
+    plans,
+    stack: bool,
+    *,
+    on_error: str,
+    exact: bool,
+) -> None:
     """Decode one task and send its result, or report why not. Everything the result needs is
     allocated before its first byte is sent, so a failure is reported in place of the result.
     Out of memory is reported without a traceback, after the batch and the exception are
@@ -96,9 +123,13 @@ def _serve(sock: socket.socket, cache, task: int, indices, plans, stack: bool, *
         elif is_out_of_memory(err):
             report = _no_memory(task, where, said(err))
         else:
-            report = {"kind": "error", "task": task, "error": f"{type(err).__name__}: {err}",
-                      "sample_error": isinstance(err, SampleError),
-                      "traceback": traceback.format_exc()}
+            report = {
+                "kind": "error",
+                "task": task,
+                "error": f"{type(err).__name__}: {err}",
+                "sample_error": isinstance(err, SampleError),
+                "traceback": traceback.format_exc(),
+            }
     out = None  # an idle worker holds no decoded images
     if report is not None:
         _report(sock, report)
@@ -204,9 +235,18 @@ def _result(task: int, out: Decoded) -> tuple[bytes, memoryview]:
         flat = torch.empty(sum(t.numel() for t in imgs), dtype=torch.uint8)
         at = 0
         for t in imgs:
-            flat[at:at + t.numel()].view(t.shape).copy_(t)
+            flat[at : at + t.numel()].view(t.shape).copy_(t)
             at += t.numel()
-    head = frame({"kind": "result", "task": task, "stacked": isinstance(imgs, torch.Tensor),
-                  "shapes": shapes, "indices": out.indices, "failed": out.failed,
-                  "warned": out.warned, "nbytes": flat.numel()})
+    head = frame(
+        {
+            "kind": "result",
+            "task": task,
+            "stacked": isinstance(imgs, torch.Tensor),
+            "shapes": shapes,
+            "indices": out.indices,
+            "failed": out.failed,
+            "warned": out.warned,
+            "nbytes": flat.numel(),
+        }
+    )
     return head, memoryview(flat.numpy())

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from .._errors import GpucacheError
-from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
-from ._core import Decoded, SampleError
 from ..store._oom import FIX, raise_if_out_of_memory
+from ._core import Decoded, SampleError
+from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
 
 log = logging.getLogger("gpucache")
 _GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and again after SIGTERM
@@ -85,9 +85,19 @@ class _Link:
 class WorkerPool:
     """``num_workers`` persistent decode processes fed round-robin."""
 
-    def __init__(self, cache, *, num_workers: int, context: str | None, seed: int,
-                 worker_init_fn, on_error: str, timeout: float | None, pin_memory: bool,
-                 exact: bool = True):
+    def __init__(
+        self,
+        cache,
+        *,
+        num_workers: int,
+        context: str | None,
+        seed: int,
+        worker_init_fn,
+        on_error: str,
+        timeout: float | None,
+        pin_memory: bool,
+        exact: bool = True,
+    ):
         ctx = mp.get_context(context)
         self.method = ctx.get_start_method()
         self.cache, self.timeout, self.pin_memory = cache, timeout, pin_memory
@@ -104,20 +114,36 @@ class WorkerPool:
             for wid in range(num_workers):
                 mine, theirs = socket.socketpair()
                 PARENT_ENDS[mine.fileno()] = mine
-                p = ctx.Process(target=worker_main, name=f"gpucache-worker-{wid}", daemon=True,
-                                args=(wid, theirs, cache, int(seeds[wid].generate_state(1)[0]),
-                                      worker_init_fn, on_error, os.getpid(), self.method, armed,
-                                      exact))
+                p = ctx.Process(
+                    target=worker_main,
+                    name=f"gpucache-worker-{wid}",
+                    daemon=True,
+                    args=(
+                        wid,
+                        theirs,
+                        cache,
+                        int(seeds[wid].generate_state(1)[0]),
+                        worker_init_fn,
+                        on_error,
+                        os.getpid(),
+                        self.method,
+                        armed,
+                        exact,
+                    ),
+                )
                 try:
                     p.start()
                 except Exception as err:
                     PARENT_ENDS.pop(mine.fileno(), None)
                     mine.close()
-                    if self.method != "fork" and isinstance(err, (pickle.PicklingError,
-                                                                    AttributeError, TypeError)):
-                        err.add_note(f"gpucache: under {self.method}, worker_init_fn and the "
-                                     "store are pickled to each worker; define functions at "
-                                     "module top level (not lambdas or nested functions).")
+                    if self.method != "fork" and isinstance(
+                        err, (pickle.PicklingError, AttributeError, TypeError)
+                    ):
+                        err.add_note(
+                            f"gpucache: under {self.method}, worker_init_fn and the "
+                            "store are pickled to each worker; define functions at "
+                            "module top level (not lambdas or nested functions)."
+                        )
                     raise
                 finally:
                     theirs.close()
@@ -170,45 +196,55 @@ class WorkerPool:
         link = self._links[w]
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
-            msg = pickle.loads(self._recv(link, self._header(link, indices, deadline), indices,
-                                          deadline))
+            msg = pickle.loads(
+                self._recv(link, self._header(link, indices, deadline), indices, deadline)
+            )
             if msg["kind"] != "ready":
                 break
             link.ready = True
         if msg["kind"] == "init_error":
             memory = f". It ran out of memory; {FIX}" if msg.get("memory") else ""
-            raise WorkerError(f"{link} failed {msg['where']}: {msg['error']}{memory}\n\n"
-                              f"Original traceback in the worker:\n{msg['traceback']}")
+            raise WorkerError(
+                f"{link} failed {msg['where']}: {msg['error']}{memory}\n\n"
+                f"Original traceback in the worker:\n{msg['traceback']}"
+            )
         if msg.get("memory"):  # about this task (None: the worker could not say which)
-            raise WorkerError(f"{link} ran out of memory {msg['where']}, in its batch of samples "
-                              f"{_span(indices)} ({msg['error']}). This is not a bad sample: "
-                              f"the worker has too little memory for its batch. Fix: {FIX}.")
+            raise WorkerError(
+                f"{link} ran out of memory {msg['where']}, in its batch of samples "
+                f"{_span(indices)} ({msg['error']}). This is not a bad sample: "
+                f"the worker has too little memory for its batch. Fix: {FIX}."
+            )
         if msg.get("task") != task:
-            raise WorkerError(f"{link} sent the result of task {msg.get('task')} while task "
-                              f"{task} was expected (protocol error; please report it).")
+            raise WorkerError(
+                f"{link} sent the result of task {msg.get('task')} while task "
+                f"{task} was expected (protocol error; please report it)."
+            )
         if msg["kind"] == "error":
             if msg["sample_error"]:  # on_error="raise": the same error as without workers
                 raise SampleError(f"{msg['error'].split(': ', 1)[1]} (in worker {w})")
-            raise WorkerError(f"{link} failed while decoding samples {_span(indices)}: "
-                              f"{msg['error']}\n\nOriginal traceback in the worker:\n"
-                              f"{msg['traceback']}")
+            raise WorkerError(
+                f"{link} failed while decoding samples {_span(indices)}: "
+                f"{msg['error']}\n\nOriginal traceback in the worker:\n"
+                f"{msg['traceback']}"
+            )
         try:
             buf = torch.empty(msg["nbytes"], dtype=torch.uint8, pin_memory=self.pin_memory)
         except RuntimeError as err:
-            raise_if_out_of_memory(err, f"receiving a batch of {msg['nbytes'] / 2**20:,.1f} MiB "
-                                   f"from {link}")
+            raise_if_out_of_memory(
+                err, f"receiving a batch of {msg['nbytes'] / 2**20:,.1f} MiB from {link}"
+            )
             raise
         if msg["nbytes"]:
-            self._recv(link, bytes_into=memoryview(buf.numpy()), indices=indices,
-                       deadline=deadline)
+            self._recv(link, bytes_into=memoryview(buf.numpy()), indices=indices, deadline=deadline)
         shapes = msg["shapes"]
         if msg["stacked"]:
             images = buf.view(shapes[0])
         else:
             sizes = [int(np.prod(s)) for s in shapes]
             images = [t.view(s) for t, s in zip(buf.split(sizes), shapes)]
-        return Decoded(images, msg["indices"], msg["failed"], len(msg["indices"]),
-                       warned=msg.get("warned", []))
+        return Decoded(
+            images, msg["indices"], msg["failed"], len(msg["indices"]), warned=msg.get("warned", [])
+        )
 
     def _header(self, link: _Link, indices, deadline) -> memoryview:
         head = bytearray(LEN.size)
@@ -250,17 +286,23 @@ class WorkerPool:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             if not link.ready:
-                raise WorkerError(f"{link} did not start within timeout={self.timeout}s "
-                                  f"({self.method} start method; a new worker imports torch "
-                                  "first, slow on a busy machine). Raise timeout=.")
+                raise WorkerError(
+                    f"{link} did not start within timeout={self.timeout}s "
+                    f"({self.method} start method; a new worker imports torch "
+                    "first, slow on a busy machine). Raise timeout=."
+                )
             part = f" (it stopped after {got} of {size} bytes)" if got else ""
-            raise WorkerError(f"{link} returned no batch within timeout={self.timeout}s while "
-                              f"decoding samples {_span(indices)}{part}; it is hung or stopped "
-                              "(SIGSTOP). Raise timeout= if images are very large.")
+            raise WorkerError(
+                f"{link} returned no batch within timeout={self.timeout}s while "
+                f"decoding samples {_span(indices)}{part}; it is hung or stopped "
+                "(SIGSTOP). Raise timeout= if images are very large."
+            )
         events = poller.poll(None if left is None else max(1, int(left * 1000) + 1))
         if self._closed:
-            raise WorkerError(f"the worker pool was closed (close() from another thread) while "
-                              f"waiting for samples {_span(indices)} from {link}.")
+            raise WorkerError(
+                f"the worker pool was closed (close() from another thread) while "
+                f"waiting for samples {_span(indices)} from {link}."
+            )
         for lk in self._links:
             if lk.out:
                 lk.flush()
@@ -268,25 +310,32 @@ class WorkerPool:
 
     def _died(self, link: _Link, indices, got: int, size: int) -> WorkerError:
         if self._closed:  # close() from another thread shut the socket under this read
-            return WorkerError(f"the worker pool was closed (close() from another thread) while "
-                               f"reading samples {_span(indices)} from {link}.")
+            return WorkerError(
+                f"the worker pool was closed (close() from another thread) while "
+                f"reading samples {_span(indices)} from {link}."
+            )
         link.proc.join(_REAP)
         code = link.proc.exitcode
         if code is not None and code < 0:
             why = f"was killed by signal {signal.Signals(-code).name}"
         else:
             why = "closed its connection" if code is None else f"exited with code {code}"
-        doing = (f"while sending its result for samples {_span(indices)} (after {got} of "
-                 f"{size} bytes)" if got else f"while decoding samples {_span(indices)}")
+        doing = (
+            f"while sending its result for samples {_span(indices)} (after {got} of {size} bytes)"
+            if got
+            else f"while decoding samples {_span(indices)}"
+        )
         if not link.ready and self.method != "fork" and code is not None and code > 0:
             return WorkerError(
                 f"{link} {why} before it started ({self.method} start method). Likely cause: the "
-                "script that creates the loader has no `if __name__ == \"__main__\":` guard, so "
+                'script that creates the loader has no `if __name__ == "__main__":` guard, so '
                 "each worker re-runs it on import; or worker_init_fn / the store could not be "
                 "unpickled in the worker (define functions at module top level). The worker's "
-                "own traceback is on stderr above.")
-        hint = (f" If the OOM killer killed it (see dmesg): {FIX}." if code == -signal.SIGKILL
-                else "")
+                "own traceback is on stderr above."
+            )
+        hint = (
+            f" If the OOM killer killed it (see dmesg): {FIX}." if code == -signal.SIGKILL else ""
+        )
         return WorkerError(f"{link} {why} {doing}.{hint}")
 
     # ------------------------------------------------------------------ shutdown
@@ -294,8 +343,9 @@ class WorkerPool:
     def _using(self):
         with self._cv:
             if self._closed:
-                raise WorkerError("the worker pool is closed; iterate the loader again to start "
-                                  "new workers.")
+                raise WorkerError(
+                    "the worker pool is closed; iterate the loader again to start new workers."
+                )
             self._active += 1
             self._active_thread = threading.get_ident()
         try:
@@ -316,8 +366,11 @@ class WorkerPool:
                 except OSError:
                     pass
                 if not self._cv.wait_for(lambda: self._active == 0, timeout=_LEAVE):
-                    log.warning("gpucache: a thread using the worker pool did not leave it "
-                                "within %.0f s of close(); stopping the workers anyway", _LEAVE)
+                    log.warning(
+                        "gpucache: a thread using the worker pool did not leave it "
+                        "within %.0f s of close(); stopping the workers anyway",
+                        _LEAVE,
+                    )
             self._pending.clear()
         self._finalizer()
 

@@ -20,17 +20,28 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+
 from .._errors import GpucacheError
 from .._progress import tqdm
-
-from . import _pipeline
-from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Source, name_of
 from ..store._limits import DEFAULT_MAX_PIXELS
 from ..store._report import BuildReport, Skipped
+from . import _pipeline
+from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Source, name_of
 from ._sniff import Kind
 
-__all__ = ["BytesSource", "FileObjSource", "FileRangeSource", "Input", "Source", "Skipped",
-           "BuildReport", "BuildError", "scan_folder", "check_labels", "build"]
+__all__ = [
+    "BytesSource",
+    "FileObjSource",
+    "FileRangeSource",
+    "Input",
+    "Source",
+    "Skipped",
+    "BuildReport",
+    "BuildError",
+    "scan_folder",
+    "check_labels",
+    "build",
+]
 
 log = logging.getLogger("gpucache")
 
@@ -45,15 +56,21 @@ class BuildError(GpucacheError, ValueError):
     def __init__(self, report: BuildReport):
         self.report = report
         if report.total == 0:
-            msg = ("nothing to build: no input was given (an empty file list, or shards without "
-                   "an image member); a store needs at least one image")
+            msg = (
+                "nothing to build: no input was given (an empty file list, or shards without "
+                "an image member); a store needs at least one image"
+            )
         elif report.kept == 0:
-            msg = (f"none of the {report.total} files can be used, so the store would be empty "
-                   "(a training loop over it would run zero steps); the reasons are below: fix "
-                   "the inputs or point at the right files")
+            msg = (
+                f"none of the {report.total} files can be used, so the store would be empty "
+                "(a training loop over it would run zero steps); the reasons are below: fix "
+                "the inputs or point at the right files"
+            )
         else:
-            msg = (f"{len(report.skipped)} of {report.total} files cannot be used (pass "
-                   "on_error='skip' to leave them out)")
+            msg = (
+                f"{len(report.skipped)} of {report.total} files cannot be used (pass "
+                "on_error='skip' to leave them out)"
+            )
         super().__init__(f"{msg}:\n{report}" if report.total else msg)
 
 
@@ -74,7 +91,7 @@ class PathList(Sequence[str]):
         if i < 0:
             i += len(self)
         start = self._ends[i - 1] if i > 0 else 0  # an IndexError for i out of range
-        return self._prefixes[self._folder_of[i]] + os.fsdecode(self._blob[start:self._ends[i]])
+        return self._prefixes[self._folder_of[i]] + os.fsdecode(self._blob[start : self._ends[i]])
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -92,8 +109,10 @@ def scan_folder(root: Path) -> tuple[PathList, np.ndarray, list[str]]:
         raise FileNotFoundError(f"{root} is not a folder; from_folder expects root/<class>/<img>")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     if not classes:
-        raise FileNotFoundError(f"no class folders in {root}; from_folder expects the ImageFolder "
-                                "layout root/<class>/<image>")
+        raise FileNotFoundError(
+            f"no class folders in {root}; from_folder expects the ImageFolder "
+            "layout root/<class>/<image>"
+        )
     prefixes: list[str] = []
     folder_of, ends, blobs, end = array("I"), array("Q"), [], 0
     counts = np.zeros(len(classes), dtype=np.int64)
@@ -116,10 +135,16 @@ def scan_folder(root: Path) -> tuple[PathList, np.ndarray, list[str]]:
             f"found no image in {root}: none of its {len(classes)} class folders ("
             f"{', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''}) holds a file ending "
             f"in {', '.join(IMG_EXTENSIONS)}; from_folder expects root/<class>/<image> (put the "
-            "images one level down, in a folder per class)")
+            "images one level down, in a folder per class)"
+        )
     if empty:
-        log.warning("gpucache: %d class folders of %s hold no image and keep their label with no "
-                    "sample: %s", len(empty), root, ", ".join(empty[:10]))
+        log.warning(
+            "gpucache: %d class folders of %s hold no image and keep their label with no "
+            "sample: %s",
+            len(empty),
+            root,
+            ", ".join(empty[:10]),
+        )
     paths = PathList(prefixes, folder_of, ends, b"".join(blobs))
     return paths, np.repeat(np.arange(len(classes), dtype=np.int64), counts), classes
 
@@ -129,23 +154,37 @@ def check_labels(n: int, labels, classes) -> tuple[np.ndarray, list[str]]:
         return np.full(n, -1, dtype=np.int64), list(classes or [])
     arr = np.asarray(labels)
     if arr.shape != (n,) or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"labels must be {n} integers, one per path; got shape {arr.shape} of "
-                         f"{arr.dtype}.")
+        raise ValueError(
+            f"labels must be {n} integers, one per path; got shape {arr.shape} of {arr.dtype}."
+        )
     arr = arr.astype(np.int64)
     top = int(arr.max(initial=-1))
     names = list(classes) if classes is not None else [str(c) for c in range(top + 1)]
     if arr.min(initial=0) < -1 or top >= len(names):
-        raise ValueError(f"labels must lie in [-1, {len(names)}) for {len(names)} classes; "
-                         f"got [{arr.min()}, {top}]. Pass classes= naming every label.")
+        raise ValueError(
+            f"labels must lie in [-1, {len(names)}) for {len(names)} classes; "
+            f"got [{arr.min()}, {top}]. Pass classes= naming every label."
+        )
     return arr, names
 
 
-def build(cls, inputs: Sequence[Input], labels: np.ndarray, classes: list[str],
-          metadata: Sequence[str] | None, *, on_error: str, num_threads: int | None,
-          progress: bool, max_pixels: int | None = DEFAULT_MAX_PIXELS,
-          restart_markers: bool = False, max_side: int | None = None,
-          jpeg_quality: int | None = None,
-          on_progress: Callable[[int, int, int], None] | None = None, extra: dict | None = None):
+def build(
+    cls,
+    inputs: Sequence[Input],
+    labels: np.ndarray,
+    classes: list[str],
+    metadata: Sequence[str] | None,
+    *,
+    on_error: str,
+    num_threads: int | None,
+    progress: bool,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    restart_markers: bool = False,
+    max_side: int | None = None,
+    jpeg_quality: int | None = None,
+    on_progress: Callable[[int, int, int], None] | None = None,
+    extra: dict | None = None,
+):
     """Pack ``inputs`` (paths or :class:`Source` objects) into ``cls(...)``.
 
     Every input is sized (capped under ``max_pixels``, see ``_limits.too_big``) and sniffed
@@ -162,15 +201,17 @@ def build(cls, inputs: Sequence[Input], labels: np.ndarray, classes: list[str],
     if on_error not in ("skip", "raise"):
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}.")
     if max_pixels is not None and max_pixels < 1:
-        raise ValueError(f"max_pixels must be a positive number of pixels or None (no bound), "
-                         f"got {max_pixels!r}.")
+        raise ValueError(
+            f"max_pixels must be a positive number of pixels or None (no bound), "
+            f"got {max_pixels!r}."
+        )
     n = len(inputs)
-    steps = rewriters(restart_markers=restart_markers, max_side=max_side,
-                      jpeg_quality=jpeg_quality)
+    steps = rewriters(restart_markers=restart_markers, max_side=max_side, jpeg_quality=jpeg_quality)
     threads = num_threads or _pipeline.default_threads()
     window = 2 * threads
-    bar = tqdm(total=n, desc="gpucache build", unit="file", disable=not progress or None,
-               leave=False)
+    bar = tqdm(
+        total=n, desc="gpucache build", unit="file", disable=not progress or None, leave=False
+    )
     done = [0, 0]
 
     def tick(files: int, nbytes: int) -> None:
@@ -187,14 +228,23 @@ def build(cls, inputs: Sequence[Input], labels: np.ndarray, classes: list[str],
             raise MemoryError(
                 f"the {n - len(refused):,} inputs add up to {total / 2**30:,.1f} GiB, more than "
                 f"this machine's {_memory() / 2**30:,.1f} GiB of memory; a store is built in "
-                "memory: build it from a part of the inputs per store, or on a larger machine")
+                "memory: build it from a part of the inputs per store, or on a larger machine"
+            )
         reserve = total if not steps else min(2 * total + 4096 * n, max(total, _memory()))
         columns = {k: dt for rw in steps for k, dt in rw.columns.items()}
         out = _pipeline.Assembler(n, reserve, columns, labels, metadata)
         chunk_bytes = max(_pipeline.MIN_CHUNK_BYTES, _pipeline.in_flight(total) // window)
         scratch = _pipeline.Scratch(chunk_bytes)
-        read = partial(_pipeline.read_chunk, inputs=inputs, metadata=metadata, cum=cum,
-                       refused=refused, max_pixels=max_pixels, rewriters=steps, scratch=scratch)
+        read = partial(
+            _pipeline.read_chunk,
+            inputs=inputs,
+            metadata=metadata,
+            cum=cum,
+            refused=refused,
+            max_pixels=max_pixels,
+            rewriters=steps,
+            scratch=scratch,
+        )
         errors = dict(refused)
         tick(len(refused), 0)
         for chunk in _pipeline.ordered(pool, read, _pipeline.chunks(cum, chunk_bytes), window):
@@ -206,23 +256,38 @@ def build(cls, inputs: Sequence[Input], labels: np.ndarray, classes: list[str],
     k = out.count
     kinds = np.bincount(out.samples["kind"][:k], minlength=max(Kind) + 1)
     report = BuildReport(
-        total=n, kept=k, counts={Kind(v).name: int(c) for v, c in enumerate(kinds) if c},
-        skipped=[Skipped(i, name_of(inputs[i]), errors[i]) for i in sorted(errors)])
+        total=n,
+        kept=k,
+        counts={Kind(v).name: int(c) for v, c in enumerate(kinds) if c},
+        skipped=[Skipped(i, name_of(inputs[i]), errors[i]) for i in sorted(errors)],
+    )
     if errors and on_error == "raise" or k == 0:
         raise BuildError(report)
     if errors:
-        log.warning("gpucache: skipped %d of %d files (all of them in the build report: "
-                    "cache.report in Python, gpucache info --skipped STORE for a saved store)"
-                    ":\n%s", len(errors), n,
-                    "\n".join(f"  #{s.index} {s.path}: {s.reason}" for s in report.skipped[:20]))
+        log.warning(
+            "gpucache: skipped %d of %d files (all of them in the build report: "
+            "cache.report in Python, gpucache info --skipped STORE for a saved store)"
+            ":\n%s",
+            len(errors),
+            n,
+            "\n".join(f"  #{s.index} {s.path}: {s.reason}" for s in report.skipped[:20]),
+        )
     paths = out.strings(out.name_ends, lambda i: name_of(inputs[i]))
     meta = None if metadata is None else out.strings(out.meta_ends, lambda i: str(metadata[i]))
     sections = {**(extra or {}), **{name: col[:k] for name, col in out.columns.items()}}
     for rw in steps:
         sections.update(rw.sections(out.columns, k))
-    return cls(data=out.data[:out.cursor], offsets=out.offsets[:k + 1],
-               labels=out.labels[:k], samples=out.samples[:k], classes=classes, paths=paths,
-               metadata=meta, extra=sections, report=report)
+    return cls(
+        data=out.data[: out.cursor],
+        offsets=out.offsets[: k + 1],
+        labels=out.labels[:k],
+        samples=out.samples[:k],
+        classes=classes,
+        paths=paths,
+        metadata=meta,
+        extra=sections,
+        report=report,
+    )
 
 
 def _memory() -> int:

@@ -15,7 +15,7 @@ import os
 import stat
 import threading
 from dataclasses import dataclass
-from typing import IO, Protocol, Union, runtime_checkable
+from typing import IO, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -61,8 +61,14 @@ class FileObjSource:
 
     Sources that share one file object must share one ``lock`` (reads seek, then read)."""
 
-    def __init__(self, name: str, file: IO[bytes], *, nbytes: int | None = None,
-                 lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        file: IO[bytes],
+        *,
+        nbytes: int | None = None,
+        lock: threading.Lock | None = None,
+    ) -> None:
         self.name, self.file, self._lock = name, file, lock or threading.Lock()
         self._start = file.tell()
         if nbytes is None:
@@ -80,8 +86,9 @@ class FileObjSource:
                     break
                 done += got
             if done != len(slot) or self.file.read(1):
-                raise SniffError("the input changed size while it was being read; rebuild the "
-                                 "cache")
+                raise SniffError(
+                    "the input changed size while it was being read; rebuild the cache"
+                )
 
 
 @dataclass(frozen=True)
@@ -113,8 +120,10 @@ class FileRangeSource:
         while done < len(part):
             got = os.preadv(fd, [part[done:]], self.offset + start + done)
             if got == 0:
-                raise SniffError(f"file ends {len(part) - done} bytes before the end of the "
-                                 f"range [{self.offset}, {self.offset + self.nbytes})")
+                raise SniffError(
+                    f"file ends {len(part) - done} bytes before the end of the "
+                    f"range [{self.offset}, {self.offset + self.nbytes})"
+                )
             done += got
 
 
@@ -128,15 +137,21 @@ class Refused:
     reason: str
 
 
-Input = Union[str, os.PathLike, Source]
+Input = str | os.PathLike | Source
 _SOURCE_TYPES: set[type] = set()
-_GREW = bytearray(1)  # the byte past a file's listed size (never read: shared by the threads)  # types seen to satisfy Source (the protocol check is slow)
+_GREW = bytearray(
+    1
+)  # the byte past a file's listed size (never read: shared by the threads)  # types seen to satisfy Source (the protocol check is slow)
 
 
 def file_type(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISDIR, "a folder")):
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a folder"),
+    ):
         if test(mode):
             return name
     return "not a plain file"
@@ -165,8 +180,10 @@ def size_of(x: Input, max_pixels: int | None) -> int:
         if size < 0:
             raise SniffError(f"the source reports a negative size ({size} bytes)")
     else:
-        raise TypeError(f"expected a path (str or os.PathLike) or a source with name, nbytes and "
-                        f"readinto (e.g. gpucache.ingest._build.BytesSource), got {type(x).__name__}")
+        raise TypeError(
+            f"expected a path (str or os.PathLike) or a source with name, nbytes and "
+            f"readinto (e.g. gpucache.ingest._build.BytesSource), got {type(x).__name__}"
+        )
     why = too_big(size, max_pixels)
     if why is not None:
         raise SniffError(why)
@@ -202,8 +219,10 @@ def read_into(x: Input, slot: memoryview) -> None:
             raise SniffError(f"not a regular file ({file_type(st.st_mode)})")
         n = len(slot)
         if st.st_size != n:
-            raise SniffError(f"the file changed size since it was listed ({n:,} -> "
-                             f"{st.st_size:,} bytes); rebuild the cache")
+            raise SniffError(
+                f"the file changed size since it was listed ({n:,} -> "
+                f"{st.st_size:,} bytes); rebuild the cache"
+            )
         done = 0
         if n > HEAD_FIRST:  # the first bytes: a non-image is refused before the rest is read
             while done < HEAD:

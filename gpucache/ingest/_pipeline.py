@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..store._format import pack_strings
-from ._inputs import name_of, read_into, size_of
 from ..store._limits import over_budget
 from ..store._readonly import writable_buffer
+from ._inputs import name_of, read_into, size_of
 from ._sniff import SAMPLE_DTYPE, SniffError, sniff
 
 SIZE_CHUNK = 1024  # inputs sized per task
@@ -47,8 +47,9 @@ def ordered(pool: Executor, fn: Callable, tasks: Iterable, window: int) -> Itera
         yield pending.popleft().result()
 
 
-def size_all(pool: Executor, inputs, max_pixels: int | None, window: int,
-             tick: Callable[[int, int], None]) -> tuple[np.ndarray, dict[int, str]]:
+def size_all(
+    pool: Executor, inputs, max_pixels: int | None, window: int, tick: Callable[[int, int], None]
+) -> tuple[np.ndarray, dict[int, str]]:
     """Cumulative sizes (``cum[i+1] - cum[i]`` is input ``i``'s size; 0 for one refused) and the
     reasons inputs were refused."""
     n = len(inputs)
@@ -67,7 +68,7 @@ def size_all(pool: Executor, inputs, max_pixels: int | None, window: int,
         return a, sizes, errs
 
     for a, sizes, errs in ordered(pool, task, range(0, n, SIZE_CHUNK), window):
-        cum[a + 1:a + 1 + len(sizes)] = sizes
+        cum[a + 1 : a + 1 + len(sizes)] = sizes
         errors.update(errs)
         tick(0, 0)
     np.cumsum(cum, out=cum)
@@ -127,8 +128,17 @@ class Scratch:
             self._free.put(buf)
 
 
-def read_chunk(span: tuple[int, int], *, inputs, metadata, cum: np.ndarray, refused: dict,
-               max_pixels: int | None, rewriters: list, scratch: Scratch) -> Chunk:
+def read_chunk(
+    span: tuple[int, int],
+    *,
+    inputs,
+    metadata,
+    cum: np.ndarray,
+    refused: dict,
+    max_pixels: int | None,
+    rewriters: list,
+    scratch: Scratch,
+) -> Chunk:
     a, b = span
     raw = scratch.get(int(cum[b] - cum[a]))
     view, pos = memoryview(raw), 0
@@ -141,7 +151,7 @@ def read_chunk(span: tuple[int, int], *, inputs, metadata, cum: np.ndarray, refu
         if refused and i in refused:
             continue
         size = int(cum[i + 1] - cum[i])
-        slot = view[pos:pos + size]
+        slot = view[pos : pos + size]
         try:
             read_into(inputs[i], slot)
             info = sniff(slot)
@@ -166,17 +176,18 @@ def read_chunk(span: tuple[int, int], *, inputs, metadata, cum: np.ndarray, refu
             size = len(data)
         out.kept.append(i)
         out.lens.append(size)
-        out.recs.append((info.kind, info.components, info.orientation, info.precision,
-                         info.height, info.width))
+        out.recs.append(
+            (info.kind, info.components, info.orientation, info.precision, info.height, info.width)
+        )
     if rewriters:  # the final bytes, packed into a buffer of their own; the reads' one is freed
         out.data = scratch.get(sum(out.lens))
         at = 0
         for piece, size in zip(pieces, out.lens):
-            out.data[at:at + size] = np.frombuffer(piece, np.uint8)
+            out.data[at : at + size] = np.frombuffer(piece, np.uint8)
             at += size
         del pieces, view
         scratch.put(raw)
-    out.raw, out.data = out.data, out.data[:sum(out.lens)]
+    out.raw, out.data = out.data, out.data[: sum(out.lens)]
     out.name_lens = _lengths([name_of(inputs[i]) for i in out.kept])
     if metadata is not None:
         out.meta_lens = _lengths([str(metadata[i]) for i in out.kept])
@@ -197,8 +208,14 @@ class Assembler:
     """The store's arrays, filled chunk by chunk in input order. ``columns``: the rewriters'
     per-sample sections, ``{name: (dtype, width)}`` (width 0: one value per sample)."""
 
-    def __init__(self, n: int, reserve: int, columns: dict[str, tuple[str, int]],
-                 labels: np.ndarray, metadata) -> None:
+    def __init__(
+        self,
+        n: int,
+        reserve: int,
+        columns: dict[str, tuple[str, int]],
+        labels: np.ndarray,
+        metadata,
+    ) -> None:
         self.data = writable_buffer(reserve)
         self.cursor = self.count = 0
         self.offsets = _buffer(n + 1, "<i8")
@@ -211,38 +228,41 @@ class Assembler:
         self.meta_ends = None if metadata is None else _buffer(n + 1, "<u8")
         if self.meta_ends is not None:
             self.meta_ends[0] = 0
-        self.columns = {k: _buffer(n * max(w, 1), dt).reshape((n, w) if w else (n,))
-                        for k, (dt, w) in columns.items()}
+        self.columns = {
+            k: _buffer(n * max(w, 1), dt).reshape((n, w) if w else (n,))
+            for k, (dt, w) in columns.items()
+        }
 
     def add(self, c: Chunk) -> None:
         k, m, end = self.count, len(c.kept), self.cursor + len(c.data)
         if end > len(self.data):  # rewritten bytes outgrew the reservation: rare, one copy
             grown = writable_buffer(max(end, len(self.data) + len(self.data) // 2))
-            grown[:self.cursor] = self.data[:self.cursor]
+            grown[: self.cursor] = self.data[: self.cursor]
             self.data = grown
-        self.data[self.cursor:end] = c.data
+        self.data[self.cursor : end] = c.data
         if m:
-            self.offsets[k + 1:k + 1 + m] = self.cursor + np.cumsum(c.lens)
-            self.samples[k:k + m] = np.array(c.recs, dtype=SAMPLE_DTYPE)
-            self.labels[k:k + m] = self.labels_in[c.kept]
+            self.offsets[k + 1 : k + 1 + m] = self.cursor + np.cumsum(c.lens)
+            self.samples[k : k + m] = np.array(c.recs, dtype=SAMPLE_DTYPE)
+            self.labels[k : k + m] = self.labels_in[c.kept]
             self.keep[c.kept] = True
-            self.name_ends[k + 1:k + 1 + m] = self.name_ends[k] + np.cumsum(c.name_lens)
+            self.name_ends[k + 1 : k + 1 + m] = self.name_ends[k] + np.cumsum(c.name_lens)
             if self.meta_ends is not None:
-                self.meta_ends[k + 1:k + 1 + m] = self.meta_ends[k] + np.cumsum(c.meta_lens)
+                self.meta_ends[k + 1 : k + 1 + m] = self.meta_ends[k] + np.cumsum(c.meta_lens)
             for name, values in c.columns.items():
-                self.columns[name][k:k + m] = values
+                self.columns[name][k : k + m] = values
         self.count, self.cursor = k + m, end
 
-    def strings(self, ends: np.ndarray, texts: Callable[[int], str]) -> tuple[np.ndarray,
-                                                                              np.ndarray]:
+    def strings(
+        self, ends: np.ndarray, texts: Callable[[int], str]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The string table (offsets, blob) of the kept inputs' ``texts(i)``, packed in chunks."""
-        ends = ends[:self.count + 1]
+        ends = ends[: self.count + 1]
         blob = writable_buffer(int(ends[-1]))
         kept = np.flatnonzero(self.keep)
         for s in range(0, len(kept), 4096):
-            part = kept[s:s + 4096]
+            part = kept[s : s + 4096]
             _, chunk = pack_strings([texts(int(i)) for i in part])
-            blob[int(ends[s]):int(ends[s + len(part)])] = chunk
+            blob[int(ends[s]) : int(ends[s + len(part)])] = chunk
         return ends, blob
 
 

@@ -19,8 +19,15 @@ def _transpositions() -> dict[int, int]:
     from PIL import Image
 
     t = Image.Transpose
-    return {2: t.FLIP_LEFT_RIGHT, 3: t.ROTATE_180, 4: t.FLIP_TOP_BOTTOM, 5: t.TRANSPOSE,
-            6: t.ROTATE_270, 7: t.TRANSVERSE, 8: t.ROTATE_90}
+    return {
+        2: t.FLIP_LEFT_RIGHT,
+        3: t.ROTATE_180,
+        4: t.FLIP_TOP_BOTTOM,
+        5: t.TRANSPOSE,
+        6: t.ROTATE_270,
+        7: t.TRANSVERSE,
+        8: t.ROTATE_90,
+    }
 
 
 def eight_bit(im):
@@ -38,7 +45,7 @@ def eight_bit(im):
         a = np.asarray(im.crop((0, y, w, min(h, y + rows))))
         if a.dtype.itemsize > 2:  # "I": 32-bit signed
             a = np.clip(a, 0, 65535)
-        out[y:y + rows] = a >> 8
+        out[y : y + rows] = a >> 8
     return Image.fromarray(out)
 
 

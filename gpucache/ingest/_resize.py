@@ -123,8 +123,14 @@ def cost(im, stored: tuple[int, int], size: tuple[int, int] | None, orientation:
     return max(steps) + (1 << 20)  # and the decoder's own buffers
 
 
-def reencode(data, max_side: int | None, quality: int = QUALITY, *, orientation: int = 1,
-             budget: Budget | None = None) -> bytes:
+def reencode(
+    data,
+    max_side: int | None,
+    quality: int = QUALITY,
+    *,
+    orientation: int = 1,
+    budget: Budget | None = None,
+) -> bytes:
     """``data`` (encoded image bytes) decoded, its long side scaled to ``max_side`` (None:
     kept), turned as EXIF ``orientation`` says (the store's record, see ``_pixels.upright``),
     encoded as JPEG with no EXIF. The pixels are decoded once ``budget`` admits them. Raises
@@ -188,8 +194,12 @@ def _give_back() -> None:
 def _check(name: str, value, low: int, high: int | None, example: str) -> None:
     if value is None:
         return
-    if (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low
-            or (high is not None and value > high)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or value < low
+        or (high is not None and value > high)
+    ):
         span = f"an integer from {low} to {high}" if high is not None else "a positive integer"
         raise ValueError(f"{name} must be {span} ({example}) or None, got {value!r}.")
 
@@ -201,8 +211,9 @@ class Reencode:
 
     columns = {SECTION: ("<u4", 3)}
 
-    def __init__(self, max_side: int | None, jpeg_quality: int | None = None, *,
-                 budget: Budget | None = None) -> None:
+    def __init__(
+        self, max_side: int | None, jpeg_quality: int | None = None, *, budget: Budget | None = None
+    ) -> None:
         _check("max_side", max_side, 1, None, "pixels of the long side to cap images at, e.g. 512")
         _check("jpeg_quality", jpeg_quality, 1, 100, "PIL's JPEG quality, e.g. 90")
         self.max_side = None if max_side is None else int(max_side)
@@ -215,13 +226,19 @@ class Reencode:
         if not over and not self.all:
             return data, info, {SECTION: (0, 0, 0)}
         try:
-            out = reencode(data, self.max_side if over else None, self.quality,
-                           orientation=info.orientation, budget=self.budget)
+            out = reencode(
+                data,
+                self.max_side if over else None,
+                self.quality,
+                orientation=info.orientation,
+                budget=self.budget,
+            )
             new = sniff(memoryview(out))
         except Exception as err:  # undecodable pixels: kept as they are; decode reports it
             # not the image's fault: never left as it was, unasked
-            raise_if_out_of_memory(err, f"re-encoding a {info.width}x{info.height} image at build",
-                                   fix=BUILD_FIX)
+            raise_if_out_of_memory(
+                err, f"re-encoding a {info.width}x{info.height} image at build", fix=BUILD_FIX
+            )
             return data, info, {SECTION: (0, 0, 0)}
         if not over and len(out) >= len(data):  # no smaller at this quality: the bytes stay
             return data, info, {SECTION: (0, 0, 0)}

@@ -12,6 +12,7 @@ decoders read (``decode._roi_rst.intervals``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import numpy as np
 
 from .. import _native
@@ -45,8 +46,9 @@ class RestartMarkers:
         return {}
 
 
-def rewriters(*, restart_markers: bool, max_side: int | None,
-              jpeg_quality: int | None = None) -> list:
+def rewriters(
+    *, restart_markers: bool, max_side: int | None, jpeg_quality: int | None = None
+) -> list:
     """The build's per-sample rewriters, in the order they apply: the re-encode (size cap,
     quality), then the transcode (so a re-encoded image gets restart markers too)."""
     from ._resize import Reencode
@@ -86,8 +88,18 @@ def restart_store(cache, *, num_threads: int | None = None, progress: bool = Fal
     from ..store._limits import pixel_budget
     from ._build import build
 
-    out = build(type(cache), _Samples(cache), np.asarray(cache.labels), cache.classes,
-                cache.metadata, on_error="raise", num_threads=num_threads, progress=progress,
-                max_pixels=pixel_budget(cache), restart_markers=True, extra=dict(cache.extra))
+    out = build(
+        type(cache),
+        _Samples(cache),
+        np.asarray(cache.labels),
+        cache.classes,
+        cache.metadata,
+        on_error="raise",
+        num_threads=num_threads,
+        progress=progress,
+        max_pixels=pixel_budget(cache),
+        restart_markers=True,
+        extra=dict(cache.extra),
+    )
     out.report, out.max_pixels = cache.report, cache.max_pixels
     return out

@@ -13,11 +13,20 @@ import io
 import struct
 from typing import NamedTuple
 
-
 from ..store._format import JPEG_KINDS, SAMPLE_DTYPE, Kind  # noqa: F401 - the sample kinds live with the format
 from ..store._jpeg import (  # noqa: F401 - the marker walk is shared with the decode-time re-check
-    _FF, _PROGRESSIVE, _SOF_KINDS, _SOF_UNSUPPORTED, MAX_SCANS, TOO_MANY_SCANS, _next_marker,
-    _skip_fill, count_scans, jpeg_header, scans_decoded)
+    _FF,
+    _PROGRESSIVE,
+    _SOF_KINDS,
+    _SOF_UNSUPPORTED,
+    MAX_SCANS,
+    TOO_MANY_SCANS,
+    _next_marker,
+    _skip_fill,
+    count_scans,
+    jpeg_header,
+    scans_decoded,
+)
 from ..store._oom import BUILD_FIX, raise_if_out_of_memory
 
 
@@ -32,8 +41,6 @@ class Info(NamedTuple):  # a tuple: made once per sample at build, so it is kept
     components: int = 3
     orientation: int = 1
     precision: int = 8
-
-
 
 
 def _exif_orientation(seg: memoryview) -> int:
@@ -78,14 +85,18 @@ _READ = frozenset([0xDA, 0xE1, *_SOF_KINDS, *_SOF_UNSUPPORTED])  # the segments 
 
 def _frame(seg: memoryview, marker: int) -> tuple[Kind, int, int, int]:
     if marker in _SOF_UNSUPPORTED:
-        raise SniffError(f"{_SOF_UNSUPPORTED[marker]} (SOF{marker - 0xC0}) is not supported by "
-                         "the decoders; re-encode it as baseline or progressive JPEG")
+        raise SniffError(
+            f"{_SOF_UNSUPPORTED[marker]} (SOF{marker - 0xC0}) is not supported by "
+            "the decoders; re-encode it as baseline or progressive JPEG"
+        )
     if len(seg) < 6:
         raise SniffError("truncated or corrupt JPEG header: frame header (SOF) too short")
     precision, h, w, comps = struct.unpack(">BHHB", seg[:6])
     if precision != 8:
-        raise SniffError(f"{precision}-bit JPEG is not supported by the 8-bit decoders; "
-                         "re-encode it as 8-bit JPEG")
+        raise SniffError(
+            f"{precision}-bit JPEG is not supported by the 8-bit decoders; "
+            "re-encode it as 8-bit JPEG"
+        )
     if h == 0 or w == 0:
         raise SniffError(f"JPEG header gives an empty image ({w}x{h})")
     if comps not in (1, 3, 4):
@@ -96,8 +107,9 @@ def _frame(seg: memoryview, marker: int) -> tuple[Kind, int, int, int]:
 def _sniff_jpeg(b: memoryview) -> Info:
     n = len(b)
     # Trailing zero padding after EOI is common and harmless; a missing EOI means the scan is cut.
-    if b[n - 2:] != b"\xff\xd9" and not bytes(b[max(0, n - 1024):]).rstrip(b"\x00").endswith(
-            b"\xff\xd9"):
+    if b[n - 2 :] != b"\xff\xd9" and not bytes(b[max(0, n - 1024) :]).rstrip(b"\x00").endswith(
+        b"\xff\xd9"
+    ):
         raise SniffError("truncated JPEG: no end-of-image marker (FFD9) at the end of the file")
     if n <= _COPY_BELOW:  # indexing bytes is several times faster than indexing a memoryview
         b = bytes(b)
@@ -119,25 +131,26 @@ def _sniff_jpeg(b: memoryview) -> Info:
             break
         length = (b[pos] << 8) | b[pos + 1]
         if length < 2 or pos + length > n:
-            raise SniffError(f"truncated or corrupt JPEG header: marker FF{marker:02X} at byte "
-                             f"{pos - 2} has length {length}, {n - pos} bytes remain")
+            raise SniffError(
+                f"truncated or corrupt JPEG header: marker FF{marker:02X} at byte "
+                f"{pos - 2} has length {length}, {n - pos} bytes remain"
+            )
         if marker in _READ:
             if marker == 0xDA:
                 sos = pos - 2
                 break
             if marker == 0xE1:
                 if not app1:  # only the first APP1 counts for the decoders
-                    app1, orientation = True, _exif_orientation(b[pos + 2:pos + length])
+                    app1, orientation = True, _exif_orientation(b[pos + 2 : pos + length])
             else:
                 if frame is not None:
                     raise SniffError("corrupt JPEG header: two frame headers (SOF)")
-                frame, sof = _frame(b[pos + 2:pos + length], marker), marker
+                frame, sof = _frame(b[pos + 2 : pos + length], marker), marker
         pos += length
     if frame is None:
         raise SniffError("truncated or corrupt JPEG header: no frame header (SOF) found")
     kind, h, w, comps = frame  # a missing scan is left to the decoder (a decode-time failure)
-    if sos >= 0 and scans_decoded(b, sos, progressive=sof in _PROGRESSIVE,
-                                  comps=comps) > MAX_SCANS:
+    if sos >= 0 and scans_decoded(b, sos, progressive=sof in _PROGRESSIVE, comps=comps) > MAX_SCANS:
         raise SniffError(TOO_MANY_SCANS)
     if orientation >= 5:
         h, w = w, h
@@ -213,8 +226,9 @@ def check_signature(head: bytes, nbytes: int) -> Kind:
         return Kind.OTHER
     if head.startswith(b"\xff\xd8"):
         raise SniffError("truncated or corrupt JPEG: start-of-image marker without a header")
-    raise SniffError("not an image: unknown format (no JPEG, PNG, GIF, WebP, BMP, TIFF or PNM "
-                     "signature)")
+    raise SniffError(
+        "not an image: unknown format (no JPEG, PNG, GIF, WebP, BMP, TIFF or PNM signature)"
+    )
 
 
 def sniff(b: memoryview) -> Info:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from .._progress import tqdm
 
+from .._progress import tqdm
 from ._build import BytesSource, FileObjSource, FileRangeSource, Source, build, check_labels
 from ._inputs import Refused
 
@@ -41,35 +41,54 @@ def as_input(x: Any, i: int):
     if hasattr(x, "readinto") and hasattr(x, "seek") and hasattr(x, "tell"):
         name = getattr(x, "name", None)
         return FileObjSource(name if isinstance(name, str) else f"<file object #{i}>", x)
-    raise TypeError(f"item {i} of from_files is a {type(x).__name__}; give paths (str or "
-                    "os.PathLike), bytes-like objects (bytes, bytearray, memoryview, uint8 array) "
-                    "or seekable binary file objects (open(path, 'rb'), io.BytesIO).")
+    raise TypeError(
+        f"item {i} of from_files is a {type(x).__name__}; give paths (str or "
+        "os.PathLike), bytes-like objects (bytes, bytearray, memoryview, uint8 array) "
+        "or seekable binary file objects (open(path, 'rb'), io.BytesIO)."
+    )
 
 
-def _labels_from_column(values: Sequence[str], classes: Sequence[str] | None
-                        ) -> tuple[np.ndarray, list[str] | None]:
+def _labels_from_column(
+    values: Sequence[str], classes: Sequence[str] | None
+) -> tuple[np.ndarray, list[str] | None]:
     """CSV labels: all ints (or empty) are taken as ints, otherwise as class names (sorted)."""
     if all(re.fullmatch(r"\s*-?\d+\s*", v) or not v.strip() for v in values):
-        return np.array([int(v) if v.strip() else -1 for v in values], dtype=np.int64), \
-            None if classes is None else list(classes)
+        return np.array(
+            [int(v) if v.strip() else -1 for v in values], dtype=np.int64
+        ), None if classes is None else list(classes)
     names = list(classes) if classes is not None else sorted({v for v in values if v})
     index = {c: k for k, c in enumerate(names)}
     unknown = sorted({v for v in values if v and v not in index})
     if unknown:
-        raise ValueError(f"labels {unknown[:5]} are not among classes={names[:10]}...; pass "
-                         "classes= naming every label, or use integer labels.")
+        raise ValueError(
+            f"labels {unknown[:5]} are not among classes={names[:10]}...; pass "
+            "classes= naming every label, or use integer labels."
+        )
     return np.array([index[v] if v else -1 for v in values], dtype=np.int64), names
 
 
-def from_csv(cls, path: str | os.PathLike, *, classes: Sequence[str] | None = None,
-             delimiter: str = ",", header: bool | None = None, **build_kw):
+def from_csv(
+    cls,
+    path: str | os.PathLike,
+    *,
+    classes: Sequence[str] | None = None,
+    delimiter: str = ",",
+    header: bool | None = None,
+    **build_kw,
+):
     """The files a CSV lists (see :func:`read_csv`), built into a store."""
-    return build(cls, *read_csv(path, classes=classes, delimiter=delimiter, header=header),
-                 **build_kw)
+    return build(
+        cls, *read_csv(path, classes=classes, delimiter=delimiter, header=header), **build_kw
+    )
 
 
-def read_csv(path: str | os.PathLike, *, classes: Sequence[str] | None = None,
-             delimiter: str = ",", header: bool | None = None):
+def read_csv(
+    path: str | os.PathLike,
+    *,
+    classes: Sequence[str] | None = None,
+    delimiter: str = ",",
+    header: bool | None = None,
+):
     """``(files, labels, classes, metadata)`` of a CSV's rows ``path,label[,metadata]``; relative
     paths are taken against the CSV's folder.
 
@@ -78,13 +97,19 @@ def read_csv(path: str | os.PathLike, *, classes: Sequence[str] | None = None,
     path = Path(path)
     with open(path, newline="", encoding="utf-8") as f:
         rows = [r for r in csv.reader(f, delimiter=delimiter) if r and any(c.strip() for c in r)]
-    if rows and (header or header is None and len(rows[0]) > 1
-                 and rows[0][1].strip().lower() in ("label", "class", "target", "y")):
+    if rows and (
+        header
+        or header is None
+        and len(rows[0]) > 1
+        and rows[0][1].strip().lower() in ("label", "class", "target", "y")
+    ):
         rows = rows[1:]
     for k, r in enumerate(rows):
         if len(r) > 3:
-            raise ValueError(f"{path}: row {k + 1} has {len(r)} columns; expected "
-                             "path,label[,metadata] (quote metadata that contains the delimiter).")
+            raise ValueError(
+                f"{path}: row {k + 1} has {len(r)} columns; expected "
+                "path,label[,metadata] (quote metadata that contains the delimiter)."
+            )
     base = path.parent
     files = [os.path.join(base, r[0].strip()) for r in rows]  # absolute paths stay as they are
     labels, names = _labels_from_column([r[1] if len(r) > 1 else "" for r in rows], classes)
@@ -114,9 +139,16 @@ def _shard_samples(shard: str, metadata_ext: str | None):
         yield Refused(shard, f"cannot open the shard: {err.strerror or err}"), None, None, shard
         return
     except tarfile.TarError as err:
-        yield Refused(shard, f"not an uncompressed tar ({err}); members of a compressed shard "
-                             "cannot be read in place: decompress it (gunzip) first"
-                      ), None, None, shard
+        yield (
+            Refused(
+                shard,
+                f"not an uncompressed tar ({err}); members of a compressed shard "
+                "cannot be read in place: decompress it (gunzip) first",
+            ),
+            None,
+            None,
+            shard,
+        )
         return
     samples: dict[str, dict[str, Any]] = {}
     damage = None
@@ -136,8 +168,10 @@ def _shard_samples(shard: str, metadata_ext: str | None):
                     except UnicodeDecodeError as err:  # a reason, not a crash
                         text = raw.decode("utf-8", "backslashreplace")  # a .cls's error shows it
                         if ext == metadata_ext:
-                            s["bad metadata"] = (f"its .{ext} member is not UTF-8 text (byte "
-                                                 f"{err.start} is {raw[err.start]:#04x})")
+                            s["bad metadata"] = (
+                                f"its .{ext} member is not UTF-8 text (byte "
+                                f"{err.start} is {raw[err.start]:#04x})"
+                            )
                     s[ext] = text.strip()
             if tf.offset < size:  # after the last member: the end-of-archive zeros, or damage
                 with open(shard, "rb") as f:
@@ -146,43 +180,68 @@ def _shard_samples(shard: str, metadata_ext: str | None):
                 if tail.strip(b"\0"):
                     damage = f"bytes after the last member at byte {tf.offset:,} are no tar header"
         except (tarfile.TarError, EOFError, OSError) as err:
-            damage = (f"{err} (the headers lead to byte {tf.offset:,}; the shard has "
-                      f"{size:,})")
+            damage = f"{err} (the headers lead to byte {tf.offset:,}; the shard has {size:,})"
     for key, s in samples.items():
         images = s.get("images", {})
         m = next((images[e] for e in WDS_IMAGE_EXTS if e in images), None)
-        item = None if m is None else FileRangeSource(f"{shard}/{m.name}", shard, m.offset_data,
-                                                      m.size)
+        item = (
+            None
+            if m is None
+            else FileRangeSource(f"{shard}/{m.name}", shard, m.offset_data, m.size)
+        )
         if m is not None and "bad metadata" in s:
-            item = Refused(item.name, f"{s['bad metadata']}; metadata must be UTF-8 text (e.g. "
-                                      "JSON): rewrite that member")
+            item = Refused(
+                item.name,
+                f"{s['bad metadata']}; metadata must be UTF-8 text (e.g. "
+                "JSON): rewrite that member",
+            )
         elif m is not None and m.offset_data + m.size > size:
-            item = Refused(item.name, f"its tar header claims {m.size:,} bytes, but the shard ends "
-                                      f"{size - m.offset_data:,} bytes after its start (a "
-                                      "truncated shard, or a header that lies)")
+            item = Refused(
+                item.name,
+                f"its tar header claims {m.size:,} bytes, but the shard ends "
+                f"{size - m.offset_data:,} bytes after its start (a "
+                "truncated shard, or a header that lies)",
+            )
         yield item, s.get("cls"), s.get(metadata_ext) if metadata_ext else None, key
     if damage is not None:
-        yield Refused(shard, f"truncated or corrupt tar: {damage}; the samples listed before "
-                             "the damage are kept, any after it are lost: rewrite the shard"
-                      ), None, None, shard
+        yield (
+            Refused(
+                shard,
+                f"truncated or corrupt tar: {damage}; the samples listed before "
+                "the damage are kept, any after it are lost: rewrite the shard",
+            ),
+            None,
+            None,
+            shard,
+        )
 
 
-def from_webdataset(cls, shards: str | os.PathLike | Iterable[str | os.PathLike], *,
-                    classes: Sequence[str] | None = None, metadata_ext: str | None = None,
-                    progress: bool = True, **build_kw):
+def from_webdataset(
+    cls,
+    shards: str | os.PathLike | Iterable[str | os.PathLike],
+    *,
+    classes: Sequence[str] | None = None,
+    metadata_ext: str | None = None,
+    progress: bool = True,
+    **build_kw,
+):
     """Samples of WebDataset tar shards, read straight out of the tars (no extraction).
 
     A sample is the members sharing a key (``dir/key.ext``); its image is the first member with an
     image extension (``WDS_IMAGE_EXTS`` order), its label the integer in ``key.cls`` (-1 if none),
     its metadata the text of ``key.<metadata_ext>`` (e.g. ``"json"``)."""
-    shards = [os.fspath(shards)] if isinstance(shards, (str, os.PathLike)) else \
-        [os.fspath(s) for s in shards]
+    shards = (
+        [os.fspath(shards)]
+        if isinstance(shards, (str, os.PathLike))
+        else [os.fspath(s) for s in shards]
+    )
     inputs: list[Source] = []
     labels: list[int] = []
     meta: list[str] = []
     missing: list[str] = []
-    for shard in tqdm(shards, desc="gpucache scan shards", unit="shard",
-                      disable=not progress or None, leave=False):
+    for shard in tqdm(
+        shards, desc="gpucache scan shards", unit="shard", disable=not progress or None, leave=False
+    ):
         for item, cls_text, meta_text, key in _shard_samples(shard, metadata_ext):
             if item is None:
                 missing.append(f"{shard}/{key}")
@@ -190,16 +249,28 @@ def from_webdataset(cls, shards: str | os.PathLike | Iterable[str | os.PathLike]
             try:
                 labels.append(int(cls_text) if cls_text else -1)
             except ValueError as err:
-                raise ValueError(f"{shard}/{key}.cls holds {cls_text!r}, not an integer class "
-                                 "index.") from err
+                raise ValueError(
+                    f"{shard}/{key}.cls holds {cls_text!r}, not an integer class index."
+                ) from err
             inputs.append(item)
             meta.append(meta_text or "")
     if missing:
-        log.warning("gpucache: %d WebDataset samples have no image member (extensions %s), left "
-                    "out: %s", len(missing), ", ".join(WDS_IMAGE_EXTS), ", ".join(missing[:10]))
+        log.warning(
+            "gpucache: %d WebDataset samples have no image member (extensions %s), left out: %s",
+            len(missing),
+            ", ".join(WDS_IMAGE_EXTS),
+            ", ".join(missing[:10]),
+        )
     labels_arr, names = check_labels(len(inputs), labels, classes)
-    return build(cls, inputs, labels_arr, names, meta if metadata_ext else None,
-                 progress=progress, **build_kw)
+    return build(
+        cls,
+        inputs,
+        labels_arr,
+        names,
+        meta if metadata_ext else None,
+        progress=progress,
+        **build_kw,
+    )
 
 
 class _HFImage:
@@ -219,8 +290,16 @@ class _HFImage:
             raise OSError(f"cannot read row {self._row} of the dataset: {err}") from err
 
 
-def from_hf(cls, dataset, *, image_column: str = "image", label_column: str | None = "label",
-            classes: Sequence[str] | None = None, progress: bool = True, **build_kw):
+def from_hf(
+    cls,
+    dataset,
+    *,
+    image_column: str = "image",
+    label_column: str | None = "label",
+    classes: Sequence[str] | None = None,
+    progress: bool = True,
+    **build_kw,
+):
     """A Hugging Face ``datasets.Dataset`` with an ``Image`` feature; the encoded bytes are taken
     as they are stored (``Image(decode=False)``: no decode, no re-encode). Labels from
     ``label_column`` (a ``ClassLabel`` gives the class names) or -1 without one."""
@@ -228,18 +307,27 @@ def from_hf(cls, dataset, *, image_column: str = "image", label_column: str | No
     from datasets import ClassLabel, Image
 
     if image_column not in dataset.features:
-        raise ValueError(f"the dataset has no column {image_column!r} (columns: "
-                         f"{list(dataset.features)}); pass image_column=.")
+        raise ValueError(
+            f"the dataset has no column {image_column!r} (columns: "
+            f"{list(dataset.features)}); pass image_column=."
+        )
     if not isinstance(dataset.features[image_column], Image):
-        raise ValueError(f"column {image_column!r} is a {dataset.features[image_column]!r}, not a "
-                         "datasets.Image feature.")
+        raise ValueError(
+            f"column {image_column!r} is a {dataset.features[image_column]!r}, not a "
+            "datasets.Image feature."
+        )
     ds = dataset.cast_column(image_column, Image(decode=False))
     table = ds.with_format("arrow")
     n, chunk = len(ds), 4096
     inputs: list = []
-    for start in tqdm(range(0, n, chunk), desc="gpucache scan dataset", unit="chunk",
-                      disable=not progress or None, leave=False):
-        col = table[start:start + chunk].column(image_column)
+    for start in tqdm(
+        range(0, n, chunk),
+        desc="gpucache scan dataset",
+        unit="chunk",
+        disable=not progress or None,
+        leave=False,
+    ):
+        col = table[start : start + chunk].column(image_column)
         data = pc.struct_field(col, "bytes")
         sizes = pc.binary_length(data).fill_null(-1).to_numpy()
         paths = pc.struct_field(col, "path").to_pylist()
@@ -256,8 +344,10 @@ def from_hf(cls, dataset, *, image_column: str = "image", label_column: str | No
         if classes is None and isinstance(feature, ClassLabel):
             classes = feature.names
     elif label_column not in (None, "label"):
-        raise ValueError(f"the dataset has no column {label_column!r} (columns: "
-                         f"{list(ds.features)}); pass label_column=None for unlabeled data.")
+        raise ValueError(
+            f"the dataset has no column {label_column!r} (columns: "
+            f"{list(ds.features)}); pass label_column=None for unlabeled data."
+        )
     else:
         labels = None
     labels_arr, names = check_labels(n, labels, classes)
@@ -268,7 +358,15 @@ def from_files(cls, items: Sequence, labels, metadata, *, classes, **build_kw):
     """``from_files`` with paths, bytes-like or file-like items (mixed freely)."""
     labels_arr, names = check_labels(len(items), labels, classes)
     if metadata is not None and len(metadata) != len(items):
-        raise ValueError(f"metadata has {len(metadata)} entries for {len(items)} items; "
-                         "give one string per item (or metadata=None).")
-    return build(cls, [as_input(x, i) for i, x in enumerate(items)], labels_arr, names,
-                 None if metadata is None else [str(m) for m in metadata], **build_kw)
+        raise ValueError(
+            f"metadata has {len(metadata)} entries for {len(items)} items; "
+            "give one string per item (or metadata=None)."
+        )
+    return build(
+        cls,
+        [as_input(x, i) for i, x in enumerate(items)],
+        labels_arr,
+        names,
+        None if metadata is None else [str(m) for m in metadata],
+        **build_kw,
+    )

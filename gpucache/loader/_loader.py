@@ -14,16 +14,16 @@ import numpy as np
 import torch
 
 from .. import _dist
-from . import _state
 from .. import decode as _decode
-from ._sampling import Sampling
-from ..store._store import JpegCache
-from ..store._targets import dense_targets, kept_rows, ragged_targets
-from ..decode._workers import default_workers
 from ..decode._base import Backend
 from ..decode._core import Decoded
+from ..decode._workers import default_workers
+from ..store._store import JpegCache
+from ..store._targets import dense_targets, kept_rows, ragged_targets
 from ..transforms import Transform, as_compose, batch_generator
 from ..transforms._device import to_device
+from . import _state
+from ._sampling import Sampling
 
 log = logging.getLogger("gpucache")
 
@@ -157,48 +157,66 @@ class GpuCachedLoader:
         return_metadata: bool = False,
     ) -> None:
         if not isinstance(cache, JpegCache):
-            raise TypeError(f"cache must be a gpucache.JpegCache, got {type(cache).__name__}; "
-                            "build one with JpegCache.from_folder(root) or JpegCache.open(path).")
+            raise TypeError(
+                f"cache must be a gpucache.JpegCache, got {type(cache).__name__}; "
+                "build one with JpegCache.from_folder(root) or JpegCache.open(path)."
+            )
         _check_int("batch_size", batch_size, 1, "use batch_size=1 or more")
         if num_workers is not None:
-            _check_int("num_workers", num_workers, 0,
-                       "use num_workers=0 to decode in the main process")
+            _check_int(
+                "num_workers", num_workers, 0, "use num_workers=0 to decode in the main process"
+            )
         _check_int("prefetch_factor", prefetch_factor, 1, "use prefetch_factor=1 or more")
         num_replicas, rank = _dist.sharding(num_replicas, rank)
         _check_int("num_replicas", num_replicas, 1, "use num_replicas=world size (>= 1)")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
             raise ValueError(f"rank should be in [0, {num_replicas}), got {rank!r}.")
         if timeout is not None and timeout < 0:
-            raise ValueError("timeout option should be non-negative; use timeout=None to wait "
-                             "for as long as workers are alive.")
+            raise ValueError(
+                "timeout option should be non-negative; use timeout=None to wait "
+                "for as long as workers are alive."
+            )
         if on_error not in ("skip", "raise", "skip_warned"):
-            raise ValueError("on_error must be 'skip', 'raise' or 'skip_warned', got "
-                             f"{on_error!r}.")
+            raise ValueError(
+                f"on_error must be 'skip', 'raise' or 'skip_warned', got {on_error!r}."
+            )
         if multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
-            raise ValueError("multiprocessing_context must be None, 'fork', 'spawn' or "
-                             f"'forkserver', got {multiprocessing_context!r}.")
+            raise ValueError(
+                "multiprocessing_context must be None, 'fork', 'spawn' or "
+                f"'forkserver', got {multiprocessing_context!r}."
+            )
         self.cache = cache
-        self.sampling = Sampling(len(cache), indices=indices, weights=weights,
-                                 num_samples=num_samples)
+        self.sampling = Sampling(
+            len(cache), indices=indices, weights=weights, num_samples=num_samples
+        )
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
         if seed is not None and generator is not None:
-            raise ValueError("give seed or generator, not both; the generator's initial_seed() "
-                             "is used as the seed.")
+            raise ValueError(
+                "give seed or generator, not both; the generator's initial_seed() "
+                "is used as the seed."
+            )
         if seed is None:  # a fresh seed, the same on every rank (or a clear error)
-            seed = (generator.initial_seed() if generator is not None
-                    else _dist.agreed_seed(num_replicas, shuffle))
+            seed = (
+                generator.initial_seed()
+                if generator is not None
+                else _dist.agreed_seed(num_replicas, shuffle)
+            )
         self.seed = int(seed) % 2**63
         if not persistent_workers:
-            warnings.warn("persistent_workers=False is ignored: GpuCachedLoader always keeps its "
-                          "workers for the next epoch (call close() to stop them).", stacklevel=2)
+            warnings.warn(
+                "persistent_workers=False is ignored: GpuCachedLoader always keeps its "
+                "workers for the next epoch (call close() to stop them).",
+                stacklevel=2,
+            )
         self.transform = as_compose(transform)
         self.device = _decode._resolve_device(device)  # normalised: cuda -> cuda:<current>
         self.backend_name = _decode.resolve(backend, self.device)
         self.num_workers = default_workers() if num_workers is None else num_workers
         self.prefetch_factor = prefetch_factor
         if pin_memory and self.device.type != "cuda":
-            warnings.warn("pin_memory=True has no effect without a CUDA device; ignoring it.",
-                          stacklevel=2)
+            warnings.warn(
+                "pin_memory=True has no effect without a CUDA device; ignoring it.", stacklevel=2
+            )
         self.pin_memory = self.device.type == "cuda" and pin_memory is not False
         self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
         self.timeout = timeout or None
@@ -240,7 +258,7 @@ class GpuCachedLoader:
 
     def _batches(self, mine: np.ndarray) -> list[np.ndarray]:
         bs = self.batch_size
-        batches = [mine[i:i + bs] for i in range(0, len(mine), bs)]
+        batches = [mine[i : i + bs] for i in range(0, len(mine), bs)]
         if self.drop_last and batches and len(batches[-1]) < bs:
             batches.pop()
         return batches
@@ -279,10 +297,18 @@ class GpuCachedLoader:
         else:
             epoch, position = self._next_epoch, 0
         store, sampling = self._fingerprints
-        return {"version": _state.VERSION, "seed": self.seed, "epoch": epoch,
-                "position": position, "samples": self._global_size(), "shuffle": self.shuffle,
-                "batch_size": self.batch_size, "num_replicas": self.num_replicas,
-                "store": store, "sampling": sampling}
+        return {
+            "version": _state.VERSION,
+            "seed": self.seed,
+            "epoch": epoch,
+            "position": position,
+            "samples": self._global_size(),
+            "shuffle": self.shuffle,
+            "batch_size": self.batch_size,
+            "num_replicas": self.num_replicas,
+            "store": store,
+            "sampling": sampling,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """The next ``iter()`` continues the saved epoch after its last batch handed out.
@@ -292,8 +318,9 @@ class GpuCachedLoader:
         of another store, subset, sample count or shuffle setting, or one with values out of range,
         is refused (``ValueError``/``TypeError``) and changes nothing."""
         store, sampling = self._fingerprints
-        seed, epoch, position = _state.parse(state, samples=self._global_size(),
-                                             shuffle=self.shuffle, store=store, sampling=sampling)
+        seed, epoch, position = _state.parse(
+            state, samples=self._global_size(), shuffle=self.shuffle, store=store, sampling=sampling
+        )
         if seed != self.seed:
             self._stop_backend()  # workers are seeded from the loader's seed: restart them with it
             self.seed = seed
@@ -309,8 +336,9 @@ class GpuCachedLoader:
         key = [self.seed, epoch, batch] + ([self.rank] if self.num_replicas > 1 else [])
         rng = np.random.default_rng(key)
         s = self.cache.samples
-        return self.transform.plan(s["height"][indices].astype(np.int64),
-                                   s["width"][indices].astype(np.int64), rng)
+        return self.transform.plan(
+            s["height"][indices].astype(np.int64), s["width"][indices].astype(np.int64), rng
+        )
 
     # ------------------------------------------------------------------ iteration
     def _get_backend(self) -> Backend:
@@ -325,7 +353,8 @@ class GpuCachedLoader:
                 "gpucache: this GpuCachedLoader is closed (close() was called, or its `with` "
                 "block ended): its workers are stopped and it does not start new ones behind "
                 "your back. Make a new GpuCachedLoader(...) to iterate again, or keep this one "
-                "open (no close(), no `with`) for as many epochs as you need.")
+                "open (no close(), no `with`) for as many epochs as you need."
+            )
         backend = self._get_backend()
         backend.drain()  # results of a pass left early
         epoch, start = self._resume if self._resume is not None else (self._next_epoch, 0)
@@ -338,13 +367,18 @@ class GpuCachedLoader:
         self._resume, self._next_epoch = None, epoch + 1
         self._pass = pos = _Pass(epoch, start, replicas, bs, self._global_size())
         stack = self.transform.fixed_size
-        ahead = (self.prefetch_factor * max(1, self.num_workers) if self.backend_name == "cpu"
-                 else max(2, self.prefetch_factor))  # GPU backends: >= 2 batches in flight
+        ahead = (
+            self.prefetch_factor * max(1, self.num_workers)
+            if self.backend_name == "cpu"
+            else max(2, self.prefetch_factor)
+        )  # GPU backends: >= 2 batches in flight
         submitted, in_flight = 0, deque()
         for b in range(len(batches)):
             if self._passes != me:
-                raise RuntimeError("this GpuCachedLoader iterator was superseded: a newer "
-                                   "iter(loader) started a fresh pass; iterate that one.")
+                raise RuntimeError(
+                    "this GpuCachedLoader iterator was superseded: a newer "
+                    "iter(loader) started a fresh pass; iterate that one."
+                )
             while submitted < len(batches) and submitted < b + ahead:
                 idx = batches[submitted]
                 in_flight.append((idx, self.plans(epoch, first + submitted, idx)))
@@ -360,8 +394,9 @@ class GpuCachedLoader:
         if self._pass is pos:
             self._pass = None  # finished: state_dict() now points at the next epoch's start
 
-    def _finish(self, out: Decoded, epoch: int, batch: int, submitted: np.ndarray,
-                plans: np.ndarray):
+    def _finish(
+        self, out: Decoded, epoch: int, batch: int, submitted: np.ndarray, plans: np.ndarray
+    ):
         s = self.stats
         s.batches += 1
         s.samples += len(out.indices)
@@ -379,17 +414,22 @@ class GpuCachedLoader:
         images = out.images
         images = move(images) if isinstance(images, torch.Tensor) else [move(im) for im in images]
         dense = dense_targets(self.cache)  # float (N, C) targets replace int labels if stored
-        labels = move(torch.from_numpy((self.cache.labels if dense is None else dense)
-                                       [out.indices]))
+        labels = move(
+            torch.from_numpy((self.cache.labels if dense is None else dense)[out.indices])
+        )
         key = [self.seed, epoch, batch] + ([self.rank] if self.num_replicas > 1 else [])
         images, labels = self.transform.apply(images, labels, generator=batch_generator(*key))
         if not self.return_metadata:
             return images, labels
         meta = self.cache.metadata
-        info = BatchInfo(torch.from_numpy(out.indices), [self.cache.paths[i] for i in out.indices],
-                         None if meta is None else [meta[i] for i in out.indices], out.failed,
-                         plans[kept_rows(submitted, out.indices)],
-                         _ragged(self.cache, out.indices, move))
+        info = BatchInfo(
+            torch.from_numpy(out.indices),
+            [self.cache.paths[i] for i in out.indices],
+            None if meta is None else [meta[i] for i in out.indices],
+            out.failed,
+            plans[kept_rows(submitted, out.indices)],
+            _ragged(self.cache, out.indices, move),
+        )
         return images, labels, info
 
     def _move(self, x: torch.Tensor) -> torch.Tensor:
@@ -420,9 +460,11 @@ class GpuCachedLoader:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"GpuCachedLoader({self.cache!r}, batch_size={self.batch_size}, "
-                f"backend={self.backend_name!r}, device={str(self.device)!r}, "
-                f"num_workers={self.num_workers})")
+        return (
+            f"GpuCachedLoader({self.cache!r}, batch_size={self.batch_size}, "
+            f"backend={self.backend_name!r}, device={str(self.device)!r}, "
+            f"num_workers={self.num_workers})"
+        )
 
 
 def _ragged(cache: JpegCache, indices: np.ndarray, move: Callable[[torch.Tensor], torch.Tensor]):
@@ -447,16 +489,28 @@ def _make_backend(loader: GpuCachedLoader) -> Backend:
     if name == "cpu":
         from ..decode._cpu import CpuBackend
 
-        return CpuBackend(loader.cache, num_workers=loader.num_workers,
-                          context=loader.multiprocessing_context,
-                          worker_init_fn=loader.worker_init_fn, timeout=loader.timeout,
-                          pin_memory=loader.pin_memory, exact=loader.exact, **common)
+        return CpuBackend(
+            loader.cache,
+            num_workers=loader.num_workers,
+            context=loader.multiprocessing_context,
+            worker_init_fn=loader.worker_init_fn,
+            timeout=loader.timeout,
+            pin_memory=loader.pin_memory,
+            exact=loader.exact,
+            **common,
+        )
     if name == "nvjpeg":
         from ..decode._nvjpeg import NvjpegBackend
 
         return NvjpegBackend(loader.cache, device=loader.device, on_error=loader.on_error)
     from ..decode._dali import DaliBackend
 
-    return DaliBackend(loader.cache, device=loader.device, batch_size=loader.batch_size,
-                       num_threads=max(1, loader.num_workers), prefetch=max(2, loader.prefetch_factor),
-                       hw_decoder_load=loader.hw_decoder_load, **common)
+    return DaliBackend(
+        loader.cache,
+        device=loader.device,
+        batch_size=loader.batch_size,
+        num_threads=max(1, loader.num_workers),
+        prefetch=max(2, loader.prefetch_factor),
+        hw_decoder_load=loader.hw_decoder_load,
+        **common,
+    )

@@ -24,61 +24,136 @@ if TYPE_CHECKING:
     from ..store._store import JpegCache
 
 
-def from_folder(cls, root: str | os.PathLike, *, on_error: Literal["skip", "raise"] = "skip",
-                num_threads: int | None = None, progress: bool = True,
-                max_pixels: int | None = DEFAULT_MAX_PIXELS,
-                cache_dir: str | os.PathLike | None = None,
-                cache_max_bytes: int | None = None,
-                restart_markers: bool = False, max_side: int | None = None,
-                jpeg_quality: int | None = None) -> JpegCache:
+def from_folder(
+    cls,
+    root: str | os.PathLike,
+    *,
+    on_error: Literal["skip", "raise"] = "skip",
+    num_threads: int | None = None,
+    progress: bool = True,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    cache_dir: str | os.PathLike | None = None,
+    cache_max_bytes: int | None = None,
+    restart_markers: bool = False,
+    max_side: int | None = None,
+    jpeg_quality: int | None = None,
+) -> JpegCache:
     """``JpegCache.from_folder`` (see its docstring)."""
     from ..ingest._build import build, scan_folder
     from ._cache import built_once
 
     def scan():
         paths, labels, classes = scan_folder(Path(root))
-        return paths, (labels, classes, on_error, max_pixels, restart_markers, max_side,
-                       jpeg_quality)
+        return paths, (
+            labels,
+            classes,
+            on_error,
+            max_pixels,
+            restart_markers,
+            max_side,
+            jpeg_quality,
+        )
 
-    cache = built_once(cls, scan, lambda paths, extra, on_progress: build(
-        cls, paths, extra[0], extra[1], None, on_error=on_error, num_threads=num_threads,
-        progress=progress, max_pixels=max_pixels, on_progress=on_progress,
-        restart_markers=restart_markers, max_side=max_side, jpeg_quality=jpeg_quality),
+    cache = built_once(
+        cls,
+        scan,
+        lambda paths, extra, on_progress: build(
+            cls,
+            paths,
+            extra[0],
+            extra[1],
+            None,
+            on_error=on_error,
+            num_threads=num_threads,
+            progress=progress,
+            max_pixels=max_pixels,
+            on_progress=on_progress,
+            restart_markers=restart_markers,
+            max_side=max_side,
+            jpeg_quality=jpeg_quality,
+        ),
         (os.path.abspath(root), on_error, max_pixels, restart_markers, max_side, jpeg_quality),
         cache_dir=cache_dir,
-        max_bytes=cache_max_bytes)
+        max_bytes=cache_max_bytes,
+    )
     cache.max_pixels = max_pixels
     return cache
 
 
-def from_files(cls, paths: Sequence[str | os.PathLike], labels: Sequence[int] | None = None,
-               metadata: Sequence[str] | None = None, *, classes: Sequence[str] | None = None,
-               on_error: Literal["skip", "raise"] = "skip", num_threads: int | None = None,
-               progress: bool = True, max_pixels: int | None = DEFAULT_MAX_PIXELS,
-               cache_dir: str | os.PathLike | None = None,
-               cache_max_bytes: int | None = None,
-               restart_markers: bool = False, max_side: int | None = None,
-               jpeg_quality: int | None = None) -> JpegCache:
+def from_files(
+    cls,
+    paths: Sequence[str | os.PathLike],
+    labels: Sequence[int] | None = None,
+    metadata: Sequence[str] | None = None,
+    *,
+    classes: Sequence[str] | None = None,
+    on_error: Literal["skip", "raise"] = "skip",
+    num_threads: int | None = None,
+    progress: bool = True,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    cache_dir: str | os.PathLike | None = None,
+    cache_max_bytes: int | None = None,
+    restart_markers: bool = False,
+    max_side: int | None = None,
+    jpeg_quality: int | None = None,
+) -> JpegCache:
     """``JpegCache.from_files`` (see its docstring)."""
     from ..ingest import _sources
     from ._cache import built_once
 
-    extra = (labels, metadata, classes, on_error, max_pixels, restart_markers, max_side,
-             jpeg_quality)
-    cache = built_once(cls, lambda: (paths, extra), lambda paths, _, on_progress:
-        _sources.from_files(cls, paths, labels, metadata, classes=classes, on_error=on_error,
-                            num_threads=num_threads, progress=progress, max_pixels=max_pixels,
-                            on_progress=on_progress, restart_markers=restart_markers,
-                            max_side=max_side, jpeg_quality=jpeg_quality), (paths, *extra),
+    extra = (
+        labels,
+        metadata,
+        classes,
+        on_error,
+        max_pixels,
+        restart_markers,
+        max_side,
+        jpeg_quality,
+    )
+    cache = built_once(
+        cls,
+        lambda: (paths, extra),
+        lambda paths, _, on_progress: _sources.from_files(
+            cls,
+            paths,
+            labels,
+            metadata,
+            classes=classes,
+            on_error=on_error,
+            num_threads=num_threads,
+            progress=progress,
+            max_pixels=max_pixels,
+            on_progress=on_progress,
+            restart_markers=restart_markers,
+            max_side=max_side,
+            jpeg_quality=jpeg_quality,
+        ),
+        (paths, *extra),
         cache_dir=cache_dir,
-        max_bytes=cache_max_bytes)
+        max_bytes=cache_max_bytes,
+    )
     cache.max_pixels = max_pixels
     return cache
 
 
-def from_csv(cls, path, *, classes=None, delimiter=",", header=None, on_error="skip",
-             num_threads=None, progress=True, max_pixels=DEFAULT_MAX_PIXELS, cache_dir=None,
-             cache_max_bytes=None, restart_markers=False, max_side=None, jpeg_quality=None):
+def from_csv(
+    cls,
+    path,
+    *,
+    classes=None,
+    delimiter=",",
+    header=None,
+    on_error="skip",
+    num_threads=None,
+    progress=True,
+    max_pixels=DEFAULT_MAX_PIXELS,
+    cache_dir=None,
+    cache_max_bytes=None,
+    restart_markers=False,
+    max_side=None,
+    jpeg_quality=None,
+):
     """``JpegCache.from_csv`` (see its docstring): the CSV read once, the files it lists built
     (once per node with ``cache_dir`` or several ranks, keyed on those files)."""
     from ..ingest._build import build
@@ -88,61 +163,135 @@ def from_csv(cls, path, *, classes=None, delimiter=",", header=None, on_error="s
     options = (on_error, max_pixels, restart_markers, max_side, jpeg_quality)
 
     def scan():
-        files, labels, names, meta = read_csv(path, classes=classes, delimiter=delimiter,
-                                              header=header)
+        files, labels, names, meta = read_csv(
+            path, classes=classes, delimiter=delimiter, header=header
+        )
         return files, (labels, names, meta, *options)
 
-    cache = built_once(cls, scan, lambda files, extra, on_progress: build(
-        cls, files, extra[0], extra[1], extra[2], on_error=on_error, num_threads=num_threads,
-        progress=progress, max_pixels=max_pixels, on_progress=on_progress,
-        restart_markers=restart_markers, max_side=max_side, jpeg_quality=jpeg_quality),
+    cache = built_once(
+        cls,
+        scan,
+        lambda files, extra, on_progress: build(
+            cls,
+            files,
+            extra[0],
+            extra[1],
+            extra[2],
+            on_error=on_error,
+            num_threads=num_threads,
+            progress=progress,
+            max_pixels=max_pixels,
+            on_progress=on_progress,
+            restart_markers=restart_markers,
+            max_side=max_side,
+            jpeg_quality=jpeg_quality,
+        ),
         (os.path.abspath(path), classes, delimiter, header, *options),
-        cache_dir=cache_dir, max_bytes=cache_max_bytes)
+        cache_dir=cache_dir,
+        max_bytes=cache_max_bytes,
+    )
     cache.max_pixels = max_pixels
     return cache
 
 
-def from_webdataset(cls, shards, *, classes=None, metadata_ext=None, on_error="skip",
-                    num_threads=None, progress=True, max_pixels=DEFAULT_MAX_PIXELS,
-                    cache_dir=None, cache_max_bytes=None, restart_markers=False, max_side=None,
-                    jpeg_quality=None):
+def from_webdataset(
+    cls,
+    shards,
+    *,
+    classes=None,
+    metadata_ext=None,
+    on_error="skip",
+    num_threads=None,
+    progress=True,
+    max_pixels=DEFAULT_MAX_PIXELS,
+    cache_dir=None,
+    cache_max_bytes=None,
+    restart_markers=False,
+    max_side=None,
+    jpeg_quality=None,
+):
     """``JpegCache.from_webdataset`` (see its docstring): built once per node with ``cache_dir``
     or several ranks, keyed on the shard files."""
     from ..ingest import _sources
     from ._cache import built_once
 
-    listed = [os.fspath(shards)] if isinstance(shards, (str, os.PathLike)) else \
-        [os.fspath(s) for s in shards]
+    listed = (
+        [os.fspath(shards)]
+        if isinstance(shards, (str, os.PathLike))
+        else [os.fspath(s) for s in shards]
+    )
     extra = (classes, metadata_ext, on_error, max_pixels, restart_markers, max_side, jpeg_quality)
-    cache = built_once(cls, lambda: (listed, extra), lambda listed, _, on_progress:
-        _sources.from_webdataset(cls, listed, classes=classes, metadata_ext=metadata_ext,
-                                 on_error=on_error, num_threads=num_threads, progress=progress,
-                                 max_pixels=max_pixels, on_progress=on_progress,
-                                 restart_markers=restart_markers, max_side=max_side,
-                                 jpeg_quality=jpeg_quality),
+    cache = built_once(
+        cls,
+        lambda: (listed, extra),
+        lambda listed, _, on_progress: _sources.from_webdataset(
+            cls,
+            listed,
+            classes=classes,
+            metadata_ext=metadata_ext,
+            on_error=on_error,
+            num_threads=num_threads,
+            progress=progress,
+            max_pixels=max_pixels,
+            on_progress=on_progress,
+            restart_markers=restart_markers,
+            max_side=max_side,
+            jpeg_quality=jpeg_quality,
+        ),
         ([os.path.abspath(s) for s in listed], *extra),
-        cache_dir=cache_dir, max_bytes=cache_max_bytes)
+        cache_dir=cache_dir,
+        max_bytes=cache_max_bytes,
+    )
     cache.max_pixels = max_pixels
     return cache
 
 
-def from_hf(cls, dataset, *, image_column="image", label_column="label", classes=None,
-            on_error="skip", num_threads=None, progress=True, max_pixels=DEFAULT_MAX_PIXELS,
-            cache_dir=None, cache_max_bytes=None, restart_markers=False, max_side=None,
-            jpeg_quality=None):
+def from_hf(
+    cls,
+    dataset,
+    *,
+    image_column="image",
+    label_column="label",
+    classes=None,
+    on_error="skip",
+    num_threads=None,
+    progress=True,
+    max_pixels=DEFAULT_MAX_PIXELS,
+    cache_dir=None,
+    cache_max_bytes=None,
+    restart_markers=False,
+    max_side=None,
+    jpeg_quality=None,
+):
     """``JpegCache.from_hf`` (see its docstring)."""
     from ..ingest import _sources
 
     if cache_dir is not None:
-        raise ValueError("cache_dir= needs files to key the saved store on, and a datasets.Dataset "
-                         "is an object: build once, cache.save(path), and JpegCache.open(path) "
-                         "where it is needed.")
-    return _sources.from_hf(cls, dataset, image_column=image_column, label_column=label_column,
-                            classes=classes, on_error=on_error, num_threads=num_threads,
-                            progress=progress, max_pixels=max_pixels,
-                            restart_markers=restart_markers, max_side=max_side,
-                            jpeg_quality=jpeg_quality)
+        raise ValueError(
+            "cache_dir= needs files to key the saved store on, and a datasets.Dataset "
+            "is an object: build once, cache.save(path), and JpegCache.open(path) "
+            "where it is needed."
+        )
+    return _sources.from_hf(
+        cls,
+        dataset,
+        image_column=image_column,
+        label_column=label_column,
+        classes=classes,
+        on_error=on_error,
+        num_threads=num_threads,
+        progress=progress,
+        max_pixels=max_pixels,
+        restart_markers=restart_markers,
+        max_side=max_side,
+        jpeg_quality=jpeg_quality,
+    )
 
 
-_store.BUILDERS.update(from_folder=from_folder, from_files=from_files, from_csv=from_csv,
-                       from_webdataset=from_webdataset, from_hf=from_hf)
+_store.BUILDERS.update(
+    from_folder=from_folder,
+    from_files=from_files,
+    from_csv=from_csv,
+    from_webdataset=from_webdataset,
+    from_hf=from_hf,
+)

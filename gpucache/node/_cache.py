@@ -62,8 +62,9 @@ def _hash(h, extra: Sequence) -> None:
         h.update(b"\1")
 
 
-def listing_key(paths: Sequence[str], extra: Sequence,
-                on_progress: Callable[..., None] | None = None) -> str:
+def listing_key(
+    paths: Sequence[str], extra: Sequence, on_progress: Callable[..., None] | None = None
+) -> str:
     """A hash of every path (its folder resolved: symlinks, ``..``, relative to absolute) with its
     size and mtime, plus ``extra`` (labels, classes, options)."""
     h = hashlib.blake2b(_KEY_VERSION, digest_size=16)
@@ -82,9 +83,16 @@ def listing_key(paths: Sequence[str], extra: Sequence,
     return h.hexdigest()
 
 
-def built_once(cls, scan: Callable[[], Listing], build: Callable[..., object], request: Sequence,
-               *, cache_dir: str | os.PathLike | None, max_bytes: int | None = None,
-               stall_timeout: float | None = None):
+def built_once(
+    cls,
+    scan: Callable[[], Listing],
+    build: Callable[..., object],
+    request: Sequence,
+    *,
+    cache_dir: str | os.PathLike | None,
+    max_bytes: int | None = None,
+    stall_timeout: float | None = None,
+):
     """``build(inputs, extra, on_progress)`` once per node, or open the saved store of an unchanged
     listing; in memory for one process without ``cache_dir``. ``request`` names what ``scan()``
     lists without touching the file system (a root, or the paths, plus the options)."""
@@ -93,13 +101,18 @@ def built_once(cls, scan: Callable[[], Listing], build: Callable[..., object], r
         return build(*scan(), None)
     listing, named = None, request[0]
     if not isinstance(named, (str, os.PathLike)) and not all(
-            isinstance(x, (str, os.PathLike)) for x in named):
+        isinstance(x, (str, os.PathLike)) for x in named
+    ):
         if cache_dir is not None:
-            raise ValueError("cache_dir= needs file paths to key the saved store on (their names, "
-                             "sizes and mtimes); bytes or file objects cannot be keyed. Build "
-                             "without cache_dir and save it yourself (cache.save(path)).")
-        log.warning("gpucache: every rank builds its own copy of a store made from bytes or file "
-                    "objects; build it once, cache.save(path), and JpegCache.open(path) in each rank.")
+            raise ValueError(
+                "cache_dir= needs file paths to key the saved store on (their names, "
+                "sizes and mtimes); bytes or file objects cannot be keyed. Build "
+                "without cache_dir and save it yourself (cache.save(path))."
+            )
+        log.warning(
+            "gpucache: every rank builds its own copy of a store made from bytes or file "
+            "objects; build it once, cache.save(path), and JpegCache.open(path) in each rank."
+        )
         return build(*scan(), None)
     folder = checked_dir(cache_dir)
     try:
@@ -135,10 +148,16 @@ def built_once(cls, scan: Callable[[], Listing], build: Callable[..., object], r
                 raise CacheFormatError(f"{store}: the store just saved does not open again")
             cache.report = built.report
             clean_cmd = "gpucache cache clean --all" + (
-                "" if cache_dir is None else f" --dir {os.fspath(cache_dir)}")
-            log.warning("gpucache: built the node store %s (%s samples, %.1f MB) once for the ranks "
-                        "of this node; it stays for later runs, remove it with `%s`",
-                        store, len(built), store.stat().st_size / 1e6, clean_cmd)
+                "" if cache_dir is None else f" --dir {os.fspath(cache_dir)}"
+            )
+            log.warning(
+                "gpucache: built the node store %s (%s samples, %.1f MB) once for the ranks "
+                "of this node; it stays for later runs, remove it with `%s`",
+                store,
+                len(built),
+                store.stat().st_size / 1e6,
+                clean_cmd,
+            )
         if max_bytes is not None:
             clean(folder, max_bytes=max_bytes)
         return cache
@@ -151,22 +170,30 @@ def _source(request: Sequence) -> str:
     return f"{len(first)} files" + (f", first {os.fspath(first[0])}" if len(first) else "")
 
 
-def _scan_once(folder: Path, scan: Callable[[], Listing], request: Sequence,
-               stall: float) -> tuple[str, Listing | None]:
+def _scan_once(
+    folder: Path, scan: Callable[[], Listing], request: Sequence, stall: float
+) -> tuple[str, Listing | None]:
     """The listing key, scanned by the first rank of the node (then ``(key, listing)``) or taken
     from the file it wrote (then ``(key, None)``)."""
     h = hashlib.blake2b(_KEY_VERSION + b"-request", digest_size=16)
     first = request[0]
-    h.update(os.fsencode(first) if isinstance(first, (str, os.PathLike)) else
-             b"\0".join(os.fsencode(p) for p in first))
+    h.update(
+        os.fsencode(first)
+        if isinstance(first, (str, os.PathLike))
+        else b"\0".join(os.fsencode(p) for p in first)
+    )
     _hash(h, request[1:])
     name = h.hexdigest()
     result = folder / f"{name}.scan"
     with NodeLock(folder / f"{name}.scan.lock", result, stall) as lock:
         r = read_json(result) or {}
         written, nonce = r.get("written", 0), r.get("nonce")
-        if (isinstance(r.get("key"), str) and nonce not in _used and written >= _started()
-                and time.time() - written < SCAN_FRESH_S):
+        if (
+            isinstance(r.get("key"), str)
+            and nonce not in _used
+            and written >= _started()
+            and time.time() - written < SCAN_FRESH_S
+        ):
             _used.add(nonce)
             return r["key"], None
         lock.phase("scanning")
@@ -174,8 +201,9 @@ def _scan_once(folder: Path, scan: Callable[[], Listing], request: Sequence,
         key = listing_key(*listing, on_progress=lock.progress)
         nonce = os.urandom(8).hex()
         _used.add(nonce)
-        write_private(result, json.dumps({"key": key, "written": time.time(),
-                                          "nonce": nonce}).encode())
+        write_private(
+            result, json.dumps({"key": key, "written": time.time(), "nonce": nonce}).encode()
+        )
         return key, listing
 
 

@@ -33,8 +33,12 @@ _STORE = re.compile(rf"({_KEY})\.gpucache")
 _RECORD = re.compile(rf"({_KEY})\.(info|lock|scan|scan\.lock)")
 _TEMP = re.compile(rf"\.({_KEY})\.(gpucache|info|scan)\.[a-z0-9_]{{8}}\.tmp")  # mkstemp's names
 # the JSON fields each record holds (node/_cache.py writes .info and .scan, node/_lock.py locks)
-_FIELDS = {"info": {"source", "samples", "created"}, "scan": {"key", "written", "nonce"},
-           "lock": {"pid", "host", "phase"}, "scan.lock": {"pid", "host", "phase"}}
+_FIELDS = {
+    "info": {"source", "samples", "created"},
+    "scan": {"key", "written", "nonce"},
+    "lock": {"pid", "host", "phase"},
+    "scan.lock": {"pid", "host", "phase"},
+}
 
 
 @dataclass
@@ -88,14 +92,27 @@ def entries(folder: Path) -> list[Entry]:
         key = m[1]
         info = read_json(folder / f"{key}.info") or {}
         source = info.get("source")
-        out.append(Entry(key, path, st.st_size, st.st_mtime,
-                         in_use(path) or in_use(folder / f"{key}.lock"),
-                         source if isinstance(source, str) else None))
+        out.append(
+            Entry(
+                key,
+                path,
+                st.st_size,
+                st.st_mtime,
+                in_use(path) or in_use(folder / f"{key}.lock"),
+                source if isinstance(source, str) else None,
+            )
+        )
     return sorted(out, key=lambda e: e.last_used)
 
 
-def clean(folder: Path, *, older_than: float | None = None, max_bytes: int | None = None,
-          everything: bool = False, dry_run: bool = False) -> Removed:
+def clean(
+    folder: Path,
+    *,
+    older_than: float | None = None,
+    max_bytes: int | None = None,
+    everything: bool = False,
+    dry_run: bool = False,
+) -> Removed:
     """Remove stores not in use: all (``everything``), those unused for ``older_than`` seconds,
     then the least recently used until the rest fit in ``max_bytes``; then the cache's own
     leftovers. Returns what was removed (with ``dry_run``, what would be)."""
@@ -103,8 +120,11 @@ def clean(folder: Path, *, older_than: float | None = None, max_bytes: int | Non
     total = sum(e.nbytes for e in stores)
     removed = Removed()
     for e in stores:
-        doomed = (everything or (older_than is not None and e.age_s > older_than)
-                  or (max_bytes is not None and total > max_bytes))
+        doomed = (
+            everything
+            or (older_than is not None and e.age_s > older_than)
+            or (max_bytes is not None and total > max_bytes)
+        )
         if not doomed or e.in_use:
             continue
         if dry_run or _remove(folder, e):
@@ -113,8 +133,13 @@ def clean(folder: Path, *, older_than: float | None = None, max_bytes: int | Non
     if not dry_run:
         removed.leftovers = _tidy(folder)
     for e in removed.stores:
-        log.info("gpucache: %s %s (%d bytes, unused for %.0f s)",
-                 "would remove" if dry_run else "removed", e.path, e.nbytes, e.age_s)
+        log.info(
+            "gpucache: %s %s (%d bytes, unused for %.0f s)",
+            "would remove" if dry_run else "removed",
+            e.path,
+            e.nbytes,
+            e.age_s,
+        )
     for p in removed.leftovers:
         log.info("gpucache: removed %s, which no store of the node cache needs", p)
     return removed
@@ -159,7 +184,7 @@ def _tidy(folder: Path) -> list[Path]:
         elif m := _TEMP.fullmatch(name):
             key, kind = m[1], m[2]
             lock = folder / (f"{key}.scan.lock" if kind == "scan" else f"{key}.lock")
-            doomed = (_own_file(p) is not None and not in_use(p) and not in_use(lock))
+            doomed = _own_file(p) is not None and not in_use(p) and not in_use(lock)
         else:
             continue
         if doomed:

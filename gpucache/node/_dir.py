@@ -24,8 +24,10 @@ import tempfile
 from pathlib import Path
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-FIX = ("pass cache_dir= a folder of your own on a node-local disk "
-       "(e.g. cache_dir='/local/$USER/gpucache')")
+FIX = (
+    "pass cache_dir= a folder of your own on a node-local disk "
+    "(e.g. cache_dir='/local/$USER/gpucache')"
+)
 
 
 def default_dir() -> Path:
@@ -61,9 +63,11 @@ def checked_dir(cache_dir: str | os.PathLike | None, *, create: bool = True) -> 
         problems.append(f"has mode {mode:04o}, writable by group or others")
     if problems:
         raise PermissionError(
-            errno.EPERM, f"refusing the gpucache cache folder {folder}: it {' and '.join(problems)}"
+            errno.EPERM,
+            f"refusing the gpucache cache folder {folder}: it {' and '.join(problems)}"
             ", so another user could plant a store under your key or read yours. Remove it if it "
-            f"is yours and stale, or {FIX}.")
+            f"is yours and stale, or {FIX}.",
+        )
     return folder
 
 
@@ -72,9 +76,11 @@ def not_writable(err: OSError, folder: Path, what: str) -> OSError:
     if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
         return err
     why = "the file system is read-only" if err.errno == errno.EROFS else "no permission to write"
-    return PermissionError(err.errno, f"{what}: {why} ({err.strerror}). A store already built "
-                           "there opens without writing; building one needs a writable folder: "
-                           + FIX + ".")
+    return PermissionError(
+        err.errno,
+        f"{what}: {why} ({err.strerror}). A store already built "
+        "there opens without writing; building one needs a writable folder: " + FIX + ".",
+    )
 
 
 def open_own(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> tuple[int | None, str]:
@@ -91,8 +97,13 @@ def open_own(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> tuple[i
             return None, "is not a regular file"
         raise
     st = os.fstat(fd)
-    why = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
-           f"belongs to uid {st.st_uid}" if st.st_uid != os.geteuid() else "")
+    why = (
+        "is not a regular file"
+        if not stat.S_ISREG(st.st_mode)
+        else f"belongs to uid {st.st_uid}"
+        if st.st_uid != os.geteuid()
+        else ""
+    )
     if why:
         os.close(fd)
         return None, why

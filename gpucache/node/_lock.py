@@ -37,8 +37,16 @@ class NodeLock:
     def __init__(self, path: Path, store: Path, stall_timeout: float):
         self.path, self.store, self.stall_timeout = path, store, stall_timeout
         self.fd: int | None = None
-        self._state = {"pid": os.getpid(), "host": socket.gethostname(), "phase": "starting",
-                       "done": 0, "total": 0, "bytes": 0, "eta_s": None, "reports": 0}
+        self._state = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "phase": "starting",
+            "done": 0,
+            "total": 0,
+            "bytes": 0,
+            "eta_s": None,
+            "reports": 0,
+        }
         self._t0 = time.monotonic()
         self._written = 0.0
         self._mutex = threading.Lock()
@@ -76,9 +84,13 @@ class NodeLock:
                 self._state["phase"], self._t0 = stage, now
             rate = done / max(now - self._t0, 1e-6)
             eta = (total - done) / rate if done and rate > 0 else None
-            self._state.update(done=int(done), total=int(total), bytes=int(bytes_done),
-                               eta_s=None if eta is None else round(eta, 1),
-                               reports=self._state["reports"] + 1)  # a chunk done, even if
+            self._state.update(
+                done=int(done),
+                total=int(total),
+                bytes=int(bytes_done),
+                eta_s=None if eta is None else round(eta, 1),
+                reports=self._state["reports"] + 1,
+            )  # a chunk done, even if
             # its numbers did not move (the build's sizing stage reports no samples)
             if now - self._written >= WRITE_S or done >= total:
                 self._write()
@@ -111,7 +123,8 @@ class NodeLock:
                         f"gpucache: no progress for {self.stall_timeout:.0f} s from "
                         f"{describe(record)}, which holds {self.path} to build {self.store}. If "
                         "that build is stuck, stop that process (the lock goes with it), or pass "
-                        "another cache_dir.") from None
+                        "another cache_dir."
+                    ) from None
                 if now > next_note:
                     log.info("gpucache: waiting for %s to build %s", describe(record), self.store)
                     next_note = now + NOTE_S
@@ -131,15 +144,20 @@ class NodeLock:
             try:
                 fd, why = open_own(self.path, os.O_RDWR | os.O_CREAT)
             except OSError as err:
-                raise not_writable(err, self.path.parent,
-                                   f"cannot create the lock file {self.path}") from err
+                raise not_writable(
+                    err, self.path.parent, f"cannot create the lock file {self.path}"
+                ) from err
             if fd is not None:
                 return fd
-            log.warning("gpucache: removing %s, which %s (not a lock file of this user)",
-                        self.path, why)
+            log.warning(
+                "gpucache: removing %s, which %s (not a lock file of this user)", self.path, why
+            )
             self.path.unlink(missing_ok=True)  # unlink never follows a link
-        raise PermissionError(errno.EPERM, f"{self.path} keeps being replaced by a file that is "
-                              "not a lock file of this user; pass another cache_dir.")
+        raise PermissionError(
+            errno.EPERM,
+            f"{self.path} keeps being replaced by a file that is "
+            "not a lock file of this user; pass another cache_dir.",
+        )
 
     def _saving(self) -> tuple:
         """The sizes of the store's temporary files: a save in progress grows them."""
@@ -167,5 +185,7 @@ def describe(record: str) -> str:
     except (ValueError, KeyError, TypeError):
         return f"another process ({record[:80] or 'unknown'})"
     eta = r.get("eta_s")
-    return (f"{who} ({r.get('phase')}: {r.get('done', 0):,}/{r.get('total', 0):,} samples, "
-            f"{r.get('bytes', 0) / 2**20:,.1f} MiB{'' if eta is None else f', ETA {eta:.0f} s'})")
+    return (
+        f"{who} ({r.get('phase')}: {r.get('done', 0):,}/{r.get('total', 0):,} samples, "
+        f"{r.get('bytes', 0) / 2**20:,.1f} MiB{'' if eta is None else f', ETA {eta:.0f} s'})"
+    )

@@ -93,19 +93,20 @@ def crc32(buf, *, threads: int | None = None, on_bytes: Callable[[int], None] | 
     if threads == 1 or n <= CHUNK_BYTES:
         crc = 0
         for start in range(0, n, CHUNK_BYTES):
-            crc = _crc32(mv[start:start + CHUNK_BYTES], crc)
+            crc = _crc32(mv[start : start + CHUNK_BYTES], crc)
             if on_bytes:
                 on_bytes(min(CHUNK_BYTES, n - start))
         return crc
 
     def one(start: int) -> tuple[int, int]:
-        part = mv[start:start + CHUNK_BYTES]
+        part = mv[start : start + CHUNK_BYTES]
         return zlib.crc32(part), part.nbytes
 
     full = _zeros_operator(CHUNK_BYTES)
     crc = 0
-    for part_crc, length in ordered_map(one, iter(range(0, n, CHUNK_BYTES)), threads,
-                                 on_bytes and (lambda r: on_bytes(r[1]))):
+    for part_crc, length in ordered_map(
+        one, iter(range(0, n, CHUNK_BYTES)), threads, on_bytes and (lambda r: on_bytes(r[1]))
+    ):
         op = full if length == CHUNK_BYTES else _zeros_operator(length)
         crc = _gf2_times(op, crc) ^ part_crc
     return crc
@@ -122,8 +123,13 @@ def chunks(offsets: np.ndarray, chunk_bytes: int = CHUNK_BYTES, max_count: int =
         first = stop
 
 
-def sample_crcs(data: np.ndarray, offsets: np.ndarray, *, threads: int | None = None,
-                on_samples: Callable[[int], None] | None = None) -> np.ndarray:
+def sample_crcs(
+    data: np.ndarray,
+    offsets: np.ndarray,
+    *,
+    threads: int | None = None,
+    on_samples: Callable[[int], None] | None = None,
+) -> np.ndarray:
     """uint32 CRC-32 of every sample's bytes ``data[offsets[i]:offsets[i + 1]]``, on every core."""
     out = np.zeros(len(offsets) - 1, dtype="<u4")
     mv = memoryview(data).cast("B")
@@ -131,7 +137,7 @@ def sample_crcs(data: np.ndarray, offsets: np.ndarray, *, threads: int | None = 
 
     def one(span: tuple[int, int]) -> int:
         first, stop = span
-        ends = bounds[first:stop + 1].tolist()
+        ends = bounds[first : stop + 1].tolist()
         out[first:stop] = [zlib.crc32(mv[a:b]) for a, b in zip(ends, ends[1:])]
         return stop - first
 

@@ -23,11 +23,11 @@ import os
 import re
 import stat
 import struct
-from enum import IntEnum
 import tempfile
 import threading
 import zlib
 from collections.abc import Mapping, Sequence
+from enum import IntEnum
 from pathlib import Path
 from typing import BinaryIO
 
@@ -36,7 +36,17 @@ import numpy as np
 from . import _checksum
 from ._mapped import CacheFormatError
 
-__all__ = ["Kind", "JPEG_KINDS", "SAMPLE_DTYPE", "CacheFormatError", "write", "save_atomic", "pack_strings", "check_extra"]
+__all__ = [
+    "Kind",
+    "JPEG_KINDS",
+    "SAMPLE_DTYPE",
+    "CacheFormatError",
+    "write",
+    "save_atomic",
+    "pack_strings",
+    "check_extra",
+]
+
 
 class Kind(IntEnum):
     """What a stored sample is. Stored as one byte per sample in the file format."""
@@ -54,8 +64,14 @@ JPEG_KINDS = (Kind.JPEG, Kind.JPEG_PROGRESSIVE, Kind.JPEG_ARITHMETIC)
 
 #: Per-sample record, little-endian, 12 bytes. Also the on-disk layout of the "samples" section.
 SAMPLE_DTYPE = np.dtype(
-    [("kind", "u1"), ("components", "u1"), ("orientation", "u1"), ("precision", "u1"),
-     ("height", "<u4"), ("width", "<u4")]
+    [
+        ("kind", "u1"),
+        ("components", "u1"),
+        ("orientation", "u1"),
+        ("precision", "u1"),
+        ("height", "<u4"),
+        ("width", "<u4"),
+    ]
 )
 
 
@@ -88,10 +104,11 @@ def encode(s: str) -> bytes:
     try:
         return s.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError as err:
-        raise ValueError(f"{s!r} cannot be stored: it holds a lone surrogate "
-                         f"({s[err.start]!r}) that is neither text nor a byte of an OS file name; "
-                         "fix the string (paths from os.listdir/os.fsdecode are always fine)."
-                         ) from err
+        raise ValueError(
+            f"{s!r} cannot be stored: it holds a lone surrogate "
+            f"({s[err.start]!r}) that is neither text nor a byte of an OS file name; "
+            "fix the string (paths from os.listdir/os.fsdecode are always fine)."
+        ) from err
 
 
 def decode(b: bytes) -> str:
@@ -112,23 +129,32 @@ def _string_section(table: tuple[np.ndarray, np.ndarray] | None) -> list[memoryv
         return []
     offsets, blob = table
     count = np.array([len(offsets) - 1], dtype="<u8")
-    return [memoryview(count).cast("B"), memoryview(offsets.astype("<u8", copy=False)).cast("B"),
-            memoryview(np.ascontiguousarray(blob)).cast("B")]
+    return [
+        memoryview(count).cast("B"),
+        memoryview(offsets.astype("<u8", copy=False)).cast("B"),
+        memoryview(np.ascontiguousarray(blob)).cast("B"),
+    ]
 
 
 def check_extra(name: str, array, *, reserved_ok: bool = False) -> np.ndarray:
     """An optional section as it will be stored: a 1-D or 2-D little-endian numeric array."""
     if not isinstance(name, str) or not NAME.match(name):
-        raise ValueError(f"section name {name!r} is not allowed: use 1-32 characters of a-z, 0-9, "
-                         "'_' and '.', starting with a letter (e.g. 'rst', 'targets').")
+        raise ValueError(
+            f"section name {name!r} is not allowed: use 1-32 characters of a-z, 0-9, "
+            "'_' and '.', starting with a letter (e.g. 'rst', 'targets')."
+        )
     if not reserved_ok and name.startswith(RESERVED):
-        raise ValueError(f"section name {name!r} is reserved: gpucache writes the 'sample.' and "
-                         "'report.' sections itself; choose another name.")
+        raise ValueError(
+            f"section name {name!r} is reserved: gpucache writes the 'sample.' and "
+            "'report.' sections itself; choose another name."
+        )
     arr = np.asarray(array)
     if arr.dtype.kind not in KINDS or arr.ndim not in (1, 2):
-        raise ValueError(f"section {name!r}: a 1-D or 2-D array of bool, integers or floats is "
-                         f"stored, got {arr.ndim}-D {arr.dtype}; split ragged data into values "
-                         "and offsets sections.")
+        raise ValueError(
+            f"section {name!r}: a 1-D or 2-D array of bool, integers or floats is "
+            f"stored, got {arr.ndim}-D {arr.dtype}; split ragged data into values "
+            "and offsets sections."
+        )
     return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
 
 
@@ -151,20 +177,33 @@ def _plan(parts: dict[str, list[memoryview]], extra: dict[str, np.ndarray]):
     return spans, directory, extra_spans, start + spans["data"][1]
 
 
-def write(f: BinaryIO | None, *, data: np.ndarray, offsets: np.ndarray, labels: np.ndarray,
-          samples: np.ndarray, classes: Sequence[str], paths: tuple[np.ndarray, np.ndarray],
-          metadata: tuple[np.ndarray, np.ndarray] | None,
-          extra: Mapping[str, np.ndarray] | None = None, checksums: bool = False,
-          threads: int | None = None) -> int:
+def write(
+    f: BinaryIO | None,
+    *,
+    data: np.ndarray,
+    offsets: np.ndarray,
+    labels: np.ndarray,
+    samples: np.ndarray,
+    classes: Sequence[str],
+    paths: tuple[np.ndarray, np.ndarray],
+    metadata: tuple[np.ndarray, np.ndarray] | None,
+    extra: Mapping[str, np.ndarray] | None = None,
+    checksums: bool = False,
+    threads: int | None = None,
+) -> int:
     """Write a complete store to the binary file ``f`` (positioned at 0); returns its size.
 
     ``extra``: named optional sections ({name: 1-D or 2-D numeric array}), in the given order.
     ``checksums``: add the ``sample.crc32`` section (one CRC-32 per sample, on every core)."""
-    extra = {k: check_extra(k, v, reserved_ok=True) for k, v in (extra or {}).items()
-             if k != SAMPLE_CRC}
+    extra = {
+        k: check_extra(k, v, reserved_ok=True) for k, v in (extra or {}).items() if k != SAMPLE_CRC
+    }
     if checksums:
-        crcs = np.zeros(len(labels), "<u4") if f is None else _checksum.sample_crcs(
-            data, offsets, threads=threads)
+        crcs = (
+            np.zeros(len(labels), "<u4")
+            if f is None
+            else _checksum.sample_crcs(data, offsets, threads=threads)
+        )
         extra[SAMPLE_CRC] = crcs
     parts = {
         "offsets": [memoryview(offsets.astype("<i8", copy=False)).cast("B")],
@@ -189,8 +228,16 @@ def write(f: BinaryIO | None, *, data: np.ndarray, offsets: np.ndarray, labels: 
     for name, arr in extra.items():
         start, length = extra_spans[name]
         rows, cols = (arr.shape[0], 0) if arr.ndim == 1 else arr.shape
-        entries += ENTRY.pack(name.encode(), arr.dtype.str.encode(), start, length, rows, cols,
-                              zlib.crc32(memoryview(arr).cast("B")), 0)
+        entries += ENTRY.pack(
+            name.encode(),
+            arr.dtype.str.encode(),
+            start,
+            length,
+            rows,
+            cols,
+            zlib.crc32(memoryview(arr).cast("B")),
+            0,
+        )
         f.seek(start)
         f.write(memoryview(arr).cast("B"))
     f.seek(directory[0])
@@ -199,18 +246,29 @@ def write(f: BinaryIO | None, *, data: np.ndarray, offsets: np.ndarray, labels: 
     f.write(parts["data"][0])
     f.truncate(size)
     table = [x for name in CORE for x in spans[name]]
-    header = HEAD_V2.pack(MAGIC, VERSION, HEADER_SIZE, len(labels), len(classes), size, *table,
-                          _checksum.crc32(parts["data"][0], threads=threads), index_crc,
-                          directory[0], len(extra),
-                          zlib.crc32(entries))
+    header = HEAD_V2.pack(
+        MAGIC,
+        VERSION,
+        HEADER_SIZE,
+        len(labels),
+        len(classes),
+        size,
+        *table,
+        _checksum.crc32(parts["data"][0], threads=threads),
+        index_crc,
+        directory[0],
+        len(extra),
+        zlib.crc32(entries),
+    )
     f.seek(0)
     f.write(header + CRC.pack(zlib.crc32(header)))
     f.seek(size)
     return size
 
 
-def save_atomic(path: Path, *, mode: int | None = None, threads: int | None = None,
-                **arrays) -> None:
+def save_atomic(
+    path: Path, *, mode: int | None = None, threads: int | None = None, **arrays
+) -> None:
     """Write to a unique temporary name beside ``path``, fsync, rename, fsync the folder.
 
     The temporary name comes from ``mkstemp``, so concurrent saves to one path (threads or
@@ -283,8 +341,11 @@ def remove_stale_temps(path: Path) -> list[Path]:
             if os.path.samestat(st, os.lstat(tmp)):
                 os.unlink(tmp)
                 removed.append(tmp)
-                log.info("gpucache: removed %s, left by a writer that was killed (%d bytes)",
-                         tmp, st.st_size)
+                log.info(
+                    "gpucache: removed %s, left by a writer that was killed (%d bytes)",
+                    tmp,
+                    st.st_size,
+                )
         except OSError:
             pass  # held by a live writer (EWOULDBLOCK), renamed or removed meanwhile
         finally:

@@ -12,12 +12,24 @@ import numpy as np
 
 from ._format import Kind
 
-_SOF_KINDS = {0xC0: Kind.JPEG, 0xC1: Kind.JPEG, 0xC2: Kind.JPEG_PROGRESSIVE,
-              0xC9: Kind.JPEG_ARITHMETIC, 0xCA: Kind.JPEG_ARITHMETIC}
+_SOF_KINDS = {
+    0xC0: Kind.JPEG,
+    0xC1: Kind.JPEG,
+    0xC2: Kind.JPEG_PROGRESSIVE,
+    0xC9: Kind.JPEG_ARITHMETIC,
+    0xCA: Kind.JPEG_ARITHMETIC,
+}
 _PROGRESSIVE = (0xC2, 0xCA)  # SOF2 (Huffman), SOF10 (arithmetic)
-_SOF_UNSUPPORTED = {0xC3: "lossless JPEG", 0xC5: "hierarchical JPEG", 0xC6: "hierarchical JPEG",
-                    0xC7: "hierarchical JPEG", 0xCB: "lossless JPEG", 0xCD: "hierarchical JPEG",
-                    0xCE: "hierarchical JPEG", 0xCF: "hierarchical JPEG"}
+_SOF_UNSUPPORTED = {
+    0xC3: "lossless JPEG",
+    0xC5: "hierarchical JPEG",
+    0xC6: "hierarchical JPEG",
+    0xC7: "hierarchical JPEG",
+    0xCB: "lossless JPEG",
+    0xCD: "hierarchical JPEG",
+    0xCE: "hierarchical JPEG",
+    0xCF: "hierarchical JPEG",
+}
 
 
 _FF = re.compile(rb"\xff")
@@ -30,7 +42,7 @@ def _skip_fill(b: memoryview, pos: int) -> int:
         return pos
     arr, step = np.frombuffer(b, dtype=np.uint8), 4096
     while pos < n:  # vectorised, in growing chunks: megabytes of fill cost milliseconds
-        hit = np.flatnonzero(arr[pos:pos + step] != 0xFF)
+        hit = np.flatnonzero(arr[pos : pos + step] != 0xFF)
         if hit.size:
             return pos + int(hit[0])
         pos, step = pos + step, min(step * 4, 1 << 22)
@@ -99,9 +111,11 @@ def scans_decoded(b: memoryview | bytes, pos: int, *, progressive: bool, comps: 
     return count_scans(b, pos)
 
 
-TOO_MANY_SCANS = (f"JPEG with more than {MAX_SCANS} scans (libjpeg decodes each one over the "
-                  "whole image; encoders write 6-18): refused as a denial of service; if it is "
-                  "genuine, rewrite it losslessly as one scan with 'jpegtran -copy all IN > OUT'")
+TOO_MANY_SCANS = (
+    f"JPEG with more than {MAX_SCANS} scans (libjpeg decodes each one over the "
+    "whole image; encoders write 6-18): refused as a denial of service; if it is "
+    "genuine, rewrite it losslessly as one scan with 'jpegtran -copy all IN > OUT'"
+)
 
 
 def jpeg_header(b: memoryview | bytes) -> tuple[int, int, int] | None:
@@ -119,8 +133,11 @@ def jpeg_header(b: memoryview | bytes) -> tuple[int, int, int] | None:
             if frame is None:
                 break
             h, w, comps = frame[1:]
-            return h, w, scans_decoded(b, pos - 2, progressive=frame[0] in _PROGRESSIVE,
-                                       comps=comps)
+            return (
+                h,
+                w,
+                scans_decoded(b, pos - 2, progressive=frame[0] in _PROGRESSIVE, comps=comps),
+            )
         if frame is None and (marker in _SOF_KINDS or marker in _SOF_UNSUPPORTED):
             if pos + 8 > n:
                 return None

@@ -36,10 +36,12 @@ def too_big(nbytes: int, max_pixels: int | None) -> str | None:
     cap = max_input_bytes(max_pixels)
     if cap is None or nbytes <= cap:
         return None
-    return (f"{nbytes:,} bytes, more than the {cap:,} any image within max_pixels="
-            f"{max_pixels:,} can take ({BYTES_PER_PIXEL} bytes per pixel + 16 MiB): a sparse or "
-            "mislabelled file, or a size that lies; if it is a genuine image, raise max_pixels= "
-            "(or pass None)")
+    return (
+        f"{nbytes:,} bytes, more than the {cap:,} any image within max_pixels="
+        f"{max_pixels:,} can take ({BYTES_PER_PIXEL} bytes per pixel + 16 MiB): a sparse or "
+        "mislabelled file, or a size that lies; if it is a genuine image, raise max_pixels= "
+        "(or pass None)"
+    )
 
 
 def pixel_budget(cache) -> int | None:
@@ -51,9 +53,11 @@ def over_budget(height: int, width: int, limit: int | None) -> str | None:
     """The reason a ``height`` x ``width`` image is refused under ``limit``, or None if it fits."""
     if limit is None or int(height) * int(width) <= limit:
         return None
-    return (f"{int(width)}x{int(height)} = {int(height) * int(width):,} pixels exceeds "
-            f"max_pixels={limit:,} (a decompression bomb, or a very large image); raise "
-            "max_pixels= when building or opening the store if it is genuine")
+    return (
+        f"{int(width)}x{int(height)} = {int(height) * int(width):,} pixels exceeds "
+        f"max_pixels={limit:,} (a decompression bomb, or a very large image); raise "
+        "max_pixels= when building or opening the store if it is genuine"
+    )
 
 
 def check_pixels(cache, i: int) -> None:
@@ -89,7 +93,8 @@ def _check_record(cache, i: int, height: int, width: int) -> None:
             f"{where}the store's record of sample {i} says {rec['width']}x{rec['height']} but "
             f"its image header says {width}x{height} (as decoded): the store is corrupt or was "
             "altered after it was built; run `gpucache verify` on it and rebuild it "
-            "(`gpucache build`)")
+            "(`gpucache build`)"
+        )
 
 
 def stated_size(b: memoryview) -> tuple[int, int, int] | None:

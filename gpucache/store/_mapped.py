@@ -46,7 +46,8 @@ def _no_memory(name: str, size: int, err: OSError) -> MemoryError:
     return MemoryError(
         f"{name}: cannot map the {size / 2**20:,.1f} MiB store into this process: "
         f"{err.strerror}. The address-space limit (ulimit -v / RLIMIT_AS) is probably lower than "
-        "what the process needs; raise it (ulimit -v unlimited) or use a smaller store.")
+        "what the process needs; raise it (ulimit -v unlimited) or use a smaller store."
+    )
 
 
 class Handle:
@@ -63,8 +64,9 @@ class Handle:
         st = os.fstat(fd)
         if st.st_size == 0:
             self.close()
-            raise CacheFormatError(f"{name}: empty file, not a gpucache store; rebuild it with "
-                                   "`gpucache build`.")
+            raise CacheFormatError(
+                f"{name}: empty file, not a gpucache store; rebuild it with `gpucache build`."
+            )
         try:
             self.buf = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         except OSError as err:
@@ -72,8 +74,9 @@ class Handle:
             if err.errno == errno.ENOMEM:
                 raise _no_memory(name, st.st_size, err) from err
             raise
-        self.identity = Identity(st.st_dev, st.st_ino, st.st_size,
-                                 zlib.crc32(self.buf[:HEAD_BYTES]))
+        self.identity = Identity(
+            st.st_dev, st.st_ino, st.st_size, zlib.crc32(self.buf[:HEAD_BYTES])
+        )
 
     def close(self) -> None:
         """Release the descriptor; the mapping (and every view of it) stays valid."""
@@ -86,14 +89,28 @@ class Handle:
 
     def __reduce__(self):
         if self.fd is None:
-            raise ValueError(f"{self.name}: this store was closed, so new processes cannot attach "
-                             "to it; open the file again (JpegCache.open) or call share() again.")
-        return (attach, (self.name, None if self.path is None else str(self.path), self.pid,
-                         self.fd, self.identity))
+            raise ValueError(
+                f"{self.name}: this store was closed, so new processes cannot attach "
+                "to it; open the file again (JpegCache.open) or call share() again."
+            )
+        return (
+            attach,
+            (
+                self.name,
+                None if self.path is None else str(self.path),
+                self.pid,
+                self.fd,
+                self.identity,
+            ),
+        )
 
 
-_NOT_REGULAR = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
-                stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+_NOT_REGULAR = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 def _directory_error(path: Path) -> IsADirectoryError:
@@ -101,19 +118,25 @@ def _directory_error(path: Path) -> IsADirectoryError:
         stores = sorted(p.name for p in path.glob("*.gpucache"))[:5]
     except OSError:
         stores = []
-    hint = (f"it holds {', '.join(stores)}: pass one of those, e.g. {path / stores[0]}" if stores
-            else "pass the store file itself (e.g. DIR/train.gpucache), or build one with "
-                 "`gpucache build SRC -o FILE`")
-    return IsADirectoryError(errno.EISDIR, f"{path} is a directory, not a gpucache store file; "
-                             f"{hint}")
+    hint = (
+        f"it holds {', '.join(stores)}: pass one of those, e.g. {path / stores[0]}"
+        if stores
+        else "pass the store file itself (e.g. DIR/train.gpucache), or build one with "
+        "`gpucache build SRC -o FILE`"
+    )
+    return IsADirectoryError(
+        errno.EISDIR, f"{path} is a directory, not a gpucache store file; {hint}"
+    )
 
 
 def _not_a_file(path: Path, mode: int) -> OSError | CacheFormatError:
     if stat.S_ISDIR(mode):
         return _directory_error(path)
     what = _NOT_REGULAR.get(stat.S_IFMT(mode), "not a regular file")
-    return CacheFormatError(f"{path} is {what}, not a gpucache store file; a store is a regular "
-                            "file written by JpegCache.save() or `gpucache build`: pass its path")
+    return CacheFormatError(
+        f"{path} is {what}, not a gpucache store file; a store is a regular "
+        "file written by JpegCache.save() or `gpucache build`: pass its path"
+    )
 
 
 def open_path(path: Path) -> Handle:
@@ -124,20 +147,26 @@ def open_path(path: Path) -> Handle:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):
             raise _not_a_file(path, mode)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) |
-                     getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError as err:
-        raise FileNotFoundError(errno.ENOENT, f"{path}: no such gpucache store; build one with "
-                                "`gpucache build SRC -o FILE` or JpegCache.save()") from err
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{path}: no such gpucache store; build one with "
+            "`gpucache build SRC -o FILE` or JpegCache.save()",
+        ) from err
     except PermissionError as err:
-        raise PermissionError(err.errno, f"{path}: no permission to read this gpucache store "
-                              f"({err.strerror}); ask its owner to make it readable "
-                              "(chmod a+r) or copy it") from err
+        raise PermissionError(
+            err.errno,
+            f"{path}: no permission to read this gpucache store "
+            f"({err.strerror}); ask its owner to make it readable "
+            "(chmod a+r) or copy it",
+        ) from err
     except (IsADirectoryError, CacheFormatError):
         raise
     except OSError as err:
-        raise OSError(err.errno, f"{path}: cannot open this gpucache store: {err.strerror}; "
-                      "check the path") from err
+        raise OSError(
+            err.errno, f"{path}: cannot open this gpucache store: {err.strerror}; check the path"
+        ) from err
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):  # replaced between the stat and the open
         os.close(fd)
@@ -163,19 +192,23 @@ def attach(name: str, path: str | None, pid: int, fd: int, identity: Identity) -
             f"{name}: cannot attach to the shared-memory store of process {pid}: that process "
             "exited or its descriptors are not reachable through /proc. Keep the process that "
             "shared the store alive while workers start, or save the store to a file "
-            "(cache.save(path)) and pass JpegCache.open(path).")
+            "(cache.save(path)) and pass JpegCache.open(path)."
+        )
     try:
         h = open_path(Path(path))
     except FileNotFoundError as err:
-        raise CacheFormatError(f"{path}: the store file was removed after it was opened (by "
-                               f"process {pid}); do not delete or overwrite a store file while "
-                               "loaders use it (save to a new name).") from err
+        raise CacheFormatError(
+            f"{path}: the store file was removed after it was opened (by "
+            f"process {pid}); do not delete or overwrite a store file while "
+            "loaders use it (save to a new name)."
+        ) from err
     if h.identity != identity:
         h.close()
         raise CacheFormatError(
             f"{path}: the store file was replaced or changed after it was opened (by process "
             f"{pid}); opening it here would pair the new file's images with the old labels. Do "
             "not overwrite a store file while loaders use it: save to a new name and open that, "
-            "or reopen the store (JpegCache.open) and start a new loader.")
+            "or reopen the store (JpegCache.open) and start a new loader."
+        )
     h.trusted = True
     return h

@@ -20,15 +20,24 @@ import errno
 
 from .._errors import GpucacheError
 
-MORE = ("more memory (a higher address-space limit, RLIMIT_AS / ulimit -v, or the container's "
-        "memory limit)")
+MORE = (
+    "more memory (a higher address-space limit, RLIMIT_AS / ulimit -v, or the container's "
+    "memory limit)"
+)
 #: What to change when a decode runs out of memory (in a worker or in the main process).
-FIX = (f"use fewer workers (num_workers=), a smaller batch_size or prefetch_factor, or give "
-       f"each process {MORE}")
+FIX = (
+    f"use fewer workers (num_workers=), a smaller batch_size or prefetch_factor, or give "
+    f"each process {MORE}"
+)
 #: ... and when a build (sniff, re-encode, restart markers) or a verify does.
 BUILD_FIX = f"use fewer threads (num_threads=, --num-threads), or give the process {MORE}"
-_SAID = ("can't allocate memory", "Cannot allocate memory", "not enough memory",
-         "Insufficient memory", "out of memory")
+_SAID = (
+    "can't allocate memory",
+    "Cannot allocate memory",
+    "not enough memory",
+    "Insufficient memory",
+    "out of memory",
+)
 
 
 def is_out_of_memory(err: BaseException | None) -> bool:
@@ -65,9 +74,11 @@ class OutOfMemory(GpucacheError, MemoryError):
 
     def __init__(self, what: str, err: BaseException, *, fix: str = FIX) -> None:
         self.what, self.detail = what, said(err)
-        super().__init__(f"gpucache: out of memory {what} ({self.detail}). This is not a bad "
-                         f"sample: the process has too little memory for the work it was given. "
-                         f"Fix: {fix}.")
+        super().__init__(
+            f"gpucache: out of memory {what} ({self.detail}). This is not a bad "
+            f"sample: the process has too little memory for the work it was given. "
+            f"Fix: {fix}."
+        )
 
     def __reduce__(self):  # pickled (multiprocessing) as the MemoryError it is, message kept
         return MemoryError, self.args

@@ -57,7 +57,8 @@ def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
         raise MemoryError(
             f"cannot allocate {nbytes / 2**20:,.1f} MiB for the store: {err.strerror}. The "
             "address-space limit (ulimit -v / RLIMIT_AS) is probably too low; raise it "
-            "(ulimit -v unlimited).") from err
+            "(ulimit -v unlimited)."
+        ) from err
     return m, _address(m)
 
 

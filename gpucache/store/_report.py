@@ -9,7 +9,6 @@ Numbers and strings only: no pickle. ``docs/reference/format.md`` specifies them
 from __future__ import annotations
 
 from collections.abc import Mapping
-
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,10 +45,13 @@ def report_sections(report) -> dict[str, np.ndarray]:
     kinds = [(int(Kind[k]), v) for k, v in sorted(report.counts.items())]
     texts = [t for s in report.skipped for t in (s.path, s.reason)]
     offsets, blob = pack_strings(texts)
-    return {"report.totals": np.array([report.total, report.kept], dtype="<i8"),
-            "report.kinds": np.array(kinds, dtype="<i8").reshape(len(kinds), 2),
-            "report.skipped": np.array([s.index for s in report.skipped], dtype="<i8"),
-            "report.offsets": offsets, "report.text": blob}
+    return {
+        "report.totals": np.array([report.total, report.kept], dtype="<i8"),
+        "report.kinds": np.array(kinds, dtype="<i8").reshape(len(kinds), 2),
+        "report.skipped": np.array([s.index for s in report.skipped], dtype="<i8"),
+        "report.offsets": offsets,
+        "report.text": blob,
+    }
 
 
 def read_report(extra: Mapping[str, np.ndarray], where: str):
@@ -58,20 +60,35 @@ def read_report(extra: Mapping[str, np.ndarray], where: str):
         return None
     try:
         (total, kept), kinds = extra["report.totals"].tolist(), extra["report.kinds"]
-        index, offsets, blob = (extra["report.skipped"], extra["report.offsets"],
-                                extra["report.text"])
+        index, offsets, blob = (
+            extra["report.skipped"],
+            extra["report.offsets"],
+            extra["report.text"],
+        )
         ends = offsets.tolist()
-        if (kinds.ndim != 2 or len(ends) != 2 * len(index) + 1 or ends[0] != 0
-                or ends != sorted(ends) or ends[-1] != len(blob) or total != kept + len(index)):
+        if (
+            kinds.ndim != 2
+            or len(ends) != 2 * len(index) + 1
+            or ends[0] != 0
+            or ends != sorted(ends)
+            or ends[-1] != len(blob)
+            or total != kept + len(index)
+        ):
             raise ValueError("the sections disagree")
         if len(index) and (index[0] < 0 or index[-1] >= total or np.any(index[1:] <= index[:-1])):
             raise ValueError(f"skipped input indices are not ascending within 0..{total - 1}")
         texts = [decode(bytes(blob[a:b])) for a, b in zip(ends, ends[1:])]
         counts = {Kind(k).name: int(v) for k, v in kinds.tolist()}
     except (KeyError, ValueError, TypeError) as err:
-        raise CacheFormatError(f"{where}: the build report sections (report.*) are inconsistent "
-                               f"({err}); rebuild it with `gpucache build` or copy it again."
-                               ) from err
-    return BuildReport(total=total, kept=kept, counts=counts,
-                       skipped=[Skipped(int(i), texts[2 * k], texts[2 * k + 1])
-                                for k, i in enumerate(index.tolist())])
+        raise CacheFormatError(
+            f"{where}: the build report sections (report.*) are inconsistent "
+            f"({err}); rebuild it with `gpucache build` or copy it again."
+        ) from err
+    return BuildReport(
+        total=total,
+        kept=kept,
+        counts=counts,
+        skipped=[
+            Skipped(int(i), texts[2 * k], texts[2 * k + 1]) for k, i in enumerate(index.tolist())
+        ],
+    )

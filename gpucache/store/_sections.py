@@ -50,8 +50,11 @@ SPECS = {
     "report.text": Spec("|u1", (ANY,), "skipped paths and reasons"),
 }
 #: Sections that are present all together or not at all.
-GROUPS = (("resized", "resized.args"), (RAGGED, OFFSETS),
-          ("report.totals", "report.kinds", "report.skipped", "report.offsets", "report.text"))
+GROUPS = (
+    ("resized", "resized.args"),
+    (RAGGED, OFFSETS),
+    ("report.totals", "report.kinds", "report.skipped", "report.offsets", "report.text"),
+)
 
 
 def _rows_bad_rst(a: np.ndarray) -> np.ndarray:
@@ -71,8 +74,10 @@ ROWS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], str]] = {
 
 
 def _shape(spec: Spec, n: int) -> str:
-    dims = [str(n) if d == N else str(n + 1) if d == N1 else "any" if d is ANY else str(d)
-            for d in spec.shape]
+    dims = [
+        str(n) if d == N else str(n + 1) if d == N1 else "any" if d is ANY else str(d)
+        for d in spec.shape
+    ]
     return f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"
 
 
@@ -91,13 +96,17 @@ def problem(sections: Mapping[str, np.ndarray], n: int, *, values: bool = True) 
         have = [k for k in group if k in sections]
         if have and len(have) != len(group):
             missing = [k for k in group if k not in sections]
-            return (f"section {have[0]!r} is present without {', '.join(map(repr, missing))}, "
-                    f"which it needs ({', '.join(map(repr, group))} come together)")
+            return (
+                f"section {have[0]!r} is present without {', '.join(map(repr, missing))}, "
+                f"which it needs ({', '.join(map(repr, group))} come together)"
+            )
     for name, arr in sections.items():
         spec = SPECS.get(name)
         if spec is not None and not _fits(arr, spec, n):
-            return (f"section {name!r} ({spec.meaning}) holds {arr.dtype.str} {arr.shape}, not "
-                    f"{spec.dtype} {_shape(spec, n)} for {n} samples")
+            return (
+                f"section {name!r} ({spec.meaning}) holds {arr.dtype.str} {arr.shape}, not "
+                f"{spec.dtype} {_shape(spec, n)} for {n} samples"
+            )
     if not values:
         return None
     for name, (bad_rows, rule) in ROWS.items():
@@ -105,20 +114,27 @@ def problem(sections: Mapping[str, np.ndarray], n: int, *, values: bool = True) 
         bad = None if arr is None else bad_rows(arr)
         if bad is not None and bad.any():
             i = int(np.flatnonzero(bad)[0])
-            return (f"section {name!r} breaks its rule ({rule}) for {int(bad.sum())} samples, "
-                    f"first sample {i}: {arr[i].tolist()}")
+            return (
+                f"section {name!r} breaks its rule ({rule}) for {int(bad.sum())} samples, "
+                f"first sample {i}: {arr[i].tolist()}"
+            )
     args = sections.get("resized.args")
     if args is not None and not (args[0] >= 0 and 1 <= args[1] <= 100):
-        return (f"section 'resized.args' holds {args.tolist()}, not [max_side >= 0, "
-                "quality 1-100]")
+        return f"section 'resized.args' holds {args.tolist()}, not [max_side >= 0, quality 1-100]"
     offsets = sections.get(OFFSETS)
     if offsets is not None:
         rows = len(sections[RAGGED])
         down = np.flatnonzero(offsets[1:] < offsets[:-1])
         if offsets[0] != 0 or offsets[-1] != rows or down.size:
-            where = (f"; sample {int(down[0])} goes from row {int(offsets[down[0]])} to "
-                     f"{int(offsets[down[0] + 1])}" if down.size else "")
-            return (f"section {OFFSETS!r} must start at 0, never decrease and end at the "
-                    f"{rows} rows of {RAGGED!r}; it goes from {int(offsets[0])} to "
-                    f"{int(offsets[-1])}{where}")
+            where = (
+                f"; sample {int(down[0])} goes from row {int(offsets[down[0]])} to "
+                f"{int(offsets[down[0] + 1])}"
+                if down.size
+                else ""
+            )
+            return (
+                f"section {OFFSETS!r} must start at 0, never decrease and end at the "
+                f"{rows} rows of {RAGGED!r}; it goes from {int(offsets[0])} to "
+                f"{int(offsets[-1])}{where}"
+            )
     return None

@@ -25,9 +25,11 @@ from ._mapped import proc_fd_usable
 
 MARGIN_BYTES = 8 << 20  # room left for others (NCCL, torch) beside the store
 MARGIN_FRACTION = 0.01
-_FIXES = ("Fixes: save the cache to a file and use that (cache.save('train.gpucache'); "
-          "JpegCache.open('train.gpucache')), which workers map read-only; or use "
-          "multiprocessing_context='fork' or num_workers=0, which need no shared memory")
+_FIXES = (
+    "Fixes: save the cache to a file and use that (cache.save('train.gpucache'); "
+    "JpegCache.open('train.gpucache')), which workers map read-only; or use "
+    "multiprocessing_context='fork' or num_workers=0, which need no shared memory"
+)
 
 
 class SharedMemoryError(GpucacheError, RuntimeError):
@@ -47,7 +49,8 @@ def _short(need: int, free: int, where: Path, detail: str = "") -> SharedMemoryE
         f"not enough shared memory for the cache: it needs {_mib(need)} (store plus margin) in "
         f"{where}, which has {_mib(free)} free{detail}. Spawn/forkserver workers can only attach "
         f"to shared pages. {_FIXES}; or give the container more shared memory "
-        "(docker run --shm-size=8g, or --ipc=host).")
+        "(docker run --shm-size=8g, or --ipc=host)."
+    )
 
 
 def _explain(err: OSError, nbytes: int, need: int, free: int, where: Path) -> SharedMemoryError:
@@ -60,29 +63,35 @@ def _explain(err: OSError, nbytes: int, need: int, free: int, where: Path) -> Sh
         return SharedMemoryError(
             f"cannot place the {_mib(nbytes)} cache in shared memory ({where}): the file-size "
             f"limit of this process (ulimit -f / RLIMIT_FSIZE) is {limit}. Raise it "
-            f"(ulimit -f unlimited). {_FIXES}.")
+            f"(ulimit -f unlimited). {_FIXES}."
+        )
     if err.errno == errno.ENOSPC:
         return _short(need, free, where, f" (reserving it failed: {err.strerror})")
     if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return SharedMemoryError(
             f"cannot create the shared-memory copy of the cache in {where}: {err.strerror}. "
             f"Make {where} writable for this user (docker: drop a read-only /dev/shm mount). "
-            f"{_FIXES}.")
+            f"{_FIXES}."
+        )
     if err.errno == errno.ENOMEM:
         return no_address_space(nbytes, err)
-    return SharedMemoryError(f"cannot place the {_mib(nbytes)} cache in shared memory ({where}): "
-                             f"{err.strerror}. {_FIXES}.")
+    return SharedMemoryError(
+        f"cannot place the {_mib(nbytes)} cache in shared memory ({where}): "
+        f"{err.strerror}. {_FIXES}."
+    )
 
 
 def no_address_space(nbytes: int, err: BaseException) -> SharedMemoryError:
     return SharedMemoryError(
         f"cannot map the {_mib(nbytes)} shared-memory copy of the cache ({err}); the "
         "address-space limit (ulimit -v / RLIMIT_AS) is probably too low. Raise it "
-        f"(ulimit -v unlimited), or use multiprocessing_context='fork' or num_workers=0.")
+        f"(ulimit -v unlimited), or use multiprocessing_context='fork' or num_workers=0."
+    )
 
 
-def create(nbytes: int, write: Callable, *,
-           directory: Path | None = None) -> tuple[int, Path | None]:
+def create(
+    nbytes: int, write: Callable, *, directory: Path | None = None
+) -> tuple[int, Path | None]:
     """Create a shared file of ``nbytes`` filled by ``write(fileobj)``.
 
     Returns its open read-write descriptor and its path; the path is None when the name is already

@@ -24,10 +24,9 @@ import numpy as np
 import torch
 
 from . import _format, _parse, _readonly, _report, _sections, _shm
+from ._format import Kind
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
-from ._format import Kind
-
 
 #: The builders behind ``JpegCache.from_folder`` and the other ``from_*`` classmethods, by name.
 #: They orchestrate the layers above the store (scan, build once per node, sources), so they live
@@ -40,8 +39,10 @@ def _builder(name: str) -> Callable[..., JpegCache]:
     try:
         return BUILDERS[name]
     except KeyError:  # gpucache/__init__.py always imports gpucache.node._builders first
-        raise RuntimeError(f"JpegCache.{name} has no builder: gpucache.node._builders was not "
-                           "imported (import gpucache)") from None
+        raise RuntimeError(
+            f"JpegCache.{name} has no builder: gpucache.node._builders was not "
+            "imported (import gpucache)"
+        ) from None
 
 
 class _Strings(Sequence[str]):
@@ -58,7 +59,7 @@ class _Strings(Sequence[str]):
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         i = range(len(self))[i]
-        return _format.decode(bytes(self._blob[self._offsets[i]:self._offsets[i + 1]]))
+        return _format.decode(bytes(self._blob[self._offsets[i] : self._offsets[i + 1]]))
 
     def __repr__(self) -> str:
         return f"<{len(self)} strings>"
@@ -73,23 +74,40 @@ class JpegCache:
     in the store file, so :meth:`open` gives it back (None for a store saved without one).
     """
 
-    def __init__(self, *, data: np.ndarray, offsets: np.ndarray, labels: np.ndarray,
-                 samples: np.ndarray, classes: Sequence[str],
-                 paths: tuple[np.ndarray, np.ndarray],
-                 metadata: tuple[np.ndarray, np.ndarray] | None = None,
-                 extra: Mapping[str, np.ndarray] | None = None, report=None,
-                 max_pixels: int | None = DEFAULT_MAX_PIXELS,
-                 _file: _parse.Parsed | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        data: np.ndarray,
+        offsets: np.ndarray,
+        labels: np.ndarray,
+        samples: np.ndarray,
+        classes: Sequence[str],
+        paths: tuple[np.ndarray, np.ndarray],
+        metadata: tuple[np.ndarray, np.ndarray] | None = None,
+        extra: Mapping[str, np.ndarray] | None = None,
+        report=None,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        _file: _parse.Parsed | None = None,
+    ) -> None:
         extra = {k: _format.check_extra(k, v) for k, v in (extra or {}).items()}
         if _file is None:  # in memory: read-only pages, so no view can write into the store
             why = _sections.problem(extra, len(labels))
             if why is not None:  # a save would write a store that does not open
-                raise ValueError(f"{why}; give it the type and shape docs/reference/format.md "
-                                 "lists (gpucache.with_targets makes the targets sections).")
+                raise ValueError(
+                    f"{why}; give it the type and shape docs/reference/format.md "
+                    "lists (gpucache.with_targets makes the targets sections)."
+                )
             tables = [*paths, *(metadata or ())]
             data, offsets, labels, samples, *rest = _readonly.freeze(
-                [data, np.asarray(offsets, "<i8"), np.asarray(labels, "<i8"), samples, *tables,
-                 *extra.values()])
+                [
+                    data,
+                    np.asarray(offsets, "<i8"),
+                    np.asarray(labels, "<i8"),
+                    samples,
+                    *tables,
+                    *extra.values(),
+                ]
+            )
             paths, rest = (rest[0], rest[1]), rest[2:]
             if metadata is not None:
                 metadata, rest = (rest[0], rest[1]), rest[2:]
@@ -106,13 +124,20 @@ class JpegCache:
 
     # ------------------------------------------------------------------ building and opening
     @classmethod
-    def from_folder(cls, root: str | os.PathLike, *, on_error: Literal["skip", "raise"] = "skip",
-                    num_threads: int | None = None, progress: bool = True,
-                    max_pixels: int | None = DEFAULT_MAX_PIXELS,
-                    cache_dir: str | os.PathLike | None = None,
-                    cache_max_bytes: int | None = None,
-                    restart_markers: bool = False, max_side: int | None = None,
-                    jpeg_quality: int | None = None) -> JpegCache:
+    def from_folder(
+        cls,
+        root: str | os.PathLike,
+        *,
+        on_error: Literal["skip", "raise"] = "skip",
+        num_threads: int | None = None,
+        progress: bool = True,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        cache_dir: str | os.PathLike | None = None,
+        cache_max_bytes: int | None = None,
+        restart_markers: bool = False,
+        max_side: int | None = None,
+        jpeg_quality: int | None = None,
+    ) -> JpegCache:
         """Pack an ImageFolder tree (``root/<class>/<image>``); labels as torchvision assigns.
         ``max_pixels``: images whose header claims more pixels are refused (None: no bound).
         Several ranks or ``cache_dir``: built once per node and mapped (docs/guides/multi-gpu.md);
@@ -121,88 +146,173 @@ class JpegCache:
         ``max_side``: images with a longer side re-encoded once to it; ``jpeg_quality``: their
         quality, and every other image re-encoded at it where that is smaller (lossy, opt-in;
         docs/guides/stores.md)."""
-        return _builder("from_folder")(cls, root, on_error=on_error, num_threads=num_threads,
-                                  progress=progress, max_pixels=max_pixels, cache_dir=cache_dir,
-                                  cache_max_bytes=cache_max_bytes, restart_markers=restart_markers,
-                                  max_side=max_side, jpeg_quality=jpeg_quality)
+        return _builder("from_folder")(
+            cls,
+            root,
+            on_error=on_error,
+            num_threads=num_threads,
+            progress=progress,
+            max_pixels=max_pixels,
+            cache_dir=cache_dir,
+            cache_max_bytes=cache_max_bytes,
+            restart_markers=restart_markers,
+            max_side=max_side,
+            jpeg_quality=jpeg_quality,
+        )
 
     @classmethod
-    def from_files(cls, paths: Sequence[str | os.PathLike], labels: Sequence[int] | None = None,
-                   metadata: Sequence[str] | None = None, *, classes: Sequence[str] | None = None,
-                   on_error: Literal["skip", "raise"] = "skip", num_threads: int | None = None,
-                   progress: bool = True, max_pixels: int | None = DEFAULT_MAX_PIXELS,
-                   cache_dir: str | os.PathLike | None = None,
-                   cache_max_bytes: int | None = None,
-                   restart_markers: bool = False, max_side: int | None = None,
-                   jpeg_quality: int | None = None) -> JpegCache:
+    def from_files(
+        cls,
+        paths: Sequence[str | os.PathLike],
+        labels: Sequence[int] | None = None,
+        metadata: Sequence[str] | None = None,
+        *,
+        classes: Sequence[str] | None = None,
+        on_error: Literal["skip", "raise"] = "skip",
+        num_threads: int | None = None,
+        progress: bool = True,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        cache_dir: str | os.PathLike | None = None,
+        cache_max_bytes: int | None = None,
+        restart_markers: bool = False,
+        max_side: int | None = None,
+        jpeg_quality: int | None = None,
+    ) -> JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
         ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder."""
-        return _builder("from_files")(cls, paths, labels, metadata, classes=classes,
-                                  on_error=on_error, num_threads=num_threads, progress=progress,
-                                  max_pixels=max_pixels, cache_dir=cache_dir,
-                                  cache_max_bytes=cache_max_bytes, restart_markers=restart_markers,
-                                  max_side=max_side, jpeg_quality=jpeg_quality)
+        return _builder("from_files")(
+            cls,
+            paths,
+            labels,
+            metadata,
+            classes=classes,
+            on_error=on_error,
+            num_threads=num_threads,
+            progress=progress,
+            max_pixels=max_pixels,
+            cache_dir=cache_dir,
+            cache_max_bytes=cache_max_bytes,
+            restart_markers=restart_markers,
+            max_side=max_side,
+            jpeg_quality=jpeg_quality,
+        )
 
     @classmethod
-    def from_csv(cls, path: str | os.PathLike, *, classes: Sequence[str] | None = None,
-                 delimiter: str = ",", header: bool | None = None,
-                 on_error: Literal["skip", "raise"] = "skip",
-                 num_threads: int | None = None, progress: bool = True,
-                 max_pixels: int | None = DEFAULT_MAX_PIXELS,
-                 cache_dir: str | os.PathLike | None = None,
-                 cache_max_bytes: int | None = None,
-                 restart_markers: bool = False, max_side: int | None = None,
-                 jpeg_quality: int | None = None) -> JpegCache:
+    def from_csv(
+        cls,
+        path: str | os.PathLike,
+        *,
+        classes: Sequence[str] | None = None,
+        delimiter: str = ",",
+        header: bool | None = None,
+        on_error: Literal["skip", "raise"] = "skip",
+        num_threads: int | None = None,
+        progress: bool = True,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        cache_dir: str | os.PathLike | None = None,
+        cache_max_bytes: int | None = None,
+        restart_markers: bool = False,
+        max_side: int | None = None,
+        jpeg_quality: int | None = None,
+    ) -> JpegCache:
         """Pack the files a CSV lists as ``path,label[,metadata]`` (paths relative to the CSV;
         labels ints or class names; ``header=None`` skips a first row labelled ``label``/``class``).
         The build options (``on_error`` to ``jpeg_quality``) as in from_folder; with
         ``cache_dir`` the store is keyed on the listed files."""
         return _builder("from_csv")(
-            cls, path, classes=classes, delimiter=delimiter, header=header,
-            on_error=on_error, num_threads=num_threads, progress=progress, max_pixels=max_pixels,
-            cache_dir=cache_dir, cache_max_bytes=cache_max_bytes, restart_markers=restart_markers,
-            max_side=max_side, jpeg_quality=jpeg_quality)
+            cls,
+            path,
+            classes=classes,
+            delimiter=delimiter,
+            header=header,
+            on_error=on_error,
+            num_threads=num_threads,
+            progress=progress,
+            max_pixels=max_pixels,
+            cache_dir=cache_dir,
+            cache_max_bytes=cache_max_bytes,
+            restart_markers=restart_markers,
+            max_side=max_side,
+            jpeg_quality=jpeg_quality,
+        )
 
     @classmethod
-    def from_webdataset(cls, shards: str | os.PathLike | Sequence[str | os.PathLike], *,
-                        classes: Sequence[str] | None = None, metadata_ext: str | None = None,
-                        on_error: Literal["skip", "raise"] = "skip",
-                        num_threads: int | None = None, progress: bool = True,
-                        max_pixels: int | None = DEFAULT_MAX_PIXELS,
-                        cache_dir: str | os.PathLike | None = None,
-                        cache_max_bytes: int | None = None,
-                        restart_markers: bool = False, max_side: int | None = None,
-                        jpeg_quality: int | None = None) -> JpegCache:
+    def from_webdataset(
+        cls,
+        shards: str | os.PathLike | Sequence[str | os.PathLike],
+        *,
+        classes: Sequence[str] | None = None,
+        metadata_ext: str | None = None,
+        on_error: Literal["skip", "raise"] = "skip",
+        num_threads: int | None = None,
+        progress: bool = True,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        cache_dir: str | os.PathLike | None = None,
+        cache_max_bytes: int | None = None,
+        restart_markers: bool = False,
+        max_side: int | None = None,
+        jpeg_quality: int | None = None,
+    ) -> JpegCache:
         """Pack WebDataset tar shards (images and ``.cls`` labels), read in place from the tars;
         the build options as in from_folder (with ``cache_dir`` keyed on the shard files)."""
         return _builder("from_webdataset")(
-            cls, shards, classes=classes, metadata_ext=metadata_ext,
-            on_error=on_error, num_threads=num_threads, progress=progress, max_pixels=max_pixels,
-            cache_dir=cache_dir, cache_max_bytes=cache_max_bytes, restart_markers=restart_markers,
-            max_side=max_side, jpeg_quality=jpeg_quality)
+            cls,
+            shards,
+            classes=classes,
+            metadata_ext=metadata_ext,
+            on_error=on_error,
+            num_threads=num_threads,
+            progress=progress,
+            max_pixels=max_pixels,
+            cache_dir=cache_dir,
+            cache_max_bytes=cache_max_bytes,
+            restart_markers=restart_markers,
+            max_side=max_side,
+            jpeg_quality=jpeg_quality,
+        )
 
     @classmethod
-    def from_hf(cls, dataset, *, image_column: str = "image", label_column: str | None = "label",
-                classes: Sequence[str] | None = None,
-                on_error: Literal["skip", "raise"] = "skip",
-                num_threads: int | None = None, progress: bool = True,
-                max_pixels: int | None = DEFAULT_MAX_PIXELS,
-                cache_dir: str | os.PathLike | None = None,
-                cache_max_bytes: int | None = None,
-                restart_markers: bool = False, max_side: int | None = None,
-                jpeg_quality: int | None = None) -> JpegCache:
+    def from_hf(
+        cls,
+        dataset,
+        *,
+        image_column: str = "image",
+        label_column: str | None = "label",
+        classes: Sequence[str] | None = None,
+        on_error: Literal["skip", "raise"] = "skip",
+        num_threads: int | None = None,
+        progress: bool = True,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        cache_dir: str | os.PathLike | None = None,
+        cache_max_bytes: int | None = None,
+        restart_markers: bool = False,
+        max_side: int | None = None,
+        jpeg_quality: int | None = None,
+    ) -> JpegCache:
         """Pack a Hugging Face ``datasets.Dataset``'s ``Image`` column, bytes taken as stored;
         the build options as in from_folder (``cache_dir`` is refused: a dataset object has no
         files to key a saved store on; save the store and open it instead)."""
         return _builder("from_hf")(
-            cls, dataset, image_column=image_column, label_column=label_column, classes=classes,
-            on_error=on_error, num_threads=num_threads, progress=progress, max_pixels=max_pixels,
-            cache_dir=cache_dir, cache_max_bytes=cache_max_bytes, restart_markers=restart_markers,
-            max_side=max_side, jpeg_quality=jpeg_quality)
+            cls,
+            dataset,
+            image_column=image_column,
+            label_column=label_column,
+            classes=classes,
+            on_error=on_error,
+            num_threads=num_threads,
+            progress=progress,
+            max_pixels=max_pixels,
+            cache_dir=cache_dir,
+            cache_max_bytes=cache_max_bytes,
+            restart_markers=restart_markers,
+            max_side=max_side,
+            jpeg_quality=jpeg_quality,
+        )
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *,
-             max_pixels: int | None = DEFAULT_MAX_PIXELS) -> JpegCache:
+    def open(
+        cls, path: str | os.PathLike, *, max_pixels: int | None = DEFAULT_MAX_PIXELS
+    ) -> JpegCache:
         """Map a saved store read-only. Validates header, sizes and offsets; reads no image data.
 
         ``max_pixels``: samples whose header claims more decoded pixels are refused at decode."""
@@ -210,11 +320,19 @@ class JpegCache:
 
     @classmethod
     def _from_parsed(cls, parsed: _parse.Parsed, max_pixels: int | None) -> JpegCache:
-        return cls(data=parsed.data, offsets=parsed.offsets, labels=parsed.labels,
-                   samples=parsed.samples, classes=parsed.classes, paths=parsed.paths,
-                   metadata=parsed.metadata, extra=_user_sections(parsed.extra),
-                   report=_report.read_report(parsed.extra, parsed._name),
-                   max_pixels=max_pixels, _file=parsed)
+        return cls(
+            data=parsed.data,
+            offsets=parsed.offsets,
+            labels=parsed.labels,
+            samples=parsed.samples,
+            classes=parsed.classes,
+            paths=parsed.paths,
+            metadata=parsed.metadata,
+            extra=_user_sections(parsed.extra),
+            report=_report.read_report(parsed.extra, parsed._name),
+            max_pixels=max_pixels,
+            _file=parsed,
+        )
 
     def _replace(self, **changes) -> JpegCache:
         """A new in-memory store with some arrays replaced (``data``, ``offsets``, ``samples``,
@@ -231,19 +349,23 @@ class JpegCache:
     def __getitem__(self, i: int) -> np.ndarray:
         i = range(len(self))[i]  # negative indices and a clear IndexError
         self._check_intact()
-        return self._data[self._offsets[i]:self._offsets[i + 1]]
+        return self._data[self._offsets[i] : self._offsets[i + 1]]
 
     def _check_intact(self) -> None:
         """A store file truncated under its mapping would SIGBUS on the next read: make it an error.
 
         One fstat (about 7 us measured) per sample handed out, against a decode of 100 us or more.
         A truncation between this check and the read still faults (README "Sharing")."""
-        if self._file is not None and self._file.path is not None and \
-                not self._file.handle.intact():
+        if (
+            self._file is not None
+            and self._file.path is not None
+            and not self._file.handle.intact()
+        ):
             raise _format.CacheFormatError(
                 f"{self._file.path}: the store file was truncated or rewritten in place while it "
                 "is mapped; reading it now would crash (SIGBUS). Never write into a store file "
-                "that is in use: save() writes a new file and renames it, which is safe.")
+                "that is in use: save() writes a new file and renames it, which is safe."
+            )
 
     def _bytes_tensor(self, i: int) -> torch.Tensor:
         """Sample ``i``'s bytes as a uint8 tensor sharing the store's memory, for the decoders.
@@ -256,11 +378,15 @@ class JpegCache:
             # torch warns that the buffer is read-only: it is, by design. One filter scoped to
             # that message from this module (catch_warnings would swap the process-wide filter
             # list, and this may run in a decode thread while the user's code adds filters)
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
-                                    category=UserWarning, module=r"gpucache\.store\._store")
+            warnings.filterwarnings(
+                "ignore",
+                message="The given NumPy array is not writable",
+                category=UserWarning,
+                module=r"gpucache\.store\._store",
+            )
             self._tensor = torch.from_numpy(self._data)
         self._check_intact()
-        return self._tensor[int(self._offsets[i]):int(self._offsets[i + 1])]
+        return self._tensor[int(self._offsets[i]) : int(self._offsets[i + 1])]
 
     @property
     def labels(self) -> np.ndarray:
@@ -312,16 +438,30 @@ class JpegCache:
         return np.isin(k, [Kind.JPEG, Kind.JPEG_PROGRESSIVE]) & (self._samples["components"] != 4)
 
     def __repr__(self) -> str:
-        where = (f"file {self.path}" if self.path else "shared memory" if self._file is not None
-                 else "memory")
-        return (f"JpegCache({len(self)} samples, {len(self._classes)} classes, "
-                f"{self.nbytes / 2**20:,.1f} MiB in {where})")
+        where = (
+            f"file {self.path}"
+            if self.path
+            else "shared memory"
+            if self._file is not None
+            else "memory"
+        )
+        return (
+            f"JpegCache({len(self)} samples, {len(self._classes)} classes, "
+            f"{self.nbytes / 2**20:,.1f} MiB in {where})"
+        )
 
     # ------------------------------------------------------------------ saving and sharing
     def _arrays(self) -> dict:
-        return dict(data=self._data, offsets=self._offsets, labels=self._labels,
-                    samples=self._samples, classes=self._classes, paths=self._paths,
-                    metadata=self._metadata_table, extra=self._extra)
+        return dict(
+            data=self._data,
+            offsets=self._offsets,
+            labels=self._labels,
+            samples=self._samples,
+            classes=self._classes,
+            paths=self._paths,
+            metadata=self._metadata_table,
+            extra=self._extra,
+        )
 
     def _stored(self) -> dict:
         """What a saved or shared copy holds: the arrays, plus the build report's sections."""
@@ -337,14 +477,19 @@ class JpegCache:
         except OSError as err:
             import errno
 
-            fix = {errno.ENOSPC: f"it needs {self.nbytes / 2**20:,.1f} MiB there; free room or "
-                                 "choose another folder",
-                   errno.EFBIG: "the file-size limit (ulimit -f / RLIMIT_FSIZE) is lower than the "
-                                f"{self.nbytes / 2**20:,.1f} MiB store; raise it",
-                   errno.ENOENT: "the folder does not exist; create it first",
-                   errno.EACCES: "no permission to write there; choose another folder"}
-            raise OSError(err.errno, f"could not save the cache to {path}: {err.strerror}; "
-                          f"{fix.get(err.errno, 'check the path and the disk')}.") from err
+            fix = {
+                errno.ENOSPC: f"it needs {self.nbytes / 2**20:,.1f} MiB there; free room or "
+                "choose another folder",
+                errno.EFBIG: "the file-size limit (ulimit -f / RLIMIT_FSIZE) is lower than the "
+                f"{self.nbytes / 2**20:,.1f} MiB store; raise it",
+                errno.ENOENT: "the folder does not exist; create it first",
+                errno.EACCES: "no permission to write there; choose another folder",
+            }
+            raise OSError(
+                err.errno,
+                f"could not save the cache to {path}: {err.strerror}; "
+                f"{fix.get(err.errno, 'check the path and the disk')}.",
+            ) from err
         return path
 
     @property
@@ -363,8 +508,9 @@ class JpegCache:
         size = _format.write(None, **arrays)
         fd, kept = _shm.create(size, lambda f: _format.write(f, **arrays))
         try:
-            parsed = _parse.Parsed(Handle(fd, f"shared-memory copy of the cache ({size} bytes)",
-                                           kept))
+            parsed = _parse.Parsed(
+                Handle(fd, f"shared-memory copy of the cache ({size} bytes)", kept)
+            )
         except BaseException as err:
             if kept is not None:
                 _shm.unlink(kept)
@@ -378,8 +524,11 @@ class JpegCache:
 
     def _adopt(self, parsed: _parse.Parsed) -> None:
         self._data, self._offsets, self._labels = parsed.data, parsed.offsets, parsed.labels
-        self._samples, self._paths, self._metadata_table = (parsed.samples, parsed.paths,
-                                                             parsed.metadata)
+        self._samples, self._paths, self._metadata_table = (
+            parsed.samples,
+            parsed.paths,
+            parsed.metadata,
+        )
         self._extra = _user_sections(parsed.extra)
         self._file, self._tensor = parsed, None
 
@@ -405,7 +554,8 @@ class JpegCache:
                 "an in-memory JpegCache cannot be pickled: that would copy every image into each "
                 "process. Call cache.share() to move it into shared memory once, or save it "
                 "(cache.save(path)) and pass JpegCache.open(path); GpuCachedLoader does the "
-                "former by itself for spawn/forkserver workers.")
+                "former by itself for spawn/forkserver workers."
+            )
         return (_reopen, (self._file.handle, self.max_pixels))
 
 

@@ -21,8 +21,7 @@ import torch
 DENSE, RAGGED, OFFSETS = "targets", "targets_ragged", "targets_ragged.offsets"
 
 
-def with_targets(cache, *, targets=None, ragged: Sequence | None = None,
-                 per_input: bool = False):
+def with_targets(cache, *, targets=None, ragged: Sequence | None = None, per_input: bool = False):
     """A new in-memory store: ``cache`` with float targets and/or ragged per-sample arrays.
 
     ``targets``: (N, C) numbers (multi-hot rows, regression values). ``ragged``: N arrays of
@@ -34,8 +33,10 @@ def with_targets(cache, *, targets=None, ragged: Sequence | None = None,
     if per_input:
         report = cache.report
         if report is None:
-            raise ValueError("per_input=True needs a freshly built store (its build report "
-                             "says which inputs were skipped).")
+            raise ValueError(
+                "per_input=True needs a freshly built store (its build report "
+                "says which inputs were skipped)."
+            )
         keep = np.ones(report.total, dtype=bool)
         keep[[s.index for s in report.skipped]] = False
     extra = {k: v for k, v in cache.extra.items() if k not in (DENSE, RAGGED, OFFSETS)}
@@ -44,9 +45,11 @@ def with_targets(cache, *, targets=None, ragged: Sequence | None = None,
         t = t[:, None] if t.ndim == 1 else t
         t = t[keep] if keep is not None and len(t) == len(keep) else t
         if t.ndim != 2 or len(t) != n:
-            raise ValueError(f"targets must be (N, C) with N = {n} samples"
-                             f"{' (or one row per build input)' if per_input else ''}; got "
-                             f"shape {np.shape(targets)}.")
+            raise ValueError(
+                f"targets must be (N, C) with N = {n} samples"
+                f"{' (or one row per build input)' if per_input else ''}; got "
+                f"shape {np.shape(targets)}."
+            )
         extra[DENSE] = np.ascontiguousarray(t)
     if ragged is not None:
         rows = list(ragged)
@@ -60,14 +63,16 @@ def with_targets(cache, *, targets=None, ragged: Sequence | None = None,
             raise ValueError("each ragged entry must be a (K_i, C) or (K_i,) array.")
         widths = {a.shape[1] for a in arrs if len(a)}
         if len(widths) > 1:
-            raise ValueError(f"ragged arrays must share their row width (e.g. 5 for x0, y0, x1, "
-                             f"y1, class); got widths {sorted(widths)}.")
+            raise ValueError(
+                f"ragged arrays must share their row width (e.g. 5 for x0, y0, x1, "
+                f"y1, class); got widths {sorted(widths)}."
+            )
         width = widths.pop() if widths else 0
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum([len(a) for a in arrs], out=offsets[1:])
         values = np.zeros((int(offsets[-1]), width), dtype=np.float32)
         for a, lo in zip(arrs, offsets[:-1].tolist()):
-            values[lo:lo + len(a)] = a
+            values[lo : lo + len(a)] = a
         extra[RAGGED], extra[OFFSETS] = values, offsets
     return cache._replace(extra=extra)
 
@@ -82,7 +87,7 @@ def ragged_targets(cache, indices) -> list[np.ndarray] | None:
     values, offsets = cache.extra.get(RAGGED), cache.extra.get(OFFSETS)
     if values is None or offsets is None:
         return None
-    return [values[offsets[i]:offsets[i + 1]] for i in np.asarray(indices).tolist()]
+    return [values[offsets[i] : offsets[i + 1]] for i in np.asarray(indices).tolist()]
 
 
 def kept_rows(submitted: np.ndarray, kept: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image, ImageChops, ImageDraw, ImageFilter
@@ -37,8 +37,14 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([int(k) % 2**64 for k in key])
 
 
-def _noise(rng: np.random.Generator, width: int, height: int, cells_w: int, cells_h: int,
-           resample: Image.Resampling = Image.Resampling.BILINEAR) -> Image.Image:
+def _noise(
+    rng: np.random.Generator,
+    width: int,
+    height: int,
+    cells_w: int,
+    cells_h: int,
+    resample: Image.Resampling = Image.Resampling.BILINEAR,
+) -> Image.Image:
     """Uniform byte noise on a ``cells_w x cells_h`` grid, resized to ``width x height``."""
     cells_w, cells_h = max(2, cells_w), max(2, cells_h)
     img = Image.frombytes("L", (cells_w, cells_h), rng.bytes(cells_w * cells_h))
@@ -82,15 +88,26 @@ def _natural_pil(width: int, height: int, seed: int) -> Image.Image:
         if kind == 0:
             draw.ellipse([px - sx, py - sy, px + sx, py + sy], fill=fill)
         elif kind == 1:
-            draw.line([(px, py), (px + 2 * sx, py + 2 * sy - sx)], fill=fill,
-                      width=int(rng.integers(1, 5)))
+            draw.line(
+                [(px, py), (px + 2 * sx, py + 2 * sy - sx)],
+                fill=fill,
+                width=int(rng.integers(1, 5)),
+            )
         else:  # polygons; kind 2 gives (rotated) rectangles
             m = 4 if kind == 2 else int(rng.integers(3, 9))
-            ang = np.sort(rng.uniform(0, 2 * np.pi, m)) if kind == 3 else \
-                rng.uniform(0, np.pi) + np.array([0.0, 0.5, 1.0, 1.5]) * np.pi
+            ang = (
+                np.sort(rng.uniform(0, 2 * np.pi, m))
+                if kind == 3
+                else rng.uniform(0, np.pi) + np.array([0.0, 0.5, 1.0, 1.5]) * np.pi
+            )
             rad = rng.uniform(0.5, 1.0, m) if kind == 3 else np.ones(m)
-            draw.polygon([(float(px + sx * a * np.cos(b)), float(py + sy * a * np.sin(b)))
-                          for a, b in zip(rad, ang)], fill=fill)
+            draw.polygon(
+                [
+                    (float(px + sx * a * np.cos(b)), float(py + sy * a * np.sin(b)))
+                    for a, b in zip(rad, ang)
+                ],
+                fill=fill,
+            )
     canvas = canvas.filter(ImageFilter.BoxBlur(rng.uniform(0.3, 0.8)))
     light = _noise(rng, lw, lh, 3, 3, Image.BICUBIC).point(lambda v: 64 + v // 2)  # shading
     canvas = ImageChops.overlay(canvas, light.convert("RGB"))
@@ -122,9 +139,16 @@ def natural_image(width: int, height: int, *, seed: int = 0) -> np.ndarray:
     return np.asarray(_natural_pil(width, height, seed))
 
 
-def make_jpeg_bytes(width: int, height: int, *, seed: int = 0, mode: str = "RGB",
-                    progressive: bool = False, quality: int = 90,
-                    exif_orientation: int | None = None) -> bytes:
+def make_jpeg_bytes(
+    width: int,
+    height: int,
+    *,
+    seed: int = 0,
+    mode: str = "RGB",
+    progressive: bool = False,
+    quality: int = 90,
+    exif_orientation: int | None = None,
+) -> bytes:
     """Encode ``natural_image(width, height, seed=seed)`` as a JPEG.
 
     ``mode`` is "RGB", "L" (grayscale) or "CMYK" (PIL writes an Adobe marker).
@@ -164,9 +188,14 @@ def _image_size(rng: np.random.Generator) -> tuple[int, int]:
     return (long_px, short_px) if shape < 0.85 else (short_px, long_px)
 
 
-def make_jpeg_folder(root: str | os.PathLike, n: int, *,
-                     classes: Sequence[str] | int = ("ant", "bee", "cat", "dog"),
-                     seed: int = 0, quality: int | tuple[int, int] = (75, 95)) -> pathlib.Path:
+def make_jpeg_folder(
+    root: str | os.PathLike,
+    n: int,
+    *,
+    classes: Sequence[str] | int = ("ant", "bee", "cat", "dog"),
+    seed: int = 0,
+    quality: int | tuple[int, int] = (75, 95),
+) -> pathlib.Path:
     """Write ``n`` synthetic JPEGs as ``root/<class>/<class>_<i:05d>.jpg``.
 
     Image ``i`` (global index, 0-based) goes to class ``classes[i % len(classes)]``
@@ -195,9 +224,12 @@ def make_jpeg_folder(root: str | os.PathLike, n: int, *,
         width, height = _image_size(rng)
         q = quality if isinstance(quality, int) else int(rng.integers(quality[0], quality[1] + 1))
         data = make_jpeg_bytes(
-            width, height, seed=int(rng.integers(2**31)),
+            width,
+            height,
+            seed=int(rng.integers(2**31)),
             mode="L" if i % 50 == 1 else "CMYK" if i % 100 == 2 else "RGB",
-            progressive=i % 20 == 3, quality=q,
+            progressive=i % 20 == 3,
+            quality=q,
             exif_orientation=6 if i % 100 == 4 else None,
         )
         name = names[i % len(names)]
@@ -213,8 +245,9 @@ def cached_jpeg_folder(n: int, *, seed: int = 0, name: str = "synthetic") -> pat
     root = pathlib.Path(tempfile.gettempdir()) / f"gpucache-{name}-{n}-seed{seed}"
     if (root / ".complete").exists():
         return root
-    logging.getLogger("gpucache").info("generating %d synthetic JPEGs into %s (once; about %.0f s)",
-                                       n, root, n * 0.015)
+    logging.getLogger("gpucache").info(
+        "generating %d synthetic JPEGs into %s (once; about %.0f s)", n, root, n * 0.015
+    )
     part = root.with_name(f"{root.name}.part-{os.getpid()}")
     shutil.rmtree(part, ignore_errors=True)
     make_jpeg_folder(part, n, seed=seed)

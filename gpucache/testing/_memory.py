@@ -14,7 +14,6 @@ Tests of a real out-of-memory cap a process's address space (:func:`limit_addres
 from __future__ import annotations
 
 import gc
-
 import os
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -92,8 +91,9 @@ def limit_address_space(margin: int, worker_id: int | None = None) -> int:
     return cap
 
 
-def with_address_space(fn: Callable[[], Any], margin: int, *, timeout: float = 120.0
-                       ) -> tuple[Any, tuple[str, bool, str] | None]:
+def with_address_space(
+    fn: Callable[[], Any], margin: int, *, timeout: float = 120.0
+) -> tuple[Any, tuple[str, bool, str] | None]:
     """``fn()`` in a forked child capped at :func:`limit_address_space` ``(margin)``, so that a
     real out-of-memory in it leaves this process alone. Returns ``(what fn returned, None)``, or
     ``(None, (type name, is a MemoryError, message))`` for what it raised. The child runs torch
@@ -108,8 +108,10 @@ def with_address_space(fn: Callable[[], Any], margin: int, *, timeout: float = 1
     try:
         ready = wait([recv, child.sentinel], timeout)
         if recv not in ready:
-            raise RuntimeError(f"the child capped at +{margin:,} bytes sent nothing within "
-                               f"{timeout} s (exit code {child.exitcode})")
+            raise RuntimeError(
+                f"the child capped at +{margin:,} bytes sent nothing within "
+                f"{timeout} s (exit code {child.exitcode})"
+            )
         return recv.recv()
     finally:
         child.join(timeout)

@@ -26,8 +26,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from ..store._targets import map_boxes, map_points
 from . import _tvcompat
-from ._device import DeviceConstants
 from ._augment import (
     ColorJitter,
     CutMix,
@@ -38,10 +38,21 @@ from ._augment import (
     batch_generator,
     seeded_global_rng,
 )
-from ..store._targets import map_boxes, map_points
+from ._device import DeviceConstants
 
-PLAN_FIELDS = ("top1", "left1", "height1", "width1", "rh", "rw",
-               "top2", "left2", "height2", "width2", "flip")
+PLAN_FIELDS = (
+    "top1",
+    "left1",
+    "height1",
+    "width1",
+    "rh",
+    "rw",
+    "top2",
+    "left2",
+    "height2",
+    "width2",
+    "flip",
+)
 PLAN_WIDTH = len(PLAN_FIELDS)
 
 
@@ -102,16 +113,22 @@ def _crop(p: np.ndarray, k: int, top: int, left: int, h: int, w: int) -> None:
 
 def _resize(p: np.ndarray, k: int, h: int, w: int) -> None:
     if (p[k, 6], p[k, 7], p[k, 8], p[k, 9]) != (0, 0, p[k, 4], p[k, 5]):
-        raise ValueError("a resize after a crop of a resized image is not supported; put Resize "
-                         "before CenterCrop (as in Resize(256) + CenterCrop(224)).")
+        raise ValueError(
+            "a resize after a crop of a resized image is not supported; put Resize "
+            "before CenterCrop (as in Resize(256) + CenterCrop(224))."
+        )
     p[k, 4], p[k, 5], p[k, 8], p[k, 9] = h, w, h, w
 
 
 class RandomResizedCrop(Geometric):
     """torchvision's RandomResizedCrop: a random area/aspect crop resized to ``size``."""
 
-    def __init__(self, size: int | Sequence[int], scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3)):
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    ):
         self.size = _size2(size)
         self.scale, self.ratio = tuple(scale), tuple(ratio)
 
@@ -124,7 +141,12 @@ class RandomResizedCrop(Geometric):
             w = int(round(math.sqrt(target * aspect)))
             h = int(round(math.sqrt(target / aspect)))
             if 0 < w <= width and 0 < h <= height:
-                return int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)), h, w
+                return (
+                    int(rng.integers(0, height - h + 1)),
+                    int(rng.integers(0, width - w + 1)),
+                    h,
+                    w,
+                )
         in_ratio = width / height  # fallback: central crop, as torchvision does
         if in_ratio < min(self.ratio):
             w, h = width, int(round(width / min(self.ratio)))
@@ -179,7 +201,7 @@ class RandomHorizontalFlip(Geometric):
         self.p = p
 
     def plan(self, plans: np.ndarray, rng: np.random.Generator) -> None:
-        plans[:, 10] ^= (rng.random(len(plans)) < self.p)
+        plans[:, 10] ^= rng.random(len(plans)) < self.p
 
 
 class ToDtype(Transform):
@@ -189,8 +211,13 @@ class ToDtype(Transform):
     channels-last memory, the format convolutions prefer on recent GPUs.
     """
 
-    def __init__(self, dtype: torch.dtype = torch.float32, *, scale: bool = True,
-                 layout: Literal["NCHW", "NHWC", "channels_last"] = "NCHW"):
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.float32,
+        *,
+        scale: bool = True,
+        layout: Literal["NCHW", "NHWC", "channels_last"] = "NCHW",
+    ):
         if layout not in ("NCHW", "NHWC", "channels_last"):
             raise ValueError(f"layout must be 'NCHW', 'NHWC' or 'channels_last', got {layout!r}")
         self.dtype, self.scale, self.layout = dtype, scale, layout
@@ -219,9 +246,14 @@ class Normalize(Transform):
     The per-channel constants are made once per device and layout (pinned, ``non_blocking``), so
     a batch costs one fused multiply-add and no host synchronisation."""
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float], *,
-                 dtype: torch.dtype = torch.float32,
-                 layout: Literal["NCHW", "NHWC", "channels_last"] = "NCHW"):
+    def __init__(
+        self,
+        mean: Sequence[float],
+        std: Sequence[float],
+        *,
+        dtype: torch.dtype = torch.float32,
+        layout: Literal["NCHW", "NHWC", "channels_last"] = "NCHW",
+    ):
         self.mean, self.std, self.dtype, self.layout = list(mean), list(std), dtype, layout
         self._constants = DeviceConstants()
 
@@ -232,7 +264,7 @@ class Normalize(Transform):
         std = torch.tensor(self.std, dtype=torch.float64)
         scale = (1 / 255 if uint8 else 1.0) / std
         shape = (-1,) if nhwc else (-1, 1, 1)
-        return (torch.stack([scale, -mean / std]).float().view(2, *shape))
+        return torch.stack([scale, -mean / std]).float().view(2, *shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         nhwc = x.shape[-1] == len(self.mean) and x.shape[-3] != len(self.mean)
@@ -244,24 +276,31 @@ class Normalize(Transform):
         return _layout(out.to(self.dtype), self.layout)
 
     def __repr__(self) -> str:
-        return (f"Normalize(mean={self.mean!r}, std={self.std!r}, dtype={self.dtype!r}, "
-                f"layout={self.layout!r})")
+        return (
+            f"Normalize(mean={self.mean!r}, std={self.std!r}, dtype={self.dtype!r}, "
+            f"layout={self.layout!r})"
+        )
 
 
-_ACCEPTED = ("gpucache.transforms geometric ops (RandomResizedCrop, Resize, CenterCrop, "
-             "RandomHorizontalFlip, or torchvision's, which are translated to them) first, then "
-             "batch steps: gpucache.transforms pixel ops (ColorJitter, Normalize, ToDtype, "
-             "PerSample(...), PerBatch(...)), label-changing ops (MixUp, CutMix, WithLabels(...), "
-             "torchvision's v2.MixUp/v2.CutMix) or any callable on the batch (a torchvision v2 "
-             "transform or Compose, a function)")
+_ACCEPTED = (
+    "gpucache.transforms geometric ops (RandomResizedCrop, Resize, CenterCrop, "
+    "RandomHorizontalFlip, or torchvision's, which are translated to them) first, then "
+    "batch steps: gpucache.transforms pixel ops (ColorJitter, Normalize, ToDtype, "
+    "PerSample(...), PerBatch(...)), label-changing ops (MixUp, CutMix, WithLabels(...), "
+    "torchvision's v2.MixUp/v2.CutMix) or any callable on the batch (a torchvision v2 "
+    "transform or Compose, a function)"
+)
 
 
 def _kind(t) -> str:
     """What a Compose item is: 'geometric', 'pixel' (images -> images) or 'labels'."""
     if isinstance(t, Transform):
         return "geometric" if t.geometric else "pixel"
-    if getattr(t, "with_labels", False) or type(t).__name__ in ("MixUp", "CutMix") \
-            and type(t).__module__.startswith("torchvision"):
+    if (
+        getattr(t, "with_labels", False)
+        or type(t).__name__ in ("MixUp", "CutMix")
+        and type(t).__module__.startswith("torchvision")
+    ):
         return "labels"
     if not callable(t):
         raise TypeError(f"{t!r} ({type(t).__name__}) is not a transform; accepted: {_ACCEPTED}.")
@@ -273,8 +312,11 @@ def _run(t, x, generator):
     if isinstance(t, Transform):
         return t(x) if isinstance(x, torch.Tensor) else [t(i[None])[0] for i in x]
     if getattr(t, "random", False):  # gpucache's seeded ops take the generator
-        return t(x, generator=generator) if isinstance(x, torch.Tensor) or \
-            isinstance(t, PerSample) else [t(i[None], generator=generator)[0] for i in x]
+        return (
+            t(x, generator=generator)
+            if isinstance(x, torch.Tensor) or isinstance(t, PerSample)
+            else [t(i[None], generator=generator)[0] for i in x]
+        )
     device = x.device if isinstance(x, torch.Tensor) else x[0].device
     with seeded_global_rng(generator, device):  # foreign callables draw from torch's global RNG
         return t(x) if isinstance(x, torch.Tensor) else [t(i) for i in x]
@@ -299,17 +341,18 @@ class Compose(Transform):
         kinds = [_kind(t) for t in self.transforms]
         for t, k, before in zip(self.transforms, kinds, [None] + kinds[:-1]):
             if k == "geometric" and before not in (None, "geometric"):
-                raise ValueError(f"{t!r} comes after a pixel transform; put geometric transforms "
-                                 "(crops, resizes, flips) before ToDtype/Normalize and other "
-                                 "batch steps.")
+                raise ValueError(
+                    f"{t!r} comes after a pixel transform; put geometric transforms "
+                    "(crops, resizes, flips) before ToDtype/Normalize and other "
+                    "batch steps."
+                )
         self.geometric = [t for t, k in zip(self.transforms, kinds) if k == "geometric"]
         self.steps = [(k, t) for t, k in zip(self.transforms, kinds) if k != "geometric"]
         self.pixel = [t for k, t in self.steps if k == "pixel"]
         if self.fixed_size:  # a variable-size batch runs each pixel step per image
             _tvcompat.warn_batch_draws(self.steps)
 
-    def plan(self, heights: np.ndarray, widths: np.ndarray,
-             rng: np.random.Generator) -> np.ndarray:
+    def plan(self, heights: np.ndarray, widths: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         p = identity_plans(heights, widths)
         for t in self.geometric:
             t.plan(p, rng)
@@ -337,8 +380,10 @@ class Compose(Transform):
                 images = _run(t, images, generator)
                 continue
             if not isinstance(images, torch.Tensor):
-                raise ValueError(f"{t!r} mixes samples, which needs one fixed-size batch tensor; "
-                                 "add RandomResizedCrop/CenterCrop/Resize((h, w)) before it.")
+                raise ValueError(
+                    f"{t!r} mixes samples, which needs one fixed-size batch tensor; "
+                    "add RandomResizedCrop/CenterCrop/Resize((h, w)) before it."
+                )
             if getattr(t, "random", False):
                 images, labels = t(images, labels, generator=generator)
             else:
@@ -348,8 +393,10 @@ class Compose(Transform):
 
     def __call__(self, x, *, generator: torch.Generator | None = None):
         if self.changes_labels:
-            raise ValueError("this Compose has steps that change labels (MixUp/CutMix/"
-                             "WithLabels); call compose.apply(images, labels).")
+            raise ValueError(
+                "this Compose has steps that change labels (MixUp/CutMix/"
+                "WithLabels); call compose.apply(images, labels)."
+            )
         return self.apply(x, None, generator=generator)[0]
 
     def __repr__(self) -> str:
@@ -366,10 +413,28 @@ def as_compose(transform) -> Compose:
         return Compose([transform])
     if isinstance(transform, (list, tuple)):
         return Compose(list(transform))
-    raise TypeError(f"transform={transform!r} ({type(transform).__name__}) is not accepted; give "
-                    f"one transform or a list of them: {_ACCEPTED}.")
+    raise TypeError(
+        f"transform={transform!r} ({type(transform).__name__}) is not accepted; give "
+        f"one transform or a list of them: {_ACCEPTED}."
+    )
 
 
-__all__ = ["Compose", "RandomResizedCrop", "Resize", "CenterCrop", "RandomHorizontalFlip",
-           "ToDtype", "Normalize", "Transform", "ColorJitter", "MixUp", "CutMix", "PerSample",
-           "PerBatch", "WithLabels", "batch_generator", "map_boxes", "map_points"]
+__all__ = [
+    "Compose",
+    "RandomResizedCrop",
+    "Resize",
+    "CenterCrop",
+    "RandomHorizontalFlip",
+    "ToDtype",
+    "Normalize",
+    "Transform",
+    "ColorJitter",
+    "MixUp",
+    "CutMix",
+    "PerSample",
+    "PerBatch",
+    "WithLabels",
+    "batch_generator",
+    "map_boxes",
+    "map_points",
+]

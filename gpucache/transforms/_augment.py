@@ -37,8 +37,11 @@ def seeded_global_rng(generator: torch.Generator | None, device: torch.device):
         yield
         return
     seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
-        if device.type == "cuda" else []
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()]
+        if device.type == "cuda"
+        else []
+    )
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
@@ -77,9 +80,14 @@ class ColorJitter:
 
     random = True
 
-    def __init__(self, brightness: float | Sequence[float] = 0,
-                 contrast: float | Sequence[float] = 0,
-                 saturation: float | Sequence[float] = 0, *, p: float = 1.0):
+    def __init__(
+        self,
+        brightness: float | Sequence[float] = 0,
+        contrast: float | Sequence[float] = 0,
+        saturation: float | Sequence[float] = 0,
+        *,
+        p: float = 1.0,
+    ):
         self.brightness = _factors(brightness, "brightness")
         self.contrast = _factors(contrast, "contrast")
         self.saturation = _factors(saturation, "saturation")
@@ -96,11 +104,14 @@ class ColorJitter:
                 out[name] = torch.where(apply, f, torch.ones_like(f))
         return out
 
-    def __call__(self, x: torch.Tensor, *, generator: torch.Generator | None = None
-                 ) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, *, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != 3:
-            raise ValueError(f"ColorJitter takes an (N, 3, H, W) batch, got shape "
-                             f"{tuple(x.shape)}; place it before Normalize/ToDtype layout changes.")
+            raise ValueError(
+                f"ColorJitter takes an (N, 3, H, W) batch, got shape "
+                f"{tuple(x.shape)}; place it before Normalize/ToDtype layout changes."
+            )
         for name, f in self.factors(len(x), generator).items():
             r = to_device(f, x.device).view(-1, 1, 1, 1)  # pinned, non_blocking: no host wait
             if name == "brightness":
@@ -162,8 +173,10 @@ class WithLabels:
 
     def __init__(self, transform: Callable):
         if not callable(transform):
-            raise TypeError(f"WithLabels takes a callable (images, labels) -> (images, labels), "
-                            f"got {transform!r}")
+            raise TypeError(
+                f"WithLabels takes a callable (images, labels) -> (images, labels), "
+                f"got {transform!r}"
+            )
         self.transform = transform
 
     def __call__(self, images, labels, *, generator: torch.Generator | None = None):
@@ -183,8 +196,10 @@ def _soft(labels: torch.Tensor, num_classes: int | None, name: str) -> torch.Ten
         if labels.min() < 0:
             raise ValueError(f"{name}: unlabeled samples (label -1) cannot be mixed")
         return F.one_hot(labels, num_classes).float()
-    raise ValueError(f"{name} takes int labels (N,) or float targets (N, C), got "
-                     f"{labels.dtype} {tuple(labels.shape)}")
+    raise ValueError(
+        f"{name} takes int labels (N,) or float targets (N, C), got "
+        f"{labels.dtype} {tuple(labels.shape)}"
+    )
 
 
 class _Mix:
@@ -212,8 +227,13 @@ class MixUp(_Mix):
     batch): images ``lam * x + (1 - lam) * x.roll(1)``, labels one-hot and mixed the same way.
     uint8 images are mixed in float and rounded back to uint8."""
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor, *,
-                 generator: torch.Generator | None = None):
+    def __call__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        generator: torch.Generator | None = None,
+    ):
         soft = _soft(labels, self.num_classes, "MixUp")
         lam = self.lam(generator)
         if lam is None or len(images) < 2:
@@ -228,19 +248,27 @@ class CutMix(_Mix):
     """Paste a box of the next sample into each sample (torchvision's CutMix: one box per batch);
     labels are mixed by the pasted area."""
 
-    def box(self, lam: float, h: int, w: int, generator: torch.Generator | None
-            ) -> tuple[int, int, int, int]:
+    def box(
+        self, lam: float, h: int, w: int, generator: torch.Generator | None
+    ) -> tuple[int, int, int, int]:
         cy, cx = (int(torch.randint(0, s, (1,), generator=generator)) for s in (h, w))
         r = math.sqrt(1 - lam)
         bh, bw = int(r * h), int(r * w)
         top, left = max(cy - bh // 2, 0), max(cx - bw // 2, 0)
         return top, left, min(cy + bh // 2, h), min(cx + bw // 2, w)
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor, *,
-                 generator: torch.Generator | None = None):
+    def __call__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        generator: torch.Generator | None = None,
+    ):
         if images.dim() != 4 or images.shape[1] not in (1, 3):
-            raise ValueError(f"CutMix takes an (N, C, H, W) batch, got shape "
-                             f"{tuple(images.shape)}; put it before an NHWC layout change.")
+            raise ValueError(
+                f"CutMix takes an (N, C, H, W) batch, got shape "
+                f"{tuple(images.shape)}; put it before an NHWC layout change."
+            )
         soft = _soft(labels, self.num_classes, "CutMix")
         lam = self.lam(generator)
         if lam is None or len(images) < 2:

@@ -32,8 +32,9 @@ class DeviceConstants:
     def __init__(self) -> None:
         self._cache: dict[tuple[torch.device, object], torch.Tensor] = {}
 
-    def get(self, device: torch.device, key: object,
-            make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def get(
+        self, device: torch.device, key: object, make: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
         t = self._cache.get((device, key))
         if t is None:
             t = self._cache[(device, key)] = to_device(make(), device)

@@ -42,17 +42,25 @@ import torch
 
 #: EXIF Orientation (1-8) -> (transpose, flip rows, flip columns), applied in that order to the
 #: stored pixels to give the displayed image (the same table as the decoders' ``orient``).
-ORIENT = {1: (False, False, False), 2: (False, False, True), 3: (False, True, True),
-          4: (False, True, False), 5: (True, False, False), 6: (True, False, True),
-          7: (True, True, True), 8: (True, True, False)}
+ORIENT = {
+    1: (False, False, False),
+    2: (False, False, True),
+    3: (False, True, True),
+    4: (False, True, False),
+    5: (True, False, False),
+    6: (True, False, True),
+    7: (True, True, True),
+    8: (True, True, False),
+}
 
 #: Padded input held at once (bytes: 3 channels, uint8 gathered + float32 = 15 an output-box
 #: pixel); a larger batch is split into chunks.
 BUDGET_BYTES = 1 << 30
 
 
-def _taps_host(length: np.ndarray, resized: np.ndarray, start2: np.ndarray, out: int,
-               flip: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+def _taps_host(
+    length: np.ndarray, resized: np.ndarray, start2: np.ndarray, out: int, flip: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """One axis's filter per output position, as torch's ``_upsample_bilinear2d_aa`` defines it
     (support = the scale when shrinking, else 1; a triangle normalised per output): a resize
     ``length`` -> ``resized``, then ``out`` positions from ``start2`` (reversed where ``flip``).
@@ -70,13 +78,23 @@ def _taps_host(length: np.ndarray, resized: np.ndarray, start2: np.ndarray, out:
     first = np.maximum(np.trunc(center - support[:, None] + 0.5), 0.0)
     inside = (pos >= 0) & (pos < resized[:, None])
     k = int(np.ceil(2 * support.max())) + 1 if len(support) else 1
-    return (first.astype(np.float32), (first - center + 0.5).astype(np.float32),
-            inside.astype(np.float32), (1.0 / support).astype(np.float32), k)
+    return (
+        first.astype(np.float32),
+        (first - center + 0.5).astype(np.float32),
+        inside.astype(np.float32),
+        (1.0 / support).astype(np.float32),
+        k,
+    )
 
 
-def _taps_device(first: torch.Tensor, offset: torch.Tensor, inside: torch.Tensor,
-                 inv: torch.Tensor, length: torch.Tensor, k: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _taps_device(
+    first: torch.Tensor,
+    offset: torch.Tensor,
+    inside: torch.Tensor,
+    inv: torch.Tensor,
+    length: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Input indices and normalised weights (N, out, k) from :func:`_taps_host`'s arrays, in a
     fixed number of ops whatever N: a tap past the crop box (or the window) has weight 0."""
     j = torch.arange(k, dtype=torch.float32, device=first.device)
@@ -88,8 +106,13 @@ def _taps_device(first: torch.Tensor, offset: torch.Tensor, inside: torch.Tensor
     return index, w
 
 
-def _gather_parts(shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray, orient: np.ndarray,
-                  bases: np.ndarray) -> np.ndarray:
+def _gather_parts(
+    shapes: np.ndarray,
+    strides: np.ndarray,
+    plans: np.ndarray,
+    orient: np.ndarray,
+    bases: np.ndarray,
+) -> np.ndarray:
     """Per image, the affine address parts of its first crop box in the flat buffer (element
     strides (channel, row, column) per image), displayed under its orientation: row ``i`` of the
     box starts at ``row0 + row_step * min(i, h1 - 1)`` (clamped inside the box), column ``j`` at
@@ -108,12 +131,23 @@ def _gather_parts(shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray, or
     s_col = np.where(transpose, sr, sx)
     row0 = np.where(flip_r, hd - 1 - t1, t1) * s_row
     col0 = np.where(flip_c, wd - 1 - l1, l1) * s_col
-    return np.stack([row0, np.where(flip_r, -s_row, s_row), h1 - 1,
-                     col0, np.where(flip_c, -s_col, s_col), w1 - 1, bases, sc]).astype(np.int64)
+    return np.stack(
+        [
+            row0,
+            np.where(flip_r, -s_row, s_row),
+            h1 - 1,
+            col0,
+            np.where(flip_c, -s_col, s_col),
+            w1 - 1,
+            bases,
+            sc,
+        ]
+    ).astype(np.int64)
 
 
-def _gather_device(parts: torch.Tensor, hc: int, wc: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gather_device(
+    parts: torch.Tensor, hc: int, wc: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row (N, Hc), channel (N, 3) and column (N, Wc) address parts from :func:`_gather_parts`'s
     (8, N) values, in a fixed number of ops."""
     row0, row_step, h_last, col0, col_step, w_last, base, chan = parts.unbind(0)
@@ -140,7 +174,7 @@ def _upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Te
     blob = np.zeros(sum(padded), dtype=np.uint8)
     offset = 0
     for a, p in zip(arrays, padded):
-        blob[offset:offset + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        blob[offset : offset + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
         offset += p
     host = torch.from_numpy(blob)
     if device.type == "cuda":
@@ -149,7 +183,7 @@ def _upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Te
     out, offset = [], 0
     for a, p in zip(arrays, padded):
         dtype = torch.float32 if a.dtype == np.float32 else torch.int64
-        out.append(dev[offset:offset + a.nbytes].view(dtype).view(a.shape))
+        out.append(dev[offset : offset + a.nbytes].view(dtype).view(a.shape))
         offset += p
     return out
 
@@ -163,26 +197,31 @@ class Scratch:
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
 
-    def take(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
-             device: torch.device) -> list[torch.Tensor]:
+    def take(
+        self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], device: torch.device
+    ) -> list[torch.Tensor]:
         """Disjoint views of the buffer, one of each (shape, dtype), uninitialised."""
         sizes = [int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs]
         spans = [(size + 63) // 64 * 64 for size in sizes]  # every view 64-byte aligned
         need = sum(spans)
-        if (self._buffer is None or self._buffer.numel() < need
-                or self._buffer.device != device):
+        if self._buffer is None or self._buffer.numel() < need or self._buffer.device != device:
             self._buffer = None  # the old block goes back before the new one is asked for
             self._buffer = torch.empty(need + need // 4, dtype=torch.uint8, device=device)
         out, offset = [], 0
         for (shape, dtype), size, span in zip(specs, sizes, spans):
-            out.append(self._buffer[offset:offset + size].view(dtype).view(shape))
+            out.append(self._buffer[offset : offset + size].view(dtype).view(shape))
             offset += span
         return out
 
 
-def resample(images: Sequence[torch.Tensor], plans: np.ndarray, *,
-             orientations: np.ndarray | None = None,
-             budget_bytes: int = BUDGET_BYTES, scratch: Scratch | None = None) -> torch.Tensor:
+def resample(
+    images: Sequence[torch.Tensor],
+    plans: np.ndarray,
+    *,
+    orientations: np.ndarray | None = None,
+    budget_bytes: int = BUDGET_BYTES,
+    scratch: Scratch | None = None,
+) -> torch.Tensor:
     """Run every image's plan (crop, antialiased bilinear resize, zero-padded crop, flip) on a
     batch whose plans share one output size: ``(N, 3, OH, OW)`` uint8 on the images' device.
 
@@ -199,10 +238,15 @@ def resample(images: Sequence[torch.Tensor], plans: np.ndarray, *,
         raise ValueError("resample: an empty batch has no device; handle it before calling.")
     oh, ow = int(plans[0, 8]), int(plans[0, 9])
     if not (np.all(plans[:, 8] == oh) and np.all(plans[:, 9] == ow)):
-        raise ValueError("resample: the plans give several output sizes; a batch tensor needs "
-                         "one (use the per-image path for variable sizes).")
-    orient = (np.ones(n, dtype=np.int64) if orientations is None
-              else np.asarray(orientations, dtype=np.int64).reshape(n))
+        raise ValueError(
+            "resample: the plans give several output sizes; a batch tensor needs "
+            "one (use the per-image path for variable sizes)."
+        )
+    orient = (
+        np.ones(n, dtype=np.int64)
+        if orientations is None
+        else np.asarray(orientations, dtype=np.int64).reshape(n)
+    )
     device = images[0].device
     area = plans[:, 2] * plans[:, 3]
     if n > 1 and int(plans[:, 2].max()) * int(plans[:, 3].max()) * 15 * n > budget_bytes:
@@ -215,9 +259,10 @@ def resample(images: Sequence[torch.Tensor], plans: np.ndarray, *,
                 start, acc_h, acc_w = k, int(plans[i, 2]), int(plans[i, 3])
         chunks.append(order[start:])
         if len(chunks) > 1:
-            parts = [_resample([images[i] for i in c.tolist()], plans[c], orient[c], device,
-                               scratch)
-                     for c in chunks]
+            parts = [
+                _resample([images[i] for i in c.tolist()], plans[c], orient[c], device, scratch)
+                for c in chunks
+            ]
             inverse = np.argsort(np.concatenate(chunks), kind="stable")
             (perm,) = _upload([inverse.astype(np.int64)], device)
             return torch.cat(parts).index_select(0, perm)
@@ -249,8 +294,9 @@ class _Host:
     total: int  # elements of the joined images
 
 
-def host_arrays(shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray,
-                orient: np.ndarray) -> _Host:
+def host_arrays(
+    shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray, orient: np.ndarray
+) -> _Host:
     """The host's part of :func:`resample` for images of ``shapes`` (N, 2) with element
     ``strides`` (N, 3), joined in order: NumPy over (N, OH + OW) values."""
     n = len(plans)
@@ -265,12 +311,18 @@ def host_arrays(shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray,
     hx = _taps_host(plans[:, 3], plans[:, 5], plans[:, 7], o, plans[:, 10].astype(bool))
     taps = [np.concatenate([a, b]) for a, b in zip(hy[:4], hx[:4])]
     lengths = np.concatenate([plans[:, 2], plans[:, 3]]).astype(np.float32)
-    return _Host([parts, *taps, lengths], max(hy[4], hx[4]), (hc, wc), _view_size(parts),
-                 int(sizes.sum()))
+    return _Host(
+        [parts, *taps, lengths], max(hy[4], hx[4]), (hc, wc), _view_size(parts), int(sizes.sum())
+    )
 
 
-def _resample(images: list[torch.Tensor], plans: np.ndarray, orient: np.ndarray,
-              device: torch.device, scratch: Scratch | None) -> torch.Tensor:
+def _resample(
+    images: list[torch.Tensor],
+    plans: np.ndarray,
+    orient: np.ndarray,
+    device: torch.device,
+    scratch: Scratch | None,
+) -> torch.Tensor:
     n = len(images)
     oh, ow = int(plans[0, 8]), int(plans[0, 9])
     flats, strides = zip(*(_flat(im) for im in images))
@@ -284,16 +336,23 @@ def _resample(images: list[torch.Tensor], plans: np.ndarray, orient: np.ndarray,
     # the strided view's bounds reach past the images (never read: every address is clamped
     # inside its image), so the images are joined into the head of a longer buffer
     f32, u8 = torch.float32, torch.uint8
-    specs = [((max(total, s0 + s1 + s2 - 1),), u8), ((n, hc, 3, wc), u8), ((n, hc, 3 * wc), f32),
-             ((n, oh, hc), f32), ((n, ow, wc), f32), ((n, oh, 3 * wc), f32)]
+    specs = [
+        ((max(total, s0 + s1 + s2 - 1),), u8),
+        ((n, hc, 3, wc), u8),
+        ((n, hc, 3 * wc), f32),
+        ((n, oh, hc), f32),
+        ((n, ow, wc), f32),
+        ((n, oh, 3 * wc), f32),
+    ]
     if scratch is None:
         flat, gathered, x, a, b, y = (torch.empty(sh, dtype=dt, device=device) for sh, dt in specs)
     else:
         flat, gathered, x, a, b, y = scratch.take(specs, device)
     torch.cat(flats, out=flat[:total])
     view = flat.as_strided((s0 + s1 - 1, s2), (1, 1))  # view[a, b] is flat[a + b]
-    torch.ops.aten.index.Tensor_out(view, [starts[..., None], cols_d[:, None, None, :]],
-                                    out=gathered)  # (N, Hc, 3, Wc): channels between rows/cols
+    torch.ops.aten.index.Tensor_out(
+        view, [starts[..., None], cols_d[:, None, None, :]], out=gathered
+    )  # (N, Hc, 3, Wc): channels between rows/cols
     x.view(n, hc, 3, wc).copy_(gathered)
     a.zero_().scatter_add_(2, index[:n, :oh], weight[:n, :oh])
     b.zero_().scatter_add_(2, index[n:, :ow], weight[n:, :ow])

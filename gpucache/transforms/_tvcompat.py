@@ -28,8 +28,18 @@ _COMPOSE = ("Compose",)
 _CONTAINERS = ("RandomApply", "RandomChoice", "RandomOrder")
 _DROPPED = ("ToImage", "PILToTensor", "ToPureTensor")
 _GEOMETRIC = ("RandomResizedCrop", "Resize", "CenterCrop", "RandomHorizontalFlip")
-_RANDOM = ("ColorJitter", "GaussianBlur", "GaussianNoise", "RandAugment", "AutoAugment",
-           "TrivialAugmentWide", "AugMix", "ElasticTransform", "ScaleJitter", "JPEG")
+_RANDOM = (
+    "ColorJitter",
+    "GaussianBlur",
+    "GaussianNoise",
+    "RandAugment",
+    "AutoAugment",
+    "TrivialAugmentWide",
+    "AugMix",
+    "ElasticTransform",
+    "ScaleJitter",
+    "JPEG",
+)
 
 
 def is_torchvision(t) -> bool:
@@ -43,27 +53,34 @@ def _name(t) -> str:
 def _bilinear(t, gpucache_call: str) -> None:
     mode = getattr(t, "interpolation", None)
     if mode is not None and getattr(mode, "value", mode) not in ("bilinear", 2):
-        raise TypeError(f"{_name(t)} with interpolation={mode} cannot be reproduced: gpucache "
-                        "resizes with antialiased bilinear only; drop interpolation= or use "
-                        f"gpucache.transforms.{gpucache_call}.")
+        raise TypeError(
+            f"{_name(t)} with interpolation={mode} cannot be reproduced: gpucache "
+            "resizes with antialiased bilinear only; drop interpolation= or use "
+            f"gpucache.transforms.{gpucache_call}."
+        )
     if getattr(t, "antialias", True) is False:
-        raise TypeError(f"{_name(t)} with antialias=False cannot be reproduced: gpucache always "
-                        f"antialiases; drop antialias=False or use gpucache.transforms."
-                        f"{gpucache_call}.")
+        raise TypeError(
+            f"{_name(t)} with antialias=False cannot be reproduced: gpucache always "
+            f"antialiases; drop antialias=False or use gpucache.transforms."
+            f"{gpucache_call}."
+        )
 
 
 def _dtype(t):
     dtype = t.dtype
     if isinstance(dtype, dict):  # v2: {tv_tensors.Image: torch.float32, "others": None}
         from torchvision import tv_tensors
-        dtype = next((dtype[k] for k in (tv_tensors.Image, torch.Tensor, "others") if k in dtype),
-                     None)
+
+        dtype = next(
+            (dtype[k] for k in (tv_tensors.Image, torch.Tensor, "others") if k in dtype), None
+        )
     return dtype
 
 
 def _translate_one(t) -> list:
     """gpucache's equivalent of one torchvision op: a list of 0 or 1 items, or [t] unchanged."""
     from .. import transforms as T
+
     name = type(t).__name__
     if name == "RandomResizedCrop":
         _bilinear(t, "RandomResizedCrop(size, scale=, ratio=)")
@@ -71,8 +88,10 @@ def _translate_one(t) -> list:
     if name == "Resize":
         _bilinear(t, "Resize(size, max_size=)")
         if t.size is None:
-            raise TypeError(f"{_name(t)} with size=None (max_size only) has no gpucache "
-                            "equivalent; give size= or use gpucache.transforms.Resize(size).")
+            raise TypeError(
+                f"{_name(t)} with size=None (max_size only) has no gpucache "
+                "equivalent; give size= or use gpucache.transforms.Resize(size)."
+            )
         return [T.Resize(t.size, max_size=t.max_size)]
     if name == "CenterCrop":
         return [T.CenterCrop(t.size)]
@@ -121,7 +140,8 @@ def translate(items) -> list:
                     f"{_name(t)} holds {_name(inner)}, a per-sample geometric op that would run "
                     "once per batch after decoding; use gpucache.transforms."
                     f"{type(inner).__name__} outside it, or wrap the whole {type(t).__name__} in "
-                    "gpucache.transforms.PerSample(...) to run it on each decoded image.")
+                    "gpucache.transforms.PerSample(...) to run it on each decoded image."
+                )
         out += _translate_one(t)
     return out
 
@@ -134,9 +154,13 @@ def is_random(t) -> bool:
     if name.startswith("Random") or name in _RANDOM:
         return True
     from torchvision.transforms import v2
+
     if isinstance(t, v2.Transform):
-        return any(getattr(type(t), m, None) is not getattr(v2.Transform, m, None)
-                   for m in ("make_params", "_get_params") if hasattr(v2.Transform, m))
+        return any(
+            getattr(type(t), m, None) is not getattr(v2.Transform, m, None)
+            for m in ("make_params", "_get_params")
+            if hasattr(v2.Transform, m)
+        )
     return hasattr(type(t), "get_params")
 
 
@@ -145,10 +169,17 @@ def warn_batch_draws(steps) -> None:
     for kind, t in steps:
         if kind == "pixel" and is_random(t):
             name = type(t).__name__
-            own = ("; gpucache.transforms.ColorJitter(brightness, contrast, saturation) draws per "
-                   "sample without it" if name == "ColorJitter" else "")
+            own = (
+                "; gpucache.transforms.ColorJitter(brightness, contrast, saturation) draws per "
+                "sample without it"
+                if name == "ColorJitter"
+                else ""
+            )
             warnings.warn(
                 f"torchvision's {name} runs on the whole batch here and draws its random "
                 f"parameters once per batch, not per sample; wrap it as gpucache.transforms."
                 f"PerSample({name}(...)) for a draw per sample, or PerBatch({name}(...)) to keep "
-                f"one draw per batch and silence this warning{own}.", UserWarning, stacklevel=4)
+                f"one draw per batch and silence this warning{own}.",
+                UserWarning,
+                stacklevel=4,
+            )

@@ -11,13 +11,13 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available on this machine", allow_module_level=True)
 
-from gpucache import GpuCachedLoader, JpegCache# noqa: E402
-from gpucache import transforms as T# noqa: E402
-from gpucache.decode import dali_available# noqa: E402
-from gpucache.decode._batched import default_decoder, make_decoder# noqa: E402
-from gpucache.decode._core import decode_batch# noqa: E402
-from gpucache.decode._nvjpeg import NvjpegBackend# noqa: E402
-from gpucache.testing import make_jpeg_bytes# noqa: E402
+from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
+from gpucache import transforms as T  # noqa: E402
+from gpucache.decode import dali_available  # noqa: E402
+from gpucache.decode._batched import default_decoder, make_decoder  # noqa: E402
+from gpucache.decode._core import decode_batch  # noqa: E402
+from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
+from gpucache.testing import make_jpeg_bytes  # noqa: E402
 
 BACKENDS = ["nvjpeg"] + (["dali"] if dali_available() else [])
 CUDA = torch.device("cuda", torch.cuda.current_device())
@@ -31,8 +31,11 @@ def cache(jpeg_folder):
 
 def _plans(cache, idx, tf, seed=0):
     s = cache.samples
-    return tf.plan(s["height"][idx].astype(np.int64), s["width"][idx].astype(np.int64),
-                   np.random.default_rng(seed))
+    return tf.plan(
+        s["height"][idx].astype(np.int64),
+        s["width"][idx].astype(np.int64),
+        np.random.default_rng(seed),
+    )
 
 
 def _assert_close(images, ref):
@@ -44,9 +47,16 @@ def _assert_close(images, ref):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gpu_matches_cpu_decode(cache, backend):
     tf = T.Compose([T.Resize(64), T.CenterCrop(56)])
-    loader = GpuCachedLoader(cache, batch_size=8, device="cuda", backend=backend,
-                             transform=tf, return_metadata=True, seed=0)
-    for images, labels, info in loader:
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=8,
+        device="cuda",
+        backend=backend,
+        transform=tf,
+        return_metadata=True,
+        seed=0,
+    )
+    for images, _labels, info in loader:
         idx = info.indices.numpy()
         ref = decode_batch(cache, idx, loader.plans(0, 0, idx), on_error="raise", stack=True)
         assert images.dtype == torch.uint8
@@ -68,8 +78,9 @@ def test_every_exif_orientation_on_the_gpu_decoder(tmp_path):
     out = backend.get()
     backend.close()
     assert out.failed == [] and out.cpu_decoded == 0
-    _assert_close(out.images, decode_batch(rotated, idx, plans, on_error="raise",
-                                           stack=True).images)
+    _assert_close(
+        out.images, decode_batch(rotated, idx, plans, on_error="raise", stack=True).images
+    )
 
 
 def test_cpu_retry_joins_on_the_device(cache):
@@ -84,8 +95,9 @@ def test_cpu_retry_joins_on_the_device(cache):
 
     idx = np.arange(len(cache))
     plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(32)]))
-    backend = NvjpegBackend(cache, device=CUDA, on_error="raise",
-                            decoder=make_decoder("picky", CUDA, picky))
+    backend = NvjpegBackend(
+        cache, device=CUDA, on_error="raise", decoder=make_decoder("picky", CUDA, picky)
+    )
     backend.submit(idx, plans, stack=True)
     out = backend.get()
     backend.close()
@@ -124,7 +136,7 @@ def test_busy_side_stream_never_lets_the_decoder_reuse_live_memory(cache, thread
     heavy = torch.randn(4096, 4096, device=CUDA)
     sums = []
     for _ in range(20):
-        for k, (b, p) in enumerate(zip(batches, plans)):
+        for _k, (b, p) in enumerate(zip(batches, plans)):
             with torch.cuda.stream(side):
                 for _ in range(3):
                     heavy = torch.tanh(heavy @ heavy)
@@ -153,8 +165,13 @@ def test_backend_on_another_device_than_the_current_one(cache):
 
 
 def test_gpu_memory_is_flat_across_epochs(cache):
-    loader = GpuCachedLoader(cache, batch_size=8, device="cuda", backend="nvjpeg",
-                             transform=T.Compose([T.RandomResizedCrop(32)]))
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=8,
+        device="cuda",
+        backend="nvjpeg",
+        transform=T.Compose([T.RandomResizedCrop(32)]),
+    )
     used, reserved = [], []
     for _ in range(20):
         for _ in loader:

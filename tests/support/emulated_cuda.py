@@ -123,18 +123,62 @@ from .emulated_order import (
     _what,
 )
 
-__all__ = ["STREAM_HELPER", "EmulatedCuda", "Event", "HostSync", "Stream", "StreamOrderError",
-           "SyncCount"]
+__all__ = [
+    "STREAM_HELPER",
+    "EmulatedCuda",
+    "Event",
+    "HostSync",
+    "Stream",
+    "StreamOrderError",
+    "SyncCount",
+]
 
-_MIX_OK = {"copy_", "__setitem__", "__getitem__", "index_put_", "__get__", "__set__", "to",
-           "cpu", "cuda", "numpy", "pin_memory", "is_pinned", "get_device", "index", "index_put"}
+_MIX_OK = {
+    "copy_",
+    "__setitem__",
+    "__getitem__",
+    "index_put_",
+    "__get__",
+    "__set__",
+    "to",
+    "cpu",
+    "cuda",
+    "numpy",
+    "pin_memory",
+    "is_pinned",
+    "get_device",
+    "index",
+    "index_put",
+}
 #: Ops on CUDA tensors that return a Python value read from the device: a host sync.
-_HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",
-               "__repr__", "__str__", "__format__", "__array__", "equal", "allclose",
-               "__contains__", "numpy"}
+_HOST_READS = {
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "__complex__",
+    "__repr__",
+    "__str__",
+    "__format__",
+    "__array__",
+    "equal",
+    "allclose",
+    "__contains__",
+    "numpy",
+}
 #: Ops whose output size depends on the data: the host waits for it.
-_DATA_SHAPED = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive",
-                "bincount", "_unique", "_unique2"}
+_DATA_SHAPED = {
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "unique",
+    "unique_consecutive",
+    "bincount",
+    "_unique",
+    "_unique2",
+}
 #: Factories that allocate without writing.
 _NO_WRITE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 TOTAL_MEMORY = 80 * 2**30  # each emulated device's memory, as get_device_properties reports it
@@ -166,9 +210,15 @@ class EmulatedCuda(OrderRules):
     #: device tensors outlive an EmulatedCuda block; the next block sees the same stream).
     _defaults: ClassVar[dict[int, Stream]] = {}
 
-    def __init__(self, devices: int = 2, *, default_stream_decode: str = "raise",
-                 decoder_fault: str | None = None, trust_decoder_sync: bool = False,
-                 stream_pool: int | None = None):
+    def __init__(
+        self,
+        devices: int = 2,
+        *,
+        default_stream_decode: str = "raise",
+        decoder_fault: str | None = None,
+        trust_decoder_sync: bool = False,
+        stream_pool: int | None = None,
+    ):
         if decoder_fault not in (None, "oom", "init"):
             raise ValueError(f"decoder_fault={decoder_fault!r}: use None, 'oom' or 'init'.")
         self.devices = devices
@@ -208,8 +258,9 @@ class EmulatedCuda(OrderRules):
             raise ValueError(f"emulated CUDA: expected a cuda device, got {dev}")
         index = self.current_index() if dev.index is None else dev.index
         if not 0 <= index < self.devices:
-            raise RuntimeError(f"CUDA error: invalid device ordinal {index} (emulated: "
-                               f"{self.devices} devices)")
+            raise RuntimeError(
+                f"CUDA error: invalid device ordinal {index} (emulated: {self.devices} devices)"
+            )
         return torch.device("cuda", index)
 
     def current_stream(self, device=None) -> Stream:
@@ -225,13 +276,13 @@ class EmulatedCuda(OrderRules):
         if stream is None:
             stream = EmulatedCuda._defaults.get(index)
             if stream is None:
-                stream = EmulatedCuda._defaults[index] = Stream(torch.device("cuda", index),
-                                                                _default=True)
+                stream = EmulatedCuda._defaults[index] = Stream(
+                    torch.device("cuda", index), _default=True
+                )
             elif stream not in self._streams:
                 self._streams.append(stream)
             self._seen_defaults[index] = stream
         return stream
-
 
     @contextlib.contextmanager
     def device_context(self, device):
@@ -272,7 +323,6 @@ class EmulatedCuda(OrderRules):
 
     def set_device(self, device) -> None:
         self._local.device = self.index_device(device).index
-
 
     def _pool_stream(self, device=None, priority: int = 0) -> Stream:
         """``torch.cuda.Stream()`` as torch hands it out: the next of ``stream_pool`` streams of
@@ -318,7 +368,6 @@ class EmulatedCuda(OrderRules):
         dev = torch.device(value)
         return self.index_device(dev).index if dev.type == "cuda" else None
 
-
     def handle(self, func, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         owner = getattr(func, "__self__", None)
@@ -335,14 +384,18 @@ class EmulatedCuda(OrderRules):
         big_cpu = [x for x in cpu if x.dim() > 0]
         if name not in _MIX_OK and (len(on) > 1 or (on and big_cpu)):
             found = sorted(f"cuda:{i}" for i in on) + (["cpu"] if big_cpu else [])
-            raise RuntimeError(f"Expected all tensors to be on the same device, but found at "
-                               f"least two devices, {found[0]} and {found[1]}! (emulated CUDA, "
-                               f"in {name})")
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at "
+                f"least two devices, {found[0]} and {found[1]}! (emulated CUDA, "
+                f"in {name})"
+            )
         index = next(iter(on)) if on else None
         plain_args, plain_kwargs = tree_map(self._plain, (args, kwargs))
         if name == "numpy" and on:
-            raise TypeError(f"can't convert cuda:{index} device type tensor to numpy. Use "
-                            "Tensor.cpu() to copy the tensor to host memory first.")
+            raise TypeError(
+                f"can't convert cuda:{index} device type tensor to numpy. Use "
+                "Tensor.cpu() to copy the tensor to host memory first."
+            )
         if name == "is_pinned":
             return not on and _pin_of(plain_args[0]) is not None
         if name == "pin_memory":
@@ -366,8 +419,17 @@ class EmulatedCuda(OrderRules):
                 _mark_pinned(out)
             return out
         target = _inplace_target(name, args, kwargs)
-        return self._device_op(name, func, plain_args, plain_kwargs, gpu, big_cpu, target,
-                               index if index is not None else out_index, out_index)
+        return self._device_op(
+            name,
+            func,
+            plain_args,
+            plain_kwargs,
+            gpu,
+            big_cpu,
+            target,
+            index if index is not None else out_index,
+            out_index,
+        )
 
     def _device_op(self, name, func, args, kwargs, gpu, big_cpu, target, index, out_index):
         """An op on (or making) tensors of emulated device ``index``: one kernel on its current
@@ -387,37 +449,55 @@ class EmulatedCuda(OrderRules):
             with self._lock:
                 tick = self._tick(stream)
                 for x in gpu:
-                    if (x is not target and x.numel()
-                            and (blk := self._block(x, x.gpu_index)) is not None):
+                    if (
+                        x is not target
+                        and x.numel()
+                        and (blk := self._block(x, x.gpu_index)) is not None
+                    ):
                         self._read(blk, stream, tick, name, _what(x))
                 writes = ([target] if isinstance(target, _OnGpu) else []) + (
-                    [] if name in _NO_WRITE else fresh)
+                    [] if name in _NO_WRITE else fresh
+                )
                 for x in writes:
                     if x.numel() and (blk := self._block(x, x.gpu_index, stream)) is not None:
                         self._write(blk, stream, tick, name, _what(x))
                 for x in fresh:
                     self._block(x, x.gpu_index, stream)  # allocated here even if not written
         if host_read:
-            self._host_sync(f"{name} of a cuda:{index} tensor (device-to-host read)", [stream],
-                            credit=True)
-        elif big_cpu or name == "new_tensor" or (name in ("tensor", "as_tensor", "asarray")
-                                                 and not gpu):
-            self._host_sync(f"{name} of host data on cuda:{index} (a pageable host-to-device "
-                            "copy)", [stream], credit=True)
-        elif name in _DATA_SHAPED or (name == "repeat_interleave" and
-                                      kwargs.get("output_size") is None) or (
+            self._host_sync(
+                f"{name} of a cuda:{index} tensor (device-to-host read)", [stream], credit=True
+            )
+        elif (
+            big_cpu
+            or name == "new_tensor"
+            or (name in ("tensor", "as_tensor", "asarray") and not gpu)
+        ):
+            self._host_sync(
+                f"{name} of host data on cuda:{index} (a pageable host-to-device copy)",
+                [stream],
+                credit=True,
+            )
+        elif (
+            name in _DATA_SHAPED
+            or (name == "repeat_interleave" and kwargs.get("output_size") is None)
+            or (
                 name in ("__getitem__", "index", "index_put_", "__setitem__")
-                and any(isinstance(x, torch.Tensor) and x.dtype == torch.bool
-                        for x in tree_flatten(args[1:2])[0])):
-            self._host_sync(f"{name}: an output size read from the device", [stream],
-                            credit=True)
+                and any(
+                    isinstance(x, torch.Tensor) and x.dtype == torch.bool
+                    for x in tree_flatten(args[1:2])[0]
+                )
+            )
+        ):
+            self._host_sync(f"{name}: an output size read from the device", [stream], credit=True)
         return out
 
     # ------------------------------------------------------------------ copies and pinning
     def _pin(self, t: torch.Tensor, on) -> torch.Tensor:
         if on:
-            raise RuntimeError(f"cannot pin '{t.type()}' only dense CPU tensors can be pinned "
-                               "(emulated CUDA: the tensor is on a CUDA device)")
+            raise RuntimeError(
+                f"cannot pin '{t.type()}' only dense CPU tensors can be pinned "
+                "(emulated CUDA: the tensor is on a CUDA device)"
+            )
         if _pin_of(t) is not None:
             return t
         if self._pin_pending:
@@ -443,8 +523,13 @@ class EmulatedCuda(OrderRules):
         elif name == "cuda":
             dev = args[1] if len(args) > 1 else kwargs.pop("device", None)
             non_blocking = bool(args[2] if len(args) > 2 else kwargs.pop("non_blocking", False))
-            target = self._target("cuda" if dev is None else torch.device("cuda", dev)
-                                  if isinstance(dev, int) else dev)
+            target = self._target(
+                "cuda"
+                if dev is None
+                else torch.device("cuda", dev)
+                if isinstance(dev, int)
+                else dev
+            )
         else:  # to(device, dtype, non_blocking, copy) or to(tensor, ...)
             target, bools = src_i, 0
             for a in args[1:]:
@@ -462,8 +547,13 @@ class EmulatedCuda(OrderRules):
         if src_i is None and target is None:
             return self._cpu_op(name, func, args, kwargs)
         plain = args[0]
-        out = (func(plain, *rest, **kwargs) if name == "to" else
-               plain if name == "cuda" else func(*args, **kwargs))
+        out = (
+            func(plain, *rest, **kwargs)
+            if name == "to"
+            else plain
+            if name == "cuda"
+            else func(*args, **kwargs)
+        )
         if src_i == target:  # the same device: the tensor itself, or a dtype change (a kernel)
             if out is plain:
                 return src
@@ -520,8 +610,12 @@ class EmulatedCuda(OrderRules):
                         pin.read = (stream, tick)
                         self._pin_pending.add(src.untyped_storage())
                 if pin is None or not non_blocking:
-                    why = ("non_blocking copy from pageable memory (CUDA stages it, waiting for "
-                           "the stream)" if non_blocking else "blocking copy")
+                    why = (
+                        "non_blocking copy from pageable memory (CUDA stages it, waiting for "
+                        "the stream)"
+                        if non_blocking
+                        else "blocking copy"
+                    )
                     self._host_sync(f"{name}: host-to-{where} {why}", [stream], credit=True)
                 return result
             stream = self._stream_of(src_i)  # device to host
@@ -556,31 +650,46 @@ class EmulatedCuda(OrderRules):
     def _enter(self):
         c = torch.cuda
         for name, value in {
-            "is_available": lambda: True, "device_count": lambda: self.devices,
-            "current_device": self.current_index, "set_device": self.set_device,
-            "device": self.device_context, "stream": self.stream_context,
+            "is_available": lambda: True,
+            "device_count": lambda: self.devices,
+            "current_device": self.current_index,
+            "set_device": self.set_device,
+            "device": self.device_context,
+            "stream": self.stream_context,
             "Stream": Stream if self.stream_pool is None else self._pool_stream,
-            "Event": Event, "synchronize": self.synchronize,
-            "current_stream": self._current_stream_api, "default_stream": self._default_api,
-            "memory_allocated": self.memory_allocated, "memory_reserved": self.memory_reserved,
+            "Event": Event,
+            "synchronize": self.synchronize,
+            "current_stream": self._current_stream_api,
+            "default_stream": self._default_api,
+            "memory_allocated": self.memory_allocated,
+            "memory_reserved": self.memory_reserved,
             "get_device_name": lambda device=None: f"emulated CUDA ({self.devices} devices)",
             "get_device_properties": self.get_device_properties,
             "mem_get_info": self.mem_get_info,
         }.items():
             self._patch(c, name, value)
-        self._patch(torch.Tensor, "record_stream",  # torch's parser takes only real streams
-                    lambda tensor, stream: self._record_stream(tensor, stream))
+        self._patch(
+            torch.Tensor,
+            "record_stream",  # torch's parser takes only real streams
+            lambda tensor, stream: self._record_stream(tensor, stream),
+        )
         import torchvision.io
 
-        self._patch(torchvision.io, "decode_jpeg",
-                    emulated_decode_jpeg(torchvision.io.decode_jpeg, library="torchvision"))
+        self._patch(
+            torchvision.io,
+            "decode_jpeg",
+            emulated_decode_jpeg(torchvision.io.decode_jpeg, library="torchvision"),
+        )
         try:
             import torchcodec.decoders
         except Exception:  # noqa: BLE001 - not installed, or does not load: nothing to emulate
             pass
         else:
-            self._patch(torchcodec.decoders, "decode_jpeg",
-                        emulated_decode_jpeg(torchcodec.decoders.decode_jpeg, library="torchcodec"))
+            self._patch(
+                torchcodec.decoders,
+                "decode_jpeg",
+                emulated_decode_jpeg(torchcodec.decoders.decode_jpeg, library="torchcodec"),
+            )
         run, mode = threading.Thread.run, self._mode
 
         def run_in_mode(thread):  # every thread started inside the block follows the rules
@@ -602,9 +711,11 @@ class EmulatedCuda(OrderRules):
         self._restore()
         if exc[0] is None and self.violations:
             first = self.violations[0]
-            raise StreamOrderError(f"{first} [{len(self.violations)} stream-order violation(s) "
-                                   "inside the EmulatedCuda block were caught by the code under "
-                                   "test; the first is above]") from first
+            raise StreamOrderError(
+                f"{first} [{len(self.violations)} stream-order violation(s) "
+                "inside the EmulatedCuda block were caught by the code under "
+                "test; the first is above]"
+            ) from first
 
     def _current_stream_api(self, device=None) -> Stream:
         _check_stream_caller("torch.cuda.current_stream")
@@ -613,4 +724,3 @@ class EmulatedCuda(OrderRules):
     def _default_api(self, device=None) -> Stream:
         _check_stream_caller("torch.cuda.default_stream")
         return self._default(self.index_device(device).index)
-

@@ -25,8 +25,9 @@ def _size(nbytes: int) -> str:
 
 def decoder_stream(emu, library: str, given: torch.device, dev: torch.device) -> Stream:
     """The private stream of the decoder a call uses, building (or rebuilding) it."""
-    init = RuntimeError(f"Failed to initialize nvjpeg with hardware backend: "
-                        f"{NVJPEG_ALLOCATOR_FAILURE}")
+    init = RuntimeError(
+        f"Failed to initialize nvjpeg with hardware backend: {NVJPEG_ALLOCATOR_FAILURE}"
+    )
     with emu._lock:
         if library == "torchvision":
             cur = emu._tv_decoder
@@ -36,19 +37,25 @@ def decoder_stream(emu, library: str, given: torch.device, dev: torch.device) ->
                 if cur is not None:
                     emu.decoder_rebuilds += 1  # the old decoder is leaked, not freed
                 n = 1 + emu.decoder_rebuilds
-                emu._tv_decoder = (given, Stream(dev, _label=(
-                    f"nvJPEG's private stream of {dev} (torchvision decoder #{n})")))
+                emu._tv_decoder = (
+                    given,
+                    Stream(
+                        dev, _label=(f"nvJPEG's private stream of {dev} (torchvision decoder #{n})")
+                    ),
+                )
             return emu._tv_decoder[1]
         if dev.index not in emu._codec_decoders:  # TorchCodec: a decoder cache per device
             if emu.decoder_fault == "init":
                 raise init
-            emu._codec_decoders[dev.index] = Stream(dev, _label=(
-                f"nvJPEG's private stream of {dev} (TorchCodec decoder)"))
+            emu._codec_decoders[dev.index] = Stream(
+                dev, _label=(f"nvJPEG's private stream of {dev} (TorchCodec decoder)")
+            )
         return emu._codec_decoders[dev.index]
 
 
-def decoded(emu, outs: list[torch.Tensor], dev: torch.device, current: Stream,
-            private: Stream, ours: bool) -> None:
+def decoded(
+    emu, outs: list[torch.Tensor], dev: torch.device, current: Stream, private: Stream, ours: bool
+) -> None:
     """The decoder's outputs, allocated on ``current``, written by ``private``."""
     with torch._C.DisableTorchFunction():
         with emu._lock:
@@ -57,17 +64,22 @@ def decoded(emu, outs: list[torch.Tensor], dev: torch.device, current: Stream,
             _join(private.clock, emu._host())
             if not ours:  # outside gpucache: the decoder as pytorch/vision PR 9606 fixes it
                 _join(private.clock, current.clock)
-        emu._host_sync("nvJPEG decode: cudaStreamSynchronize of its private stream "
-                       "(before decoding)", [private], credit=emu.trust_decoder_sync)
+        emu._host_sync(
+            "nvJPEG decode: cudaStreamSynchronize of its private stream (before decoding)",
+            [private],
+            credit=emu.trust_decoder_sync,
+        )
         with emu._lock:
             tick = emu._tick(private)
             for x in outs:
                 if (blk := emu._block(x, dev.index, current)) is not None:
                     emu._write(blk, private, tick, "nvJPEG decode", _what(x))
-        emu._host_sync("nvJPEG decode: cudaStreamSynchronize of its private stream "
-                       "(after decoding)", [private], credit=emu.trust_decoder_sync)
+        emu._host_sync(
+            "nvJPEG decode: cudaStreamSynchronize of its private stream (after decoding)",
+            [private],
+            credit=emu.trust_decoder_sync,
+        )
         emu._wait(current, private.clock)  # event.record(private); event.block(current)
-
 
 
 def emulated_decode_jpeg(cpu_decode, *, library: str):
@@ -85,10 +97,12 @@ def emulated_decode_jpeg(cpu_decode, *, library: str):
         current = emu.current_stream(dev)
         ours = _caller().startswith("gpucache")
         if current.default and emu.default_stream_decode == "raise" and ours:
-            raise RuntimeError(f"emulated CUDA: nvJPEG decode called on the default stream of "
-                               f"{dev}; torchvision allocates its outputs on the current stream "
-                               "and writes them from its own, so gpucache must decode under its "
-                               "allocation stream (decode/_streams.py).")
+            raise RuntimeError(
+                f"emulated CUDA: nvJPEG decode called on the default stream of "
+                f"{dev}; torchvision allocates its outputs on the current stream "
+                "and writes them from its own, so gpucache must decode under its "
+                "allocation stream (decode/_streams.py)."
+            )
         private = decoder_stream(emu, library, given, dev)
         kw = {} if mode is None else {"mode": mode}
         if not exif:
@@ -109,11 +123,15 @@ def _oom_message(data: list[torch.Tensor], dev: torch.device) -> str:
     from PIL import Image
 
     size = 0
-    with (contextlib.suppress(Exception), torch._C.DisableTorchFunction(),
-          Image.open(io.BytesIO(data[0].numpy().tobytes())) as im):
+    with (
+        contextlib.suppress(Exception),
+        torch._C.DisableTorchFunction(),
+        Image.open(io.BytesIO(data[0].numpy().tobytes())) as im,
+    ):
         size = 3 * im.width * im.height
-    return (f"Error while decoding JPEG images: CUDA out of memory. Tried to allocate "
-            f"{_size(size)}. GPU {dev.index} has a total capacity of 79.19 GiB of which "
-            f"{_size(1 << 20)} is free. Of the allocated memory 77.91 GiB is allocated by "
-            "PyTorch, and 1.07 GiB is reserved by PyTorch but unallocated.")
-
+    return (
+        f"Error while decoding JPEG images: CUDA out of memory. Tried to allocate "
+        f"{_size(size)}. GPU {dev.index} has a total capacity of 79.19 GiB of which "
+        f"{_size(1 << 20)} is free. Of the allocated memory 77.91 GiB is allocated by "
+        "PyTorch, and 1.07 GiB is reserved by PyTorch but unallocated."
+    )

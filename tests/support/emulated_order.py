@@ -129,15 +129,16 @@ def _assigned_name(frame, line: str) -> str | None:
 def _check_stream_caller(what: str) -> None:
     who = _caller()
     if who.startswith("gpucache") and who != STREAM_HELPER:
-        raise RuntimeError(f"emulated CUDA: {what} called from {who}; stream and event calls "
-                           f"belong in {STREAM_HELPER} (the stream helper).")
+        raise RuntimeError(
+            f"emulated CUDA: {what} called from {who}; stream and event calls "
+            f"belong in {STREAM_HELPER} (the stream helper)."
+        )
 
 
 def _join(dst: dict, src: dict) -> None:
     for k, v in src.items():
         if dst.get(k, 0) < v:
             dst[k] = v
-
 
 
 def _what(t: torch.Tensor) -> str:
@@ -149,8 +150,9 @@ class Stream:
 
     _made = 0
 
-    def __init__(self, device=None, priority: int = 0, *, _default: bool = False,
-                 _label: str | None = None):
+    def __init__(
+        self, device=None, priority: int = 0, *, _default: bool = False, _label: str | None = None
+    ):
         if not _default and _label is None:
             _check_stream_caller("torch.cuda.Stream")
         emu = active()
@@ -166,8 +168,9 @@ class Stream:
             self.label = _label
         else:
             frame = _frame_outside(2)
-            line = "" if frame is None else linecache.getline(frame.f_code.co_filename,
-                                                              frame.f_lineno)
+            line = (
+                "" if frame is None else linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+            )
             named = _assigned_name(frame, line)
             name = f"'{named}' #{Stream._made}" if named else f"#{Stream._made}"
             self.label = f"stream {name} of {self.device} (made at {_where(frame)})"
@@ -209,8 +212,9 @@ class Stream:
 class Event:
     """An event: the clock of its stream when recorded (None before)."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False):
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ):
         _check_stream_caller("torch.cuda.Event")
         self.stream: Stream | None = None
         self.clock: dict[Stream, int] | None = None
@@ -242,8 +246,17 @@ class Event:
 class _Block:
     """A block of the caching allocator: its device, owning stream, size and access history."""
 
-    __slots__ = ("__weakref__", "device", "owner", "reads", "recorded", "reused", "size", "used",
-                 "write")
+    __slots__ = (
+        "__weakref__",
+        "device",
+        "owner",
+        "reads",
+        "recorded",
+        "reused",
+        "size",
+        "used",
+        "write",
+    )
 
     def __init__(self, device: int, owner: Stream, size: int, used: int):
         self.device, self.owner, self.size, self.used = device, owner, size, used
@@ -263,7 +276,6 @@ class _Pin:
         self.write: tuple[Stream, int] | None = None
 
 
-
 class OrderRules:
     """Happens-before between streams and the host, the caching allocator and pinned memory:
     the stream-order half of EmulatedCuda (which sets up the state this class uses)."""
@@ -274,7 +286,6 @@ class OrderRules:
             host = self._local.host = {}
         return host
 
-
     # ------------------------------------------------------------------ host syncs
     def _host_sync(self, reason: str, on: list, *, credit: bool) -> None:
         """The calling thread waits for ``on`` (streams or events); ``credit``: it then knows
@@ -284,9 +295,12 @@ class OrderRules:
             for s in on:
                 if s.clock is not None:
                     _join(host, s.clock)
-        names = ", ".join(s.label if isinstance(s, Stream) else
-                          f"an event of {s.stream.label if s.stream else 'no stream'}"
-                          for s in on)
+        names = ", ".join(
+            s.label
+            if isinstance(s, Stream)
+            else f"an event of {s.stream.label if s.stream else 'no stream'}"
+            for s in on
+        )
         t = threading.current_thread()
         rec = HostSync(t.name, t.ident or 0, reason, names, _where())
         with self._lock:
@@ -350,7 +364,8 @@ class OrderRules:
                 f"written by {w[2]} on {w[0].label}, and nothing orders that write before this "
                 f"read: on CUDA the read may run first and see stale or half-written data. Fix: "
                 f"make {stream.label} wait for {w[0].label} first (wait_stream, or wait_event "
-                f"on an event recorded after the write).")
+                f"on an event recorded after the write)."
+            )
         blk.reads[stream] = (tick, op)
 
     def _write(self, blk: _Block, stream: Stream, tick: int, op: str, what: str) -> None:
@@ -363,16 +378,28 @@ class OrderRules:
         blk.write = (stream, tick, op)
         blk.reads = {}
 
-    def _overwrite(self, blk: _Block, stream: Stream, op: str, what: str, other: Stream,
-                   other_op: str, done: str) -> str:
-        msg = (f"{op} at {_where()} writes {self._describe(blk, what)} on {stream.label}; "
-               f"{other.label} {done} it ({other_op}) and nothing orders that access before "
-               f"this write: on CUDA the write may land first and corrupt it.")
+    def _overwrite(
+        self,
+        blk: _Block,
+        stream: Stream,
+        op: str,
+        what: str,
+        other: Stream,
+        other_op: str,
+        done: str,
+    ) -> str:
+        msg = (
+            f"{op} at {_where()} writes {self._describe(blk, what)} on {stream.label}; "
+            f"{other.label} {done} it ({other_op}) and nothing orders that access before "
+            f"this write: on CUDA the write may land first and corrupt it."
+        )
         if blk.reused:
-            return (msg + f" The block was freed to {blk.owner.label}'s pool and handed out "
-                    f"again while {other.label} may still use it. Fix: record_stream the old "
-                    f"tensor on {other.label} (the allocator then waits for it), or never let "
-                    f"a stream that waits for nothing write memory freed there.")
+            return (
+                msg + f" The block was freed to {blk.owner.label}'s pool and handed out "
+                f"again while {other.label} may still use it. Fix: record_stream the old "
+                f"tensor on {other.label} (the allocator then waits for it), or never let "
+                f"a stream that waits for nothing write memory freed there."
+            )
         return msg + f" Fix: make {stream.label} wait for {other.label} first."
 
     # ------------------------------------------------------------------ allocator
@@ -437,8 +464,11 @@ class OrderRules:
                 pin = _pin_of(x)
                 if pin is None:
                     continue
-                pending = [p for p in (pin.write, pin.read if x is target else None)
-                           if p is not None and host.get(p[0], 0) < p[1]]
+                pending = [
+                    p
+                    for p in (pin.write, pin.read if x is target else None)
+                    if p is not None and host.get(p[0], 0) < p[1]
+                ]
                 if pin.write is not None and host.get(pin.write[0], 0) >= pin.write[1]:
                     pin.write = None
                 if pin.read is not None and host.get(pin.read[0], 0) >= pin.read[1]:
@@ -448,28 +478,34 @@ class OrderRules:
                 if pending:
                     stream = pending[0][0]
                     act = "writes" if x is target else "reads"
-                    copy = ("a non_blocking copy to the device may still read it"
-                            if pending[0] is pin.read else
-                            "a non_blocking copy from the device may still write it")
+                    copy = (
+                        "a non_blocking copy to the device may still read it"
+                        if pending[0] is pin.read
+                        else "a non_blocking copy from the device may still write it"
+                    )
                     raise self._violation(
                         f"{name} at {_where()} {act} pinned host memory ({_what(x)}) that "
                         f"{copy} on {stream.label}: the host has not waited for that stream "
                         f"since. Fix: synchronize the stream (or an event recorded after the "
-                        f"copy) before the host touches the buffer, or use a new buffer.")
+                        f"copy) before the host touches the buffer, or use a new buffer."
+                    )
 
     def _record_stream(self, tensor, stream) -> None:
         _check_stream_caller("Tensor.record_stream")
         if not isinstance(tensor, _OnGpu):
-            raise RuntimeError(f"record_stream of a tensor on {tensor.device}: only CUDA "
-                               "tensors can be recorded on a stream (emulated CUDA)")
+            raise RuntimeError(
+                f"record_stream of a tensor on {tensor.device}: only CUDA "
+                "tensors can be recorded on a stream (emulated CUDA)"
+            )
         if stream.device.index != tensor.gpu_index:
-            raise RuntimeError(f"record_stream: tensor on cuda:{tensor.gpu_index}, stream on "
-                               f"{stream.device} (emulated CUDA)")
+            raise RuntimeError(
+                f"record_stream: tensor on cuda:{tensor.gpu_index}, stream on "
+                f"{stream.device} (emulated CUDA)"
+            )
         with torch._C.DisableTorchFunction(), self._lock:
             blk = self._block(tensor, tensor.gpu_index)
             if blk is not None and stream is not blk.owner:
                 blk.recorded.add(stream)
-
 
 
 def _pin_of(t) -> _Pin | None:
@@ -495,10 +531,13 @@ def _inplace_target(name: str, args, kwargs):
         return out[0] if isinstance(out, (tuple, list)) else out
     if not args or not isinstance(args[0], torch.Tensor):
         return None
-    if name in ("__setitem__", "index_put_") or (name.endswith("_") and not name.startswith("__")
-                                                 ) or (name.startswith("__i") and
-                                                       name not in ("__index__", "__int__",
-                                                                    "__invert__", "__iter__")):
+    if (
+        name in ("__setitem__", "index_put_")
+        or (name.endswith("_") and not name.startswith("__"))
+        or (
+            name.startswith("__i")
+            and name not in ("__index__", "__int__", "__invert__", "__iter__")
+        )
+    ):
         return args[0]
     return None
-

@@ -28,7 +28,7 @@ def patch_sof(jpeg: bytes, *, height: int, width: int) -> bytes:
     """``jpeg`` with the frame header (SOF0) claiming ``height`` x ``width``: a decompression bomb
     when large (a few KB of file, gigabytes once decoded)."""
     p = jpeg.index(SOF0) + 5  # FFC0, length (2), precision (1)
-    return jpeg[:p] + struct.pack(">HH", height, width) + jpeg[p + 4:]
+    return jpeg[:p] + struct.pack(">HH", height, width) + jpeg[p + 4 :]
 
 
 def exif_app1(orientation: int, *, order: bytes = b"II", long: bool = False) -> bytes:
@@ -43,10 +43,12 @@ def exif_app1(orientation: int, *, order: bytes = b"II", long: bool = False) -> 
 
 def xmp_app1(orientation: int) -> bytes:
     """An APP1 XMP segment that also states an orientation (which libjpeg's decoders ignore)."""
-    payload = (b"http://ns.adobe.com/xap/1.0/\0<x:xmpmeta xmlns:x='adobe:ns:meta/'><rdf:RDF "
-               b"xmlns:rdf='http://www.w3.org/1999/02/22-rdf-syntax-ns#'><rdf:Description "
-               b"xmlns:tiff='http://ns.adobe.com/tiff/1.0/' tiff:Orientation='%d'/></rdf:RDF>"
-               b"</x:xmpmeta>" % orientation)
+    payload = (
+        b"http://ns.adobe.com/xap/1.0/\0<x:xmpmeta xmlns:x='adobe:ns:meta/'><rdf:RDF "
+        b"xmlns:rdf='http://www.w3.org/1999/02/22-rdf-syntax-ns#'><rdf:Description "
+        b"xmlns:tiff='http://ns.adobe.com/tiff/1.0/' tiff:Orientation='%d'/></rdf:RDF>"
+        b"</x:xmpmeta>" % orientation
+    )
     return b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload
 
 
@@ -70,7 +72,7 @@ def extra_scans(jpeg: bytes, count: int) -> bytes:
         pos += 2 + struct.unpack_from(">H", jpeg, pos + 2)[0]
     height, width, ncomp = struct.unpack_from(">HHB", jpeg, pos + 5)
     cid, hv = jpeg[pos + 10], jpeg[pos + 11]
-    factors = jpeg[pos + 11:pos + 11 + 3 * ncomp:3]
+    factors = jpeg[pos + 11 : pos + 11 + 3 * ncomp : 3]
     hmax, vmax = max(f >> 4 for f in factors), max(f & 15 for f in factors)
     cols, rows = -(-width * (hv >> 4) // hmax), -(-height * (hv & 15) // vmax)  # its samples
     blocks = -(-cols // 8) * -(-rows // 8)
@@ -90,10 +92,12 @@ def extra_scans(jpeg: bytes, count: int) -> bytes:
     return jpeg[:end] + dht + scan * count + jpeg[end:]
 
 
-def png_bytes(width: int, height: int, *, idat: bytes | None = None,
-              chunks_after: bytes = b"") -> bytes:
+def png_bytes(
+    width: int, height: int, *, idat: bytes | None = None, chunks_after: bytes = b""
+) -> bytes:
     """A grayscale PNG of zeros written row by row (a 12000 x 12000 one is about 140 KB and never
     held decoded); ``idat`` replaces the image data (e.g. garbage); ``chunks_after`` go after it."""
+
     def chunk(cid: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + cid + data + struct.pack(">I", zlib.crc32(cid + data))
 
@@ -102,14 +106,23 @@ def png_bytes(width: int, height: int, *, idat: bytes | None = None,
         parts += [z.compress(row) for _ in range(height)]
         idat = b"".join(parts) + z.flush()
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunks_after
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", idat)
+        + chunks_after
+        + chunk(b"IEND", b"")
+    )
 
 
 def png_exif_chunk(orientation: int) -> bytes:
     data = exif_app1(orientation)[10:]  # the TIFF structure, without "Exif\0\0"
-    return (struct.pack(">I", len(data)) + b"eXIf" + data
-            + struct.pack(">I", zlib.crc32(b"eXIf" + data)))
+    return (
+        struct.pack(">I", len(data))
+        + b"eXIf"
+        + data
+        + struct.pack(">I", zlib.crc32(b"eXIf" + data))
+    )
 
 
 def hostile_image_bytes(*, fill_bytes: int = 1 << 20) -> dict[str, tuple[bytes, str]]:
@@ -134,8 +147,10 @@ def hostile_image_bytes(*, fill_bytes: int = 1 << 20) -> dict[str, tuple[bytes, 
         # decompression bombs: a few KB each
         "bomb_65500.jpg": (patch_sof(small, height=65500, width=65500), "skip"),
         "bomb_30000.jpg": (patch_sof(small, height=30000, width=30000), "skip"),
-        "bomb_65500.png": (png_bytes(1, 1)[:16] + _ihdr_claiming(65500, 65500)
-                           + png_bytes(1, 1)[33:], "skip"),
+        "bomb_65500.png": (
+            png_bytes(1, 1)[:16] + _ihdr_claiming(65500, 65500) + png_bytes(1, 1)[33:],
+            "skip",
+        ),
         "bomb_12000.png": (png_bytes(12000, 12000), "skip"),  # real: 144 Mpx, ~140 KB
         # what libjpeg-turbo decodes (with a warning at most)
         "junk_between_markers.jpg": (before_marker(good, b"\xff\xdb", b"\x00junk\x12"), "kept"),
@@ -143,14 +158,13 @@ def hostile_image_bytes(*, fill_bytes: int = 1 << 20) -> dict[str, tuple[bytes, 
         "ff_fill.jpg": (before_marker(good, b"\xff\xdb", b"\xff" * fill_bytes), "kept"),
         # EXIF layouts: the stored orientation must be the one the decoder applies
         "exif_long_ii.jpg": (after_soi(_jpeg(40, 30, 7), exif_app1(6, long=True)), "kept"),
-        "exif_long_mm.jpg": (after_soi(_jpeg(40, 30, 8),
-                                       exif_app1(6, order=b"MM", long=True)), "kept"),
-        "exif_two_segments.jpg": (after_soi(_jpeg(40, 30, 9), exif_app1(1), exif_app1(6)),
-                                  "kept"),
-        "xmp_before_exif.jpg": (after_soi(_jpeg(40, 30, 10), xmp_app1(6), exif_app1(6)),
-                                "kept"),
-        "exif_after_sof.jpg": (before_marker(_jpeg(40, 30, 11), b"\xff\xc4", exif_app1(6)),
-                               "kept"),
+        "exif_long_mm.jpg": (
+            after_soi(_jpeg(40, 30, 8), exif_app1(6, order=b"MM", long=True)),
+            "kept",
+        ),
+        "exif_two_segments.jpg": (after_soi(_jpeg(40, 30, 9), exif_app1(1), exif_app1(6)), "kept"),
+        "xmp_before_exif.jpg": (after_soi(_jpeg(40, 30, 10), xmp_app1(6), exif_app1(6)), "kept"),
+        "exif_after_sof.jpg": (before_marker(_jpeg(40, 30, 11), b"\xff\xc4", exif_app1(6)), "kept"),
         # PNG: PIL reads an eXIf chunk after the image data when decoding; sniffing must see it
         # without decoding (so a PNG whose image data is garbage is kept, and fails at decode)
         "png_exif_after_idat.png": (png_bytes(40, 30, chunks_after=png_exif_chunk(6)), "kept"),
@@ -163,8 +177,9 @@ def _ihdr_claiming(width: int, height: int) -> bytes:
     return ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
 
 
-def make_hostile_folder(root: str | os.PathLike, *, fifo: bool = True,
-                        fill_bytes: int = 1 << 20) -> dict[str, str]:
+def make_hostile_folder(
+    root: str | os.PathLike, *, fifo: bool = True, fill_bytes: int = 1 << 20
+) -> dict[str, str]:
     """Write :func:`hostile_image_bytes` as ``root/x/<name>`` (plus a FIFO named ``fifo.jpg``,
     skipped at build without being opened) and return ``{path: outcome}``."""
     folder = pathlib.Path(root) / "x"
