@@ -268,19 +268,52 @@ BIG = 5000  # a BIG x BIG image decodes to 75 MB: more than any margin below lea
 
 @pytest.fixture(scope="module")
 def one_big(tmp_path_factory):
-    """Four small JPEGs, then one that decodes to 75 MB."""
+    """Four small JPEGs, then one that decodes to 75 MB; in shared memory, so that a fresh
+    process can be handed it."""
     items = [make_jpeg_bytes(64, 64, seed=i) for i in range(4)] + [_flat_jpeg(BIG, BIG)]
-    return JpegCache.from_files(items, progress=False)
+    return JpegCache.from_files(items, progress=False).share()
 
 
-def _memory_error(loader) -> tuple[str, int]:
-    """The error the loader raises, and how many batches came before it."""
-    batches = 0
-    with pytest.raises(WorkerError) as err, warnings.catch_warnings():
-        warnings.simplefilter("error")  # a skipped sample warns: an error here
-        for _ in loader:
-            batches += 1
-    return str(err.value), batches
+# Each out-of-memory case runs in a fresh interpreter (gpucache.testing._memory.with_address_space
+# says why): its loader forks or spawns its worker from there, and the worker caps its own
+# address space in worker_init_fn.
+
+
+def _epoch(cache, **options) -> dict:
+    """One epoch of a loader made with ``options``: batches before an error, and the error."""
+    loader = GpuCachedLoader(cache, device="cpu", **options)
+    batches, error, kind = 0, None, None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a skipped sample warns: an error here
+            for _ in loader:
+                batches += 1
+    except (WorkerError, MemoryError) as err:
+        error, kind = str(err), "WorkerError" if isinstance(err, WorkerError) else "MemoryError"
+    finally:
+        loader.close()
+    stats = loader.stats
+    return dict(
+        batches=batches, error=error, kind=kind, skipped=stats.skipped, samples=stats.samples
+    )
+
+
+def _worker_epoch(cache, context: str, margin: int, **options) -> dict:
+    """:func:`_epoch` with one worker of ``context`` capped ``margin`` bytes above its start."""
+    out, raised = with_address_space(
+        functools.partial(
+            _epoch,
+            cache,
+            num_workers=1,
+            multiprocessing_context=context,
+            timeout=90,
+            worker_init_fn=functools.partial(limit_address_space, margin),
+            **options,
+        ),
+        None,
+    )
+    assert raised is None, raised
+    return out
 
 
 def _says_memory(msg: str, wid: int = 0) -> None:
@@ -294,22 +327,13 @@ def _says_memory(msg: str, wid: int = 0) -> None:
 def test_a_worker_out_of_memory_decoding_is_an_error_not_a_skipped_sample(one_big, context):
     # 32 MB of address space beyond what the worker maps after start: a 64x64 JPEG decodes, the
     # 75 MB one cannot. It used to be skipped as "could not be decoded: MemoryError".
-    loader = GpuCachedLoader(
-        one_big,
-        batch_size=4,
-        num_workers=1,
-        device="cpu",
-        exact=True,
-        transform=SIZE,
-        multiprocessing_context=context,
-        timeout=90,
-        worker_init_fn=functools.partial(limit_address_space, 32 << 20),
-    )
-    msg, batches = _memory_error(loader)
-    assert batches == 1  # the small images decoded under the limit
+    out = _worker_epoch(one_big, context, 32 << 20, batch_size=4, exact=True, transform=SIZE)
+    assert out["kind"] == "WorkerError", out
+    assert out["batches"] == 1  # the small images decoded under the limit
+    msg = out["error"]
     _says_memory(msg)
     assert "while decoding sample 4 (<bytes #4>)" in msg and "samples [4]" in msg, msg
-    assert loader.stats.skipped == 0 and loader.stats.samples == 4
+    assert out["skipped"] == 0 and out["samples"] == 4, out
 
 
 @pytest.mark.timeout(120)
@@ -318,46 +342,24 @@ def test_a_worker_out_of_memory_copying_its_result_is_named(one_big, context):
     # Room for the 75 MB image, not for the copy of it that goes to the socket (images of
     # several sizes are sent as one buffer). That worker used to exit with code 1, the cause
     # only on its stderr.
-    loader = GpuCachedLoader(
-        one_big,
-        batch_size=1,
-        num_workers=1,
-        device="cpu",
-        multiprocessing_context=context,
-        timeout=90,
-        worker_init_fn=functools.partial(limit_address_space, 3 * BIG * BIG + (32 << 20)),
-    )
-    msg, batches = _memory_error(loader)
-    assert batches == 4
-    _says_memory(msg)
-    assert "while copying its result for sending, in its batch of samples [4]" in msg, msg
-    assert loader.stats.skipped == 0
-
-
-def _inline_epoch(cache) -> dict:
-    loader = GpuCachedLoader(
-        cache, batch_size=4, num_workers=0, device="cpu", exact=True, transform=SIZE
-    )
-    batches = 0
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a skipped sample warns: an error here
-            for _ in loader:
-                batches += 1
-    except MemoryError as err:
-        return {"batches": batches, "skipped": loader.stats.skipped, "error": str(err)}
-    return {"batches": batches, "skipped": loader.stats.skipped, "error": None}
+    out = _worker_epoch(one_big, context, 3 * BIG * BIG + (32 << 20), batch_size=1)
+    assert out["kind"] == "WorkerError", out
+    assert out["batches"] == 4
+    _says_memory(out["error"])
+    assert "while copying its result for sending, in its batch of samples [4]" in out["error"]
+    assert out["skipped"] == 0, out
 
 
 @pytest.mark.timeout(120)
 def test_out_of_memory_decoding_without_workers_is_a_memory_error_not_a_skipped_sample(one_big):
-    # num_workers=0 decodes in the main process (here a forked child capped 32 MB above what it
+    # num_workers=0 decodes in the main process (here a fresh child capped 32 MB above what it
     # maps): the MemoryError propagates, with the sample and the fix, and nothing is skipped.
-    out, raised = with_address_space(functools.partial(_inline_epoch, one_big), 32 << 20)
+    options = dict(batch_size=4, num_workers=0, exact=True, transform=SIZE)
+    out, raised = with_address_space(functools.partial(_epoch, one_big, **options), 32 << 20)
     assert raised is None, raised
-    assert out["batches"] == 1 and out["skipped"] == 0, out
+    assert out["batches"] == 1 and out["skipped"] == 0 and out["kind"] == "MemoryError", out
     msg = out["error"]
-    assert msg is not None and "out of memory while decoding sample 4 (<bytes #4>)" in msg, msg
+    assert "out of memory while decoding sample 4 (<bytes #4>)" in msg, msg
     assert "not a bad sample" in msg and "batch_size" in msg and "RLIMIT_AS" in msg, msg
 
 

@@ -8,7 +8,7 @@ libtorch's pages moves whenever an unrelated process imports torch or exits, by 
 pages never scale with the data; ``without_libraries=True`` leaves them out.
 
 Tests of a real out-of-memory cap a process's address space (:func:`limit_address_space`, as a
-``worker_init_fn`` too; :func:`with_address_space` in a forked child).
+``worker_init_fn`` too; :func:`with_address_space` in a fresh child process).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +30,15 @@ def pss(pid: int, *, without_libraries: bool = False) -> int:
     anywhere (shared libraries, the interpreter), read from ``/proc/PID/smaps``. What is left is
     anonymous memory, shared memory and mapped data files (such as a saved store)."""
     if not without_libraries:
-        return psutil.Process(pid).memory_full_info().pss
+        total: int = psutil.Process(pid).memory_full_info().pss  # psutil ships no types
+        return total
     try:
         text = Path(f"/proc/{pid}/smaps").read_text()
     except FileNotFoundError as err:
         raise psutil.NoSuchProcess(pid) from err
     except PermissionError as err:
         raise psutil.AccessDenied(pid) from err
-    maps: list[list] = []  # [path, perms, pss bytes]
+    maps: list[list[Any]] = []  # [path, perms, pss bytes]
     for line in text.splitlines():
         head = line.split(None, 5)
         if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
@@ -92,43 +93,54 @@ def limit_address_space(margin: int, worker_id: int | None = None) -> int:
 
 
 def with_address_space(
-    fn: Callable[[], Any], margin: int, *, timeout: float = 120.0
+    fn: Callable[[], Any], margin: int | None, *, timeout: float = 120.0
 ) -> tuple[Any, tuple[str, bool, str] | None]:
-    """``fn()`` in a forked child capped at :func:`limit_address_space` ``(margin)``, so that a
-    real out-of-memory in it leaves this process alone. Returns ``(what fn returned, None)``, or
-    ``(None, (type name, is a MemoryError, message))`` for what it raised. The child runs torch
-    on one thread (a thread pool started under the cap aborts when it cannot start a thread)."""
+    """``fn()`` in a fresh interpreter (a spawned child) capped at :func:`limit_address_space`
+    ``(margin)`` (None: no cap), so that a real out-of-memory in it leaves this process alone.
+    Returns ``(what fn returned, None)``, or ``(None, (type name, is a MemoryError, message))``
+    for what it raised. ``fn`` and what it returns must pickle (a module-level function; a store
+    made in memory must be ``share()``-d first). The child runs torch on one thread (a thread
+    pool started under the cap aborts when it cannot start a thread).
+
+    Not a fork of this process: a fork inherits this process's heap, free chunks included, and
+    glibc's malloc serves a large request from a free chunk before it asks the kernel for
+    address space. After a long test session that is headroom beyond the cap that no test can
+    see (a 75 MB decode succeeded under a 32 MB margin). A fresh interpreter has none; a test
+    of fork workers makes its loader inside ``fn``, so they fork from that small parent."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_limited, args=(fn, margin, send), daemon=True)
+    # not a daemon: fn may start worker processes; the finally below ends it whatever happens
+    child = ctx.Process(target=_limited, args=(fn, margin, send))
     child.start()
     send.close()
     try:
         ready = wait([recv, child.sentinel], timeout)
         if recv not in ready:
             raise RuntimeError(
-                f"the child capped at +{margin:,} bytes sent nothing within "
+                f"the child capped at +{margin} bytes sent nothing within "
                 f"{timeout} s (exit code {child.exitcode})"
             )
-        return recv.recv()
+        got: tuple[Any, tuple[str, bool, str] | None] = recv.recv()
+        return got
     finally:
         child.join(timeout)
         if child.exitcode is None:
             child.kill()
 
 
-def _limited(fn: Callable[[], Any], margin: int, send) -> None:
+def _limited(fn: Callable[[], Any], margin: int | None, send: Connection) -> None:
     import torch
 
     torch.set_num_threads(1)
-    # garbage inherited from the parent (a test's big arrays in reference cycles) would be freed,
-    # and its mappings returned, at a collection during fn(): headroom beyond the margin. Free it
-    # before the cap is measured, and collect no more, so the margin is what fn() gets.
+    # collect nothing under the cap: a collection frees garbage and returns its mappings, which
+    # is headroom beyond the margin
     gc.collect()
     gc.disable()
-    limit_address_space(margin)
+    if margin is not None:
+        limit_address_space(margin)
+    out: tuple[Any, tuple[str, bool, str] | None]
     try:
         out = (fn(), None)
     except BaseException as err:  # noqa: BLE001 - reported to the parent, whatever it is
