@@ -1,0 +1,419 @@
+"""Fetch the objects of a :class:`~._remote.Listing` once, into a spool file that survives a kill.
+
+The spool is one file the size of all the objects (``<key>.fetch`` in the node cache folder,
+space reserved up front), each object at a fixed offset; objects over ``PART`` bytes are fetched
+in parts of that size (ranged GETs, in parallel). Up to ``requests`` requests run at once, with
+at most ``IN_FLIGHT_BYTES`` of response bodies in memory; each part is written where it belongs
+(``pwrite``) and then recorded in the journal ``<key>.fetched`` (part number and CRC-32, 12
+bytes). A build that was killed starts again from the journal: the parts it names are checked
+against their CRC and kept, the rest are fetched; nothing recorded is fetched twice. The store
+is built from the spool (``FileRangeSource`` ranges) and the spool removed once the store is
+saved; a partial spool is never a store.
+
+Transient failures (connection reset or refused, timeouts, HTTP 5xx, 429 and S3's SlowDown)
+are retried up to ``RETRIES`` times with exponential backoff and full jitter, within
+``DEADLINE_S`` a part; anything else (403, 404, an object shorter than listed) is final. An
+object that stays unreadable is handed to the build as a refused input with its URL and reason,
+under the build's ``on_error`` policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import numpy as np
+
+from .._progress import tqdm
+from ._inputs import FileRangeSource, Refused
+from ._remote import Listing, ObjectStoreError, access_error, bucket_of, describe, error_code
+
+log = logging.getLogger("gpucache")
+
+PART = 8 << 20  # bytes of one ranged GET of a large object
+IN_FLIGHT_BYTES = 128 << 20  # response bodies held at once, across the requests in flight
+DEFAULT_REQUESTS = 32  # requests in flight (``requests_in_flight=``)
+RETRIES = 5  # retries of a transient failure (6 attempts in all)...
+DEADLINE_S = 300.0  # ...within this many seconds of a part's first attempt
+BACKOFF_S, BACKOFF_CAP_S = 0.25, 8.0  # full jitter: uniform(0, min(cap, base * 2**attempt))
+DENIED_STOP = 8  # this many objects denied before any is fetched: the bucket is denied, stop
+_RECORD = np.dtype([("part", "<u8"), ("crc", "<u4")])
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "InternalError",
+    "ServiceUnavailable",
+    "ServerBusy",
+    "OperationTimedOut",
+}
+_TRANSIENT_NAMES = {  # exception types (by name: no client library is imported for this)
+    "ConnectionError",
+    "ConnectionResetError",
+    "ConnectionRefusedError",
+    "ConnectionAbortedError",
+    "BrokenPipeError",
+    "TimeoutError",
+    "timeout",
+    "IncompleteRead",
+    "FSTimeoutError",
+    "ClientPayloadError",
+    "ServerDisconnectedError",
+    "ClientConnectorError",
+    "ClientOSError",
+    "ServerTimeoutError",
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ResponseStreamingError",
+    "HTTPClientError",
+    "ResponseParserError",
+    "TransportError",
+}
+
+
+def transient(err: BaseException) -> bool:
+    """Whether a failure may go away on retry (network, timeouts, 5xx, throttling)."""
+    code, status = error_code(err)
+    if status >= 500 or status == 429 or code in _TRANSIENT_CODES:
+        return True
+    if status or isinstance(err, (PermissionError, FileNotFoundError, _Changed)):
+        return False  # a 4xx: denied, missing, bad request
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ in _TRANSIENT_NAMES or isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def backoff(attempt: int) -> float:
+    return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_S * 2**attempt))
+
+
+def retrying(fn: Callable, stop: threading.Event | None = None):
+    """``fn()``, retried on transient failures (bounded in count and time, jittered backoff)."""
+    start, attempt = time.monotonic(), 0
+    while True:
+        try:
+            return fn()
+        except Exception as err:
+            if (
+                not transient(err)
+                or attempt >= RETRIES
+                or time.monotonic() - start > DEADLINE_S
+                or (stop is not None and stop.is_set())
+            ):
+                raise
+            log.debug("gpucache: retrying after %s", describe(err))
+        delay = backoff(attempt)
+        attempt += 1
+        if stop is not None:
+            stop.wait(delay)  # a backoff, cut short when the build stops
+        else:
+            time.sleep(delay)  # a backoff between attempts, bounded by DEADLINE_S
+
+
+class _Changed(Exception):
+    """An object's bytes do not match its listing (it was rewritten during the build)."""
+
+
+class Spool:
+    """The objects of ``listing`` fetched into ``<base>.fetch``; ``<base>.fetched`` records
+    what is there. ``fetch()`` returns the objects that could not be fetched, with reasons."""
+
+    def __init__(
+        self,
+        base: Path,
+        listing: Listing,
+        fs,
+        *,
+        requests: int | None = None,
+        progress: bool = True,
+        on_progress: Callable[..., None] | None = None,
+    ) -> None:
+        self.data = base.with_name(base.name + ".fetch")
+        self.journal = base.with_name(base.name + ".fetched")
+        self.listing, self.fs = listing, fs
+        self.requests = max(1, int(requests or DEFAULT_REQUESTS))
+        self.progress, self.on_progress = progress, on_progress
+        sizes = np.maximum(listing.sizes, 0)
+        self.offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=self.offsets[1:])
+        parts = (sizes + PART - 1) // PART  # an empty object has no part: nothing to fetch
+        self.first_part = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(parts, out=self.first_part[1:])
+        self.failed: dict[int, str] = dict(listing.missing)
+        self._stop = threading.Event()
+        self.fetched_parts = self.fetched_bytes = 0  # by this process (not those resumed)
+
+    @property
+    def total(self) -> int:
+        return int(self.offsets[-1])
+
+    def source(self, i: int) -> FileRangeSource | Refused:
+        """Object ``i`` as a build input: its range of the spool, or refused with the reason."""
+        name = self.listing.urls[i]
+        if i in self.failed:
+            return Refused(name, self.failed[i])
+        return FileRangeSource(name, self.data, int(self.offsets[i]), int(self.listing.sizes[i]))
+
+    def inputs(self) -> Sequence:
+        return _Inputs(self)
+
+    def remove(self) -> None:
+        for p in (self.data, self.journal):
+            p.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ fetching
+    def fetch(self) -> dict[int, str]:
+        n_parts = int(self.first_part[-1])
+        fd = os.open(self.data, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        jfd = os.open(self.journal, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            self._reserve(fd)
+            done = self._resume(fd, jfd, n_parts)
+            os.lseek(jfd, 0, os.SEEK_END)
+            self._fetch_missing(fd, jfd, done)
+        finally:
+            os.close(jfd)
+            os.close(fd)
+        return self.failed
+
+    def _reserve(self, fd: int) -> None:
+        """Room for every object, reserved before the first request (a full disk fails now)."""
+        if os.fstat(fd).st_size != self.total:
+            os.ftruncate(fd, self.total)
+        try:
+            if self.total:
+                os.posix_fallocate(fd, 0, self.total)
+        except OSError as err:
+            if err.errno in (28, 27):  # ENOSPC, EFBIG
+                raise OSError(
+                    err.errno,
+                    f"cannot reserve {self.total / 2**30:,.2f} GiB for the fetched objects in "
+                    f"{self.data} ({err.strerror}): free space there, or pass cache_dir= a "
+                    "folder on a larger node-local disk",
+                ) from err
+            # a file system without fallocate: the writes find out
+
+    def _resume(self, fd: int, jfd: int, n_parts: int) -> np.ndarray:
+        """The parts a previous build recorded and whose bytes still match their CRC."""
+        done = np.zeros(n_parts, dtype=bool)
+        size = os.fstat(jfd).st_size
+        whole = size - size % _RECORD.itemsize
+        if size != whole:  # a record cut short by a kill: dropped
+            os.ftruncate(jfd, whole)
+        if not whole:
+            return done
+        records = np.frombuffer(os.pread(jfd, whole, 0), dtype=_RECORD)
+        good = []
+        for part, crc in zip(records["part"].tolist(), records["crc"].tolist()):
+            if part >= n_parts or done[part]:
+                continue
+            start, length = self._range(part)
+            if zlib.crc32(os.pread(fd, length, start)) == crc:
+                done[part] = True
+                good.append((part, crc))
+        if len(good) != len(records):  # rewrite the journal with the parts that hold
+            data = np.array(good, dtype=_RECORD).tobytes()
+            os.ftruncate(jfd, 0)
+            os.pwrite(jfd, data, 0)
+        if good:
+            log.info(
+                "gpucache: resuming the fetch into %s: %d of %d parts already there",
+                self.data,
+                len(good),
+                n_parts,
+            )
+        return done
+
+    def _locate(self, part: int) -> tuple[int, int, int]:
+        """(object, start, end) within the object of a part."""
+        i = int(np.searchsorted(self.first_part, part, side="right")) - 1
+        start = (part - int(self.first_part[i])) * PART
+        return i, start, min(int(self.listing.sizes[i]), start + PART)
+
+    def _range(self, part: int) -> tuple[int, int]:
+        i, a, b = self._locate(part)
+        return int(self.offsets[i]) + a, b - a
+
+    def _get(self, fd: int, part: int) -> tuple[int, int, str | None]:
+        """Fetch one part into its place: ``(part, crc, None)`` or ``(part, 0, reason)``."""
+        i, a, b = self._locate(part)
+        path = self.listing.path(i)
+        start, attempt = time.monotonic(), 0
+        while True:
+            if self._stop.is_set():
+                return part, 0, "the build stopped"
+            try:
+                data = self.fs.cat_file(path, start=a, end=b)
+                if len(data) != b - a:
+                    raise _Changed(
+                        f"the server sent {len(data):,} bytes for bytes {a:,}-{b:,} of an object "
+                        f"listed at {int(self.listing.sizes[i]):,} bytes: it changed since it "
+                        "was listed; build again"
+                    )
+                break
+            except _Changed as err:
+                return part, 0, str(err)
+            except Exception as err:
+                spent = time.monotonic() - start
+                if not transient(err) or attempt >= RETRIES or spent > DEADLINE_S:
+                    tries = f"{attempt + 1} attempt{'s' if attempt else ''} in {spent:.1f} s"
+                    if transient(err):
+                        return part, 0, f"cannot fetch: {describe(err)}; gave up after {tries}"
+                    return part, 0, f"cannot fetch: {describe(err)}"
+                log.debug("gpucache: retrying %s after %s", self.listing.urls[i], describe(err))
+            self._stop.wait(backoff(attempt))  # a backoff, cut short when the build stops
+            attempt += 1
+        view, at = memoryview(data), int(self.offsets[i]) + a
+        while view:
+            written = os.pwrite(fd, view, at)
+            view, at = view[written:], at + written
+        return part, zlib.crc32(data), None
+
+    def _fetch_missing(self, fd: int, jfd: int, done: np.ndarray) -> None:
+        todo = np.flatnonzero(~done)
+        n = len(self.listing)
+        parts_of = np.diff(self.first_part)
+        counted = np.zeros(len(done) + 1, dtype=np.int64)
+        np.cumsum(done, out=counted[1:])
+        have = counted[self.first_part[1:]] - counted[self.first_part[:-1]]
+        objects_done = int(np.count_nonzero(have == parts_of))  # empty objects count as done
+        resumed = np.flatnonzero(done)
+        owner = np.searchsorted(self.first_part, resumed, side="right") - 1
+        starts = (resumed - self.first_part[owner]) * PART
+        resumed_bytes = int(np.minimum(self.listing.sizes[owner] - starts, PART).sum())
+        bar = tqdm(
+            total=self.total,
+            initial=resumed_bytes,
+            desc="gpucache fetch",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            disable=not self.progress or None,
+            leave=False,
+        )
+        left = {}  # object -> parts still to come, for objects of several parts
+        t0, shown = time.monotonic(), 0.0
+        got_any, denied = bool(len(resumed)), 0
+        pending: set[Future] = set()
+        in_flight = 0
+        state = {"objects": objects_done, "bytes": resumed_bytes}
+
+        def finish(f: Future) -> None:
+            nonlocal in_flight, got_any, denied, shown
+            part, crc, reason = f.result()
+            i, a, b = self._locate(part)
+            in_flight -= b - a
+            if reason is None:
+                os.write(jfd, np.array([(part, crc)], dtype=_RECORD).tobytes())
+                self.fetched_parts += 1
+                self.fetched_bytes += b - a
+                state["bytes"] += b - a
+                bar.update(b - a)
+                got_any = True
+            elif i not in self.failed:
+                self.failed[i] = reason
+                if "HTTP 403" in reason or "denied" in reason.lower():
+                    denied += 1
+            remaining = left.pop(i, 1) - 1
+            if remaining > 0:
+                left[i] = remaining
+            else:
+                state["objects"] += 1
+            now = time.monotonic()
+            if now - shown > 0.5:
+                shown = now
+                rate = state["objects"] / max(now - t0, 1e-6)
+                bar.set_postfix_str(f"{state['objects']:,}/{n:,} objects, {rate:,.0f} objects/s")
+                if self.on_progress is not None:
+                    self.on_progress("fetching", state["objects"], n, state["bytes"])
+
+        with bar, ThreadPoolExecutor(self.requests, thread_name_prefix="gpucache-fetch") as pool:
+            try:
+                for part in _ints(todo):
+                    i, a, b = self._locate(part)
+                    if i in self.failed:
+                        continue
+                    if parts_of[i] > 1 and i not in left:
+                        left[i] = int(parts_of[i] - have[i])
+                    while pending and (
+                        len(pending) >= self.requests or in_flight + (b - a) > IN_FLIGHT_BYTES
+                    ):
+                        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                        for f in finished:
+                            finish(f)
+                        if not got_any and denied >= min(DENIED_STOP, n):
+                            raise self._denied()
+                    in_flight += b - a
+                    pending.add(pool.submit(self._get, fd, part))
+                for f in _completed(pending):
+                    finish(f)
+                if not got_any and denied and denied >= min(DENIED_STOP, n):
+                    raise self._denied()
+            except BaseException:
+                self._stop.set()  # threads stop at their next attempt or backoff
+                raise
+        if self.on_progress is not None:
+            self.on_progress("fetching", state["objects"], n, state["bytes"])
+        elapsed = time.monotonic() - t0
+        if self.fetched_parts:
+            log.info(
+                "gpucache: fetched %d parts, %.1f MiB of %s in %.1f s (%.1f MiB/s)",
+                self.fetched_parts,
+                self.fetched_bytes / 2**20,
+                self.listing.where,
+                elapsed,
+                self.fetched_bytes / 2**20 / max(elapsed, 1e-6),
+            )
+
+    def _denied(self) -> ObjectStoreError:
+        url = self.listing.urls[next(iter(self.failed))]
+        reason = next(iter(self.failed.values()))
+        err = PermissionError(reason)
+        clear = access_error(url, err, "read")
+        return clear or ObjectStoreError(f"cannot read {url}: {reason}", bucket_of(url))
+
+
+def _ints(a: np.ndarray) -> Iterator[int]:
+    for s in range(0, len(a), 65536):
+        yield from a[s : s + 65536].tolist()
+
+
+def _completed(pending: set[Future]) -> Iterator[Future]:
+    while pending:
+        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+        yield from finished
+
+
+class _Inputs(Sequence):
+    """The spool's objects as build inputs, made on access (no object per input is kept)."""
+
+    def __init__(self, spool: Spool) -> None:
+        self._spool = spool
+
+    def __len__(self) -> int:
+        return len(self._spool.listing)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._spool.source(i)

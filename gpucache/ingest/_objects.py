@@ -1,0 +1,146 @@
+"""Stores from objects in storage: fetch a listing into the spool (``_fetch``), check that the
+objects did not change meanwhile, then run the one build over the spool's byte ranges.
+
+The listing is taken twice, before and after the fetch; if an object was added, removed or
+rewritten in between (a new ETag or size), the build stops with an :class:`ObjectStoreError`
+naming them, and nothing is published: a store always holds one version of its data set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ._build import build
+from ._fetch import Spool
+from ._remote import Listing, ObjectStoreError, filesystem
+from ._sources import from_webdataset
+
+__all__ = ["fetch", "build_objects", "build_shards", "spool_files"]
+
+
+def spool_files(base: Path) -> list[Path]:
+    """The spool's two files for the store named ``base`` (``<key>``): data and journal."""
+    return [base.with_name(base.name + ".fetch"), base.with_name(base.name + ".fetched")]
+
+
+def _digest(listing: Listing) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    listing.fingerprint(h)
+    return h.digest()
+
+
+def check_unchanged(listing: Listing, spool: Spool | None = None) -> None:
+    """List again; raise :class:`ObjectStoreError` naming what changed since ``listing``."""
+    again = listing.relist()
+    if again is None or _digest(again) == _digest(listing):
+        return
+    before = {
+        listing.urls[i]: (int(listing.sizes[i]), int(listing.tags[i])) for i in range(len(listing))
+    }
+    after = {again.urls[i]: (int(again.sizes[i]), int(again.tags[i])) for i in range(len(again))}
+    changed = sorted(u for u in before.keys() & after.keys() if before[u] != after[u])
+    added = sorted(after.keys() - before.keys())
+    removed = sorted(before.keys() - after.keys())
+    names = [f"changed {u}" for u in changed] + [f"added {u}" for u in added]
+    names += [f"removed {u}" for u in removed]
+    if spool is not None:
+        spool.remove()  # its bytes belong to a listing that no longer exists
+    raise ObjectStoreError(
+        f"the objects of {listing.where} changed while they were fetched ({len(changed):,} "
+        f"rewritten, {len(added):,} added, {len(removed):,} removed: "
+        f"{'; '.join(names[:10])}{' ...' if len(names) > 10 else ''}); no store was "
+        "published. Build again once the data set is settled: the new listing is fetched anew",
+        listing.where,
+    )
+
+
+def fetch(
+    listing: Listing,
+    base: Path,
+    *,
+    storage_options: dict | None,
+    requests: int | None,
+    progress: bool,
+    on_progress: Callable[..., None] | None,
+) -> Spool:
+    """Every object of ``listing`` in the spool at ``base`` (resumed if a build left one),
+    checked against a second listing."""
+    fs = listing.fs or filesystem(listing.protocol + "://", storage_options)
+    spool = Spool(base, listing, fs, requests=requests, progress=progress, on_progress=on_progress)
+    spool.fetch()
+    check_unchanged(listing, spool)
+    return spool
+
+
+def build_objects(
+    cls,
+    listing: Listing,
+    labels: np.ndarray,
+    classes: list[str],
+    metadata: Sequence[str] | None,
+    *,
+    base: Path,
+    storage_options: dict | None,
+    requests: int | None,
+    progress: bool,
+    on_progress: Callable[..., None] | None,
+    **build_kw,
+):
+    """A store of one sample an object (``from_folder``, ``from_files``, ``from_csv``)."""
+    spool = fetch(
+        listing,
+        base,
+        storage_options=storage_options,
+        requests=requests,
+        progress=progress,
+        on_progress=on_progress,
+    )
+    return build(
+        cls,
+        spool.inputs(),
+        labels,
+        classes,
+        metadata,
+        progress=progress,
+        on_progress=on_progress,
+        **build_kw,
+    )
+
+
+def build_shards(
+    cls,
+    listing: Listing,
+    *,
+    base: Path,
+    storage_options: dict | None,
+    requests: int | None,
+    progress: bool,
+    on_progress: Callable[..., None] | None,
+    **build_kw,
+):
+    """A store of the samples of WebDataset shards in storage, read out of the spool."""
+    spool = fetch(
+        listing,
+        base,
+        storage_options=storage_options,
+        requests=requests,
+        progress=progress,
+        on_progress=on_progress,
+    )
+
+    def locate(k: int):
+        src = spool.source(k)
+        return src if not hasattr(src, "offset") else (src.path, src.offset, src.nbytes)
+
+    return from_webdataset(
+        cls,
+        list(listing.urls),
+        locate=locate,
+        progress=progress,
+        on_progress=on_progress,
+        **build_kw,
+    )

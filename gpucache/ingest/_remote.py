@@ -1,0 +1,508 @@
+"""Data in object storage: URLs (``s3://``, ``gs://``, ``az://``), the client, and listings.
+
+The client is fsspec's (s3fs, gcsfs, adlfs: the optional extras ``s3``, ``gcs``, ``azure``), made
+from ``storage_options`` as pandas, Hugging Face ``datasets`` and Lightning take them; credentials
+come from those options or the client's own chain (environment variables, config files, instance
+roles), never from gpucache. Nothing here writes a credential anywhere: names, keys, logs and
+errors carry the URL (with any ``user:password@`` taken out) and the server's error code.
+
+A :class:`Listing` is what a build fetches: every object's URL (packed, as ``PathList`` packs
+paths), its size and a 64-bit hash of its ETag (S3, Azure) or generation (GCS). The node cache
+keys the store on the URLs, sizes and ETags, as it keys files on path, size and mtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._errors import GpucacheError
+from ._build import IMG_EXTENSIONS, PathList
+
+log = logging.getLogger("gpucache")
+
+#: URL schemes read through fsspec, and the extra that installs each one's client.
+SCHEMES = {
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gcs",
+    "gcs": "gcs",
+    "az": "azure",
+    "abfs": "azure",
+    "abfss": "azure",
+}
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+_USERINFO = re.compile(r"(?<=://)[^/@]*@")
+CREDENTIALS_HELP = {
+    "s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, ~/.aws/credentials, an "
+    "instance role), AWS_DEFAULT_REGION, and AWS_ENDPOINT_URL for a server other than AWS; or "
+    "storage_options={'key': ..., 'secret': ..., 'endpoint_url': ...}",
+    "gcs": "GOOGLE_APPLICATION_CREDENTIALS (a service account key file), `gcloud auth "
+    "application-default login`, or the instance's service account; or storage_options="
+    "{'token': ..., 'project': ...}",
+    "azure": "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or "
+    "AZURE_STORAGE_CONNECTION_STRING, or storage_options={'account_name': ..., ...}",
+}
+
+
+class ObjectStoreError(GpucacheError, OSError):
+    """Objects in storage cannot be used as listed: a bucket that does not exist or denies
+    access, a listing that fails after its retries, or objects that changed while a build
+    fetched them. ``url`` names the bucket or prefix (never a credential)."""
+
+    def __init__(self, message: str, url: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def is_url(x: Any) -> bool:
+    """True for a string naming an object in storage (``s3://``, ``gs://``, ``az://``...).
+
+    Another ``scheme://`` is refused with the schemes that work (it is no local path either)."""
+    if not isinstance(x, str):
+        return False
+    m = _URL.match(x)
+    if m is None:
+        return False
+    if m[1].lower() not in SCHEMES:
+        raise ValueError(
+            f"{redact(x)}: {m[1]}:// is not a source gpucache reads; give a local path or a "
+            f"URL of {', '.join(s + '://' for s in sorted(SCHEMES))}"
+        )
+    return True
+
+
+def redact(url: str) -> str:
+    """The URL with any ``user:password@`` part removed (what names, logs and errors show)."""
+    return _USERINFO.sub("", url)
+
+
+def protocol_of(url: str) -> str:
+    return url.split("://", 1)[0].lower()
+
+
+def bucket_of(url: str) -> str:
+    """``s3://bucket`` of ``s3://bucket/a/b.jpg``."""
+    proto, _, rest = redact(url).partition("://")
+    return f"{proto}://{rest.split('/', 1)[0]}"
+
+
+def filesystem(url: str, storage_options: dict | None):
+    """The fsspec file system for ``url``'s scheme, a private instance (its listings are not
+    cached, so a long listing does not stay in memory; other code's instances are left alone).
+
+    S3's own retries are turned down to one attempt, so the build's bounded retries
+    (``_fetch``) are the only ones, unless ``storage_options`` sets them."""
+    proto = protocol_of(url)
+    try:
+        import fsspec
+
+        cls = fsspec.get_filesystem_class(proto)
+    except ImportError as err:
+        extra = SCHEMES.get(proto, "s3")
+        raise ImportError(
+            f"reading {proto}:// URLs needs fsspec and its client for {proto}, which are not "
+            f"installed ({err}); install them with: pip install 'gpucache[{extra}]'"
+        ) from err
+    options = dict(storage_options or {})
+    options.setdefault("use_listings_cache", False)
+    if SCHEMES.get(proto) == "s3":
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+        options["config_kwargs"] = config
+    try:
+        fs = cls(skip_instance_cache=True, **options)
+    except TypeError as err:  # an option the client does not take: say which, not the values
+        raise TypeError(
+            f"storage_options for {proto}:// were refused by {cls.__name__} ({err}); pass "
+            f"the options {cls.__name__} documents (keys given: {sorted(options)})"
+        ) from None
+    if SCHEMES.get(proto) == "s3" and "retries" not in options:
+        fs.retries = 1  # s3fs retries some errors 5 times itself: the build's retries count
+    return fs
+
+
+def strip(url: str) -> str:
+    """The client's path of a URL (``bucket/key``)."""
+    return redact(url).split("://", 1)[1]
+
+
+def error_code(err: BaseException) -> tuple[str, int]:
+    """The storage service's error code and HTTP status behind ``err`` ("", 0 if none)."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):  # botocore's ClientError
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            return str(response.get("Error", {}).get("Code", "")), int(status or 0)
+        name = type(e).__name__
+        code = getattr(e, "code", None)
+        if name == "HttpError" and isinstance(code, int):  # gcsfs: the service's status
+            return str(getattr(e, "message", "") or code), code
+        status = getattr(e, "status", None)  # aiohttp: a response's status (not a payload
+        if name == "ClientResponseError" and isinstance(status, int):  # error's local code)
+            return str(status), status
+        e = e.__cause__ or e.__context__
+    return "", 0
+
+
+def describe(err: BaseException) -> str:
+    """A short reason for ``err``: the service's code and message, no request details."""
+    code, status = error_code(err)
+    text = redact(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+    parts = [type(err).__name__]
+    if status:
+        parts.append(f"HTTP {status}")
+    if code and code != str(status) and code not in text:
+        parts.append(code)
+    return f"{text} ({', '.join(parts)})"
+
+
+def access_error(url: str, err: BaseException, what: str = "list") -> ObjectStoreError | None:
+    """A clear error for a missing or forbidden bucket (None for any other failure)."""
+    code, status = error_code(err)
+    proto = SCHEMES.get(protocol_of(url), "s3")
+    bucket = bucket_of(url)
+    creds = CREDENTIALS_HELP[proto]
+    if code in ("NoSuchBucket", "ContainerNotFound") or (
+        isinstance(err, FileNotFoundError) and "bucket" in str(err).lower()
+    ):
+        return ObjectStoreError(
+            f"cannot {what} {redact(url)}: the bucket {bucket} does not exist (or is not visible "
+            f"to these credentials); check the bucket's name and region, and for a server other "
+            f"than the provider's the endpoint ({creds})",
+            bucket,
+        )
+    if (
+        isinstance(err, PermissionError)
+        or status in (401, 403)
+        or code
+        in (
+            "AccessDenied",
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+            "ExpiredToken",
+            "AuthorizationPermissionMismatch",
+        )
+    ):
+        return ObjectStoreError(
+            f"cannot {what} {redact(url)}: access to the bucket {bucket} was denied "
+            f"({describe(err)}); check the credentials this process gets ({creds}) and that "
+            f"they may list and read the bucket (s3:ListBucket and s3:GetObject on AWS, "
+            f"storage.objects.list and .get on GCS)",
+            bucket,
+        )
+    if type(err).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+        return ObjectStoreError(
+            f"cannot {what} {redact(url)}: no credentials were found ({describe(err)}); "
+            f"provide them through {creds}",
+            bucket,
+        )
+    return None
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """WebDataset's shard patterns: ``train-{000..003}.tar`` (zero-padded ranges) and
+    ``{a,b}`` alternatives, every group expanded in order."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if m is None:
+        return [pattern]
+    head, body, tail = pattern[: m.start()], m[1], pattern[m.end() :]
+    r = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if r:
+        a, b = int(r[1]), int(r[2])
+        width = len(r[1]) if r[1].startswith("0") or len(r[1]) == len(r[2]) else 0
+        step = 1 if b >= a else -1
+        options = [f"{k:0{width}d}" for k in range(a, b + step, step)]
+    elif "," in body:
+        options = body.split(",")
+    else:
+        return [head + "{" + body + "}" + t for t in expand_braces(tail)]
+    return [head + o + t for o in options for t in expand_braces(tail)]
+
+
+def tag_of(info: dict) -> str:
+    """What changes when an object is rewritten: GCS' generation, else the ETag, else mtime."""
+    for k in ("generation", "ETag", "etag", "md5Hash", "content_md5", "mtime", "LastModified"):
+        v = info.get(k)
+        if v not in (None, ""):
+            return f"{k}={v}"
+    return ""
+
+
+def _tag_hash(tag: str) -> int:
+    return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "little")
+
+
+class Listing(Sequence[str]):
+    """The objects a build fetches, in build order: URLs (packed), sizes, ETag hashes.
+
+    ``sizes[i] == -1`` for an object named by a list that does not exist (``missing``). About
+    25 bytes an object plus its name: no dict or object per object is kept."""
+
+    def __init__(
+        self,
+        protocol: str,
+        urls: PathList,
+        sizes: np.ndarray,
+        tags: np.ndarray,
+        missing: dict[int, str] | None = None,
+        relist: Callable[[], Listing] | None = None,
+        where: str = "",
+        fs: Any = None,
+    ) -> None:
+        self.protocol, self.urls, self.sizes, self.tags = protocol, urls, sizes, tags
+        self.fs = fs  # the client that listed them (its session and connections are reused)
+        self.missing = missing or {}
+        self._relist = relist
+        self.where = where  # what was listed: a prefix, a pattern, "N URLs"
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.urls[i]
+
+    def path(self, i: int) -> str:
+        return strip(self.urls[i])
+
+    def fingerprint(self, h) -> None:
+        """Feed every object's URL, size and ETag hash to the hash ``h`` (the node key)."""
+        for s in range(0, len(self), 4096):
+            part = range(s, min(len(self), s + 4096))
+            h.update("\n".join(self.urls[i] for i in part).encode("utf-8", "surrogateescape"))
+            h.update(self.sizes[part.start : part.stop].tobytes())
+            h.update(self.tags[part.start : part.stop].tobytes())
+
+    def relist(self) -> Listing | None:
+        return None if self._relist is None else self._relist()
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} objects of {self.where}>"
+
+
+class _Packer:
+    """URLs, sizes and ETag hashes appended folder by folder into a :class:`Listing`."""
+
+    def __init__(self) -> None:
+        self.prefixes: list[str] = []
+        self.folder_of, self.ends, self.blobs, self.end = array("I"), array("Q"), [], 0
+        self.sizes, self.tags = array("q"), array("Q")
+
+    def add_folder(self, prefix: str, names: list[str], infos: list[dict]) -> None:
+        if not names:
+            return
+        self.folder_of.extend([len(self.prefixes)] * len(names))
+        self.prefixes.append(prefix)
+        encoded = [os.fsencode(n) for n in names]
+        for b in encoded:
+            self.end += len(b)
+            self.ends.append(self.end)
+        self.blobs.append(b"".join(encoded))
+        for info in infos:
+            self.sizes.append(int(info.get("size", -1) if info else -1))
+            self.tags.append(_tag_hash(tag_of(info)) if info else 0)
+
+    def listing(self, protocol: str, **kw) -> Listing:
+        urls = PathList(self.prefixes, self.folder_of, self.ends, b"".join(self.blobs))
+        sizes = np.frombuffer(self.sizes, dtype=np.int64).copy() if self.sizes else np.zeros(0)
+        tags = np.frombuffer(self.tags, dtype=np.uint64).copy() if self.tags else np.zeros(0)
+        return Listing(protocol, urls, sizes.astype(np.int64), tags.astype(np.uint64), **kw)
+
+
+def _call(url: str, fn: Callable[[], Any], what: str = "list") -> Any:
+    """``fn()``, retried on transient errors; a denied or missing bucket is a clear error."""
+    from ._fetch import retrying
+
+    try:
+        return retrying(fn)
+    except OSError as err:
+        clear = access_error(url, err, what)
+        if clear is not None:
+            raise clear from None
+        raise
+    except Exception as err:
+        clear = access_error(url, err, what)
+        if clear is not None:
+            raise clear from None
+        raise ObjectStoreError(f"cannot {what} {redact(url)}: {describe(err)}", url) from err
+
+
+def read_text(url: str, storage_options: dict | None) -> str:
+    """A small text object (a CSV list), UTF-8."""
+    fs = filesystem(url, storage_options)
+    data = _call(url, lambda: fs.cat_file(strip(url)), "read")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{redact(url)} is not UTF-8 text ({err}); give a CSV in UTF-8") from None
+
+
+def list_folder(
+    url: str, storage_options: dict | None, fs: Any = None
+) -> tuple[Listing, np.ndarray, list[str]]:
+    """Objects, labels and class names of an ImageFolder layout under a prefix, in the order
+    ``torchvision.datasets.ImageFolder`` gives the same tree on a disk (classes sorted; in each,
+    folders sorted by path and files by name; the same extensions)."""
+    proto = protocol_of(url)
+    fs = fs or filesystem(url, storage_options)
+    root = strip(url).rstrip("/")
+    base = f"{proto}://"
+    try:
+        top = _call(url, lambda: fs.ls(root, detail=True))
+    except FileNotFoundError:
+        top = []
+    classes = sorted(
+        e["name"].rstrip("/").rsplit("/", 1)[-1] for e in top if e.get("type") == "directory"
+    )
+    if not classes:
+        raise FileNotFoundError(
+            f"no class folders under {redact(url)}: from_folder expects the ImageFolder "
+            "layout PREFIX/<class>/<image> (objects named PREFIX/ants/1.jpg, ...)"
+        )
+    pack = _Packer()
+    counts = np.zeros(len(classes), dtype=np.int64)
+    for label, name in enumerate(classes):
+        before = len(pack.sizes)
+        folders = sorted(
+            _call(url, lambda name=name: list(fs.walk(f"{root}/{name}", detail=True))),
+            key=lambda w: w[0],
+        )
+        for folder, _, files in folders:
+            names = sorted(n for n in files if n.lower().endswith(IMG_EXTENSIONS))
+            pack.add_folder(f"{base}{folder.rstrip('/')}/", names, [files[n] for n in names])
+        counts[label] = len(pack.sizes) - before
+    empty = [c for c, k in zip(classes, counts) if k == 0]
+    if len(empty) == len(classes):
+        raise FileNotFoundError(
+            f"found no image under {redact(url)}: none of its {len(classes)} class folders holds "
+            f"an object ending in {', '.join(IMG_EXTENSIONS)}; from_folder expects "
+            "PREFIX/<class>/<image>"
+        )
+    if empty:
+        log.warning(
+            "gpucache: %d class folders of %s hold no image and keep their label with no "
+            "sample: %s",
+            len(empty),
+            redact(url),
+            ", ".join(empty[:10]),
+        )
+    listing = pack.listing(
+        proto,
+        relist=lambda: list_folder(url, storage_options, fs)[0],
+        where=redact(url),
+        fs=fs,
+    )
+    labels = np.repeat(np.arange(len(classes), dtype=np.int64), counts)
+    return listing, labels, classes
+
+
+#: A folder named by at least this many URLs of a list is listed (1 request per 1,000 objects);
+#: fewer are asked for one by one (1 request each).
+LIST_FOLDER_FROM = 32
+
+
+def list_urls(
+    urls: Sequence[str], storage_options: dict | None, *, threads: int = 32, fs: Any = None
+) -> Listing:
+    """Size and ETag of each URL of a list (``from_files``, ``from_csv``), in the list's order.
+
+    Consecutive URLs of one folder are looked up in one listing of that folder when there are
+    at least ``LIST_FOLDER_FROM`` of them, else each with a HEAD request (``threads`` at once);
+    a URL with no object is kept as missing (a bad sample with that reason, never a hole)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    urls = [os.fspath(u) for u in urls]
+    protos = {protocol_of(u) for u in urls}
+    if len(protos) > 1:
+        raise ValueError(
+            f"the list mixes URL schemes ({', '.join(sorted(protos))}); build one store per "
+            "storage service, or copy the data to one"
+        )
+    proto = protos.pop() if protos else "s3"
+    fs = fs or filesystem(urls[0] if urls else "s3://", storage_options)
+    pack = _Packer()
+    missing: dict[int, str] = {}
+
+    def head(u: str) -> dict | None:
+        try:
+            return _call(u, lambda: fs.info(strip(u)), "read")
+        except FileNotFoundError:
+            return None
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="gpucache-list") as pool:
+        for folder, run in _runs(urls):
+            names = [u[len(folder) :] for u in run]
+            if len(run) >= LIST_FOLDER_FROM:
+                try:
+                    entries = _call(folder, lambda f=folder: fs.ls(strip(f), detail=True))
+                except FileNotFoundError:
+                    entries = []
+                found = {
+                    e["name"].rsplit("/", 1)[-1]: e for e in entries if e.get("type") == "file"
+                }
+                infos = [found.get(n) for n in names]
+            else:
+                infos = list(pool.map(head, run))
+            start = len(pack.sizes)
+            pack.add_folder(folder, names, [i or {} for i in infos])
+            for k, info in enumerate(infos):
+                if not info:
+                    missing[start + k] = (
+                        "no such object (check the URL; listed when the build began)"
+                    )
+    listing = pack.listing(
+        proto,
+        missing=missing,
+        relist=lambda: list_urls(urls, storage_options, threads=threads, fs=fs),
+        where=f"{len(urls):,} URLs" + (f" ({bucket_of(urls[0])})" if urls else ""),
+        fs=fs,
+    )
+    for i in missing:
+        listing.sizes[i] = -1
+    return listing
+
+
+def _runs(urls: Sequence[str]) -> Iterator[tuple[str, list[str]]]:
+    """``(folder URL with its slash, consecutive URLs in it)``."""
+    run: list[str] = []
+    folder = None
+    for u in urls:
+        f = u.rpartition("/")[0] + "/"
+        if f != folder and run:
+            yield folder, run  # type: ignore[misc]
+            run = []
+        folder = f
+        run.append(u)
+    if run:
+        yield folder, run  # type: ignore[misc]
+
+
+def list_shards(shards: Iterable[str], storage_options: dict | None) -> Listing:
+    """Size and ETag of each shard: brace patterns expanded (``{000..003}``, ``{a,b}``), glob
+    patterns (``*``, ``?``) matched against the bucket's listing."""
+    expanded: list[str] = []
+    fs = None
+    for pattern in shards:
+        for u in expand_braces(pattern):
+            if any(c in strip(u) for c in "*?["):
+                fs = fs or filesystem(u, storage_options)
+                matched = sorted(_call(u, lambda u=u, fs=fs: fs.glob(strip(u))))
+                if not matched:
+                    raise FileNotFoundError(f"no object matches {redact(u)}")
+                expanded += [f"{protocol_of(u)}://{m}" for m in matched]
+            else:
+                expanded.append(u)
+    return list_urls(expanded, storage_options, threads=8, fs=fs)

@@ -1,0 +1,235 @@
+"""The ``from_*`` builders for objects in storage (``s3://``, ``gs://``, ``az://`` URLs).
+
+Always built once per node, in the node cache (its default folder without ``cache_dir``): the
+node's first rank lists the objects (the key covers every URL with its size and ETag), fetches
+them into a spool beside the store (resumed if a build was killed) and builds; the other ranks
+wait and map the store, as for files. ``storage_options`` go to the client and nowhere else:
+not into the key, the store, its records or a log line.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+from collections.abc import Sequence
+
+from ..ingest._remote import is_url, redact
+
+_OPTIONS = ("on_error", "max_pixels", "restart_markers", "max_side", "jpeg_quality")
+
+
+def any_url(items) -> bool:
+    """True when a source names objects in storage (a URL, or a list holding one)."""
+    if isinstance(items, os.PathLike):
+        text = os.fspath(items)
+        if isinstance(text, str) and re.match(r"(s3a?|gs|gcs|az|abfss?):/[^/]", text):
+            raise ValueError(
+                f"{text!r} looks like a URL turned into a path (pathlib folds its '//' into "
+                f"'/'); pass the URL as a string: {text.replace(':/', '://', 1)!r}"
+            )
+        return False
+    if isinstance(items, str):
+        return is_url(items)
+    try:
+        return any(isinstance(x, str) and is_url(x) for x in items)
+    except TypeError:
+        return False
+
+
+def _all_urls(items: Sequence, what: str) -> list[str]:
+    out = [os.fspath(x) if isinstance(x, os.PathLike) else x for x in items]
+    local = [x for x in out if not (isinstance(x, str) and is_url(x))]
+    if local:
+        raise ValueError(
+            f"{what} mixes URLs of objects in storage with other items (first: "
+            f"{local[0]!r}); build one store from URLs and another from local files, or copy "
+            "the data to one place"
+        )
+    return out
+
+
+def _kw(opts: dict) -> dict:
+    """The build options ``ingest._build.build`` takes, from a builder's arguments."""
+    return {
+        k: opts[k]
+        for k in (
+            "on_error",
+            "num_threads",
+            "max_pixels",
+            "restart_markers",
+            "max_side",
+            "jpeg_quality",
+        )
+    }
+
+
+def _built(cls, scan, make, request, opts):
+    from ._cache import built_once
+
+    cache = built_once(
+        cls,
+        scan,
+        make,
+        request,
+        cache_dir=opts["cache_dir"],
+        max_bytes=opts["cache_max_bytes"],
+        remote=True,
+    )
+    cache.max_pixels = opts["max_pixels"]
+    return cache
+
+
+def from_folder(cls, root: str, *, storage_options, requests_in_flight, **opts):
+    """``JpegCache.from_folder`` of a prefix in ImageFolder layout (``s3://b/train/``)."""
+    from ..ingest._objects import build_objects
+    from ..ingest._remote import list_folder
+
+    options = tuple(opts[k] for k in _OPTIONS)
+
+    def scan():
+        listing, labels, classes = list_folder(root, storage_options)
+        return listing, (labels, classes, *options)
+
+    def make(listing, extra, on_progress, base):
+        return build_objects(
+            cls,
+            listing,
+            extra[0],
+            extra[1],
+            None,
+            base=base,
+            storage_options=storage_options,
+            requests=requests_in_flight,
+            progress=opts["progress"],
+            on_progress=on_progress,
+            **_kw(opts),
+        )
+
+    return _built(cls, scan, make, (redact(root.rstrip("/") + "/"), *options), opts)
+
+
+def from_files(
+    cls, urls, labels, metadata, *, classes, storage_options, requests_in_flight, **opts
+):
+    """``JpegCache.from_files`` of object URLs (and ``from_csv`` of a list of them)."""
+    from ..ingest._build import check_labels
+    from ..ingest._objects import build_objects
+    from ..ingest._remote import list_urls
+
+    urls = _all_urls(urls, "the list")
+    labels_arr, names = check_labels(len(urls), labels, classes)
+    if metadata is not None and len(metadata) != len(urls):
+        raise ValueError(
+            f"metadata has {len(metadata)} entries for {len(urls)} items; "
+            "give one string per item (or metadata=None)."
+        )
+    meta = None if metadata is None else [str(m) for m in metadata]
+    options = tuple(opts[k] for k in _OPTIONS)
+
+    def scan():
+        return list_urls(urls, storage_options), (labels_arr, names, meta, *options)
+
+    def make(listing, extra, on_progress, base):
+        return build_objects(
+            cls,
+            listing,
+            extra[0],
+            extra[1],
+            extra[2],
+            base=base,
+            storage_options=storage_options,
+            requests=requests_in_flight,
+            progress=opts["progress"],
+            on_progress=on_progress,
+            **_kw(opts),
+        )
+
+    return _built(cls, scan, make, ([redact(u) for u in urls], *options), opts)
+
+
+def csv_lists_urls(path) -> bool:
+    """True for a CSV in storage, or a local CSV whose first file cell is a URL."""
+    path = os.fspath(path)
+    if is_url(path):
+        return True
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            head = f.read(1 << 16)
+    except (OSError, UnicodeDecodeError):
+        return False  # the local builder reports it
+    rows = [r for r in csv.reader(io.StringIO(head)) if r and r[0].strip()]
+    return any(is_url(r[0].strip()) for r in rows[:2])
+
+
+def from_csv(cls, path, *, classes, delimiter, header, storage_options, requests_in_flight, **opts):
+    """``JpegCache.from_csv`` of a CSV listing object URLs (the CSV itself local or in storage;
+    its relative rows are taken against its own folder), read once per node."""
+    from ..ingest._objects import build_objects
+    from ..ingest._remote import list_urls
+    from ..ingest._sources import read_csv
+
+    options = tuple(opts[k] for k in _OPTIONS)
+    where = os.fspath(path)
+
+    def scan():
+        files, labels, names, meta = read_csv(
+            where,
+            classes=classes,
+            delimiter=delimiter,
+            header=header,
+            storage_options=storage_options,
+        )
+        listing = list_urls(_all_urls(files, f"the CSV {redact(where)}"), storage_options)
+        return listing, (labels, names, meta, *options)
+
+    def make(listing, extra, on_progress, base):
+        return build_objects(
+            cls,
+            listing,
+            extra[0],
+            extra[1],
+            extra[2],
+            base=base,
+            storage_options=storage_options,
+            requests=requests_in_flight,
+            progress=opts["progress"],
+            on_progress=on_progress,
+            **_kw(opts),
+        )
+
+    local = where if is_url(where) else os.path.abspath(where)
+    request = (redact(local), classes, delimiter, header, *options)
+    return _built(cls, scan, make, request, opts)
+
+
+def from_webdataset(
+    cls, shards, *, classes, metadata_ext, storage_options, requests_in_flight, **opts
+):
+    """``JpegCache.from_webdataset`` of shards in storage; brace patterns as WebDataset writes
+    them (``train-{000..003}.tar``) and globs (``*.tar``) are expanded against the bucket."""
+    from ..ingest._objects import build_shards
+    from ..ingest._remote import list_shards
+
+    patterns = _all_urls([shards] if isinstance(shards, str) else list(shards), "shards")
+    options = (classes, metadata_ext, *(opts[k] for k in _OPTIONS))
+
+    def scan():
+        return list_shards(patterns, storage_options), options
+
+    def make(listing, extra, on_progress, base):
+        return build_shards(
+            cls,
+            listing,
+            base=base,
+            storage_options=storage_options,
+            requests=requests_in_flight,
+            progress=opts["progress"],
+            on_progress=on_progress,
+            classes=classes,
+            metadata_ext=metadata_ext,
+            **_kw(opts),
+        )
+
+    return _built(cls, scan, make, ([redact(p) for p in patterns], *options), opts)

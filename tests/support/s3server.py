@@ -1,0 +1,204 @@
+"""A real S3 server on this machine for the object-storage tests: moto's ``ThreadedMotoServer``
+on 127.0.0.1 (a free port), with a fault layer in front of its WSGI app.
+
+The fault layer counts every request by method and path (``server.count("GET", "/bkt/k")``) and
+applies the rules a test adds (``server.fail(...)``): an HTTP error (503 SlowDown, 403
+AccessDenied), a connection dropped before the response or in the middle of its body, a delay
+before the response, or a hook run before the request is served. Each rule applies a bounded
+number of times (``times``) or until removed. Nothing here reaches any address but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from moto.moto_server.werkzeug_app import (
+    DomainDispatcherApplication,
+    MotoRequestHandler,
+    create_backend_app,
+)
+from moto.server import ThreadedMotoServer
+from werkzeug.serving import make_server
+
+ERROR_XML = (
+    '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+    "<Message>{message}</Message><RequestId>fault</RequestId></Error>"
+)
+
+
+@dataclass
+class Rule:
+    method: str
+    match: Callable[[str], bool]
+    kind: str  # "status", "drop", "cut", "delay", "hook"
+    times: int | None  # None: until removed
+    status: int = 503
+    code: str = "SlowDown"
+    seconds: float = 0.0
+    hook: Callable[[str], None] | None = None
+
+
+class FaultLayer:
+    """WSGI middleware: counts requests, applies the fault rules, passes the rest to moto."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.lock = threading.Lock()
+        self.counts: Counter = Counter()
+        self.rules: list[Rule] = []
+        self.closing = threading.Event()  # cuts delays short when the server stops
+
+    def __call__(self, environ, start_response):
+        method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
+        with self.lock:
+            self.counts[(method, path)] += 1
+            rule = next(
+                (r for r in self.rules if r.method in (method, "*") and r.match(path)), None
+            )
+            if rule is not None and rule.times is not None:
+                rule.times -= 1
+                if rule.times <= 0:
+                    self.rules.remove(rule)
+        if rule is None:
+            return self.app(environ, start_response)
+        if rule.kind == "status":
+            body = ERROR_XML.format(code=rule.code, message=f"injected {rule.code}").encode()
+            start_response(
+                f"{rule.status} Injected",
+                [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+            )
+            return [body]
+        if rule.kind == "drop":  # the connection goes before any response
+            sock = environ.get("werkzeug.socket")
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+            raise ConnectionAbortedError("fault layer: connection dropped")
+        if rule.kind == "delay":
+            self.closing.wait(rule.seconds)  # a slow server, not a synchronisation
+        elif rule.kind == "hook" and rule.hook is not None:
+            rule.hook(path)
+        if rule.kind == "cut":  # half the body, then the connection goes
+            chunks = []
+            status_headers = {}
+
+            def keep(status, headers, exc_info=None):
+                status_headers.update(status=status, headers=headers)
+                return chunks.append
+
+            for part in self.app(environ, keep):
+                chunks.append(part)
+            body = b"".join(chunks)
+            start_response(status_headers["status"], status_headers["headers"])
+            return _cut(body)
+        return self.app(environ, start_response)
+
+
+def _cut(body: bytes) -> Iterator[bytes]:
+    yield body[: len(body) // 2]
+    raise ConnectionResetError("fault layer: body cut")
+
+
+class S3Server(ThreadedMotoServer):
+    """moto's threaded server on 127.0.0.1 behind a :class:`FaultLayer`."""
+
+    def __init__(self) -> None:
+        super().__init__(ip_address="127.0.0.1", port=0, verbose=False)
+        self.faults = FaultLayer(DomainDispatcherApplication(create_backend_app))
+
+    def _server_entry(self) -> None:
+        self._server = make_server(
+            self._ip_address,
+            self._port,
+            self.faults,
+            True,
+            request_handler=MotoRequestHandler,
+        )
+        self._server_ready_event.set()
+        self._server.serve_forever()
+
+    def start(self) -> None:
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+        super().start()
+
+    def stop(self) -> None:
+        self.faults.closing.set()
+        super().stop()
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self.get_host_and_port()
+        assert host == "127.0.0.1", host
+        return f"http://{host}:{port}"
+
+    def env(self, secret: str = "gpucache-test-secret") -> dict[str, str]:
+        """The standard variables a client reads, pointing at this server only."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "gpucache-test-key",
+            "AWS_SECRET_ACCESS_KEY": secret,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",  # never ask an instance metadata address
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        }
+
+    # ------------------------------------------------------------------ counting and faults
+    def count(self, method: str = "GET", path: str | None = None) -> int:
+        with self.faults.lock:
+            return sum(
+                n
+                for (m, p), n in self.faults.counts.items()
+                if m == method and (path is None or p == path)
+            )
+
+    def gets(self, prefix: str) -> Counter:
+        """GET requests per object path under ``prefix`` (``/bucket/key...``)."""
+        with self.faults.lock:
+            return Counter(
+                {
+                    p: n
+                    for (m, p), n in self.faults.counts.items()
+                    if m == "GET" and p.startswith(prefix) and "?" not in p
+                }
+            )
+
+    def reset_counts(self) -> None:
+        with self.faults.lock:
+            self.faults.counts.clear()
+
+    def fail(
+        self,
+        kind: str,
+        match: str | Callable[[str], bool],
+        *,
+        method: str = "GET",
+        times: int | None = 1,
+        status: int = 503,
+        code: str = "SlowDown",
+        seconds: float = 0.0,
+        hook: Callable[[str], None] | None = None,
+    ) -> Rule:
+        test = match if callable(match) else (lambda p, m=match: m in p)
+        rule = Rule(method, test, kind, times, status, code, seconds, hook)
+        with self.faults.lock:
+            self.faults.rules.append(rule)
+        return rule
+
+    def clear_faults(self) -> None:
+        with self.faults.lock:
+            self.faults.rules.clear()
+
+    @contextmanager
+    def faulty(self) -> Iterator[S3Server]:
+        """Rules added inside are removed at the end, whatever happened."""
+        try:
+            yield self
+        finally:
+            self.clear_faults()
