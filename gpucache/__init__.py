@@ -16,6 +16,7 @@ from .ingest._build import (
     FileRangeSource,
     Skipped,
 )
+from .ingest._remote import ObjectStoreError
 from .ingest._sniff import Kind
 from .loader._loader import BatchInfo, GpuCachedLoader, LoaderStats
 from .node import _builders  # noqa: F401 - the from_* builders of JpegCache (see there)
@@ -53,6 +54,7 @@ __all__ = [
     "GpucacheError",
     "BuildError",
     "CacheFormatError",
+    "ObjectStoreError",
     "SharedMemoryError",
     "SampleError",
     "WorkerError",

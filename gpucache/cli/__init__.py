@@ -35,7 +35,8 @@ def _build(args) -> int:
                 file=sys.stderr,
             )
             return 2
-    except (ValueError, RuntimeError, MemoryError) as err:  # BuildError; no transcoder (the fix)
+    except (ValueError, RuntimeError, MemoryError, ImportError) as err:  # BuildError; no
+        # transcoder, no client for a URL's scheme (each says the fix)
         print(err, file=sys.stderr)
         return 1
     cache.save(args.output)
@@ -131,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpucache", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="pack an ImageFolder tree into one store file")
-    p.add_argument("src", nargs="?", help="ImageFolder root (root/<class>/<image>)")
+    p.add_argument(
+        "src",
+        nargs="?",
+        help="ImageFolder root (root/<class>/<image>), a local folder or a prefix in object "
+        "storage (s3://bucket/train/, gs://..., az://...)",
+    )
     p.add_argument("--csv", help="a CSV of path,label[,metadata] rows instead of a folder")
     p.add_argument("--webdataset", nargs="+", metavar="SHARD", help="WebDataset .tar shards")
     p.add_argument(

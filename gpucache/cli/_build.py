@@ -5,8 +5,10 @@ under the same names as in Python (``--num-threads`` is ``num_threads=``)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from ..store._limits import DEFAULT_MAX_PIXELS
 
@@ -22,6 +24,18 @@ def max_pixels(text: str) -> int | None:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of pixels or 'none'")
     return value
+
+
+def storage_option(text: str) -> tuple[str, object]:
+    """``--storage-option KEY=VALUE``: the value as JSON when it parses, else the string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text.split('=')[0]!r}...: give KEY=VALUE")
+    try:
+        parsed: object = json.loads(value)
+    except ValueError:
+        parsed = value
+    return key.strip(), parsed
 
 
 def add_threads(p: argparse.ArgumentParser, what: str) -> None:
@@ -64,6 +78,23 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "text (e.g. json)",
     )
     p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="for URLs (s3://, gs://, az://): requests to the storage service at once (default 32)",
+    )
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        type=storage_option,
+        metavar="KEY=VALUE",
+        help="for URLs: an fsspec storage option (repeatable; VALUE is JSON when it parses, "
+        "e.g. anon=true, endpoint_url=http://127.0.0.1:9000). Pass credentials through the "
+        "environment, not here: a command line is visible to every user of the machine",
+    )
+    p.add_argument(
         "--hf-label-column",
         default="label",
         metavar="COLUMN",
@@ -82,13 +113,16 @@ def store_from_args(args, cls):
         max_side=args.max_side,
         jpeg_quality=args.jpeg_quality,
     )
-    cache_dir = dict(cache_dir=args.cache_dir)
-    if args.csv:
-        return cls.from_csv(args.csv, delimiter=args.delimiter, **kw, **cache_dir)
-    if args.webdataset:
-        return cls.from_webdataset(
-            args.webdataset, metadata_ext=args.metadata_ext, **kw, **cache_dir
+    cache_dir: dict[str, Any] = dict(cache_dir=args.cache_dir)
+    remote = dict(cache_dir)  # the URL options go to the builders that take URLs
+    if args.storage_option or args.requests is not None:
+        remote.update(
+            storage_options=dict(args.storage_option) or None, requests_in_flight=args.requests
         )
+    if args.csv:
+        return cls.from_csv(args.csv, delimiter=args.delimiter, **kw, **remote)
+    if args.webdataset:
+        return cls.from_webdataset(args.webdataset, metadata_ext=args.metadata_ext, **kw, **remote)
     if args.hf:
         import datasets
 
@@ -104,4 +138,5 @@ def store_from_args(args, cls):
         )
     if args.src is None:
         return None
-    return cls.from_folder(Path(args.src), **kw, **cache_dir)
+    src = args.src if "://" in args.src else Path(args.src)  # a URL keeps its "//"
+    return cls.from_folder(src, **kw, **remote)

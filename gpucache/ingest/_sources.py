@@ -10,11 +10,13 @@ of bytes is made, so the build peaks at one copy of the data.
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import os
+import posixpath
 import re
 import tarfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import numpy as np
 from .._progress import tqdm
 from ._build import BytesSource, FileObjSource, FileRangeSource, Source, build, check_labels
 from ._inputs import Refused
+from ._remote import is_url, read_text
 
 log = logging.getLogger("gpucache")
 
@@ -88,15 +91,29 @@ def read_csv(
     classes: Sequence[str] | None = None,
     delimiter: str = ",",
     header: bool | None = None,
+    storage_options: dict | None = None,
 ):
     """``(files, labels, classes, metadata)`` of a CSV's rows ``path,label[,metadata]``; relative
-    paths are taken against the CSV's folder.
+    paths are taken against the CSV's folder (a CSV in storage: against its URL's folder), URLs
+    (``s3://...``) as they are.
 
     Labels are ints (empty = unlabeled) or class names (mapped to ``classes``, or to the sorted
     names found). ``header=None`` skips a first row whose label cell is ``label``/``class``."""
-    path = Path(path)
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = [r for r in csv.reader(f, delimiter=delimiter) if r and any(c.strip() for c in r)]
+    if isinstance(path, str) and is_url(path):
+        text = read_text(path, storage_options)
+        rows = [
+            r
+            for r in csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+            if r and any(c.strip() for c in r)
+        ]
+        url_base = path.rpartition("/")[0]
+    else:
+        path = Path(path)
+        url_base = None
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = [
+                r for r in csv.reader(f, delimiter=delimiter) if r and any(c.strip() for c in r)
+            ]
     if rows and (
         header
         or header is None
@@ -110,12 +127,22 @@ def read_csv(
                 f"{path}: row {k + 1} has {len(r)} columns; expected "
                 "path,label[,metadata] (quote metadata that contains the delimiter)."
             )
-    base = path.parent
-    files = [os.path.join(base, r[0].strip()) for r in rows]  # absolute paths stay as they are
+    files = [_row_path(r[0].strip(), path, url_base) for r in rows]
     labels, names = _labels_from_column([r[1] if len(r) > 1 else "" for r in rows], classes)
     labels, names = check_labels(len(files), labels, names)
     meta = [r[2] if len(r) > 2 else "" for r in rows] if any(len(r) > 2 for r in rows) else None
     return files, labels, names, meta
+
+
+def _row_path(cell: str, csv_path, url_base: str | None) -> str:
+    """A CSV row's file: a URL as it is; else relative to the CSV's folder or URL (absolute
+    local paths stay as they are)."""
+    if is_url(cell):
+        return cell
+    if url_base is not None:
+        scheme, _, rest = url_base.partition("://")
+        return f"{scheme}://{posixpath.normpath(posixpath.join('/' + rest, cell)).lstrip('/')}"
+    return os.path.join(Path(csv_path).parent, cell)
 
 
 def _split_key(name: str) -> tuple[str, str]:
@@ -125,20 +152,70 @@ def _split_key(name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext.lower() if dot else ""
 
 
-def _shard_samples(shard: str, metadata_ext: str | None):
+class _Range(io.RawIOBase):
+    """``size`` bytes at ``offset`` of the file at ``path``, as a seekable file (a shard held
+    in a larger file, such as the spool of fetched objects)."""
+
+    def __init__(self, path: str | os.PathLike, offset: int, size: int) -> None:
+        super().__init__()
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._offset, self._size, self._pos = offset, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = (0, self._pos, self._size)[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self._size - self._pos))
+        got = os.preadv(self._fd, [memoryview(b)[:n]], self._offset + self._pos) if n else 0
+        self._pos += got
+        return got
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+def _shard_samples(
+    shard: str, metadata_ext: str | None, at: tuple[str | os.PathLike, int, int] | None = None
+):
     """(build input or None, label text or None, metadata text or None, key) per sample.
 
     The input is the image member as a ``FileRangeSource``, or a ``Refused`` one when its header
     claims more bytes than the shard holds. A shard that cannot be opened as a plain tar, or that
     ends early or holds garbage after its members, yields one ``Refused`` input named after the
-    shard (the samples listed before the damage are kept): a bad shard is a bad input."""
+    shard (the samples listed before the damage are kept): a bad shard is a bad input.
+    ``at``: the shard's bytes are ``(path, offset, size)`` (fetched from storage), ``shard`` its
+    name (members are named ``shard/member``)."""
+    path, base = (shard, 0) if at is None else (at[0], at[1])
+    held = None if at is None else _Range(*at)  # tarfile leaves a file object it is given open
     try:
-        size = os.stat(shard).st_size
-        tf = tarfile.open(shard, mode="r:")  # plain tar only: members are read in place
+        size = os.stat(shard).st_size if at is None else at[2]
+        # plain tar only: members are read in place
+        tf = (
+            tarfile.open(shard, mode="r:")
+            if held is None
+            else tarfile.open(fileobj=held, mode="r:")
+        )
     except OSError as err:
+        if held is not None:
+            held.close()
         yield Refused(shard, f"cannot open the shard: {err.strerror or err}"), None, None, shard
         return
     except tarfile.TarError as err:
+        if held is not None:
+            held.close()
         yield (
             Refused(
                 shard,
@@ -174,20 +251,22 @@ def _shard_samples(shard: str, metadata_ext: str | None):
                             )
                     s[ext] = text.strip()
             if tf.offset < size:  # after the last member: the end-of-archive zeros, or damage
-                with open(shard, "rb") as f:
-                    f.seek(tf.offset)
-                    tail = f.read(1 << 16)
+                with open(path, "rb") as f:
+                    f.seek(base + tf.offset)
+                    tail = f.read(min(1 << 16, size - tf.offset))
                 if tail.strip(b"\0"):
                     damage = f"bytes after the last member at byte {tf.offset:,} are no tar header"
         except (tarfile.TarError, EOFError, OSError) as err:
             damage = f"{err} (the headers lead to byte {tf.offset:,}; the shard has {size:,})"
+    if held is not None:
+        held.close()
     for key, s in samples.items():
         images = s.get("images", {})
         m = next((images[e] for e in WDS_IMAGE_EXTS if e in images), None)
         item = (
             None
             if m is None
-            else FileRangeSource(f"{shard}/{m.name}", shard, m.offset_data, m.size)
+            else FileRangeSource(f"{shard}/{m.name}", path, base + m.offset_data, m.size)
         )
         if m is not None and "bad metadata" in s:
             item = Refused(
@@ -223,26 +302,41 @@ def from_webdataset(
     classes: Sequence[str] | None = None,
     metadata_ext: str | None = None,
     progress: bool = True,
+    locate: Callable[[int], tuple[str | os.PathLike, int, int] | Refused] | None = None,
     **build_kw,
 ):
     """Samples of WebDataset tar shards, read straight out of the tars (no extraction).
 
     A sample is the members sharing a key (``dir/key.ext``); its image is the first member with an
     image extension (``WDS_IMAGE_EXTS`` order), its label the integer in ``key.cls`` (-1 if none),
-    its metadata the text of ``key.<metadata_ext>`` (e.g. ``"json"``)."""
+    its metadata the text of ``key.<metadata_ext>`` (e.g. ``"json"``). ``locate(k)``: where shard
+    ``k``'s bytes are, ``(path, offset, size)``, or why it has none (shards fetched from
+    storage, named by their URLs)."""
     shards = (
         [os.fspath(shards)]
         if isinstance(shards, (str, os.PathLike))
         else [os.fspath(s) for s in shards]
     )
-    inputs: list[Source] = []
+    inputs: list[Source | Refused] = []
     labels: list[int] = []
     meta: list[str] = []
     missing: list[str] = []
-    for shard in tqdm(
-        shards, desc="gpucache scan shards", unit="shard", disable=not progress or None, leave=False
+    for k, shard in enumerate(
+        tqdm(
+            shards,
+            desc="gpucache scan shards",
+            unit="shard",
+            disable=not progress or None,
+            leave=False,
+        )
     ):
-        for item, cls_text, meta_text, key in _shard_samples(shard, metadata_ext):
+        at = None if locate is None else locate(k)
+        if isinstance(at, Refused):
+            inputs.append(at)
+            labels.append(-1)
+            meta.append("")
+            continue
+        for item, cls_text, meta_text, key in _shard_samples(shard, metadata_ext, at):
             if item is None:
                 missing.append(f"{shard}/{key}")
                 continue

@@ -15,13 +15,31 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..store import _store
 from ..store._limits import DEFAULT_MAX_PIXELS
+from . import _remote
+from ._remote import any_url, csv_lists_urls
 
 if TYPE_CHECKING:
     from ..store._store import JpegCache
+
+
+def _options(args: dict[str, Any]) -> dict[str, Any]:
+    """The build options among a builder's arguments (``locals()``), for ``_remote``."""
+    names = (
+        "on_error",
+        "num_threads",
+        "progress",
+        "max_pixels",
+        "cache_dir",
+        "cache_max_bytes",
+        "restart_markers",
+        "max_side",
+        "jpeg_quality",
+    )
+    return {k: args[k] for k in names}
 
 
 def from_folder(
@@ -37,8 +55,18 @@ def from_folder(
     restart_markers: bool = False,
     max_side: int | None = None,
     jpeg_quality: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    requests_in_flight: int | None = None,
 ) -> JpegCache:
     """``JpegCache.from_folder`` (see its docstring)."""
+    if any_url(root):  # a prefix in storage (s3://bucket/train/)
+        return _remote.from_folder(
+            cls,
+            os.fspath(root),
+            storage_options=storage_options,
+            requests_in_flight=requests_in_flight,
+            **_options(locals()),
+        )
     from ..ingest._build import build, scan_folder
     from ._cache import built_once
 
@@ -96,8 +124,21 @@ def from_files(
     restart_markers: bool = False,
     max_side: int | None = None,
     jpeg_quality: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    requests_in_flight: int | None = None,
 ) -> JpegCache:
     """``JpegCache.from_files`` (see its docstring)."""
+    if any_url(paths):  # object URLs
+        return _remote.from_files(
+            cls,
+            paths,
+            labels,
+            metadata,
+            classes=classes,
+            storage_options=storage_options,
+            requests_in_flight=requests_in_flight,
+            **_options(locals()),
+        )
     from ..ingest import _sources
     from ._cache import built_once
 
@@ -153,9 +194,22 @@ def from_csv(
     restart_markers=False,
     max_side=None,
     jpeg_quality=None,
+    storage_options=None,
+    requests_in_flight=None,
 ):
     """``JpegCache.from_csv`` (see its docstring): the CSV read once, the files it lists built
     (once per node with ``cache_dir`` or several ranks, keyed on those files)."""
+    if csv_lists_urls(path):  # a CSV in storage, or one listing object URLs
+        return _remote.from_csv(
+            cls,
+            path,
+            classes=classes,
+            delimiter=delimiter,
+            header=header,
+            storage_options=storage_options,
+            requests_in_flight=requests_in_flight,
+            **_options(locals()),
+        )
     from ..ingest._build import build
     from ..ingest._sources import read_csv
     from ._cache import built_once
@@ -209,9 +263,21 @@ def from_webdataset(
     restart_markers=False,
     max_side=None,
     jpeg_quality=None,
+    storage_options=None,
+    requests_in_flight=None,
 ):
     """``JpegCache.from_webdataset`` (see its docstring): built once per node with ``cache_dir``
     or several ranks, keyed on the shard files."""
+    if any_url(shards):  # shards in storage, brace patterns expanded
+        return _remote.from_webdataset(
+            cls,
+            shards,
+            classes=classes,
+            metadata_ext=metadata_ext,
+            storage_options=storage_options,
+            requests_in_flight=requests_in_flight,
+            **_options(locals()),
+        )
     from ..ingest import _sources
     from ._cache import built_once
 

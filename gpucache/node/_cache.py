@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .. import _dist
+from ..ingest._objects import spool_files
+from ..ingest._remote import Listing as ObjectListing
 from ..store._format import CacheFormatError
 from ._clean import clean
 from ._dir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private
@@ -68,6 +70,10 @@ def listing_key(
     """A hash of every path (its folder resolved: symlinks, ``..``, relative to absolute) with its
     size and mtime, plus ``extra`` (labels, classes, options)."""
     h = hashlib.blake2b(_KEY_VERSION, digest_size=16)
+    if isinstance(paths, ObjectListing):  # objects in storage: every URL with its size and ETag
+        paths.fingerprint(h)
+        _hash(h, extra)
+        return h.hexdigest()
     real: dict[str, str] = {}  # folder as named -> resolved (one realpath a folder, not a file)
     for i, p in enumerate(paths):
         st = os.stat(p)
@@ -92,12 +98,16 @@ def built_once(
     cache_dir: str | os.PathLike | None,
     max_bytes: int | None = None,
     stall_timeout: float | None = None,
+    remote: bool = False,
 ):
     """``build(inputs, extra, on_progress)`` once per node, or open the saved store of an unchanged
     listing; in memory for one process without ``cache_dir``. ``request`` names what ``scan()``
-    lists without touching the file system (a root, or the paths, plus the options)."""
+    lists without touching the file system (a root, or the paths, plus the options).
+    ``remote``: objects in storage, always built in the node cache (default folder without
+    ``cache_dir``), and ``build(inputs, extra, on_progress, base)`` fetches them into a spool
+    named after ``base`` (``<folder>/<key>``), removed once the store is saved."""
     stall = STALL_TIMEOUT_S if stall_timeout is None else stall_timeout
-    if cache_dir is None and not several_ranks():
+    if cache_dir is None and not several_ranks() and not remote:
         return build(*scan(), None)
     listing, named = None, request[0]
     if not isinstance(named, (str, os.PathLike)) and not all(
@@ -138,11 +148,14 @@ def built_once(
                     key = new
                     continue
             lock.phase("building", len(listing[0]))
-            built = build(*listing, lock.progress)
+            built = build(*listing, lock.progress, *((folder / key,) if remote else ()))
             lock.phase("saving", len(built))
             built.save(store, mode=0o600)
             info = {"source": _source(request), "samples": len(built), "created": time.time()}
             write_private(folder / f"{key}.info", json.dumps(info).encode())
+            if remote:  # the store is saved: the fetched objects are no longer needed
+                for spool in spool_files(folder / key):
+                    spool.unlink(missing_ok=True)
             cache = _open(cls, store)
             if cache is None:
                 raise CacheFormatError(f"{store}: the store just saved does not open again")

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -137,6 +137,8 @@ class JpegCache:
         restart_markers: bool = False,
         max_side: int | None = None,
         jpeg_quality: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        requests_in_flight: int | None = None,
     ) -> JpegCache:
         """Pack an ImageFolder tree (``root/<class>/<image>``); labels as torchvision assigns.
         ``max_pixels``: images whose header claims more pixels are refused (None: no bound).
@@ -145,7 +147,13 @@ class JpegCache:
         ``restart_markers``: JPEGs transcoded losslessly so crops decode faster (README "Backends").
         ``max_side``: images with a longer side re-encoded once to it; ``jpeg_quality``: their
         quality, and every other image re-encoded at it where that is smaller (lossy, opt-in;
-        docs/guides/stores.md)."""
+        docs/guides/stores.md).
+        ``root`` may be a URL of a prefix in object storage (``s3://bucket/train/``, ``gs://``,
+        ``az://``; the ``s3``/``gcs``/``azure`` extra): fetched once per node into the node cache
+        (``cache_dir`` or its default folder), resumed if a build was killed.
+        ``storage_options``: passed to the fsspec client (credentials otherwise from the
+        environment, config files or instance role); ``requests_in_flight``: requests at once
+        (default 32) (docs/guides/object-storage.md)."""
         return _builder("from_folder")(
             cls,
             root,
@@ -158,6 +166,8 @@ class JpegCache:
             restart_markers=restart_markers,
             max_side=max_side,
             jpeg_quality=jpeg_quality,
+            storage_options=storage_options,
+            requests_in_flight=requests_in_flight,
         )
 
     @classmethod
@@ -177,9 +187,12 @@ class JpegCache:
         restart_markers: bool = False,
         max_side: int | None = None,
         jpeg_quality: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        requests_in_flight: int | None = None,
     ) -> JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
-        ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder."""
+        ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder. Object
+        URLs (``s3://bucket/a.jpg``, all items) are fetched once per node as in from_folder."""
         return _builder("from_files")(
             cls,
             paths,
@@ -195,6 +208,8 @@ class JpegCache:
             restart_markers=restart_markers,
             max_side=max_side,
             jpeg_quality=jpeg_quality,
+            storage_options=storage_options,
+            requests_in_flight=requests_in_flight,
         )
 
     @classmethod
@@ -214,11 +229,14 @@ class JpegCache:
         restart_markers: bool = False,
         max_side: int | None = None,
         jpeg_quality: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        requests_in_flight: int | None = None,
     ) -> JpegCache:
         """Pack the files a CSV lists as ``path,label[,metadata]`` (paths relative to the CSV;
         labels ints or class names; ``header=None`` skips a first row labelled ``label``/``class``).
         The build options (``on_error`` to ``jpeg_quality``) as in from_folder; with
-        ``cache_dir`` the store is keyed on the listed files."""
+        ``cache_dir`` the store is keyed on the listed files. Rows may be object URLs, and the
+        CSV itself may be in storage (relative rows then name objects beside it)."""
         return _builder("from_csv")(
             cls,
             path,
@@ -234,6 +252,8 @@ class JpegCache:
             restart_markers=restart_markers,
             max_side=max_side,
             jpeg_quality=jpeg_quality,
+            storage_options=storage_options,
+            requests_in_flight=requests_in_flight,
         )
 
     @classmethod
@@ -252,9 +272,13 @@ class JpegCache:
         restart_markers: bool = False,
         max_side: int | None = None,
         jpeg_quality: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        requests_in_flight: int | None = None,
     ) -> JpegCache:
         """Pack WebDataset tar shards (images and ``.cls`` labels), read in place from the tars;
-        the build options as in from_folder (with ``cache_dir`` keyed on the shard files)."""
+        the build options as in from_folder (with ``cache_dir`` keyed on the shard files).
+        Shards in storage are URLs, with WebDataset's brace patterns
+        (``s3://bucket/train-{000..099}.tar``) or globs, fetched once per node."""
         return _builder("from_webdataset")(
             cls,
             shards,
@@ -269,6 +293,8 @@ class JpegCache:
             restart_markers=restart_markers,
             max_side=max_side,
             jpeg_quality=jpeg_quality,
+            storage_options=storage_options,
+            requests_in_flight=requests_in_flight,
         )
 
     @classmethod
