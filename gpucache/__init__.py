@@ -3,6 +3,8 @@
 The public surface is exactly ``__all__``; modules starting with ``_`` are private.
 """
 
+from types import ModuleType as _ModuleType  # private: the public surface is __all__
+
 from . import transforms
 from ._dataset import JpegDataset
 from ._errors import GpucacheError
@@ -17,10 +19,10 @@ from .ingest._build import (
     Skipped,
 )
 from .ingest._remote import ObjectStoreError
-from .ingest._sniff import Kind
-from .loader._loader import BatchInfo, GpuCachedLoader, LoaderStats
+from .loader._loader import BatchInfo, GpuCachedLoader
+from .loader._stats import LoaderStats
 from .node import _builders  # noqa: F401 - the from_* builders of JpegCache (see there)
-from .store._format import CacheFormatError
+from .store._format import CacheFormatError, Kind
 from .store._shm import SharedMemoryError
 from .store._store import JpegCache
 from .store._targets import with_targets
@@ -28,7 +30,7 @@ from .store._targets import with_targets
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> _ModuleType:
     """``gpucache.testing`` (synthetic photos for tests and benchmarks) is imported on first use,
     so ``import gpucache`` stays without it (and without the PIL modules it draws with)."""
     if name == "testing":

@@ -43,3 +43,12 @@ class Backend(ABC):
     def pids(self) -> list[int]:
         """Worker processes this backend runs (for leak checks)."""
         return []
+
+    def ready(self) -> int:
+        """Submitted batches already decoded and waiting to be taken (queue occupancy)."""
+        return 0
+
+    def private_memory(self) -> dict[int, int]:
+        """Private dirty bytes of each worker process, by worker id (none for in-process
+        backends)."""
+        return {}

@@ -11,6 +11,8 @@ flip), and :func:`decode_batch`, which the worker processes and the GPU backends
 from __future__ import annotations
 
 import io
+import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +41,8 @@ def decode_pil(data: np.ndarray) -> torch.Tensor:
     16-bit samples scaled to 8 bits (:func:`gpucache.ingest._pixels.eight_bit`)."""
     from PIL import Image, ImageOps
 
-    with Image.open(io.BytesIO(data)) as im:
+    # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
+    with Image.open(io.BytesIO(data)) as im:  # type: ignore[arg-type]
         rgb = eight_bit(ImageOps.exif_transpose(im)).convert("RGB")
     return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)
 
@@ -100,6 +103,12 @@ class Decoded:
     cpu_decoded: int = 0  # samples that took the CPU path (GPU backends' fallback)
     roi_decoded: int = 0  # of those, JPEGs decoded only inside their crop box (see ._roi)
     warned: list[tuple[int, str]] = field(default_factory=list)  # kept, but libjpeg warned
+    #: seconds spent on this batch by stage ("read", "decode", "resize", "collate") and by decode
+    #: route ("region", "scaled", "full", "fallback"); see gpucache/loader/_stats.py
+    times: dict[str, float] = field(default_factory=dict)
+    routes: dict[str, int] = field(default_factory=dict)  # images decoded by each route
+    busy: float = 0.0  # seconds its producer (a worker, a thread) was busy on it
+    worker: int = -1  # the worker that made it (-1: the loader's process)
 
 
 class SampleError(GpucacheError, RuntimeError):
@@ -157,8 +166,9 @@ def _decode_box(
     restart: int,
     regions: dict,
     denom: int,
-) -> tuple[torch.Tensor, bool]:
-    """Sample ``i`` cropped to the plan's first crop box; True if only the box was decoded.
+) -> tuple[torch.Tensor, bool, int]:
+    """Sample ``i`` cropped to the plan's first crop box; True if only the box was decoded; the
+    DCT scale denominator it was decoded at.
 
     With ``denom`` > 1 (``exact=False``, :func:`._scaled.fast_plan`) the box is decoded at
     1/``denom`` DCT scale (compiled decoder only), so the result is smaller than the box."""
@@ -177,18 +187,22 @@ def _decode_box(
         whole = (h1, w1) == (height, width)
         if whole and denom == 1:  # no crop: whole, but through the compiled decoder,
             if region is not _roi._c_region:  # which reports libjpeg's warnings per sample
-                return _decode_full(cache, i, kind), False
-            return _roi.decode_crop(
-                cache[i],
-                0,
-                0,
-                height,
-                width,
-                orientation=orientation,
-                height=height,
-                width=width,
-                region=region,
-            ), False
+                return _decode_full(cache, i, kind), False, 1
+            return (
+                _roi.decode_crop(
+                    cache[i],
+                    0,
+                    0,
+                    height,
+                    width,
+                    orientation=orientation,
+                    height=height,
+                    width=width,
+                    region=region,
+                ),
+                False,
+                1,
+            )
         kw = dict(orientation=orientation, height=height, width=width, region=region)
         try:
             if restart:
@@ -210,9 +224,9 @@ def _decode_box(
                 regions,
                 1,
             )
-        return x, not whole
+        return x, not whole, denom
     img = check_size(cache, i, _decode_full(cache, i, kind))
-    return img[:, t1 : t1 + h1, l1 : l1 + w1], False
+    return img[:, t1 : t1 + h1, l1 : l1 + w1], False, 1
 
 
 def decode_batch(
@@ -225,8 +239,18 @@ def decode_batch(
     (:mod:`._roi_rst`); anything else is decoded in full, then cropped. ``exact=False`` lets a
     JPEG whose plan shrinks its box enough decode at 1/2, 1/4 or 1/8 scale (DCT scaling), and
     cuts a crop that follows a resize before it (:func:`._scaled.fast_plan`); neither is
-    bit-exact: within the tolerance docs/guides/backends.md states."""
+    bit-exact: within the tolerance docs/guides/backends.md states.
+
+    The result carries the seconds each stage took (``Decoded.times``): ``read`` touches one byte
+    a page of the sample's bytes, so that a store read from disk is seen there and not in decode.
+    """
+    clock = time.perf_counter if TIMED else _no_clock
+    started = clock()
     images, kept, failed, warned, roi = [], [], [], [], 0
+    read = decoded = resized = 0.0
+    route_s = dict.fromkeys(ROUTES, 0.0)
+    route_n = dict.fromkeys(ROUTES, 0)
+    data, offsets = cache._data, cache._offsets
     indices = np.asarray(indices, dtype=np.int64)
     rec = cache.samples[indices]  # one gather per batch, not numpy scalars per sample
     intervals = _roi_rst.intervals(cache)
@@ -257,10 +281,15 @@ def decode_batch(
                 and kind in _ROI_KINDS
                 and precision == 8,
             )
+        t0 = clock()
+        if TIMED:
+            touch_pages(data[offsets[i] : offsets[i + 1]])
+        t1 = clock()
+        read += t1 - t0
         try:
             check_pixels(cache, i)
             _roi.take_warning()
-            x, used_roi = _decode_box(
+            x, used_roi, scale = _decode_box(
                 cache,
                 i,
                 plan,
@@ -274,6 +303,19 @@ def decode_batch(
                 regions,
                 denom,
             )
+            t2 = clock()
+            route = (
+                "fallback"
+                if kind not in JPEG_KINDS
+                else "scaled"
+                if scale > 1
+                else "region"
+                if used_roi
+                else "full"
+            )
+            route_s[route] += t2 - t1
+            route_n[route] += 1
+            decoded += t2 - t1
             note = _roi.take_warning()
             if note is not None:
                 warned.append((i, warned_reason(cache, i, note)))
@@ -281,12 +323,14 @@ def decode_batch(
                     failed.append((i, f"{warned[-1][1]}; left out (on_error='skip_warned')"))
                     continue
             images.append(finish_plan(x, *plan[4:]))
+            resized += clock() - t2
             kept.append(i)
             roi += used_roi
         except Exception as err:  # a bad sample is reported, never fatal unless asked
             # the machine's problem, not the sample's: never skipped
             raise_if_out_of_memory(err, f"while decoding sample {i} ({cache.paths[i]})")
             failed.append((i, failure(cache, i, err, on_error)))
+    t3 = clock()
     out: torch.Tensor | list[torch.Tensor] = images
     if stack:
         out = (
@@ -294,4 +338,38 @@ def decode_batch(
             if images
             else torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8)
         )
-    return Decoded(out, np.asarray(kept, dtype=np.int64), failed, len(kept), roi, warned)
+    end = clock()
+    times = {"read": read, "decode": decoded, "resize": resized, "collate": end - t3}
+    times.update(route_s)
+    return Decoded(
+        out,
+        np.asarray(kept, dtype=np.int64),
+        failed,
+        len(kept),
+        roi,
+        warned,
+        times=times,
+        routes=route_n,
+        busy=end - started,
+    )
+
+
+#: Per-stage timings on (``GPUCACHE_TIMINGS=0`` in the environment turns them off, in the
+#: workers too, which inherit it; ``benchmarks/stats_overhead.py`` measures what they cost).
+TIMED = os.environ.get("GPUCACHE_TIMINGS", "1") != "0"
+
+
+def _no_clock() -> float:
+    return 0.0
+
+
+#: decode routes, as ``Decoded.times`` and ``.routes`` name them: only the crop box decoded,
+#: decoded at a reduced DCT scale, the whole image decoded, another format (PIL) or a GPU
+#: backend's CPU fallback
+ROUTES = ("region", "scaled", "full", "fallback")
+
+
+def touch_pages(view: np.ndarray) -> None:
+    """Read one byte of every page of ``view``: a page not in memory is read in here."""
+    if len(view):
+        np.bitwise_or.reduce(view[::4096])

@@ -87,3 +87,9 @@ class CpuBackend(Backend):
     @property
     def pids(self) -> list[int]:
         return self.pool.pids if self.pool is not None else []
+
+    def ready(self) -> int:
+        return self.pool.ready() if self.pool is not None else 0
+
+    def private_memory(self) -> dict[int, int]:
+        return self.pool.private_memory() if self.pool is not None else {}

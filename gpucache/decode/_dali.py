@@ -21,8 +21,10 @@ covers it; on CUDA only the decoder's device and the pipeline's ``device_id`` ch
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,12 +41,12 @@ except ImportError as err:  # pragma: no cover - depends on what is installed
 from . import normalize_device
 from ._base import Backend
 from ._core import ON_ERROR, Decoded, out_size
-from ._fallback import Part, decode_on_cpu, join, out_of_memory, split
+from ._fallback import Part, decode_on_cpu, join, out_of_memory, split, stage_times
 from ._streams import consumer_stream
 
 log = logging.getLogger("gpucache")
 
-_PIXELS = dict(axis_names="HW", normalized_anchor=False, normalized_shape=False)
+_PIXELS: dict[str, Any] = dict(axis_names="HW", normalized_anchor=False, normalized_shape=False)
 
 
 @dataclass
@@ -115,23 +117,33 @@ class DaliBackend(Backend):
             exec_dynamic=True,
         )
         with pipe:
-            enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
-            plan = fn.external_source(name="plan", dtype=types.INT32, ndim=1)  # the 11 integers
+            enc = fn.external_source(
+                name="enc", dtype=types.DALIDataType.UINT8, ndim=1, no_copy=True
+            )
+            plan = fn.external_source(
+                name="plan", dtype=types.DALIDataType.INT32, ndim=1
+            )  # the 11 integers
             img = fn.decoders.image_slice(
-                enc, plan[0:2], plan[2:4], output_type=types.RGB, **decoder, **_PIXELS
+                enc, plan[0:2], plan[2:4], output_type=types.DALIImageType.RGB, **decoder, **_PIXELS
             )
             img = fn.resize(
                 img,
-                resize_y=fn.cast(plan[4], dtype=types.FLOAT),
-                resize_x=fn.cast(plan[5], dtype=types.FLOAT),
+                resize_y=fn.cast(plan[4], dtype=types.DALIDataType.FLOAT),
+                resize_x=fn.cast(plan[5], dtype=types.DALIDataType.FLOAT),
                 antialias=True,
-                interp_type=types.INTERP_LINEAR,
+                interp_type=types.DALIInterpType.INTERP_LINEAR,
             )
+            # one input, one DataNode out: DALI's stub for resize returns a union of its forms
             img = fn.slice(
-                img, plan[6:8], plan[8:10], out_of_bounds_policy="pad", fill_values=0, **_PIXELS
+                img,  # type: ignore[arg-type]
+                plan[6:8],
+                plan[8:10],
+                out_of_bounds_policy="pad",
+                fill_values=0,
+                **_PIXELS,
             )
             img = fn.crop_mirror_normalize(
-                img, mirror=plan[10], dtype=types.UINT8, output_layout="CHW"
+                img, mirror=plan[10], dtype=types.DALIDataType.UINT8, output_layout="CHW"
             )
             pipe.set_outputs(img)
         pipe.build()
@@ -204,6 +216,8 @@ class DaliBackend(Backend):
             raise RuntimeError("get() called with no batch submitted.")
         b = self._queue[0]
         parts: list[Part] = [b.refused]
+        took: dict[str, float] = {}  # DALI decodes and resizes in one pipeline: its wait is
+        t0 = time.perf_counter()  # the "full" decode route's time
         try:
             if len(b.gpu_pos):
                 if b.views is None:  # not in flight (after a reset): run it now
@@ -223,6 +237,8 @@ class DaliBackend(Backend):
             else:
                 self._queue.popleft()
             b.views = None
+            t1 = time.perf_counter()
+            took["full"] = t1 - t0
             self._pump()  # keep DALI busy while the CPU path below runs
             if len(b.cpu_pos):
                 parts.append(
@@ -234,12 +250,14 @@ class DaliBackend(Backend):
                         True,
                     )
                 )
+            took["fallback"] = time.perf_counter() - t1
         except BaseException:
             if self._queue and self._queue[0] is b:
                 self._queue.popleft()
             self._reset()  # b's output may still be queued in DALI: drop it to keep the order
             raise
-        return join(
+        t2 = time.perf_counter()
+        out = join(
             len(b.indices),
             parts,
             indices=b.indices,
@@ -247,6 +265,11 @@ class DaliBackend(Backend):
             device=self.device,
             out_hw=out_size(b.plans),
         )
+        took["collate"] = time.perf_counter() - t2
+        out.times = stage_times(took)
+        out.routes = {"full": len(b.gpu_pos), "fallback": len(b.cpu_pos)}
+        out.busy = sum(took.values())
+        return out
 
     def _oom(self, err: BaseException, n: int) -> torch.OutOfMemoryError:
         return out_of_memory(

@@ -11,6 +11,7 @@ batch order. Nothing here touches CUDA, so CI runs it on CPU tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -65,6 +66,21 @@ def decode_on_cpu(
     return out
 
 
+def stage_times(took: dict[str, float]) -> dict[str, float]:
+    """A GPU backend's stage seconds (``Decoded.times``) from what its stages measured: the
+    batched decode (route ``full``), the CPU path (``fallback``), ``read``, ``resize`` and
+    ``collate``."""
+    full, fallback = took.get("full", 0.0), took.get("fallback", 0.0)
+    return {
+        "read": took.get("read", 0.0),
+        "decode": full + fallback,
+        "full": full,
+        "fallback": fallback,
+        "resize": took.get("resize", 0.0),
+        "collate": took.get("collate", 0.0),
+    }
+
+
 def out_of_memory(
     err: BaseException, what: str, device: torch.device, advice: str
 ) -> torch.OutOfMemoryError:
@@ -107,8 +123,9 @@ def join(
             f"join: positions {[p for p, r in enumerate(slots) if r is None]} of a "
             f"{n}-sample batch have no result; every position needs one part."
         )
-    kept = [p for p, r in enumerate(slots) if isinstance(r, torch.Tensor)]
-    failed = [(int(indices[p]), r) for p, r in enumerate(slots) if not isinstance(r, torch.Tensor)]
+    filled = cast(list[Result], slots)  # every position has its result (checked above)
+    kept = [p for p, r in enumerate(filled) if isinstance(r, torch.Tensor)]
+    failed = [(int(indices[p]), r) for p, r in enumerate(filled) if not isinstance(r, torch.Tensor)]
     kept_indices = np.asarray(indices, dtype=np.int64)[kept]
     if not stack:
         images = [to_device(slots[p], device) for p in kept]  # type: ignore[arg-type]
@@ -128,7 +145,7 @@ def join(
         if isinstance(results, torch.Tensor) and len(pos) == len(results):
             blocks.append(to_device(results, device))
         else:
-            blocks.append(to_device(torch.stack([slots[p] for p in pos]), device))  # type: ignore[misc]
+            blocks.append(to_device(torch.stack([slots[p] for p in pos]), device))
         order += pos
     out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     if order != kept:  # kept is sorted: put the parts' rows in batch order

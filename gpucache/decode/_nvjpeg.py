@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from . import normalize_device
 from ._base import Backend
 from ._batched import BatchDecoder, applies_exif, default_decoder, orient
 from ._core import Decoded, apply_plan, check_size, failure, out_size
-from ._fallback import Part, Result, decode_on_cpu, join, out_of_memory, split
+from ._fallback import Part, Result, decode_on_cpu, join, out_of_memory, split, stage_times
 from ._streams import CudaStreams, HostStreams
 
 log = logging.getLogger("gpucache")
@@ -71,7 +72,8 @@ class _Job:
     """One submitted batch: its three stages' futures (or results, unthreaded)."""
 
     cpu: Future | list[Result]
-    gpu: Future | list[torch.Tensor | Exception]
+    # (outputs, ready event); [] in a job whose submit failed
+    gpu: Future | tuple[list[torch.Tensor | Exception], object] | list[object]
     done: Future | _Done
 
     def futures(self) -> list[Future]:
@@ -160,22 +162,31 @@ class NvjpegBackend(Backend):
             self._threads.append(threading.current_thread())
 
     def _cpu_stage(
-        self, indices: np.ndarray, plans: np.ndarray, positions: np.ndarray
+        self, indices: np.ndarray, plans: np.ndarray, positions: np.ndarray, took: dict
     ) -> list[Result]:
         self._note_thread()
-        return decode_on_cpu(self.cache, indices, plans, positions, on_error=self.on_error)
+        t0 = time.perf_counter()
+        try:
+            return decode_on_cpu(self.cache, indices, plans, positions, on_error=self.on_error)
+        finally:
+            took["fallback"] = time.perf_counter() - t0
 
     def _decode_stage(
-        self, indices: np.ndarray, positions: np.ndarray
+        self, indices: np.ndarray, positions: np.ndarray, took: dict
     ) -> tuple[list[torch.Tensor | Exception], object]:
         """Batched decode of ``indices[positions]`` under this thread's allocation stream: the
-        outputs (or why each failed) and the event that marks them written (None off CUDA)."""
+        outputs (or why each failed) and the event that marks them written (None off CUDA).
+        ``took`` gets the host time of the read and of the decode call (on CUDA the kernels
+        run on after it returns)."""
         self._note_thread()
         if not len(positions):
             return [], None
+        t0 = time.perf_counter()
         data = [self.cache._bytes_tensor(int(i)) for i in indices[positions].tolist()]
+        t1 = time.perf_counter()
         with self._streams.on_side(), self._streams.decoding() as decoding:
             images = self._decode_all(data)
+        took["read"], took["full"] = t1 - t0, time.perf_counter() - t1
         return images, decoding.ready
 
     def _decode_all(self, data: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
@@ -231,14 +242,18 @@ class NvjpegBackend(Backend):
         cpu_pos: np.ndarray,
         cpu,
         refused: Part,
+        took: dict,
     ) -> _Done:
         self._note_thread()
         with self._streams.on_side():
             decoded, ready = _result(gpu)
             self._streams.adopt((t for t in decoded if isinstance(t, torch.Tensor)), ready)
+            t0 = time.perf_counter()
             parts = self._plan_gpu(indices, plans, stack, gpu_pos, decoded)
+            t1 = time.perf_counter()
             parts.append((cpu_pos, _result(cpu), True))
             parts.append(refused)
+            t2 = time.perf_counter()
             out = join(
                 len(indices),
                 parts,
@@ -247,6 +262,15 @@ class NvjpegBackend(Backend):
                 device=self.device,
                 out_hw=out_size(plans),
             )
+            took["resize"], took["collate"] = t1 - t0, time.perf_counter() - t2
+            out.times, out.routes = (
+                stage_times(took),
+                {
+                    "full": len(gpu_pos),
+                    "fallback": len(cpu_pos),
+                },
+            )
+            out.busy = sum(out.times[k] for k in ("read", "decode", "resize", "collate"))
             return _Done(out, self._streams.record())
 
     def _plan_gpu(
@@ -335,18 +359,30 @@ class NvjpegBackend(Backend):
             return
         on_gpu = self._gpu_mask[indices[gpu_ok]]
         gpu_pos, cpu_pos = gpu_ok[on_gpu], np.sort(np.concatenate([cpu_ok, gpu_ok[~on_gpu]]))
+        took: dict[str, float] = {}  # each stage's seconds, under keys of its own
         if not self._pools:
-            cpu = self._cpu_stage(indices, plans, cpu_pos)
-            gpu = self._decode_stage(indices, gpu_pos)
-            done = self._transform_stage(indices, plans, stack, gpu_pos, gpu, cpu_pos, cpu, refused)
+            cpu = self._cpu_stage(indices, plans, cpu_pos, took)
+            gpu = self._decode_stage(indices, gpu_pos, took)
+            done = self._transform_stage(
+                indices, plans, stack, gpu_pos, gpu, cpu_pos, cpu, refused, took
+            )
             self._pending.append(_Job(cpu, gpu, done))
             return
-        cpu = self._pools["cpu"].submit(self._cpu_stage, indices, plans, cpu_pos)
-        gpu = self._pools["decode"].submit(self._decode_stage, indices, gpu_pos)
-        done = self._pools["transform"].submit(
-            self._transform_stage, indices, plans, stack, gpu_pos, gpu, cpu_pos, cpu, refused
+        cpu_f = self._pools["cpu"].submit(self._cpu_stage, indices, plans, cpu_pos, took)
+        gpu_f = self._pools["decode"].submit(self._decode_stage, indices, gpu_pos, took)
+        done_f = self._pools["transform"].submit(
+            self._transform_stage,
+            indices,
+            plans,
+            stack,
+            gpu_pos,
+            gpu_f,
+            cpu_pos,
+            cpu_f,
+            refused,
+            took,
         )
-        self._pending.append(_Job(cpu, gpu, done))
+        self._pending.append(_Job(cpu_f, gpu_f, done_f))
 
     def get(self) -> Decoded:
         if not self._pending:

@@ -24,6 +24,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -134,6 +135,7 @@ def _serve(
     if report is not None:
         _report(sock, report)
         return
+    assert head is not None  # made above, or the report was sent instead
     _send_bytes(sock, head, data)
 
 
@@ -226,7 +228,9 @@ def _send_bytes(sock: socket.socket, payload: bytes, data: memoryview | None = N
 
 def _result(task: int, out: Decoded) -> tuple[bytes, memoryview]:
     """The header and the one raw buffer of a decoded batch (a stacked batch is sent as it is;
-    a list is copied once into one buffer, image after image, each CHW)."""
+    a list is copied once into one buffer, image after image, each CHW). The copy counts as
+    collate time, and as time the worker was busy."""
+    started = time.perf_counter()
     imgs = out.images
     if isinstance(imgs, torch.Tensor):
         shapes, flat = [tuple(imgs.shape)], imgs.contiguous().reshape(-1)
@@ -237,6 +241,8 @@ def _result(task: int, out: Decoded) -> tuple[bytes, memoryview]:
         for t in imgs:
             flat[at : at + t.numel()].view(t.shape).copy_(t)
             at += t.numel()
+    took = time.perf_counter() - started
+    times = dict(out.times, collate=out.times.get("collate", 0.0) + took)
     head = frame(
         {
             "kind": "result",
@@ -246,7 +252,11 @@ def _result(task: int, out: Decoded) -> tuple[bytes, memoryview]:
             "indices": out.indices,
             "failed": out.failed,
             "warned": out.warned,
+            "times": times,
+            "routes": out.routes,
+            "busy": out.busy + took,
             "nbytes": flat.numel(),
         }
     )
-    return head, memoryview(flat.numpy())
+    # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
+    return head, memoryview(flat.numpy())  # type: ignore[arg-type]

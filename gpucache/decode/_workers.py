@@ -28,6 +28,7 @@ import pickle
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -114,7 +115,8 @@ class WorkerPool:
             for wid in range(num_workers):
                 mine, theirs = socket.socketpair()
                 PARENT_ENDS[mine.fileno()] = mine
-                p = ctx.Process(
+                # every context has Process; the stubs declare it on the concrete ones only
+                p = ctx.Process(  # type: ignore[attr-defined]
                     target=worker_main,
                     name=f"gpucache-worker-{wid}",
                     daemon=True,
@@ -136,8 +138,10 @@ class WorkerPool:
                 except Exception as err:
                     PARENT_ENDS.pop(mine.fileno(), None)
                     mine.close()
-                    if self.method != "fork" and isinstance(
-                        err, (pickle.PicklingError, AttributeError, TypeError)
+                    if (
+                        sys.version_info >= (3, 11)  # notes are Python 3.11's
+                        and self.method != "fork"
+                        and isinstance(err, (pickle.PicklingError, AttributeError, TypeError))
                     ):
                         err.add_note(
                             f"gpucache: under {self.method}, worker_init_fn and the "
@@ -156,7 +160,8 @@ class WorkerPool:
         self._pending: deque[tuple[int, int, np.ndarray]] = deque()  # (worker, task, indices)
         self._next = self._task = 0
         self._cv = threading.Condition()
-        self._closed, self._active, self._active_thread = False, 0, None
+        self._closed, self._active = False, 0
+        self._active_thread: int | None = None  # the thread last inside _using
 
     @property
     def pids(self) -> list[int]:
@@ -164,6 +169,28 @@ class WorkerPool:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def ready(self) -> int:
+        """Workers with a result arrived for their oldest task: at most the batches in flight,
+        one a worker (a worker's later results queue behind its first)."""
+        socks = {self._links[w].sock for w, _, _ in self._pending}
+        if not socks:
+            return 0
+        try:
+            readable, _, _ = select.select(list(socks), [], [], 0)
+        except (OSError, ValueError):  # a closed socket: get() reports what happened
+            return 0
+        return len(readable)
+
+    def private_memory(self) -> dict[int, int]:
+        """Private dirty bytes of each live worker, by worker id: the pages it wrote that no
+        other process shares (``/proc/PID/smaps_rollup``; Linux, else empty)."""
+        out = {}
+        for link in self._links if self._finalizer.alive else []:
+            size = private_dirty(link.pid)
+            if size is not None:
+                out[link.wid] = size
+        return out
 
     # ------------------------------------------------------------------ feeding and reading
     def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
@@ -235,15 +262,26 @@ class WorkerPool:
             )
             raise
         if msg["nbytes"]:
-            self._recv(link, bytes_into=memoryview(buf.numpy()), indices=indices, deadline=deadline)
+            # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
+            into = memoryview(buf.numpy())  # type: ignore[arg-type]
+            self._recv(link, bytes_into=into, indices=indices, deadline=deadline)
         shapes = msg["shapes"]
+        images: torch.Tensor | list[torch.Tensor]
         if msg["stacked"]:
             images = buf.view(shapes[0])
         else:
             sizes = [int(np.prod(s)) for s in shapes]
             images = [t.view(s) for t, s in zip(buf.split(sizes), shapes)]
         return Decoded(
-            images, msg["indices"], msg["failed"], len(msg["indices"]), warned=msg.get("warned", [])
+            images,
+            msg["indices"],
+            msg["failed"],
+            len(msg["indices"]),
+            warned=msg.get("warned", []),
+            times=msg["times"],
+            routes=msg["routes"],
+            busy=msg["busy"],
+            worker=w,
         )
 
     def _header(self, link: _Link, indices, deadline) -> memoryview:
@@ -408,6 +446,18 @@ def _stop(links: list[_Link], wake) -> None:
 def _span(indices: np.ndarray) -> str:
     idx = indices.tolist()
     return str(idx) if len(idx) <= 8 else f"[{', '.join(map(str, idx[:8]))}, ...] ({len(idx)})"
+
+
+def private_dirty(pid: int) -> int | None:
+    """``Private_Dirty`` of process ``pid`` in bytes, or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Private_Dirty:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def usable_cores() -> int:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ import torch
 from .. import _dist
 from .. import decode as _decode
 from ..decode._base import Backend
-from ..decode._core import Decoded
+from ..decode._core import TIMED, Decoded
 from ..decode._workers import default_workers
 from ..store._store import JpegCache
 from ..store._targets import dense_targets, kept_rows, ragged_targets
@@ -24,6 +25,7 @@ from ..transforms import Transform, as_compose, batch_generator
 from ..transforms._device import to_device
 from . import _state
 from ._sampling import Sampling
+from ._stats import LoaderStats
 
 log = logging.getLogger("gpucache")
 
@@ -51,19 +53,6 @@ class _Pass:
         """Global samples of the epoch's order consumed: ranks go in lockstep, so batch k of every
         rank covers global slots [start + k*B*W, start + (k+1)*B*W)."""
         return min(self.total, self.start + self.batches_done * self.batch_size * self.replicas)
-
-
-@dataclass
-class LoaderStats:
-    """Running counts since the loader was made."""
-
-    batches: int = 0
-    samples: int = 0
-    skipped: int = 0  # samples that failed to decode and were left out
-    cpu_decoded: int = 0  # samples decoded on the CPU (all of them for backend="cpu")
-    skipped_samples: list[tuple[int, str]] = field(default_factory=list)
-    warned: int = 0  # samples libjpeg warned about (corrupt data, decoded anyway), each once
-    warned_samples: dict[int, str] = field(default_factory=dict)  # index -> the warning
 
 
 class GpuCachedLoader:
@@ -224,7 +213,10 @@ class GpuCachedLoader:
         self.on_error, self.return_metadata = on_error, return_metadata
         self.exact = bool(exact)  # False: CPU decode may use DCT scaling (docs/guides/backends.md)
         self.num_replicas, self.rank = num_replicas, rank
-        self.stats = LoaderStats()
+        self.stats = LoaderStats(
+            workers=max(1, self.num_workers) if self.backend_name == "cpu" else 1,
+            backend=self.backend_name,
+        )
         self._next_epoch = 0  # the epoch a fresh pass plays
         self._resume: tuple[int, int] | None = None  # (epoch, global position) from load_state_dict
         self._pass: _Pass | None = None  # the pass under way (or abandoned), for state_dict()
@@ -286,7 +278,7 @@ class GpuCachedLoader:
             return self._resume[0]
         return self._pass.epoch if self._pass is not None else self._next_epoch
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Where the epoch stands, independent of world size: the seed, the epoch and how many
         samples of the epoch's global order all ranks together have been handed, with
         fingerprints of the store and of ``indices=``/``weights=`` (see ``gpucache.loader._state``)."""
@@ -310,7 +302,7 @@ class GpuCachedLoader:
             "sampling": sampling,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """The next ``iter()`` continues the saved epoch after its last batch handed out.
 
         Any world size and batch size: the rest of the epoch's global order is split among this
@@ -346,7 +338,7 @@ class GpuCachedLoader:
             self._backend = _make_backend(self)
         return self._backend
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
         """A fresh pass: the next epoch from batch 0, or where ``load_state_dict`` said."""
         if self._closed:
             raise RuntimeError(
@@ -372,31 +364,67 @@ class GpuCachedLoader:
             if self.backend_name == "cpu"
             else max(2, self.prefetch_factor)
         )  # GPU backends: >= 2 batches in flight
-        submitted, in_flight = 0, deque()
+        submitted = 0
+        in_flight: deque[tuple[np.ndarray, np.ndarray]] = deque()  # (indices, plans) per batch
+        stats, clock = self.stats, time.perf_counter if TIMED else _no_clock
+        began = handed = clock()
+        wall = stats.wall
         for b in range(len(batches)):
             if self._passes != me:
                 raise RuntimeError(
                     "this GpuCachedLoader iterator was superseded: a newer "
                     "iter(loader) started a fresh pass; iterate that one."
                 )
-            while submitted < len(batches) and submitted < b + ahead:
-                idx = batches[submitted]
-                in_flight.append((idx, self.plans(epoch, first + submitted, idx)))
-                backend.submit(idx, in_flight[-1][1], stack)
-                submitted += 1
+            asked = clock()
+            if b:
+                stats.record_step(asked - handed)
+            profiled = torch.autograd._profiler_enabled()
+            with _range("gpucache.plan", profiled):
+                while submitted < len(batches) and submitted < b + ahead:
+                    idx = batches[submitted]
+                    in_flight.append((idx, self.plans(epoch, first + submitted, idx)))
+                    backend.submit(idx, in_flight[-1][1], stack)
+                    submitted += 1
+            planned = clock()
+            ready = backend.ready() if TIMED else 0
             try:
-                out = backend.get()
+                with _range("gpucache.wait_for_batch", profiled):
+                    out = backend.get()
             except BaseException:
                 self._stop_backend()  # a failed backend is not reused; the next pass starts afresh
                 raise
             pos.batches_done = b + 1
-            yield self._finish(out, epoch, first + b, *in_flight.popleft())
+            row = {"plan": planned - asked}
+            batch = self._finish(out, epoch, first + b, *in_flight.popleft(), row, profiled)
+            handed = clock()
+            if b:
+                row["wait"] = handed - asked
+            else:  # workers starting, the queue filling: not the steady state
+                stats.first_wait += handed - asked
+            stats.record(row, len(out.indices), out, ready)
+            stats.wall = wall + handed - began
+            yield batch
+        stats.record_step(clock() - handed)
+        stats.wall = wall + clock() - began
+        stats.worker_private = backend.private_memory()
+        stats.passes += 1
+        stats.end_epoch(epoch)
         if self._pass is pos:
             self._pass = None  # finished: state_dict() now points at the next epoch's start
 
     def _finish(
-        self, out: Decoded, epoch: int, batch: int, submitted: np.ndarray, plans: np.ndarray
-    ):
+        self,
+        out: Decoded,
+        epoch: int,
+        batch: int,
+        submitted: np.ndarray,
+        plans: np.ndarray,
+        row: dict[str, float],
+        profiled: bool,
+    ) -> tuple[Any, ...]:
+        """``(images, labels)``, or ``(images, labels, BatchInfo)`` with ``return_metadata``;
+        the seconds its transfer and batch transforms took go into ``row``."""
+        clock = time.perf_counter if TIMED else _no_clock
         s = self.stats
         s.batches += 1
         s.samples += len(out.indices)
@@ -411,14 +439,21 @@ class GpuCachedLoader:
                 s.warned += 1
                 log.warning("gpucache: %s", reason)
         move = self._move
-        images = out.images
-        images = move(images) if isinstance(images, torch.Tensor) else [move(im) for im in images]
-        dense = dense_targets(self.cache)  # float (N, C) targets replace int labels if stored
-        labels = move(
-            torch.from_numpy((self.cache.labels if dense is None else dense)[out.indices])
-        )
+        t0 = clock()
+        with _range("gpucache.transfer", profiled):
+            images = out.images
+            images = (
+                move(images) if isinstance(images, torch.Tensor) else [move(im) for im in images]
+            )
+            dense = dense_targets(self.cache)  # float (N, C) targets replace int labels if stored
+            labels = move(
+                torch.from_numpy((self.cache.labels if dense is None else dense)[out.indices])
+            )
+        t1 = clock()
         key = [self.seed, epoch, batch] + ([self.rank] if self.num_replicas > 1 else [])
-        images, labels = self.transform.apply(images, labels, generator=batch_generator(*key))
+        with _range("gpucache.transform", profiled):
+            images, labels = self.transform.apply(images, labels, generator=batch_generator(*key))
+        row["transfer"], row["transform"] = t1 - t0, clock() - t1
         if not self.return_metadata:
             return images, labels
         meta = self.cache.metadata
@@ -456,7 +491,7 @@ class GpuCachedLoader:
     def __enter__(self) -> GpuCachedLoader:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -467,7 +502,19 @@ class GpuCachedLoader:
         )
 
 
-def _ragged(cache: JpegCache, indices: np.ndarray, move: Callable[[torch.Tensor], torch.Tensor]):
+def _no_clock() -> float:
+    return 0.0
+
+
+def _range(name: str, profiled: bool) -> contextlib.AbstractContextManager[object]:
+    """A ``torch.profiler`` range named ``name`` while a profiler runs (the trace shows the
+    stages); nothing otherwise."""
+    return torch.profiler.record_function(name) if profiled else contextlib.nullcontext()
+
+
+def _ragged(
+    cache: JpegCache, indices: np.ndarray, move: Callable[[torch.Tensor], torch.Tensor]
+) -> list[torch.Tensor] | None:
     """The batch's ragged targets, moved in one copy and split on the device (views)."""
     rows = ragged_targets(cache, indices)
     if rows is None:
@@ -478,14 +525,14 @@ def _ragged(cache: JpegCache, indices: np.ndarray, move: Callable[[torch.Tensor]
     return list(joined.split([len(r) for r in rows]))
 
 
-def _check_int(name: str, value, low: int, fix: str) -> None:
+def _check_int(name: str, value: object, low: int, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} option should be an integer >= {low}, got {value!r}; {fix}.")
 
 
 def _make_backend(loader: GpuCachedLoader) -> Backend:
     name = loader.backend_name
-    common = dict(seed=loader.seed, on_error=loader.on_error)
+    common: dict[str, Any] = dict(seed=loader.seed, on_error=loader.on_error)
     if name == "cpu":
         from ..decode._cpu import CpuBackend
 
