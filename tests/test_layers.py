@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "gpucache"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("gpucache.cli", "gpucache.bench")),  # the commands; the benchmark users run
     ("api", ("gpucache",)),  # the package's __init__: it wires the public names, nothing else
+    ("integrations", ("gpucache.lightning",)),  # imported by users who train with Lightning
     # synthetic photos for tests and benchmarks: public (gpucache.testing, imported on first use),
     # used by nothing in the library below
     ("testing", ("gpucache.testing",)),

@@ -10,6 +10,7 @@ flip), and :func:`decode_batch`, which the worker processes and the GPU backends
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import time
@@ -245,6 +246,7 @@ def decode_batch(
     a page of the sample's bytes, so that a store read from disk is seen there and not in decode.
     """
     clock = time.perf_counter if TIMED else _no_clock
+    profiled = torch.autograd._profiler_enabled()
     started = clock()
     images, kept, failed, warned, roi = [], [], [], [], 0
     read = decoded = resized = 0.0
@@ -289,20 +291,21 @@ def decode_batch(
         try:
             check_pixels(cache, i)
             _roi.take_warning()
-            x, used_roi, scale = _decode_box(
-                cache,
-                i,
-                plan,
-                kind,
-                components,
-                precision,
-                orientation,
-                height,
-                width,
-                k,
-                regions,
-                denom,
-            )
+            with stage_range("gpucache.decode", profiled):
+                x, used_roi, scale = _decode_box(
+                    cache,
+                    i,
+                    plan,
+                    kind,
+                    components,
+                    precision,
+                    orientation,
+                    height,
+                    width,
+                    k,
+                    regions,
+                    denom,
+                )
             t2 = clock()
             route = (
                 "fallback"
@@ -322,7 +325,8 @@ def decode_batch(
                 if on_error == "skip_warned":
                     failed.append((i, f"{warned[-1][1]}; left out (on_error='skip_warned')"))
                     continue
-            images.append(finish_plan(x, *plan[4:]))
+            with stage_range("gpucache.resize", profiled):
+                images.append(finish_plan(x, *plan[4:]))
             resized += clock() - t2
             kept.append(i)
             roi += used_roi
@@ -333,11 +337,12 @@ def decode_batch(
     t3 = clock()
     out: torch.Tensor | list[torch.Tensor] = images
     if stack:
-        out = (
-            torch.stack(images)
-            if images
-            else torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8)
-        )
+        with stage_range("gpucache.collate", profiled):
+            out = (
+                torch.stack(images)
+                if images
+                else torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8)
+            )
     end = clock()
     times = {"read": read, "decode": decoded, "resize": resized, "collate": end - t3}
     times.update(route_s)
@@ -361,6 +366,12 @@ TIMED = os.environ.get("GPUCACHE_TIMINGS", "1") != "0"
 
 def _no_clock() -> float:
     return 0.0
+
+
+def stage_range(name: str, profiled: bool) -> contextlib.AbstractContextManager[object]:
+    """A ``torch.profiler`` range named ``name`` while a profiler runs (its trace then shows the
+    stage), nothing otherwise; ``profiled`` is ``torch.autograd._profiler_enabled()``."""
+    return torch.profiler.record_function(name) if profiled else contextlib.nullcontext()
 
 
 #: decode routes, as ``Decoded.times`` and ``.routes`` name them: only the crop box decoded,

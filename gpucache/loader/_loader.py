@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -18,6 +17,7 @@ from .. import _dist
 from .. import decode as _decode
 from ..decode._base import Backend
 from ..decode._core import TIMED, Decoded
+from ..decode._core import stage_range as _range
 from ..decode._workers import default_workers
 from ..store._store import JpegCache
 from ..store._targets import dense_targets, kept_rows, ragged_targets
@@ -504,12 +504,6 @@ class GpuCachedLoader:
 
 def _no_clock() -> float:
     return 0.0
-
-
-def _range(name: str, profiled: bool) -> contextlib.AbstractContextManager[object]:
-    """A ``torch.profiler`` range named ``name`` while a profiler runs (the trace shows the
-    stages); nothing otherwise."""
-    return torch.profiler.record_function(name) if profiled else contextlib.nullcontext()
 
 
 def _ragged(
