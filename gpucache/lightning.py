@@ -18,13 +18,13 @@ from typing import Any
 try:
     from lightning.pytorch import Callback
 except ImportError:  # the older package name
-    from pytorch_lightning import Callback  # type: ignore[no-redef]
+    from pytorch_lightning import Callback  # type: ignore[assignment]
 
 from .loader._loader import GpuCachedLoader
 from .loader._stats import BOTTLENECKS
 
 
-class LoaderStatsCallback(Callback):  # type: ignore[misc]
+class LoaderStatsCallback(Callback):
     """Logs ``loader.stats`` to the trainer's loggers (TensorBoard, CSV, W&B, ...).
 
     Args:
