@@ -4,6 +4,7 @@ to have one, and reaches the profiler and Lightning's loggers."""
 from __future__ import annotations
 
 import csv
+import json
 import time
 
 import pytest
@@ -190,3 +191,15 @@ def test_lightning_callback_logs_the_data_wait_to_the_csv_logger(photos, tmp_pat
         assert float(r["gpucache/decode_ms"]) > 0
         assert int(float(r["gpucache/bottleneck"])) in range(len(BOTTLENECKS))
     assert float(rows[-1]["gpucache/batches"]) == 2 * len(loader)
+
+
+def test_bench_explain_prints_the_report_for_a_users_own_data(photo_folder, capsys, tmp_path):
+    from gpucache.bench import main
+
+    out_json = tmp_path / "stats.json"
+    argv = [str(photo_folder), "--explain", "--epochs", "1", "--workers", "1"]
+    assert main([*argv, "--batch-size", "16", "--json", str(out_json)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(k for k, line in enumerate(lines) if line.startswith("data wait "))
+    assert "-bound: " in lines[head] and lines[head + 1].startswith("4 batches, 60 samples")
+    assert json.loads(out_json.read_text())["batches"] == 4

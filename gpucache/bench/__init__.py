@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ._common import BenchError, Config, say
 from ._contenders import CONTENDERS, GPU_BACKENDS
@@ -101,6 +102,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=10,
         help="batch100: batches timed per contender in the calling process",
     )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="instead of the comparison: run GpuCachedLoader alone on SRC with the pipeline "
+        "(the first --backend, default auto) for --epochs epochs, at most 300 batches each, "
+        "and print where its time goes and what bounds it (loader.stats)",
+    )
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="--explain: a training step of this many milliseconds a batch (a sleep; default 0)",
+    )
     p.add_argument("--json", type=Path, help="write every raw number here")
     p.add_argument("--plot", type=Path, help="draw images/s and copies held to this PNG")
 
@@ -143,7 +157,7 @@ def select(args, cuda: bool) -> list[str]:
                 say("dali: skipped, nvidia-dali is not installed (pip install 'gpucache[dali]')")
                 continue
         if c.backing == "rst":
-            from ..decode._roi_rst import transcoder_available
+            from .._native import transcoder_available
 
             if not transcoder_available():
                 say(
@@ -197,6 +211,8 @@ def run(args) -> int:
         seed=args.seed,
     )
     try:
+        if args.explain:
+            return explain(args, cfg)
         return _run(args, names, cfg)
     except BenchError as err:
         print(f"gpucache bench: {err}", file=sys.stderr)
@@ -234,6 +250,55 @@ def plan(names: list[str], images: int, cfg: Config, args, cases: list[str]) -> 
         "--no-memory)"
     )
     return "\n".join(lines)
+
+
+#: --explain: batches an epoch at most (the stats settle long before; a big data set's epoch
+#: would take hours)
+EXPLAIN_BATCHES = 300
+
+
+def explain(args, cfg: Config) -> int:
+    """``gpucache bench SRC --explain``: the loader alone on the user's data; its stats report."""
+    from ..loader._loader import GpuCachedLoader
+    from ..store._store import JpegCache
+    from ._contenders import gc_transform
+    from ._data import synthetic_folder
+
+    if args.synthetic:
+        cache = JpegCache.from_folder(synthetic_folder(args.synthetic, args.seed), progress=False)
+    elif Path(args.src).is_file():
+        cache = JpegCache.open(args.src)
+    else:
+        cache = JpegCache.from_folder(args.src)
+    backend: Any = next((b for group in args.backend for b in group), "auto")  # checked
+    step = args.step_ms / 1e3
+    loader = GpuCachedLoader(
+        cache,
+        batch_size=cfg.batch_size,
+        num_workers=cfg.workers,
+        backend=backend,
+        shuffle=cfg.pipeline == "train",
+        seed=cfg.seed,
+        transform=gc_transform(cfg.pipeline),
+    )
+    print(
+        f"gpucache bench --explain: {len(cache)} images, {cfg.pipeline} pipeline, "
+        f"backend {loader.backend_name}, {loader.num_workers} workers, batch {cfg.batch_size}, "
+        f"{cfg.epochs} epochs of at most {EXPLAIN_BATCHES} batches, step {args.step_ms:g} ms",
+        flush=True,
+    )
+    with loader:
+        for _ in range(cfg.epochs):
+            for b, _batch in enumerate(loader):
+                if step:
+                    time.sleep(step)  # the training step a user stands in
+                if b + 1 >= EXPLAIN_BATCHES:
+                    break
+    print(loader.stats)
+    if args.json:
+        args.json.write_text(json.dumps(loader.stats.as_dict(), indent=1))
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _run(args, names: list[str], cfg: Config) -> int:

@@ -197,7 +197,7 @@ class LoaderStats:
             )
             lever = (
                 "add workers (num_workers), build the store with restart_markers=True, "
-                "pass exact=False, or use backend='nvjpeg' on a GPU"
+                "or use backend='nvjpeg' on a GPU"
                 if self.backend == "cpu"
                 else "raise hw_decoder_load (DALI), or decode fewer pixels (max_side at build)"
             )
