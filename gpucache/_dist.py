@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import cast
 
 import numpy as np
 import torch
@@ -73,7 +74,8 @@ def agreed_seed(num_replicas: int, shuffle: bool) -> int:
 
     Only a shuffled, sharded loader needs one (other loaders draw locally, no collective call).
     Without a process group, ranks cannot agree, and their shards would silently overlap: error."""
-    seed = int(np.random.SeedSequence().entropy) % 2**63
+    # entropy drawn from the OS (none was given): an int
+    seed = int(cast(int, np.random.SeedSequence().entropy)) % 2**63
     if num_replicas == 1 or not shuffle:
         return seed
     size, _ = world()

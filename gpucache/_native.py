@@ -20,17 +20,21 @@ MISSING = (
     "restart_markers."
 )
 
-_state: dict[str, object] = {}  # per process: the library (None when it was not built)
+_state: dict[str, ctypes.CDLL | None] = {}  # per process: the library (None when it was not built)
 _lock = threading.Lock()
 
 
-def _bind(lib) -> None:
+def _bind(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "gc_decode_region"):
-        lib.gc_decode_region.argtypes = (
-            [ctypes.c_char_p, ctypes.c_ulong]
-            + [ctypes.c_int] * 5
-            + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_int]
-        )
+        lib.gc_decode_region.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_ulong,
+            *[ctypes.c_int] * 5,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
     lib.gc_transcode_restart.argtypes = [
         ctypes.c_char_p,
         ctypes.c_ulong,
@@ -51,14 +55,18 @@ def _bind(lib) -> None:
     ]
     lib.gc_find_restarts.restype = ctypes.c_long
     if hasattr(lib, "gc_decode_segments"):
-        lib.gc_decode_segments.argtypes = (
-            [ctypes.c_void_p, ctypes.c_ulong]
-            + [ctypes.c_int] * 6
-            + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_int]
-        )
+        lib.gc_decode_segments.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            *[ctypes.c_int] * 6,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
 
 
-def lib():
+def lib() -> ctypes.CDLL | None:
     """gpucache's compiled helpers (ctypes, every signature set), or None when they were not
     built at install. Tests set ``_state["lib"] = None`` to run as if they were not."""
     with _lock:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 
@@ -27,10 +28,14 @@ except ImportError:  # optional: zlib's is the reference
 
 CHUNK_BYTES = 16 << 20
 
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
-def crc32_of(buf, crc: int = 0) -> int:
+
+def crc32_of(buf: bytes | memoryview, crc: int = 0) -> int:
     """``zlib.crc32(buf, crc)``, by the fastest implementation installed (one thread)."""
-    return _crc32(buf, crc)
+    crc = _crc32(buf, crc)  # an int (isal ships no types)
+    return crc
 
 
 def default_threads() -> int:
@@ -67,7 +72,12 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return _gf2_times(_zeros_operator(len2), crc1) ^ crc2 if len2 > 0 else crc1
 
 
-def ordered_map(fn: Callable, items: Iterator, threads: int, on_done: Callable | None):
+def ordered_map(
+    fn: Callable[[_T], _R],
+    items: Iterator[_T],
+    threads: int,
+    on_done: Callable[[_R], object] | None,
+) -> Iterator[_R]:
     """``fn`` over ``items`` on ``threads`` threads, in order, at most 2 x threads in flight."""
     with ThreadPoolExecutor(threads) as pool:
         pending = []
@@ -79,16 +89,22 @@ def ordered_map(fn: Callable, items: Iterator, threads: int, on_done: Callable |
             yield _finish(pending.pop(0), on_done)
 
 
-def _finish(future, on_done):
+def _finish(future: Future[_R], on_done: Callable[[_R], object] | None) -> _R:
     result = future.result()
     if on_done is not None:
         on_done(result)
     return result
 
 
-def crc32(buf, *, threads: int | None = None, on_bytes: Callable[[int], None] | None = None) -> int:
+def crc32(
+    buf: np.ndarray | memoryview,
+    *,
+    threads: int | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> int:
     """``zlib.crc32(buf)`` computed on ``threads`` threads (default: every core)."""
-    mv = memoryview(buf).cast("B")
+    # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
+    mv = memoryview(buf).cast("B")  # type: ignore[arg-type]
     n, threads = mv.nbytes, threads or default_threads()
     if threads == 1 or n <= CHUNK_BYTES:
         crc = 0
@@ -112,7 +128,9 @@ def crc32(buf, *, threads: int | None = None, on_bytes: Callable[[int], None] | 
     return crc
 
 
-def chunks(offsets: np.ndarray, chunk_bytes: int = CHUNK_BYTES, max_count: int = 4096):
+def chunks(
+    offsets: np.ndarray, chunk_bytes: int = CHUNK_BYTES, max_count: int = 4096
+) -> Iterator[tuple[int, int]]:
     """Sample ranges ``(first, stop)`` of about ``chunk_bytes`` data (at most ``max_count``)."""
     n = len(offsets) - 1
     first = 0
@@ -132,7 +150,7 @@ def sample_crcs(
 ) -> np.ndarray:
     """uint32 CRC-32 of every sample's bytes ``data[offsets[i]:offsets[i + 1]]``, on every core."""
     out = np.zeros(len(offsets) - 1, dtype="<u4")
-    mv = memoryview(data).cast("B")
+    mv = memoryview(data).cast("B")  # type: ignore[arg-type]  # numpy#26783, as in crc32
     bounds = np.asarray(offsets, dtype=np.int64)
 
     def one(span: tuple[int, int]) -> int:

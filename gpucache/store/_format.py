@@ -29,9 +29,10 @@ import zlib
 from collections.abc import Mapping, Sequence
 from enum import IntEnum
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _checksum
 from ._mapped import CacheFormatError
@@ -95,6 +96,12 @@ RESERVED = ("sample.", "report.")  # sections gpucache writes itself
 SAMPLE_CRC = "sample.crc32"
 
 
+def _raw(a: np.ndarray) -> memoryview:
+    """A contiguous array's bytes, as the unsigned bytes a file write or a CRC takes."""
+    # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
+    return memoryview(a).cast("B")  # type: ignore[arg-type]
+
+
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -130,13 +137,13 @@ def _string_section(table: tuple[np.ndarray, np.ndarray] | None) -> list[memoryv
     offsets, blob = table
     count = np.array([len(offsets) - 1], dtype="<u8")
     return [
-        memoryview(count).cast("B"),
-        memoryview(offsets.astype("<u8", copy=False)).cast("B"),
-        memoryview(np.ascontiguousarray(blob)).cast("B"),
+        _raw(count),
+        _raw(offsets.astype("<u8", copy=False)),
+        _raw(np.ascontiguousarray(blob)),
     ]
 
 
-def check_extra(name: str, array, *, reserved_ok: bool = False) -> np.ndarray:
+def check_extra(name: str, array: npt.ArrayLike, *, reserved_ok: bool = False) -> np.ndarray:
     """An optional section as it will be stored: a 1-D or 2-D little-endian numeric array."""
     if not isinstance(name, str) or not NAME.match(name):
         raise ValueError(
@@ -158,7 +165,9 @@ def check_extra(name: str, array, *, reserved_ok: bool = False) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
 
 
-def _plan(parts: dict[str, list[memoryview]], extra: dict[str, np.ndarray]):
+def _plan(
+    parts: dict[str, list[memoryview]], extra: dict[str, np.ndarray]
+) -> tuple[dict[str, tuple[int, int]], tuple[int, int], dict[str, tuple[int, int]], int]:
     """Offsets of every section: {name: (start, length)} for the core, the directory, extras."""
     spans, pos = {}, HEADER_SIZE
     for name in CORE[:-1]:
@@ -206,13 +215,13 @@ def write(
         )
         extra[SAMPLE_CRC] = crcs
     parts = {
-        "offsets": [memoryview(offsets.astype("<i8", copy=False)).cast("B")],
-        "labels": [memoryview(labels.astype("<i8", copy=False)).cast("B")],
-        "samples": [memoryview(samples.astype(SAMPLE_DTYPE, copy=False)).cast("B")],
+        "offsets": [_raw(offsets.astype("<i8", copy=False))],
+        "labels": [_raw(labels.astype("<i8", copy=False))],
+        "samples": [_raw(samples.astype(SAMPLE_DTYPE, copy=False))],
         "classes": _string_section(pack_strings(classes)),
         "paths": _string_section(paths),
         "metadata": _string_section(metadata),
-        "data": [memoryview(np.ascontiguousarray(data)).cast("B")],
+        "data": [_raw(np.ascontiguousarray(data))],
     }
     spans, directory, extra_spans, size = _plan(parts, extra)
     if f is None:  # size only, used to check room before writing
@@ -235,11 +244,11 @@ def write(
             length,
             rows,
             cols,
-            zlib.crc32(memoryview(arr).cast("B")),
+            zlib.crc32(_raw(arr)),
             0,
         )
         f.seek(start)
-        f.write(memoryview(arr).cast("B"))
+        f.write(_raw(arr))
     f.seek(directory[0])
     f.write(entries)
     f.seek(spans["data"][0])
@@ -267,7 +276,7 @@ def write(
 
 
 def save_atomic(
-    path: Path, *, mode: int | None = None, threads: int | None = None, **arrays
+    path: Path, *, mode: int | None = None, threads: int | None = None, **arrays: Any
 ) -> None:
     """Write to a unique temporary name beside ``path``, fsync, rename, fsync the folder.
 

@@ -35,7 +35,7 @@ _SOF_UNSUPPORTED = {
 _FF = re.compile(rb"\xff")
 
 
-def _skip_fill(b: memoryview, pos: int) -> int:
+def _skip_fill(b: memoryview | bytes, pos: int) -> int:
     """Position of the first byte at or after ``pos`` that is not FF fill (``len(b)`` if none)."""
     n = len(b)
     if pos >= n or b[pos] != 0xFF:
@@ -49,7 +49,7 @@ def _skip_fill(b: memoryview, pos: int) -> int:
     return n
 
 
-def _next_marker(b: memoryview, pos: int) -> tuple[int, int]:
+def _next_marker(b: memoryview | bytes, pos: int) -> tuple[int, int]:
     """``(marker, position after it)`` of the next marker at or after ``pos``, as libjpeg finds it.
 
     Like libjpeg's ``next_marker``: bytes before an FF are skipped (it warns "extraneous bytes"

@@ -10,9 +10,13 @@ which would cost a decoder a pass over the whole image per scan.
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 from ._jpeg import MAX_SCANS, TOO_MANY_SCANS, jpeg_header
 from ._mapped import CacheFormatError
+
+if TYPE_CHECKING:
+    from ._store import JpegCache
 
 #: PIL's ``Image.MAX_IMAGE_PIXELS`` (about 89.5 Mpx, 268 MB as RGB): the bound people already know.
 DEFAULT_MAX_PIXELS = 89_478_485
@@ -44,7 +48,7 @@ def too_big(nbytes: int, max_pixels: int | None) -> str | None:
     )
 
 
-def pixel_budget(cache) -> int | None:
+def pixel_budget(cache: JpegCache) -> int | None:
     """The store's bound on decoded pixels per sample (None = unbounded)."""
     return getattr(cache, "max_pixels", DEFAULT_MAX_PIXELS)
 
@@ -60,7 +64,7 @@ def over_budget(height: int, width: int, limit: int | None) -> str | None:
     )
 
 
-def check_pixels(cache, i: int) -> None:
+def check_pixels(cache: JpegCache, i: int) -> None:
     """Raise ``ValueError`` if sample ``i`` would cost a decoder more than the store allows: more
     pixels than its budget, or a JPEG with more than ``MAX_SCANS`` scans (``_jpeg.count_scans``);
     :class:`CacheFormatError` if its record's size is not the size its bytes state.
@@ -74,7 +78,8 @@ def check_pixels(cache, i: int) -> None:
     why = over_budget(s["height"][i], s["width"][i], limit)
     stated = None
     if why is None:
-        stated = stated_size(memoryview(cache[i]))
+        # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
+        stated = stated_size(memoryview(cache[i]))  # type: ignore[arg-type]
         why = _refused(stated, limit)
     if why is not None:
         raise ValueError(why)
@@ -82,7 +87,7 @@ def check_pixels(cache, i: int) -> None:
         _check_record(cache, i, stated[0], stated[1])
 
 
-def _check_record(cache, i: int, height: int, width: int) -> None:
+def _check_record(cache: JpegCache, i: int, height: int, width: int) -> None:
     """Sample ``i``'s record against the size its bytes state (as stored: EXIF turns it)."""
     rec = cache.samples[i]
     if int(rec["orientation"]) >= 5:
@@ -97,7 +102,7 @@ def _check_record(cache, i: int, height: int, width: int) -> None:
         )
 
 
-def stated_size(b: memoryview) -> tuple[int, int, int] | None:
+def stated_size(b: memoryview | bytes) -> tuple[int, int, int] | None:
     """``(height, width, scans)`` the encoded bytes state (size before EXIF orientation; scans
     0 for a PNG), or None where that is not cheap to read (other formats, a PNG whose first chunk
     is not its header)."""

@@ -16,6 +16,7 @@ import os
 import stat
 import weakref
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +88,7 @@ class Handle:
         """False once the file was truncated under the mapping (reading past its end is SIGBUS)."""
         return self.fd is None or os.fstat(self.fd).st_size >= self.identity.size
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Handle], tuple[object, ...]]:
         if self.fd is None:
             raise ValueError(
                 f"{self.name}: this store was closed, so new processes cannot attach "

@@ -80,5 +80,9 @@ class OutOfMemory(GpucacheError, MemoryError):
             f"Fix: {fix}."
         )
 
-    def __reduce__(self):  # pickled (multiprocessing) as the MemoryError it is, message kept
+    def __reduce__(
+        self,
+    ) -> tuple[
+        type[MemoryError], tuple[object, ...]
+    ]:  # pickled (multiprocessing) as the MemoryError it is, message kept
         return MemoryError, self.args

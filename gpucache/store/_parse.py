@@ -17,8 +17,10 @@ import struct
 import zlib
 from pathlib import Path
 from types import MappingProxyType
+from typing import NoReturn, overload
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _sections
 from ._checksum import crc32_of
@@ -117,7 +119,9 @@ class Parsed:
         with memoryview(self.buf) as mv:  # no copy of the bytes
             return crc32_of(mv[start : start + length], crc)
 
-    def _fail(self, why: str, fix: str = "rebuild it with `gpucache build` or copy it again"):
+    def _fail(
+        self, why: str, fix: str = "rebuild it with `gpucache build` or copy it again"
+    ) -> NoReturn:
         raise CacheFormatError(f"{self._name}: {why}; {fix}.")
 
     def _check_bounds(self, spans: dict[str, tuple[int, int]], size: int) -> None:
@@ -136,8 +140,10 @@ class Parsed:
             if start < end:
                 self._fail(f"sections {a!r} and {b!r} overlap")
 
-    def _directory(self, start: int, count: int) -> dict[str, tuple]:
-        out = {}
+    def _directory(
+        self, start: int, count: int
+    ) -> dict[str, tuple[int, int, np.dtype, int, int, int]]:
+        out: dict[str, tuple[int, int, np.dtype, int, int, int]] = {}
         for k in range(count):
             raw, dtype, off, length, rows, cols, crc, _ = ENTRY.unpack_from(
                 self.buf, start + k * ENTRY.size
@@ -159,14 +165,16 @@ class Parsed:
             out[name] = (off, length, dt, rows, cols, crc)
         return out
 
-    def _extra(self, name, start, length, dtype, rows, cols, crc) -> np.ndarray:
+    def _extra(
+        self, name: str, start: int, length: int, dtype: np.dtype, rows: int, cols: int, crc: int
+    ) -> np.ndarray:
         if not self._trusted and self._crc(start, length) != crc:
             self._fail(f"optional section {name!r} checksum mismatch (it is corrupt)")
         arr = np.frombuffer(self.buf, dtype=dtype, count=rows * max(cols, 1), offset=start)
         return arr.reshape(rows, cols) if cols else arr
 
-    def _views(self, spans: dict, n: int, n_classes: int) -> None:
-        def view(name: str, dtype, count: int) -> np.ndarray:
+    def _views(self, spans: dict[str, tuple[int, int]], n: int, n_classes: int) -> None:
+        def view(name: str, dtype: npt.DTypeLike, count: int) -> np.ndarray:
             return np.frombuffer(self.buf, dtype=dtype, count=count, offset=spans[name][0])
 
         self.offsets = view("offsets", "<i8", n + 1)
@@ -210,7 +218,17 @@ class Parsed:
         if n and (self.labels.min() < -1 or self.labels.max() >= n_classes):
             self._fail(f"labels out of range for {n_classes} classes")
 
-    def _strings(self, name: str, span, n: int, optional: bool = False):
+    @overload
+    def _strings(
+        self, name: str, span: tuple[int, int], n: int
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+    @overload
+    def _strings(
+        self, name: str, span: tuple[int, int], n: int, optional: bool
+    ) -> tuple[np.ndarray, np.ndarray] | None: ...
+    def _strings(
+        self, name: str, span: tuple[int, int], n: int, optional: bool = False
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         start, length = span
         if length == 0 and optional:
             return None

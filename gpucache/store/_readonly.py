@@ -18,7 +18,7 @@ import ctypes
 import mmap
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -26,7 +26,7 @@ _RW = mmap.PROT_READ | mmap.PROT_WRITE if hasattr(mmap, "PROT_READ") else 0
 _writable: dict[int, mmap.mmap] = {}  # start address -> mapping, while a build fills it
 
 
-def _mprotect():
+def _mprotect() -> Callable[[int, int, int], int] | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.mprotect
@@ -44,6 +44,7 @@ def _address(m: mmap.mmap) -> int:
 
 
 def _protect(addr: int, size: int, prot: int) -> None:
+    assert _MPROTECT is not None  # called only where mprotect was found
     if _MPROTECT(addr, size, prot) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mprotect failed: {os.strerror(err)}")
@@ -69,7 +70,8 @@ def writable_buffer(nbytes: int) -> np.ndarray:
     m, addr = _mapping(nbytes)
     _protect(addr, len(m), _RW)
     raw = (ctypes.c_ubyte * nbytes).from_address(addr)
-    raw.mapping = m  # the array keeps the mapping alive
+    # the array keeps the mapping alive (ctypes instances take attributes; the stubs declare none)
+    raw.mapping = m  # type: ignore[attr-defined]
     _writable[addr] = m
     weakref.finalize(raw, _writable.pop, addr, None)
     return np.ctypeslib.as_array(raw)
@@ -92,10 +94,10 @@ def _view(m: mmap.mmap, offset: int, like: np.ndarray) -> np.ndarray:
 def freeze(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Read-only equivalents of ``arrays`` from which no writable memory can be reached."""
     if _MPROTECT is None:
-        out = [np.array(a, copy=True) for a in arrays]
-        for a in out:
+        copied = [np.array(a, copy=True) for a in arrays]
+        for a in copied:
             a.flags.writeable = False
-        return out
+        return copied
     out: list[np.ndarray | None] = [None] * len(arrays)
     copies, total = [], 0
     for k, a in enumerate(arrays):
@@ -117,4 +119,4 @@ def freeze(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         _protect(addr, len(m), mmap.PROT_READ)
         for k, at in copies:
             out[k] = _view(m, at, arrays[k])
-    return out  # type: ignore[return-value]
+    return out  # type: ignore[return-value]  # every entry was filled above

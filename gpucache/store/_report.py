@@ -40,7 +40,7 @@ class BuildReport:
         return "\n".join(lines)
 
 
-def report_sections(report) -> dict[str, np.ndarray]:
+def report_sections(report: BuildReport) -> dict[str, np.ndarray]:
     """A build report as the ``report.*`` sections (numbers and a string table; no pickle)."""
     kinds = [(int(Kind[k]), v) for k, v in sorted(report.counts.items())]
     texts = [t for s in report.skipped for t in (s.path, s.reason)]
@@ -54,7 +54,7 @@ def report_sections(report) -> dict[str, np.ndarray]:
     }
 
 
-def read_report(extra: Mapping[str, np.ndarray], where: str):
+def read_report(extra: Mapping[str, np.ndarray], where: str) -> BuildReport | None:
     """The build report kept in ``extra`` (see :func:`report_sections`), or None without one."""
     if "report.totals" not in extra:
         return None

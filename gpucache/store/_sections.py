@@ -31,7 +31,7 @@ MAX_RESTART = 0xFFFF  # a JPEG's restart interval (DRI) is a 16-bit count of MCU
 
 class Spec(NamedTuple):
     dtype: str
-    shape: tuple  # per axis: an int, N, N1 or ANY
+    shape: tuple[int | str | None, ...]  # per axis: an int, N, N1 or ANY
     meaning: str
 
 
@@ -63,7 +63,8 @@ def _rows_bad_rst(a: np.ndarray) -> np.ndarray:
 
 def _rows_bad_resized(a: np.ndarray) -> np.ndarray:  # (0, 0, 0): kept as given; else all > 0
     zero = a[:, 0] == 0  # column by column: ~20x faster than reductions along rows of 3
-    return (zero != (a[:, 1] == 0)) | (zero != (a[:, 2] == 0))
+    bad: np.ndarray = (zero != (a[:, 1] == 0)) | (zero != (a[:, 2] == 0))
+    return bad
 
 
 #: Per-sample value rules: a mask of the rows that break them, and the rule in words.
@@ -84,7 +85,7 @@ def _shape(spec: Spec, n: int) -> str:
 def _fits(arr: np.ndarray, spec: Spec, n: int) -> bool:
     if arr.dtype.str != spec.dtype or arr.ndim != len(spec.shape):
         return False
-    want = {N: n, N1: n + 1}
+    want: dict[int | str | None, int] = {N: n, N1: n + 1}
     return all(d is ANY or got == want.get(d, d) for got, d in zip(arr.shape, spec.shape))
 
 
@@ -110,13 +111,14 @@ def problem(sections: Mapping[str, np.ndarray], n: int, *, values: bool = True) 
     if not values:
         return None
     for name, (bad_rows, rule) in ROWS.items():
-        arr = sections.get(name)
-        bad = None if arr is None else bad_rows(arr)
+        section = sections.get(name)
+        bad = None if section is None else bad_rows(section)
         if bad is not None and bad.any():
+            assert section is not None  # bad is only computed for a present section
             i = int(np.flatnonzero(bad)[0])
             return (
                 f"section {name!r} breaks its rule ({rule}) for {int(bad.sum())} samples, "
-                f"first sample {i}: {arr[i].tolist()}"
+                f"first sample {i}: {section[i].tolist()}"
             )
     args = sections.get("resized.args")
     if args is not None and not (args[0] >= 0 and 1 <= args[1] <= 100):

@@ -19,6 +19,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from .._errors import GpucacheError
 from ._mapped import proc_fd_usable
@@ -90,7 +91,7 @@ def no_address_space(nbytes: int, err: BaseException) -> SharedMemoryError:
 
 
 def create(
-    nbytes: int, write: Callable, *, directory: Path | None = None
+    nbytes: int, write: Callable[[BinaryIO], object], *, directory: Path | None = None
 ) -> tuple[int, Path | None]:
     """Create a shared file of ``nbytes`` filled by ``write(fileobj)``.
 

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -55,7 +55,11 @@ class _Strings(Sequence[str]):
     def __len__(self) -> int:
         return len(self._offsets) - 1
 
-    def __getitem__(self, i):  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         i = range(len(self))[i]
@@ -85,7 +89,7 @@ class JpegCache:
         paths: tuple[np.ndarray, np.ndarray],
         metadata: tuple[np.ndarray, np.ndarray] | None = None,
         extra: Mapping[str, np.ndarray] | None = None,
-        report=None,
+        report: _report.BuildReport | None = None,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         _file: _parse.Parsed | None = None,
     ) -> None:
@@ -119,20 +123,20 @@ class JpegCache:
         self.report = report
         self.max_pixels = max_pixels
         self._file = _file
-        self._shm_finalizer: weakref.finalize | None = None
+        self._shm_finalizer: weakref.finalize[[Path], JpegCache] | None = None
         self._tensor: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ building and opening
     @classmethod
     def from_folder(
         cls,
-        root: str | os.PathLike,
+        root: str | os.PathLike[str],
         *,
         on_error: Literal["skip", "raise"] = "skip",
         num_threads: int | None = None,
         progress: bool = True,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        cache_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         cache_max_bytes: int | None = None,
         restart_markers: bool = False,
         max_side: int | None = None,
@@ -173,8 +177,8 @@ class JpegCache:
     @classmethod
     def from_files(
         cls,
-        paths: Sequence[str | os.PathLike],
-        labels: Sequence[int] | None = None,
+        paths: Sequence[str | os.PathLike[str]],
+        labels: Sequence[int] | np.ndarray | None = None,
         metadata: Sequence[str] | None = None,
         *,
         classes: Sequence[str] | None = None,
@@ -182,7 +186,7 @@ class JpegCache:
         num_threads: int | None = None,
         progress: bool = True,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        cache_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         cache_max_bytes: int | None = None,
         restart_markers: bool = False,
         max_side: int | None = None,
@@ -215,7 +219,7 @@ class JpegCache:
     @classmethod
     def from_csv(
         cls,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         *,
         classes: Sequence[str] | None = None,
         delimiter: str = ",",
@@ -224,7 +228,7 @@ class JpegCache:
         num_threads: int | None = None,
         progress: bool = True,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        cache_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         cache_max_bytes: int | None = None,
         restart_markers: bool = False,
         max_side: int | None = None,
@@ -259,7 +263,7 @@ class JpegCache:
     @classmethod
     def from_webdataset(
         cls,
-        shards: str | os.PathLike | Sequence[str | os.PathLike],
+        shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         *,
         classes: Sequence[str] | None = None,
         metadata_ext: str | None = None,
@@ -267,7 +271,7 @@ class JpegCache:
         num_threads: int | None = None,
         progress: bool = True,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        cache_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         cache_max_bytes: int | None = None,
         restart_markers: bool = False,
         max_side: int | None = None,
@@ -300,7 +304,7 @@ class JpegCache:
     @classmethod
     def from_hf(
         cls,
-        dataset,
+        dataset: Any,  # a datasets.Dataset (datasets ships no types)
         *,
         image_column: str = "image",
         label_column: str | None = "label",
@@ -309,7 +313,7 @@ class JpegCache:
         num_threads: int | None = None,
         progress: bool = True,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        cache_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         cache_max_bytes: int | None = None,
         restart_markers: bool = False,
         max_side: int | None = None,
@@ -337,7 +341,7 @@ class JpegCache:
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike, *, max_pixels: int | None = DEFAULT_MAX_PIXELS
+        cls, path: str | os.PathLike[str], *, max_pixels: int | None = DEFAULT_MAX_PIXELS
     ) -> JpegCache:
         """Map a saved store read-only. Validates header, sizes and offsets; reads no image data.
 
@@ -360,7 +364,7 @@ class JpegCache:
             _file=parsed,
         )
 
-    def _replace(self, **changes) -> JpegCache:
+    def _replace(self, **changes: Any) -> JpegCache:
         """A new in-memory store with some arrays replaced (``data``, ``offsets``, ``samples``,
         ``labels``, ``extra``...): for code that derives a store from this one (e.g. transcoding).
         ``extra`` replaces the optional sections as a whole; pass ``{**cache.extra, name: a}``."""
@@ -456,12 +460,16 @@ class JpegCache:
         return None if self._file is None else self._file.path
 
     def kinds(self) -> np.ndarray:
-        return self._samples["kind"]
+        kinds: np.ndarray = self._samples["kind"]  # a field of a structured array
+        return kinds
 
     def gpu_decodable(self) -> np.ndarray:
         """Boolean mask: 8-bit Huffman JPEG with 1 or 3 components (what nvJPEG takes)."""
         k = self._samples["kind"]
-        return np.isin(k, [Kind.JPEG, Kind.JPEG_PROGRESSIVE]) & (self._samples["components"] != 4)
+        mask: np.ndarray = np.isin(k, [Kind.JPEG, Kind.JPEG_PROGRESSIVE]) & (
+            self._samples["components"] != 4
+        )
+        return mask
 
     def __repr__(self) -> str:
         where = (
@@ -477,7 +485,7 @@ class JpegCache:
         )
 
     # ------------------------------------------------------------------ saving and sharing
-    def _arrays(self) -> dict:
+    def _arrays(self) -> dict[str, Any]:
         return dict(
             data=self._data,
             offsets=self._offsets,
@@ -489,12 +497,12 @@ class JpegCache:
             extra=self._extra,
         )
 
-    def _stored(self) -> dict:
+    def _stored(self) -> dict[str, Any]:
         """What a saved or shared copy holds: the arrays, plus the build report's sections."""
         report = {} if self.report is None else _report.report_sections(self.report)
         return {**self._arrays(), "extra": {**self._extra, **report}}
 
-    def save(self, path: str | os.PathLike, *, mode: int | None = None) -> Path:
+    def save(self, path: str | os.PathLike[str], *, mode: int | None = None) -> Path:
         """Write the store to one file, atomically (temp name, fsync, rename); ``mode``: its
         permission bits (default: 0666 less the umask, as ``open`` does)."""
         path = Path(path)
@@ -503,7 +511,7 @@ class JpegCache:
         except OSError as err:
             import errno
 
-            fix = {
+            fix: dict[int | None, str] = {
                 errno.ENOSPC: f"it needs {self.nbytes / 2**20:,.1f} MiB there; free room or "
                 "choose another folder",
                 errno.EFBIG: "the file-size limit (ulimit -f / RLIMIT_FSIZE) is lower than the "
@@ -571,10 +579,10 @@ class JpegCache:
     def __enter__(self) -> JpegCache:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., JpegCache], tuple[Handle, int | None]]:
         if self._file is None:
             raise TypeError(
                 "an in-memory JpegCache cannot be pickled: that would copy every image into each "

@@ -14,14 +14,30 @@ pixels. Resizing scales these coordinates exactly (``align_corners=False``, as t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import torch
+
+if TYPE_CHECKING:
+    from ._store import JpegCache
 
 DENSE, RAGGED, OFFSETS = "targets", "targets_ragged", "targets_ragged.offsets"
 
+#: Coordinates in and out: numpy or torch, the same kind out as in.
+_Coords = TypeVar("_Coords", np.ndarray, torch.Tensor)
+#: A plan's 11 numbers (see gpucache.transforms.PLAN_FIELDS).
+Plan = np.ndarray | torch.Tensor | Sequence[float]
 
-def with_targets(cache, *, targets=None, ragged: Sequence | None = None, per_input: bool = False):
+
+def with_targets(
+    cache: JpegCache,
+    *,
+    targets: npt.ArrayLike | None = None,
+    ragged: Sequence[npt.ArrayLike] | None = None,
+    per_input: bool = False,
+) -> JpegCache:
     """A new in-memory store: ``cache`` with float targets and/or ragged per-sample arrays.
 
     ``targets``: (N, C) numbers (multi-hot rows, regression values). ``ragged``: N arrays of
@@ -77,12 +93,12 @@ def with_targets(cache, *, targets=None, ragged: Sequence | None = None, per_inp
     return cache._replace(extra=extra)
 
 
-def dense_targets(cache) -> np.ndarray | None:
+def dense_targets(cache: JpegCache) -> np.ndarray | None:
     """The store's (N, C) float32 targets, or None."""
     return cache.extra.get(DENSE)
 
 
-def ragged_targets(cache, indices) -> list[np.ndarray] | None:
+def ragged_targets(cache: JpegCache, indices: npt.ArrayLike) -> list[np.ndarray] | None:
     """Each listed sample's (K_i, C) ragged array (read-only views), or None without any."""
     values, offsets = cache.extra.get(RAGGED), cache.extra.get(OFFSETS)
     if values is None or offsets is None:
@@ -101,35 +117,36 @@ def kept_rows(submitted: np.ndarray, kept: np.ndarray) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64)
 
 
-def _plan(plan) -> list[float]:
+def _plan(plan: Plan) -> list[float]:
     p = plan.tolist() if hasattr(plan, "tolist") else list(plan)
     if len(p) != 11:
         raise ValueError(f"a plan has 11 numbers (see gpucache.transforms.PLAN_FIELDS), got {p}")
     return [float(v) for v in p]
 
 
-def map_points(points, plan):
+def map_points(points: _Coords, plan: Plan) -> _Coords:
     """Map (K, 2) ``x, y`` points of the decoded image into the output image of ``plan``."""
     t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = _plan(plan)
     xp = torch if isinstance(points, torch.Tensor) else np
-    pts = points.astype(np.float64) if xp is np else points.double()
+    pts = points.double() if isinstance(points, torch.Tensor) else points.astype(np.float64)
     x = (pts[..., 0] - l1) * (rw / w1) - l2
     y = (pts[..., 1] - t1) * (rh / h1) - t2
     if flip:
         x = w2 - x
-    return xp.stack([x, y], -1)
+    out: _Coords = xp.stack([x, y], -1)
+    return out
 
 
-def map_boxes(boxes, plan, *, clip: bool = True):
+def map_boxes(boxes: _Coords, plan: Plan, *, clip: bool = True) -> _Coords:
     """Map (K, 4) ``x0, y0, x1, y1`` boxes of the decoded image into the output image of ``plan``
     (crop, resize, flip). ``clip`` clips them to the output; a box that ends up outside has zero
     area (filter with ``(b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1])``). Numpy or torch in and out."""
     xp = torch if isinstance(boxes, torch.Tensor) else np
-    b = boxes.astype(np.float64) if xp is np else boxes.double()
+    b = boxes.double() if isinstance(boxes, torch.Tensor) else boxes.astype(np.float64)
     lo = map_points(b[..., 0:2], plan)
     hi = map_points(b[..., 2:4], plan)
     x0, x1 = xp.minimum(lo[..., 0], hi[..., 0]), xp.maximum(lo[..., 0], hi[..., 0])
-    out = xp.stack([x0, lo[..., 1], x1, hi[..., 1]], -1)
+    out: _Coords = xp.stack([x0, lo[..., 1], x1, hi[..., 1]], -1)
     if clip:
         h2, w2 = _plan(plan)[8:10]
         limits = [w2, h2, w2, h2]
