@@ -29,7 +29,7 @@ log = logging.getLogger("gpucache")
 _OUTPUTS = ("tensor", "numpy", "pil")
 
 
-class JpegDataset(Dataset):
+class JpegDataset(Dataset[tuple[Any, ...]]):
     """Decode samples of ``cache`` one at a time, for a ``torch.utils.data.DataLoader``.
 
     ``output``: ``"tensor"`` (RGB uint8 CHW ``torch.Tensor``, what torchvision v2 transforms take),
@@ -99,7 +99,7 @@ class JpegDataset(Dataset):
         dense = dense_targets(self.cache)
         return int(self.cache.labels[i]) if dense is None else dense[i].copy()
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
         i = range(len(self.cache))[i]
         img, target = self.decode(i), self.target(i)
         if self.transform is not None:
@@ -109,7 +109,7 @@ class JpegDataset(Dataset):
         if not self.return_info:
             return img, target
         meta = self.cache.metadata
-        info = {
+        info: dict[str, Any] = {
             "index": i,
             "path": self.cache.paths[i],
             "metadata": None if meta is None else meta[i],
@@ -121,7 +121,7 @@ class JpegDataset(Dataset):
             info["targets"] = ragged[0].copy()
         return img, target, info
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         if not self.cache.is_shared:
             log.info(
                 "gpucache: JpegDataset is being pickled (spawn/forkserver DataLoader "

@@ -20,8 +20,13 @@ import hashlib
 import operator
 import warnings
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..store._store import JpegCache
+    from ._sampling import Sampling
 
 VERSION = 3
 _SEED_LIMIT = 2**63  # seeds are kept in [0, 2**63); epochs share the range
@@ -40,7 +45,7 @@ def _digest(*arrays: np.ndarray) -> str:
     return "blake2b:" + h.hexdigest()
 
 
-def store_fingerprint(cache) -> str:
+def store_fingerprint(cache: JpegCache) -> str:
     """Sample count, offsets and labels of ``cache``: the same for any backing and process."""
     return _digest(
         np.array([len(cache)], dtype="<i8"),
@@ -49,7 +54,7 @@ def store_fingerprint(cache) -> str:
     )
 
 
-def sampling_fingerprint(sampling) -> str:
+def sampling_fingerprint(sampling: Sampling) -> str:
     """The loader's ``indices=`` and ``weights=`` (as normalised), or ``"all"``."""
     if sampling.indices is None and sampling.weights is None:
         return "all"
@@ -62,7 +67,7 @@ def sampling_fingerprint(sampling) -> str:
     return _digest(*parts)
 
 
-def _integer(state: Mapping, key: str, low: int, high: int | None, why: str) -> int:
+def _integer(state: Mapping[str, Any], key: str, low: int, high: int | None, why: str) -> int:
     value = state[key]
     try:
         if isinstance(value, (bool, np.bool_)):
@@ -81,7 +86,9 @@ def _integer(state: Mapping, key: str, low: int, high: int | None, why: str) -> 
     return number
 
 
-def parse(state, *, samples: int, shuffle: bool, store: str, sampling: str) -> tuple[int, int, int]:
+def parse(
+    state: object, *, samples: int, shuffle: bool, store: str, sampling: str
+) -> tuple[int, int, int]:
     """``(seed, epoch, position)`` of a state saved by a loader over the same data, else a clear
     ``TypeError``/``ValueError``. Nothing is changed before the whole state has been checked."""
     if not isinstance(state, Mapping):
@@ -133,7 +140,7 @@ def parse(state, *, samples: int, shuffle: bool, store: str, sampling: str) -> t
     return seed, epoch, position
 
 
-def _check_fingerprints(state: Mapping, *, store: str, sampling: str) -> None:
+def _check_fingerprints(state: Mapping[str, Any], *, store: str, sampling: str) -> None:
     absent = [key for key in ("store", "sampling") if key not in state]
     if absent:
         warnings.warn(

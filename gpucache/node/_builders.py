@@ -24,6 +24,7 @@ from ._remote import any_url, csv_lists_urls
 
 if TYPE_CHECKING:
     from ..store._store import JpegCache
+    from ._cache import Listing
 
 
 def _options(args: dict[str, Any]) -> dict[str, Any]:
@@ -43,14 +44,14 @@ def _options(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def from_folder(
-    cls,
-    root: str | os.PathLike,
+    cls: type[JpegCache],
+    root: str | os.PathLike[str],
     *,
     on_error: Literal["skip", "raise"] = "skip",
     num_threads: int | None = None,
     progress: bool = True,
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
-    cache_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
     cache_max_bytes: int | None = None,
     restart_markers: bool = False,
     max_side: int | None = None,
@@ -70,7 +71,7 @@ def from_folder(
     from ..ingest._build import build, scan_folder
     from ._cache import built_once
 
-    def scan():
+    def scan() -> Listing:
         paths, labels, classes = scan_folder(Path(root))
         return paths, (
             labels,
@@ -109,8 +110,8 @@ def from_folder(
 
 
 def from_files(
-    cls,
-    paths: Sequence[str | os.PathLike],
+    cls: type[JpegCache],
+    paths: Sequence[str | os.PathLike[str]],
     labels: Sequence[int] | None = None,
     metadata: Sequence[str] | None = None,
     *,
@@ -119,7 +120,7 @@ def from_files(
     num_threads: int | None = None,
     progress: bool = True,
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
-    cache_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
     cache_max_bytes: int | None = None,
     restart_markers: bool = False,
     max_side: int | None = None,
@@ -179,24 +180,24 @@ def from_files(
 
 
 def from_csv(
-    cls,
-    path,
+    cls: type[JpegCache],
+    path: str | os.PathLike[str],
     *,
-    classes=None,
-    delimiter=",",
-    header=None,
-    on_error="skip",
-    num_threads=None,
-    progress=True,
-    max_pixels=DEFAULT_MAX_PIXELS,
-    cache_dir=None,
-    cache_max_bytes=None,
-    restart_markers=False,
-    max_side=None,
-    jpeg_quality=None,
-    storage_options=None,
-    requests_in_flight=None,
-):
+    classes: Sequence[str] | None = None,
+    delimiter: str = ",",
+    header: bool | None = None,
+    on_error: Literal["skip", "raise"] = "skip",
+    num_threads: int | None = None,
+    progress: bool = True,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_max_bytes: int | None = None,
+    restart_markers: bool = False,
+    max_side: int | None = None,
+    jpeg_quality: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    requests_in_flight: int | None = None,
+) -> JpegCache:
     """``JpegCache.from_csv`` (see its docstring): the CSV read once, the files it lists built
     (once per node with ``cache_dir`` or several ranks, keyed on those files)."""
     if csv_lists_urls(path):  # a CSV in storage, or one listing object URLs
@@ -216,7 +217,7 @@ def from_csv(
 
     options = (on_error, max_pixels, restart_markers, max_side, jpeg_quality)
 
-    def scan():
+    def scan() -> Listing:
         files, labels, names, meta = read_csv(
             path, classes=classes, delimiter=delimiter, header=header
         )
@@ -249,23 +250,23 @@ def from_csv(
 
 
 def from_webdataset(
-    cls,
-    shards,
+    cls: type[JpegCache],
+    shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     *,
-    classes=None,
-    metadata_ext=None,
-    on_error="skip",
-    num_threads=None,
-    progress=True,
-    max_pixels=DEFAULT_MAX_PIXELS,
-    cache_dir=None,
-    cache_max_bytes=None,
-    restart_markers=False,
-    max_side=None,
-    jpeg_quality=None,
-    storage_options=None,
-    requests_in_flight=None,
-):
+    classes: Sequence[str] | None = None,
+    metadata_ext: str | None = None,
+    on_error: Literal["skip", "raise"] = "skip",
+    num_threads: int | None = None,
+    progress: bool = True,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_max_bytes: int | None = None,
+    restart_markers: bool = False,
+    max_side: int | None = None,
+    jpeg_quality: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    requests_in_flight: int | None = None,
+) -> JpegCache:
     """``JpegCache.from_webdataset`` (see its docstring): built once per node with ``cache_dir``
     or several ranks, keyed on the shard files."""
     if any_url(shards):  # shards in storage, brace patterns expanded
@@ -313,22 +314,22 @@ def from_webdataset(
 
 
 def from_hf(
-    cls,
-    dataset,
+    cls: type[JpegCache],
+    dataset: Any,  # a datasets.Dataset (datasets ships no types)
     *,
-    image_column="image",
-    label_column="label",
-    classes=None,
-    on_error="skip",
-    num_threads=None,
-    progress=True,
-    max_pixels=DEFAULT_MAX_PIXELS,
-    cache_dir=None,
-    cache_max_bytes=None,
-    restart_markers=False,
-    max_side=None,
-    jpeg_quality=None,
-):
+    image_column: str = "image",
+    label_column: str | None = "label",
+    classes: Sequence[str] | None = None,
+    on_error: Literal["skip", "raise"] = "skip",
+    num_threads: int | None = None,
+    progress: bool = True,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_max_bytes: int | None = None,
+    restart_markers: bool = False,
+    max_side: int | None = None,
+    jpeg_quality: int | None = None,
+) -> JpegCache:
     """``JpegCache.from_hf`` (see its docstring)."""
     from ..ingest import _sources
 

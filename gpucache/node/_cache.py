@@ -32,6 +32,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .. import _dist
 from ..ingest._objects import spool_files
@@ -41,15 +42,18 @@ from ._clean import clean
 from ._dir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private
 from ._lock import NodeLock
 
+if TYPE_CHECKING:
+    from ..store._store import JpegCache
+
 log = logging.getLogger("gpucache")
 
 STALL_TIMEOUT_S = 900.0  # waiters give up when the builder reports no progress for this long
 SCAN_FRESH_S = 120.0  # a rank takes another rank's scan result only this soon after it was made
-_used: set[str] = set()  # scan results this process made or took: it scans again next time
+_used: set[str | None] = set()  # scan results this process made or took: it scans again next time
 _KEY_VERSION = b"gpucache-node-1"
 __all__ = ["built_once", "default_dir", "listing_key", "several_ranks"]
 
-Listing = tuple[Sequence, Sequence]  # (inputs, extra: labels, classes, options)
+Listing = tuple[Sequence[Any], Sequence[Any]]  # (inputs, extra: labels, classes, options)
 
 
 def several_ranks() -> bool:
@@ -58,14 +62,14 @@ def several_ranks() -> bool:
     return _dist.local()[0] > 1 or _dist.world()[0] > 1 or launched > 1
 
 
-def _hash(h, extra: Sequence) -> None:
+def _hash(h: hashlib.blake2b, extra: Sequence[object]) -> None:
     for item in extra:  # an array's repr elides its middle: hash its bytes
         h.update(item.tobytes() if hasattr(item, "tobytes") else repr(item).encode())
         h.update(b"\1")
 
 
 def listing_key(
-    paths: Sequence[str], extra: Sequence, on_progress: Callable[..., None] | None = None
+    paths: Sequence[str], extra: Sequence[object], on_progress: Callable[..., None] | None = None
 ) -> str:
     """A hash of every path (its folder resolved: symlinks, ``..``, relative to absolute) with its
     size and mtime, plus ``extra`` (labels, classes, options)."""
@@ -90,16 +94,16 @@ def listing_key(
 
 
 def built_once(
-    cls,
+    cls: type[JpegCache],
     scan: Callable[[], Listing],
-    build: Callable[..., object],
-    request: Sequence,
+    build: Callable[..., JpegCache],
+    request: Sequence[Any],
     *,
-    cache_dir: str | os.PathLike | None,
+    cache_dir: str | os.PathLike[str] | None,
     max_bytes: int | None = None,
     stall_timeout: float | None = None,
     remote: bool = False,
-):
+) -> JpegCache:
     """``build(inputs, extra, on_progress)`` once per node, or open the saved store of an unchanged
     listing; in memory for one process without ``cache_dir``. ``request`` names what ``scan()``
     lists without touching the file system (a root, or the paths, plus the options).
@@ -176,7 +180,7 @@ def built_once(
         return cache
 
 
-def _source(request: Sequence) -> str:
+def _source(request: Sequence[Any]) -> str:
     first = request[0]
     if isinstance(first, (str, os.PathLike)):
         return os.fspath(first)
@@ -184,7 +188,7 @@ def _source(request: Sequence) -> str:
 
 
 def _scan_once(
-    folder: Path, scan: Callable[[], Listing], request: Sequence, stall: float
+    folder: Path, scan: Callable[[], Listing], request: Sequence[Any], stall: float
 ) -> tuple[str, Listing | None]:
     """The listing key, scanned by the first rank of the node (then ``(key, listing)``) or taken
     from the file it wrote (then ``(key, None)``)."""
@@ -230,10 +234,11 @@ def _started() -> float:
     except (OSError, ValueError, IndexError, AttributeError):
         import psutil
 
-        return psutil.Process().create_time()
+        created: float = psutil.Process().create_time()  # psutil ships no types
+        return created
 
 
-def _open(cls, store: Path):
+def _open(cls: type[JpegCache], store: Path) -> JpegCache | None:
     """The saved store mapped and held (shared flock, so it counts as in use), or None."""
     fd, why = open_own(store)
     if fd is None:

@@ -87,7 +87,7 @@ def entries(folder: Path) -> list[Entry]:
     for path in folder.glob("*.gpucache"):
         m = _STORE.fullmatch(path.name)
         st = _own_file(path, MAGIC) if m else None
-        if st is None:
+        if m is None or st is None:
             continue
         key = m[1]
         info = read_json(folder / f"{key}.info") or {}

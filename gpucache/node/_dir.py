@@ -22,6 +22,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 FIX = (
@@ -34,10 +35,10 @@ def default_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"gpucache-{os.getuid()}"
 
 
-def checked_dir(cache_dir: str | os.PathLike | None, *, create: bool = True) -> Path:
+def checked_dir(cache_dir: str | os.PathLike[str] | None, *, create: bool = True) -> Path:
     """The cache folder, created 0700 if missing; PermissionError if another user could use it."""
     default = cache_dir is None
-    folder = default_dir() if default else Path(cache_dir)
+    folder = default_dir() if cache_dir is None else Path(cache_dir)
     if create:
         try:
             if default:
@@ -123,7 +124,7 @@ def write_private(path: Path, data: bytes) -> None:
         raise
 
 
-def read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict[str, Any] | None:
     fd, _ = open_own(path)
     if fd is None:
         return None

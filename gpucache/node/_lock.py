@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from ._dir import not_writable, open_own
 
@@ -37,7 +38,7 @@ class NodeLock:
     def __init__(self, path: Path, store: Path, stall_timeout: float):
         self.path, self.store, self.stall_timeout = path, store, stall_timeout
         self.fd: int | None = None
-        self._state = {
+        self._state: dict[str, Any] = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "phase": "starting",
@@ -57,7 +58,8 @@ class NodeLock:
         self._write()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
+        assert self.fd is not None  # set by __enter__
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -73,7 +75,7 @@ class NodeLock:
             self._t0 = time.monotonic()
             self._write()
 
-    def progress(self, *report) -> None:
+    def progress(self, *report: Any) -> None:
         """The build's progress callback: ``(stage, done, total, bytes_done, bytes_total)`` or
         ``(done, total, bytes_done)``: ``done`` of ``total`` inputs, ``bytes_done`` read."""
         named = report if isinstance(report[0], str) else ("read", *report)
@@ -97,6 +99,7 @@ class NodeLock:
 
     def _write(self) -> None:
         record = json.dumps(self._state).encode()[:RECORD].ljust(RECORD)
+        assert self.fd is not None  # written only while the lock is held
         os.pwrite(self.fd, record, 0)
         self._written = time.monotonic()
 
@@ -159,7 +162,7 @@ class NodeLock:
             "not a lock file of this user; pass another cache_dir.",
         )
 
-    def _saving(self) -> tuple:
+    def _saving(self) -> tuple[int, ...]:
         """The sizes of the store's temporary files: a save in progress grows them."""
         out = []
         for tmp in self.path.parent.glob(f".{self.store.name}.*"):

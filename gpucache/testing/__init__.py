@@ -55,7 +55,8 @@ def _colours(rng: np.random.Generator, n: int) -> np.ndarray:
     """``n`` random RGB colours, partly desaturated like most photo content."""
     col = rng.uniform(10, 245, (n, 3))
     keep = rng.uniform(0.25, 1.0, (n, 1))
-    return (col * keep + col.mean(axis=1, keepdims=True) * (1 - keep)).astype(np.float32)
+    out: np.ndarray = (col * keep + col.mean(axis=1, keepdims=True) * (1 - keep)).astype(np.float32)
+    return out
 
 
 def _natural_pil(width: int, height: int, seed: int) -> Image.Image:
@@ -73,7 +74,9 @@ def _natural_pil(width: int, height: int, seed: int) -> Image.Image:
     cx, cy, r2 = rng.uniform(0, 1), rng.uniform(0, 1), rng.uniform(0.04, 0.6)
     glow = (0.6 * np.exp(-((x - cx) ** 2) / r2) * np.exp(-((y - cy) ** 2) / r2))[..., None]
     img = (c0 * (1 - t) + c1 * t) * (1 - glow) + c2 * glow
-    canvas = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).resize((lw, lh), Image.BILINEAR)
+    canvas = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).resize(
+        (lw, lh), Image.Resampling.BILINEAR
+    )
     # Shapes back to front; blurring the canvas between groups of shapes gives
     # far objects softer edges than near ones (a cheap depth-of-field look).
     n_shapes = int(rng.integers(8, 25))
@@ -109,9 +112,10 @@ def _natural_pil(width: int, height: int, seed: int) -> Image.Image:
                 fill=fill,
             )
     canvas = canvas.filter(ImageFilter.BoxBlur(rng.uniform(0.3, 0.8)))
-    light = _noise(rng, lw, lh, 3, 3, Image.BICUBIC).point(lambda v: 64 + v // 2)  # shading
+    # shading
+    light = _noise(rng, lw, lh, 3, 3, Image.Resampling.BICUBIC).point(lambda v: 64 + v // 2)
     canvas = ImageChops.overlay(canvas, light.convert("RGB"))
-    out = canvas.resize((width, height), Image.BICUBIC)
+    out = canvas.resize((width, height), Image.Resampling.BICUBIC)
     # Texture: multi-octave value noise (coarse -> per-pixel) plus a plane
     # wave, mixed towards neutral grey by a smooth mask so detail varies over
     # the image, then applied with an overlay blend like surface detail.
@@ -122,13 +126,15 @@ def _natural_pil(width: int, height: int, seed: int) -> Image.Image:
     sx, sy = rng.integers(1, 5, 2)  # anisotropic cells -> streaks (grass, wood, fur)
     tex = Image.blend(tex, _noise(rng, tw, th, tw // int(sx), th // int(sy)), 0.6)
     tex = Image.blend(tex, Image.fromarray(wave.astype(np.uint8)), rng.uniform(0.05, 0.3))
-    tex = tex.resize((width, height), Image.BILINEAR)
+    tex = tex.resize((width, height), Image.Resampling.BILINEAR)
     grain = _noise(rng, width, height, width, height)
     tex = Image.blend(tex, grain, rng.uniform(0.25, 0.4))
     gain = rng.uniform(*_TEXTURE_GAIN)
     tex = tex.point([max(0, min(255, round(128 + (v - 128) * gain))) for v in range(256)])
-    mask = _noise(rng, max(2, width // 8), max(2, height // 8), 4, 4, Image.BICUBIC)
-    mask = mask.point(lambda v: 80 + v * 175 // 255).resize((width, height), Image.BILINEAR)
+    mask = _noise(rng, max(2, width // 8), max(2, height // 8), 4, 4, Image.Resampling.BICUBIC)
+    mask = mask.point(lambda v: 80 + v * 175 // 255).resize(
+        (width, height), Image.Resampling.BILINEAR
+    )
     tex = Image.composite(tex, Image.new("L", (width, height), 128), mask).convert("RGB")
     chroma = Image.frombytes("RGB", (width, height), rng.bytes(width * height * 3))
     return ImageChops.overlay(out, Image.blend(tex, chroma, rng.uniform(0.03, 0.1)))
@@ -189,7 +195,7 @@ def _image_size(rng: np.random.Generator) -> tuple[int, int]:
 
 
 def make_jpeg_folder(
-    root: str | os.PathLike,
+    root: str | os.PathLike[str],
     n: int,
     *,
     classes: Sequence[str] | int = ("ant", "bee", "cat", "dog"),

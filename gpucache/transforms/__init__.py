@@ -20,8 +20,8 @@ such as a torchvision v2 transform) and ops that also change the labels (:class:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ PLAN_FIELDS = (
     "flip",
 )
 PLAN_WIDTH = len(PLAN_FIELDS)
+
+#: A batch's labels through Compose.apply: a tensor from the loader, None from a plain call.
+_Labels = TypeVar("_Labels", torch.Tensor, None)
 
 
 def identity_plans(heights: np.ndarray, widths: np.ndarray) -> np.ndarray:
@@ -130,7 +133,9 @@ class RandomResizedCrop(Geometric):
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
     ):
         self.size = _size2(size)
-        self.scale, self.ratio = tuple(scale), tuple(ratio)
+        # copied as tuples (a list may be given); pairs, as the signature says
+        self.scale = cast(tuple[float, float], tuple(scale))
+        self.ratio = cast(tuple[float, float], tuple(ratio))
 
     def box(self, height: int, width: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
         area = height * width
@@ -257,9 +262,9 @@ class Normalize(Transform):
         self.mean, self.std, self.dtype, self.layout = list(mean), list(std), dtype, layout
         self._constants = DeviceConstants()
 
-    def _affine(self, uint8: bool, nhwc: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, bias) with x * scale + bias == (x / 255 - mean) / std (uint8), else without
-        the 1/255; shaped for the layout."""
+    def _affine(self, uint8: bool, nhwc: bool) -> torch.Tensor:
+        """(scale, bias), stacked in one tensor, with x * scale + bias == (x / 255 - mean) / std
+        (uint8), else without the 1/255; shaped for the layout."""
         mean = torch.tensor(self.mean, dtype=torch.float64)
         std = torch.tensor(self.std, dtype=torch.float64)
         scale = (1 / 255 if uint8 else 1.0) / std
@@ -292,7 +297,7 @@ _ACCEPTED = (
 )
 
 
-def _kind(t) -> str:
+def _kind(t: object) -> str:
     """What a Compose item is: 'geometric', 'pixel' (images -> images) or 'labels'."""
     if isinstance(t, Transform):
         return "geometric" if t.geometric else "pixel"
@@ -307,7 +312,11 @@ def _kind(t) -> str:
     return "pixel"
 
 
-def _run(t, x, generator):
+def _run(
+    t: Callable[..., Any],
+    x: torch.Tensor | list[torch.Tensor],
+    generator: torch.Generator | None,
+) -> torch.Tensor | list[torch.Tensor]:
     """One pixel step on a batch tensor, or on each image of a list (variable sizes)."""
     if isinstance(t, Transform):
         return t(x) if isinstance(x, torch.Tensor) else [t(i[None])[0] for i in x]
@@ -336,10 +345,15 @@ class Compose(Transform):
     torchvision op left to run on a whole batch tensor warns (wrap it in :class:`PerSample` or
     :class:`PerBatch`)."""
 
-    def __init__(self, transforms: Sequence):
+    # the geometric steps, a list, where a single transform has its class flag (read by _kind,
+    # which a Compose never meets: translate() leaves only single transforms and callables)
+    geometric: list[Geometric]  # type: ignore[assignment]
+
+    def __init__(self, transforms: Sequence[Any]):
         self.transforms = _tvcompat.translate(list(transforms))
         kinds = [_kind(t) for t in self.transforms]
-        for t, k, before in zip(self.transforms, kinds, [None] + kinds[:-1]):
+        before_kinds: list[str | None] = [None, *kinds[:-1]]
+        for t, k, before in zip(self.transforms, kinds, before_kinds):
             if k == "geometric" and before not in (None, "geometric"):
                 raise ValueError(
                     f"{t!r} comes after a pixel transform; put geometric transforms "
@@ -373,7 +387,13 @@ class Compose(Transform):
     def changes_labels(self) -> bool:
         return any(k == "labels" for k, _ in self.steps)
 
-    def apply(self, images, labels, *, generator: torch.Generator | None = None):
+    def apply(
+        self,
+        images: torch.Tensor | list[torch.Tensor],
+        labels: _Labels,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor | list[torch.Tensor], _Labels]:
         """Run the batch steps: ``(images, labels)`` in, ``(images, labels)`` out."""
         for kind, t in self.steps:
             if kind == "pixel":
@@ -391,7 +411,9 @@ class Compose(Transform):
                     images, labels = t(images, labels)
         return images, labels
 
-    def __call__(self, x, *, generator: torch.Generator | None = None):
+    def __call__(
+        self, x: torch.Tensor | list[torch.Tensor], *, generator: torch.Generator | None = None
+    ) -> torch.Tensor | list[torch.Tensor]:
         if self.changes_labels:
             raise ValueError(
                 "this Compose has steps that change labels (MixUp/CutMix/"
@@ -403,7 +425,7 @@ class Compose(Transform):
         return "Compose([" + ", ".join(map(repr, self.transforms)) + "])"
 
 
-def as_compose(transform) -> Compose:
+def as_compose(transform: object) -> Compose:
     """A Compose from None, one transform or callable, or a list/tuple of them."""
     if transform is None:
         return Compose([])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ def _uniform(n: int, low: float, high: float, g: torch.Generator | None) -> torc
 
 
 @contextlib.contextmanager
-def seeded_global_rng(generator: torch.Generator | None, device: torch.device):
+def seeded_global_rng(generator: torch.Generator | None, device: torch.device) -> Iterator[None]:
     """Run a callable that draws from torch's global RNG (torchvision's random transforms) with a
     seed taken from ``generator``; the global state is restored afterwards."""
     if generator is None:
@@ -95,10 +95,10 @@ class ColorJitter:
 
     def factors(self, n: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         """Per-sample factors (1 = unchanged), drawn in a fixed order."""
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         apply = torch.rand(n, generator=generator) < self.p
         for name in ("brightness", "contrast", "saturation"):
-            rng = getattr(self, name)
+            rng: tuple[float, float] | None = getattr(self, name)
             if rng is not None:
                 f = _uniform(n, *rng, generator)
                 out[name] = torch.where(apply, f, torch.ones_like(f))
@@ -135,7 +135,9 @@ class PerSample:
             raise TypeError(f"PerSample takes a callable on one image, got {transform!r}")
         self.transform = transform
 
-    def __call__(self, x, *, generator: torch.Generator | None = None):
+    def __call__(
+        self, x: torch.Tensor | list[torch.Tensor], *, generator: torch.Generator | None = None
+    ) -> torch.Tensor | list[torch.Tensor]:
         device = x.device if isinstance(x, torch.Tensor) else x[0].device
         with seeded_global_rng(generator, device):
             out = [self.transform(img) for img in x]
@@ -156,7 +158,7 @@ class PerBatch:
             raise TypeError(f"PerBatch takes a callable on a batch, got {transform!r}")
         self.transform = transform
 
-    def __call__(self, x):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.transform(x)
 
     def __repr__(self) -> str:
@@ -171,7 +173,9 @@ class WithLabels:
     with_labels = True
     random = True
 
-    def __init__(self, transform: Callable):
+    def __init__(
+        self, transform: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    ):
         if not callable(transform):
             raise TypeError(
                 f"WithLabels takes a callable (images, labels) -> (images, labels), "
@@ -179,7 +183,13 @@ class WithLabels:
             )
         self.transform = transform
 
-    def __call__(self, images, labels, *, generator: torch.Generator | None = None):
+    def __call__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         with seeded_global_rng(generator, images.device):
             return self.transform(images, labels)
 
@@ -233,7 +243,7 @@ class MixUp(_Mix):
         labels: torch.Tensor,
         *,
         generator: torch.Generator | None = None,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         soft = _soft(labels, self.num_classes, "MixUp")
         lam = self.lam(generator)
         if lam is None or len(images) < 2:
@@ -263,7 +273,7 @@ class CutMix(_Mix):
         labels: torch.Tensor,
         *,
         generator: torch.Generator | None = None,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if images.dim() != 4 or images.shape[1] not in (1, 3):
             raise ValueError(
                 f"CutMix takes an (N, C, H, W) batch, got shape "

@@ -40,7 +40,7 @@ class DeviceConstants:
             t = self._cache[(device, key)] = to_device(make(), device)
         return t
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, object]:
         return {"_cache": {}}
 
     def __repr__(self) -> str:

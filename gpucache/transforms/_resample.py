@@ -274,7 +274,8 @@ def _flat(im: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     no copy for any dense layout (CHW as nvJPEG writes it, HWC permuted as libjpeg-turbo's)."""
     if im.dim() != 3 or im.shape[0] != 3:
         raise ValueError(f"resample takes RGB (3, H, W) images, got shape {tuple(im.shape)}")
-    order = sorted(range(3), key=lambda d: -im.stride(d))
+    strides = im.stride()
+    order = sorted(range(3), key=lambda d: -strides[d])
     dense = im.permute(order)
     if not dense.is_contiguous():
         im = im.contiguous()

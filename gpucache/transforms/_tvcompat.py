@@ -20,6 +20,8 @@ and flips after a full decode, and every random op with one draw for the whole b
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -42,15 +44,15 @@ _RANDOM = (
 )
 
 
-def is_torchvision(t) -> bool:
+def is_torchvision(t: object) -> bool:
     return type(t).__module__.startswith(_TV)
 
 
-def _name(t) -> str:
+def _name(t: object) -> str:
     return f"torchvision's {type(t).__name__}"
 
 
-def _bilinear(t, gpucache_call: str) -> None:
+def _bilinear(t: object, gpucache_call: str) -> None:
     mode = getattr(t, "interpolation", None)
     if mode is not None and getattr(mode, "value", mode) not in ("bilinear", 2):
         raise TypeError(
@@ -66,8 +68,9 @@ def _bilinear(t, gpucache_call: str) -> None:
         )
 
 
-def _dtype(t):
-    dtype = t.dtype
+def _dtype(t: Any) -> torch.dtype | None:
+    """The image dtype of a torchvision ``ToDtype`` (None: images are left as they are)."""
+    dtype: torch.dtype | dict[object, torch.dtype | None] | None = t.dtype
     if isinstance(dtype, dict):  # v2: {tv_tensors.Image: torch.float32, "others": None}
         from torchvision import tv_tensors
 
@@ -77,7 +80,7 @@ def _dtype(t):
     return dtype
 
 
-def _translate_one(t) -> list:
+def _translate_one(t: Any) -> list[Any]:
     """gpucache's equivalent of one torchvision op: a list of 0 or 1 items, or [t] unchanged."""
     from .. import transforms as T
 
@@ -111,7 +114,7 @@ def _translate_one(t) -> list:
     return [t]
 
 
-def _geometric_inside(t):
+def _geometric_inside(t: object) -> Any:
     """A torchvision geometric op nested anywhere in ``t`` (a container), or None."""
     for inner in getattr(t, "transforms", None) or []:
         if is_torchvision(inner) and type(inner).__name__ in _GEOMETRIC:
@@ -122,7 +125,7 @@ def _geometric_inside(t):
     return None
 
 
-def translate(items) -> list:
+def translate(items: Iterable[Any]) -> list[Any]:
     """Flatten torchvision Compose and translate its ops (see the module docstring)."""
     out = []
     for t in items:
@@ -146,7 +149,7 @@ def translate(items) -> list:
     return out
 
 
-def is_random(t) -> bool:
+def is_random(t: object) -> bool:
     """True for a torchvision op that draws random parameters when called."""
     if not is_torchvision(t):
         return False
@@ -164,7 +167,7 @@ def is_random(t) -> bool:
     return hasattr(type(t), "get_params")
 
 
-def warn_batch_draws(steps) -> None:
+def warn_batch_draws(steps: Iterable[tuple[str, object]]) -> None:
     """Warn about each random torchvision op that will run on a whole batch tensor."""
     for kind, t in steps:
         if kind == "pixel" and is_random(t):
