@@ -74,23 +74,23 @@ def case_batch100(names, source, cfg, args) -> dict:
     times: dict[str, list[float]] = {}
     try:
         for n in names:
-            r = Runner(CONTENDERS[n], source, cfg100)
+            runner = Runner(CONTENDERS[n], source, cfg100)
             try:
-                r.setup()
-                r.make_loader(workers=0)
-                step(r)  # warm-up
-                runners[n], times[n] = r, []
+                runner.setup()
+                runner.make_loader(workers=0)
+                step(runner)  # warm-up
+                runners[n], times[n] = runner, []
             except Exception as err:  # noqa: BLE001
-                r.close()
+                runner.close()
                 out["in_process"][n] = {"error": f"{type(err).__name__}: {err}"[:300]}
         for _ in range(args.batches):  # one batch of each in turn: nothing runs in background
-            for n, r in runners.items():
-                dt, k = step(r)
+            for n, runner in runners.items():
+                dt, k = step(runner)
                 if k == 100:
                     times[n].append(dt * 1e3)
     finally:
-        for r in runners.values():
-            r.close()
+        for runner in runners.values():
+            runner.close()
     print("batch of 100 in the calling process (num_workers=0), wall time per batch:")
     base = None
     for n, t in times.items():
@@ -127,10 +127,10 @@ def case_scaling_workers(names, source, cfg, args, tmp) -> dict:
     notes = []
     for n, rows in table.items():
         cells = []
-        for r in rows:
-            copies, note = copies_cell(n, r.get("copies"), short=True)
-            cells.append(f"{fmt(r.get('img_s'), '.0f')} ({copies})")
-            notes += [f"  {r['workers']} workers: {note}"] if note else []
+        for row in rows:
+            copies, note = copies_cell(n, row.get("copies"), short=True)
+            cells.append(f"{fmt(row.get('img_s'), '.0f')} ({copies})")
+            notes += [f"  {row['workers']} workers: {note}"] if note else []
         print(f"{n:<15}" + "".join(f"{c:>20}" for c in cells))
     if notes:
         print("\n".join(notes))

@@ -19,13 +19,18 @@ from __future__ import annotations
 import gc
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from torch.utils.data import Dataset
 
 from ._common import CROP, BenchError, Config, Source
+
+if TYPE_CHECKING:
+    from ..store._store import JpegCache
 
 GPU_BACKENDS = ("nvjpeg", "dali")
 
@@ -37,7 +42,7 @@ class Contender:
     what: str
     context: str | None = None  # multiprocessing start method; None: the platform's default
     backing: str | None = None  # gpucache: "memory" | "file" | "rst" (restart-marker, memory)
-    backend: str | None = None  # gpucache: "cpu" | "nvjpeg" | "dali"
+    backend: Literal["cpu", "nvjpeg", "dali"] | None = None  # gpucache contenders
     roi: bool = True  # gpucache cpu: decode only the crop box when nvImageCodec is there
 
 
@@ -166,7 +171,7 @@ class ListOfBytes(Dataset):
     def __getitem__(self, i: int):
         import torch
 
-        from ..decode._core import decode_jpeg
+        from ..decode._jpeg import decode_jpeg
 
         data = self.items[i]
         try:
@@ -188,12 +193,14 @@ class Runner:
 
     def __init__(self, contender: Contender, source: Source, cfg: Config):
         self.c, self.source, self.cfg = contender, source, cfg
-        self.loader = self.data = self.cache = None
+        self.loader: Any = None  # a DataLoader or a GpuCachedLoader, once made
+        self.data: Any = None  # a DataLoader contender's data set
+        self.cache: JpegCache | None = None  # a gpucache contender's store
         self.expected: np.ndarray | None = None  # label counts of one epoch
         self.data_bytes = 0
         self.device = "cpu"
         self.batch_size = cfg.batch_size
-        self.it = None  # the open iterator of timing.step
+        self.it: Iterator[Any] | None = None  # the open iterator of timing.step
 
     def setup(self) -> float:
         """Make the data set or store (timed); no workers yet."""
@@ -268,6 +275,7 @@ class Runner:
                         f"{self.c.name} switches ROI off in its workers: needs workers > 0"
                     )
                 worker_init_fn = NoRoi(worker_init_fn)
+            assert self.cache is not None and self.c.backend is not None  # set up: a store
             self.loader = GpuCachedLoader(
                 self.cache,
                 batch_size=bs,

@@ -24,7 +24,7 @@ def machine_info() -> dict:
     import torch
 
     from .. import __version__
-    from ..decode._core import jpeg_decoder_name
+    from ..decode._jpeg import jpeg_decoder_name
     from ..decode._workers import usable_cores
 
     model = platform.processor() or platform.machine()

@@ -75,6 +75,7 @@ def epoch(r: Runner) -> dict:
     import torch
 
     sync = r.device == "cuda"
+    assert r.expected is not None  # counted by setup()
     skipped0 = len(r.loader.stats.skipped_samples) if r.cache is not None else 0
     counts = np.zeros(len(r.expected), dtype=np.int64)
     lat, small = [], 0

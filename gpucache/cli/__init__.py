@@ -81,6 +81,7 @@ def _info(args) -> int:
     settings = max_side_of(cache)
     if settings is not None:  # what the build re-encoded (max_side, jpeg_quality)
         mask = resized(cache)
+        assert mask is not None  # the build's settings are stored with the section
         was = int(cache.extra[RESIZED][mask, 2].astype(np.int64).sum())
         now = int(np.diff(cache._offsets)[mask].sum())
         cap = f"max_side {settings[0]}, " if settings[0] else ""

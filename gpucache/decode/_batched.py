@@ -16,7 +16,7 @@ import io
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -116,7 +116,10 @@ def torchcodec_decoder(device: torch.device) -> BatchDecoder:
 
     device = normalize_device(device)
     return make_decoder(
-        "torchcodec", device, lambda data: decode_jpeg(data, mode="RGB", device=str(device))
+        "torchcodec",
+        device,
+        # a list in, a list out (TorchCodec annotates the one-tensor form's result too)
+        lambda data: cast(list[torch.Tensor], decode_jpeg(data, mode="RGB", device=str(device))),
     )
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import re
 import warnings
+from typing import cast
 
 import torch
 
 try:  # TorchCodec supersedes torchvision's image decoding from torchvision 0.29
     from torchcodec.decoders import decode_jpeg as _codec_decode_jpeg
 except Exception:  # pragma: no cover - depends on what is installed
-    _codec_decode_jpeg = None
+    _codec_decode_jpeg = None  # type: ignore[assignment]  # None: TorchCodec is missing
 
 #: torchvision >= 0.29 warns on every image decode call that TorchCodec supersedes it
 #: (``warnings.warn(msg, DeprecationWarning)`` in torchvision/io/image.py, on every call).
@@ -54,7 +55,8 @@ def jpeg_decoder_name() -> str:
 def decode_jpeg(data: torch.Tensor, *, use_torchcodec: bool | None = None) -> torch.Tensor:
     """Decode JPEG bytes to RGB uint8 CHW, EXIF orientation applied (gray and CMYK converted)."""
     if _codec_decode_jpeg is not None and use_torchcodec is not False:
-        return _codec_decode_jpeg(data, mode="RGB")
+        # one tensor in, one out (TorchCodec annotates the list form's result too)
+        return cast(torch.Tensor, _codec_decode_jpeg(data, mode="RGB"))
     from torchvision.io import ImageReadMode
     from torchvision.io import decode_jpeg as tv_decode_jpeg
 

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from .. import _native
-from ._batched import orient  # the one EXIF transform (shared with the nvjpeg backend)
+from ._batched import orient as orient  # the one EXIF transform (shared with _roi_rst, nvjpeg)
 from ._jpeg import decode_jpeg
 
 try:
-    from nvidia import nvimgcodec as _nvimgcodec
+    import nvidia.nvimgcodec as _nvimgcodec
 except Exception:  # pragma: no cover - depends on what is installed
     _nvimgcodec = None
 
@@ -169,7 +169,9 @@ def _c_region(
     arr = data if isinstance(data, bytes) else np.ascontiguousarray(data)
     buf = arr if isinstance(arr, bytes) else arr.ctypes.data_as(ctypes.c_char_p)
     warned = ctypes.c_int()
-    ret = _native._state["lib"].gc_decode_region(
+    lib = _native._state["lib"]
+    assert lib is not None  # this decoder is chosen only where the library was built
+    ret = lib.gc_decode_region(
         buf, len(arr), denom, top, left, h, w, out.ctypes.data, ctypes.byref(warned), err, 200
     )
     if ret == 3:

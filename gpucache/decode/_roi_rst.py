@@ -35,7 +35,8 @@ class Layout:
 
     def __init__(self, data: np.ndarray, k: int):
         pos, sof, sos_end, dri, ns = 2, -1, -1, 0, 0
-        view = memoryview(data)
+        # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
+        view = memoryview(data)  # type: ignore[arg-type]
         while pos + 4 <= len(view):
             if view[pos] != 0xFF:
                 raise ValueError("bad JPEG marker layout")
@@ -127,8 +128,8 @@ def segment_jpeg(
     lens = ends - starts
     head = bytearray(data[: lay.sos_end])
     head[lay.sof + 5 : lay.sof + 9] = bytes((sub_h >> 8, sub_h & 255, sub_w >> 8, sub_w & 255))
-    mv = memoryview(data)
-    pieces = [head]
+    mv = memoryview(data)  # type: ignore[arg-type]  # numpy#26783, as in Layout
+    pieces: list[bytes | bytearray | memoryview] = [head]
     for s, e in zip(starts.tolist(), ends.tolist()):  # one contiguous span per MCU row
         pieces += (mv[s:e], b"\xff\xd0")
     pieces[-1] = b"\xff\xd9"

@@ -66,7 +66,7 @@ class HostStreams:
         """Decoder outputs are used on the side stream from now on (``ready``: the
         :meth:`decoding` block's event, when the outputs were decoded on another thread)."""
 
-    def record(self) -> None:
+    def record(self) -> torch.cuda.Event | None:
         return None
 
     def hand_over(self, event, tensors: Iterable[torch.Tensor]) -> None:
@@ -130,7 +130,8 @@ class _Decoding:
     ``barrier``; afterwards ``d.ready`` is an event recorded on ``stream`` (None without one)."""
 
     def __init__(self, stream, *, barrier=None) -> None:
-        self.stream, self.barrier, self.ready = stream, barrier, None
+        self.stream, self.barrier = stream, barrier
+        self.ready: torch.cuda.Event | None = None
         self._context: contextlib.AbstractContextManager = contextlib.nullcontext()
 
     def __enter__(self) -> _Decoding:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 import os
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import overload
 
 import numpy as np
 
@@ -85,7 +86,11 @@ class PathList(Sequence[str]):
     def __len__(self) -> int:
         return len(self._folder_of)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         if i < 0:
@@ -93,7 +98,7 @@ class PathList(Sequence[str]):
         start = self._ends[i - 1] if i > 0 else 0  # an IndexError for i out of range
         return self._prefixes[self._folder_of[i]] + os.fsdecode(self._blob[start : self._ends[i]])
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return (self[i] for i in range(len(self)))
 
     def __repr__(self) -> str:
@@ -273,7 +278,10 @@ def build(
             "\n".join(f"  #{s.index} {s.path}: {s.reason}" for s in report.skipped[:20]),
         )
     paths = out.strings(out.name_ends, lambda i: name_of(inputs[i]))
-    meta = None if metadata is None else out.strings(out.meta_ends, lambda i: str(metadata[i]))
+    meta = None
+    if metadata is not None:
+        assert out.meta_ends is not None  # made for the metadata
+        meta = out.strings(out.meta_ends, lambda i: str(metadata[i]))
     sections = {**(extra or {}), **{name: col[:k] for name, col in out.columns.items()}}
     for rw in steps:
         sections.update(rw.sections(out.columns, k))

@@ -15,7 +15,7 @@ import os
 import stat
 import threading
 from dataclasses import dataclass
-from typing import IO, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -41,6 +41,19 @@ class Source(Protocol):
     def readinto(self, slot: memoryview) -> None: ...
 
 
+class SeekableFile(Protocol):
+    """What :class:`FileObjSource` reads: a seekable binary file (``open(path, "rb")``,
+    ``io.BytesIO``, a file object of a tar or zip member...)."""
+
+    def seek(self, offset: int, whence: int = ..., /) -> int: ...
+
+    def tell(self) -> int: ...
+
+    def read(self, size: int = ..., /) -> bytes: ...
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
 @dataclass(frozen=True)
 class BytesSource:
     """Bytes in memory (bytes, bytearray, memoryview, uint8 array): copied once, into the slot."""
@@ -48,12 +61,13 @@ class BytesSource:
     name: str
     data: bytes | bytearray | memoryview | np.ndarray
 
+    # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
     @property
     def nbytes(self) -> int:
-        return memoryview(self.data).nbytes
+        return memoryview(self.data).nbytes  # type: ignore[arg-type]
 
     def readinto(self, slot: memoryview) -> None:
-        slot[:] = memoryview(self.data).cast("B")
+        slot[:] = memoryview(self.data).cast("B")  # type: ignore[arg-type]
 
 
 class FileObjSource:
@@ -64,7 +78,7 @@ class FileObjSource:
     def __init__(
         self,
         name: str,
-        file: IO[bytes],
+        file: SeekableFile,
         *,
         nbytes: int | None = None,
         lock: threading.Lock | None = None,
@@ -137,11 +151,9 @@ class Refused:
     reason: str
 
 
-Input = str | os.PathLike | Source
-_SOURCE_TYPES: set[type] = set()
-_GREW = bytearray(
-    1
-)  # the byte past a file's listed size (never read: shared by the threads)  # types seen to satisfy Source (the protocol check is slow)
+Input = str | os.PathLike | Source | Refused
+_SOURCE_TYPES: set[type] = set()  # types seen to satisfy Source (the protocol check is slow)
+_GREW = bytearray(1)  # the byte past a file's listed size (never read: shared by the threads)
 
 
 def file_type(mode: int) -> str:
@@ -207,8 +219,9 @@ def _check_head(x: Input, size: int) -> None:
         os.close(fd)
 
 
-def read_into(x: Input, slot: memoryview) -> None:
-    """Fill ``slot`` (exactly the size :func:`size_of` gave) with the input's bytes."""
+def read_into(x: str | os.PathLike | Source, slot: memoryview) -> None:
+    """Fill ``slot`` (exactly the size :func:`size_of` gave) with the input's bytes (an input
+    :func:`size_of` accepted: never a :class:`Refused` one)."""
     if not isinstance(x, (str, os.PathLike)):
         x.readinto(slot)
         return

@@ -111,7 +111,8 @@ class Scratch:
     growing by a chunk each (glibc keeps freed heap memory per thread)."""
 
     def __init__(self, chunk_bytes: int) -> None:
-        self.size, self._free = chunk_bytes, queue.SimpleQueue()
+        self.size = chunk_bytes
+        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
 
     def get(self, nbytes: int) -> np.ndarray:
         try:
@@ -141,7 +142,8 @@ def read_chunk(
 ) -> Chunk:
     a, b = span
     raw = scratch.get(int(cum[b] - cum[a]))
-    view, pos = memoryview(raw), 0
+    # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
+    view, pos = memoryview(raw), 0  # type: ignore[arg-type]
     out = Chunk(a, b, raw, nbytes=int(cum[b] - cum[a]))
     pieces: list = []  # with rewriters: each kept sample's final bytes
     for rw in rewriters:
@@ -245,8 +247,10 @@ class Assembler:
             self.samples[k : k + m] = np.array(c.recs, dtype=SAMPLE_DTYPE)
             self.labels[k : k + m] = self.labels_in[c.kept]
             self.keep[c.kept] = True
+            assert c.name_lens is not None  # read_chunk measures every kept name
             self.name_ends[k + 1 : k + 1 + m] = self.name_ends[k] + np.cumsum(c.name_lens)
             if self.meta_ends is not None:
+                assert c.meta_lens is not None  # and the metadata, when there is some
                 self.meta_ends[k + 1 : k + 1 + m] = self.meta_ends[k] + np.cumsum(c.meta_lens)
             for name, values in c.columns.items():
                 self.columns[name][k : k + m] = values

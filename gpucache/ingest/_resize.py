@@ -166,7 +166,7 @@ def _encode(im, size: tuple[int, int] | None, orientation: int, quality: int) ->
     if im.mode not in ("L", "RGB"):
         im = step(im, im.convert("L" if im.mode in ("1", "F") else "RGB"))
     if size is not None and size != im.size:
-        im = step(im, im.resize(size, Image.LANCZOS, reducing_gap=_GAP))
+        im = step(im, im.resize(size, Image.Resampling.LANCZOS, reducing_gap=_GAP))
     im = step(im, upright(im, orientation))
     out = io.BytesIO()
     im.save(out, "JPEG", quality=quality)

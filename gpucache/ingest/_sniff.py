@@ -13,7 +13,10 @@ import io
 import struct
 from typing import NamedTuple
 
-from ..store._format import JPEG_KINDS, SAMPLE_DTYPE, Kind  # noqa: F401 - the sample kinds live with the format
+# the sample kinds live with the format; re-exported (``as``) for the build and the decoders
+from ..store._format import JPEG_KINDS as JPEG_KINDS
+from ..store._format import SAMPLE_DTYPE as SAMPLE_DTYPE
+from ..store._format import Kind as Kind
 from ..store._jpeg import (  # noqa: F401 - the marker walk is shared with the decode-time re-check
     _FF,
     _PROGRESSIVE,
@@ -43,7 +46,7 @@ class Info(NamedTuple):  # a tuple: made once per sample at build, so it is kept
     precision: int = 8
 
 
-def _exif_orientation(seg: memoryview) -> int:
+def _exif_orientation(seg: memoryview | bytes) -> int:
     """The orientation libjpeg-turbo's decoders (TorchCodec, torchvision) apply for this APP1.
 
     Their rule, followed to the byte so the stored size matches the decoded one: only the first
@@ -83,7 +86,7 @@ _NO_LENGTH = frozenset([0x01, *range(0xD0, 0xDA)])  # TEM, RSTn, SOI, EOI: no le
 _READ = frozenset([0xDA, 0xE1, *_SOF_KINDS, *_SOF_UNSUPPORTED])  # the segments looked into
 
 
-def _frame(seg: memoryview, marker: int) -> tuple[Kind, int, int, int]:
+def _frame(seg: memoryview | bytes, marker: int) -> tuple[Kind, int, int, int]:
     if marker in _SOF_UNSUPPORTED:
         raise SniffError(
             f"{_SOF_UNSUPPORTED[marker]} (SOF{marker - 0xC0}) is not supported by "
@@ -104,7 +107,7 @@ def _frame(seg: memoryview, marker: int) -> tuple[Kind, int, int, int]:
     return _SOF_KINDS[marker], h, w, comps
 
 
-def _sniff_jpeg(b: memoryview) -> Info:
+def _sniff_jpeg(b: memoryview | bytes) -> Info:
     n = len(b)
     # Trailing zero padding after EOI is common and harmless; a missing EOI means the scan is cut.
     if b[n - 2 :] != b"\xff\xd9" and not bytes(b[max(0, n - 1024) :]).rstrip(b"\x00").endswith(

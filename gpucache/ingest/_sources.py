@@ -18,7 +18,7 @@ import re
 import tarfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from .._progress import tqdm
 from ._build import BytesSource, FileObjSource, FileRangeSource, Source, build, check_labels
 from ._inputs import Refused
 from ._remote import is_url, read_text
+
+if TYPE_CHECKING:
+    from ..store._store import JpegCache
 
 log = logging.getLogger("gpucache")
 
@@ -229,6 +232,7 @@ def _shard_samples(
         return
     samples: dict[str, dict[str, Any]] = {}
     damage = None
+    m: tarfile.TarInfo | None  # a member; below, each sample's image member (or None)
     with tf:
         try:
             for m in tf:
@@ -239,7 +243,9 @@ def _shard_samples(
                 if ext.rpartition(".")[2] in WDS_IMAGE_EXTS:  # "jpg", or "left.jpg" (webdataset)
                     s.setdefault("images", {}).setdefault(ext.rpartition(".")[2], m)
                 elif ext == "cls" or ext == metadata_ext:
-                    raw = tf.extractfile(m).read()
+                    member = tf.extractfile(m)
+                    assert member is not None  # a regular file's (checked above)
+                    raw = member.read()
                     try:
                         text = raw.decode("utf-8")
                     except UnicodeDecodeError as err:  # a reason, not a crash
@@ -263,18 +269,20 @@ def _shard_samples(
     for key, s in samples.items():
         images = s.get("images", {})
         m = next((images[e] for e in WDS_IMAGE_EXTS if e in images), None)
-        item = (
+        item: FileRangeSource | Refused | None = (
             None
             if m is None
             else FileRangeSource(f"{shard}/{m.name}", path, base + m.offset_data, m.size)
         )
         if m is not None and "bad metadata" in s:
+            assert item is not None  # made for m
             item = Refused(
                 item.name,
                 f"{s['bad metadata']}; metadata must be UTF-8 text (e.g. "
                 "JSON): rewrite that member",
             )
         elif m is not None and m.offset_data + m.size > size:
+            assert item is not None  # made for m
             item = Refused(
                 item.name,
                 f"its tar header claims {m.size:,} bytes, but the shard ends "
@@ -393,7 +401,7 @@ def from_hf(
     classes: Sequence[str] | None = None,
     progress: bool = True,
     **build_kw,
-):
+) -> JpegCache:
     """A Hugging Face ``datasets.Dataset`` with an ``Image`` feature; the encoded bytes are taken
     as they are stored (``Image(decode=False)``: no decode, no re-encode). Labels from
     ``label_column`` (a ``ClassLabel`` gives the class names) or -1 without one."""
