@@ -66,7 +66,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--cache-dir",
         default=None,
         metavar="DIR",
-        help="build into this cache folder once (reused while the inputs are "
+        help="build into this node cache folder once (reused while the inputs are "
         "unchanged), then write --output",
     )
     p.add_argument("--delimiter", default=",", help="with --csv: the field delimiter (default ,)")

@@ -112,7 +112,8 @@ def add_parser(sub) -> None:
     ):
         q = csub.add_parser(name, help=text)
         q.add_argument(
-            "--dir", help=f"the cache folder (default: {default_dir()}, the default of cache_dir=)"
+            "--dir",
+            help=f"the node cache folder (default: {default_dir()}, the default of cache_dir=)",
         )
         q.set_defaults(func=func)
     q.add_argument(

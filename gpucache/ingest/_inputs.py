@@ -101,7 +101,7 @@ class FileObjSource:
                 done += got
             if done != len(slot) or self.file.read(1):
                 raise SniffError(
-                    "the input changed size while it was being read; rebuild the cache"
+                    "the input changed size while it was being read; rebuild the store"
                 )
 
 
@@ -234,7 +234,7 @@ def read_into(x: str | os.PathLike | Source, slot: memoryview) -> None:
         if st.st_size != n:
             raise SniffError(
                 f"the file changed size since it was listed ({n:,} -> "
-                f"{st.st_size:,} bytes); rebuild the cache"
+                f"{st.st_size:,} bytes); rebuild the store"
             )
         done = 0
         if n > HEAD_FIRST:  # the first bytes: a non-image is refused before the rest is read
@@ -250,6 +250,6 @@ def read_into(x: str | os.PathLike | Source, slot: memoryview) -> None:
                 break
             done += got
         if done != n:
-            raise SniffError("the file changed size while it was being read; rebuild the cache")
+            raise SniffError("the file changed size while it was being read; rebuild the store")
     finally:
         os.close(fd)

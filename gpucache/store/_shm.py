@@ -27,7 +27,7 @@ from ._mapped import proc_fd_usable
 MARGIN_BYTES = 8 << 20  # room left for others (NCCL, torch) beside the store
 MARGIN_FRACTION = 0.01
 _FIXES = (
-    "Fixes: save the cache to a file and use that (cache.save('train.gpucache'); "
+    "Fixes: save the store to a file and use that (cache.save('train.gpucache'); "
     "JpegCache.open('train.gpucache')), which workers map read-only; or use "
     "multiprocessing_context='fork' or num_workers=0, which need no shared memory"
 )
@@ -47,7 +47,7 @@ def _mib(n: int) -> str:
 
 def _short(need: int, free: int, where: Path, detail: str = "") -> SharedMemoryError:
     return SharedMemoryError(
-        f"not enough shared memory for the cache: it needs {_mib(need)} (store plus margin) in "
+        f"not enough shared memory for the store: it needs {_mib(need)} (store plus margin) in "
         f"{where}, which has {_mib(free)} free{detail}. Spawn/forkserver workers can only attach "
         f"to shared pages. {_FIXES}; or give the container more shared memory "
         "(docker run --shm-size=8g, or --ipc=host)."
@@ -62,7 +62,7 @@ def _explain(err: OSError, nbytes: int, need: int, free: int, where: Path) -> Sh
         soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         limit = "unlimited" if soft == resource.RLIM_INFINITY else _mib(soft)
         return SharedMemoryError(
-            f"cannot place the {_mib(nbytes)} cache in shared memory ({where}): the file-size "
+            f"cannot place the {_mib(nbytes)} store in shared memory ({where}): the file-size "
             f"limit of this process (ulimit -f / RLIMIT_FSIZE) is {limit}. Raise it "
             f"(ulimit -f unlimited). {_FIXES}."
         )
@@ -70,21 +70,21 @@ def _explain(err: OSError, nbytes: int, need: int, free: int, where: Path) -> Sh
         return _short(need, free, where, f" (reserving it failed: {err.strerror})")
     if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return SharedMemoryError(
-            f"cannot create the shared-memory copy of the cache in {where}: {err.strerror}. "
+            f"cannot create the shared-memory copy of the store in {where}: {err.strerror}. "
             f"Make {where} writable for this user (docker: drop a read-only /dev/shm mount). "
             f"{_FIXES}."
         )
     if err.errno == errno.ENOMEM:
         return no_address_space(nbytes, err)
     return SharedMemoryError(
-        f"cannot place the {_mib(nbytes)} cache in shared memory ({where}): "
+        f"cannot place the {_mib(nbytes)} store in shared memory ({where}): "
         f"{err.strerror}. {_FIXES}."
     )
 
 
 def no_address_space(nbytes: int, err: BaseException) -> SharedMemoryError:
     return SharedMemoryError(
-        f"cannot map the {_mib(nbytes)} shared-memory copy of the cache ({err}); the "
+        f"cannot map the {_mib(nbytes)} shared-memory copy of the store ({err}); the "
         "address-space limit (ulimit -v / RLIMIT_AS) is probably too low. Raise it "
         f"(ulimit -v unlimited), or use multiprocessing_context='fork' or num_workers=0."
     )

@@ -70,9 +70,11 @@ class _Strings(Sequence[str]):
 
 
 class JpegCache:
-    """Encoded images of a data set held once, in one packed read-only buffer.
+    """A store: the encoded images of a data set held once, in one packed read-only buffer.
 
-    Build with :meth:`from_folder` or :meth:`from_files`, or map a saved store with :meth:`open`.
+    The class of a store is named ``JpegCache``; ``GpuCachedLoader`` takes one as its first
+    argument, ``cache``. Build with :meth:`from_folder` or :meth:`from_files`, or map a saved
+    store with :meth:`open`.
     ``cache[i]`` is a zero-copy read-only uint8 view of sample ``i``'s encoded bytes.
     ``cache.report`` is the build's report (what was kept, what was skipped and why); it is saved
     in the store file, so :meth:`open` gives it back (None for a store saved without one).
@@ -521,7 +523,7 @@ class JpegCache:
             }
             raise OSError(
                 err.errno,
-                f"could not save the cache to {path}: {err.strerror}; "
+                f"could not save the store to {path}: {err.strerror}; "
                 f"{fix.get(err.errno, 'check the path and the disk')}.",
             ) from err
         return path
@@ -543,7 +545,7 @@ class JpegCache:
         fd, kept = _shm.create(size, lambda f: _format.write(f, **arrays))
         try:
             parsed = _parse.Parsed(
-                Handle(fd, f"shared-memory copy of the cache ({size} bytes)", kept)
+                Handle(fd, f"shared-memory copy of the store ({size} bytes)", kept)
             )
         except BaseException as err:
             if kept is not None:
