@@ -3,7 +3,9 @@
 The blocks run in a folder laid out as the manual names its data: ``imagenet/train`` (an
 ImageFolder), ``train.gpucache`` (a saved store), ``shards/train-*.tar`` (WebDataset),
 ``lists/train.csv`` and ``beans`` (a Hugging Face ``save_to_disk`` folder, made when ``datasets``
-is installed), small photos made here. Each block runs as a script (``__name__ == "__main__"``,
+is installed), small photos made here; the same under ``s3://my-bucket/`` on an S3 server on
+127.0.0.1 (moto's, when installed), whose endpoint and credentials every block gets from the
+standard environment variables, as a user's would. Each block runs as a script (``__name__ == "__main__"``,
 ``sys.argv[1:] == ["imagenet/train"]``, its own globals: a block stands alone), all in one child
 process, one after another. A comment line right before a block's fence says how it runs instead:
 
@@ -63,9 +65,51 @@ def blocks() -> list[tuple[str, str, str]]:
     return out
 
 
+_S3: dict[str, str] = {}  # the S3 server's environment while the module's blocks run
+
+
+def _serve_s3(base: Path):
+    """An S3 server on 127.0.0.1 (moto's) holding the data the object-storage page names, under
+    s3://my-bucket/: the ImageFolder tree, two shards and the CSV list; None without moto."""
+    try:
+        import s3fs
+
+        from tests.support.s3server import S3Server
+    except ImportError:
+        return None
+    server = S3Server()
+    server.start()
+    _S3.update(server.env())
+    saved = {k: os.environ.get(k) for k in _S3}
+    os.environ.update(_S3)
+    try:
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        fs.mkdir("my-bucket")
+        files = {
+            f"my-bucket/{p.relative_to(base).as_posix()}": p.read_bytes()
+            for p in sorted((base / "imagenet" / "train").rglob("*.jpg"))
+        }
+        shard = (base / "shards" / "train-000000.tar").read_bytes()
+        files["my-bucket/shards/train-000000.tar"] = files["my-bucket/shards/train-000001.tar"] = (
+            shard
+        )
+        files["my-bucket/lists/train.csv"] = "".join(
+            f"s3://{k},{k.split('/')[-2]}\n" for k in files if k.endswith(".jpg")
+        ).encode()
+        fs.pipe(files)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return server
+
+
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
-    """The folder the blocks run in, with the data the manual names."""
+def project(tmp_path_factory):
+    """The folder the blocks run in, with the data the manual names (and an S3 server holding
+    the object-storage page's, when moto is installed)."""
     base = tmp_path_factory.mktemp("project")
     root = make_jpeg_folder(base / "imagenet" / "train", 12, classes=("ants", "bees"), seed=5)
     JpegCache.from_folder(root, progress=False).save(base / "train.gpucache")
@@ -101,11 +145,22 @@ def project(tmp_path_factory) -> Path:
             ),
         )
         datasets.DatasetDict({"train": ds}).save_to_disk(str(base / "beans"))
-    return base
+    server = _serve_s3(base)
+    try:
+        yield base
+    finally:
+        if server is not None:
+            server.stop()
+        _S3.clear()
+
+
+def _runnable(code: str) -> bool:
+    """False for a block that needs the S3 server when there is none (no moto installed)."""
+    return bool(_S3) or "s3://" not in code
 
 
 def _env(base: Path) -> dict:
-    env = {**os.environ, "TMPDIR": str(base), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **_S3, "TMPDIR": str(base), "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
@@ -148,6 +203,7 @@ def test_python_blocks_run_as_written(project):
     todo = [(where, _write(project, i, code)) for i, (where, code) in enumerate(plain)]
     if not (project / "beans").exists():
         todo = [(w, p) for w, p in todo if 'load_from_disk("beans")' not in Path(p).read_text()]
+    todo = [(w, p) for w, p in todo if _runnable(Path(p).read_text())]
     run = subprocess.run(
         [sys.executable, "-c", _DRIVER],
         input=json.dumps(todo),
@@ -208,6 +264,8 @@ def test_gpucache_shell_blocks_run_as_written(project):
         for line in lines:
             if "--hf " in line and not (project / "beans").exists():
                 continue  # needs the datasets package to make the folder
+            if not _runnable(line):
+                continue  # needs the S3 server (moto)
             run = subprocess.run(
                 ["bash", "-c", line],
                 cwd=project,

@@ -307,7 +307,7 @@ class Spool:
             disable=not self.progress or None,
             leave=False,
         )
-        left = {}  # object -> parts still to come, for objects of several parts
+        left: dict[int, int] = {}  # object -> parts still to come, for objects of several parts
         t0, shown = time.monotonic(), 0.0
         got_any, denied = bool(len(resumed)), 0
         pending: set[Future] = set()
@@ -409,7 +409,7 @@ class _Inputs(Sequence):
     def __len__(self) -> int:
         return len(self._spool.listing)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         if i < 0:

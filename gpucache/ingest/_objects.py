@@ -9,13 +9,16 @@ naming them, and nothing is published: a store always holds one version of its d
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ._build import build
 from ._fetch import Spool
+from ._inputs import Refused
 from ._remote import Listing, ObjectStoreError, filesystem
 from ._sources import from_webdataset
 
@@ -77,7 +80,7 @@ def fetch(
 
 
 def build_objects(
-    cls,
+    cls: Any,
     listing: Listing,
     labels: np.ndarray,
     classes: list[str],
@@ -88,8 +91,8 @@ def build_objects(
     requests: int | None,
     progress: bool,
     on_progress: Callable[..., None] | None,
-    **build_kw,
-):
+    **build_kw: Any,
+) -> Any:
     """A store of one sample an object (``from_folder``, ``from_files``, ``from_csv``)."""
     spool = fetch(
         listing,
@@ -112,7 +115,7 @@ def build_objects(
 
 
 def build_shards(
-    cls,
+    cls: Any,
     listing: Listing,
     *,
     base: Path,
@@ -120,8 +123,8 @@ def build_shards(
     requests: int | None,
     progress: bool,
     on_progress: Callable[..., None] | None,
-    **build_kw,
-):
+    **build_kw: Any,
+) -> Any:
     """A store of the samples of WebDataset shards in storage, read out of the spool."""
     spool = fetch(
         listing,
@@ -132,9 +135,9 @@ def build_shards(
         on_progress=on_progress,
     )
 
-    def locate(k: int):
+    def locate(k: int) -> tuple[str | os.PathLike[str], int, int] | Refused:
         src = spool.source(k)
-        return src if not hasattr(src, "offset") else (src.path, src.offset, src.nbytes)
+        return src if isinstance(src, Refused) else (src.path, src.offset, src.nbytes)
 
     return from_webdataset(
         cls,

@@ -105,7 +105,7 @@ def filesystem(url: str, storage_options: dict | None):
     (``_fetch``) are the only ones, unless ``storage_options`` sets them."""
     proto = protocol_of(url)
     try:
-        import fsspec
+        import fsspec  # type: ignore[import-untyped]
 
         cls = fsspec.get_filesystem_class(proto)
     except ImportError as err:
@@ -272,7 +272,7 @@ class Listing(Sequence[str]):
     def __len__(self) -> int:
         return len(self.urls)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         return self.urls[i]
 
     def path(self, i: int) -> str:
@@ -293,15 +293,21 @@ class Listing(Sequence[str]):
         return f"<{len(self)} objects of {self.where}>"
 
 
+#: Listing requests in flight (one a folder, or one a URL of a short run).
+LIST_THREADS = 32
+
+
 class _Packer:
     """URLs, sizes and ETag hashes appended folder by folder into a :class:`Listing`."""
 
     def __init__(self) -> None:
         self.prefixes: list[str] = []
-        self.folder_of, self.ends, self.blobs, self.end = array("I"), array("Q"), [], 0
+        self.blobs: list[bytes] = []
+        self.folder_of, self.ends, self.end = array("I"), array("Q"), 0
         self.sizes, self.tags = array("q"), array("Q")
 
-    def add_folder(self, prefix: str, names: list[str], infos: list[dict]) -> None:
+    def add_folder(self, prefix: str, names: list[str], sizes: list[int], tags: list[int]) -> None:
+        """Objects ``prefix + name`` (size -1: no such object)."""
         if not names:
             return
         self.folder_of.extend([len(self.prefixes)] * len(names))
@@ -311,15 +317,23 @@ class _Packer:
             self.end += len(b)
             self.ends.append(self.end)
         self.blobs.append(b"".join(encoded))
-        for info in infos:
-            self.sizes.append(int(info.get("size", -1) if info else -1))
-            self.tags.append(_tag_hash(tag_of(info)) if info else 0)
+        self.sizes.extend(sizes)
+        self.tags.extend(tags)
 
     def listing(self, protocol: str, **kw) -> Listing:
         urls = PathList(self.prefixes, self.folder_of, self.ends, b"".join(self.blobs))
-        sizes = np.frombuffer(self.sizes, dtype=np.int64).copy() if self.sizes else np.zeros(0)
-        tags = np.frombuffer(self.tags, dtype=np.uint64).copy() if self.tags else np.zeros(0)
-        return Listing(protocol, urls, sizes.astype(np.int64), tags.astype(np.uint64), **kw)
+        sizes = np.array(self.sizes, dtype=np.int64)
+        tags = np.array(self.tags, dtype=np.uint64)
+        return Listing(protocol, urls, sizes, tags, **kw)
+
+
+def _compact(infos: Iterable[dict | None]) -> tuple[list[int], list[int]]:
+    """Sizes and ETag hashes of listed objects (None: no such object: -1, 0)."""
+    sizes, tags = [], []
+    for info in infos:
+        sizes.append(int(info.get("size", -1)) if info else -1)
+        tags.append(_tag_hash(tag_of(info)) if info else 0)
+    return sizes, tags
 
 
 def _call(url: str, fn: Callable[[], Any], what: str = "list") -> Any:
@@ -355,7 +369,12 @@ def list_folder(
 ) -> tuple[Listing, np.ndarray, list[str]]:
     """Objects, labels and class names of an ImageFolder layout under a prefix, in the order
     ``torchvision.datasets.ImageFolder`` gives the same tree on a disk (classes sorted; in each,
-    folders sorted by path and files by name; the same extensions)."""
+    folders sorted by path and files by name; the same extensions). Classes are listed
+    ``LIST_THREADS`` at a time, each kept as names, sizes and ETag hashes only."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ._pipeline import ordered
+
     proto = protocol_of(url)
     fs = fs or filesystem(url, storage_options)
     root = strip(url).rstrip("/")
@@ -372,18 +391,22 @@ def list_folder(
             f"no class folders under {redact(url)}: from_folder expects the ImageFolder "
             "layout PREFIX/<class>/<image> (objects named PREFIX/ants/1.jpg, ...)"
         )
+
+    def one_class(name: str) -> list[tuple[str, list[str], list[int], list[int]]]:
+        walked = _call(url, lambda: list(fs.walk(f"{root}/{name}", detail=True)))
+        out = []
+        for folder, _, files in sorted(walked, key=lambda w: w[0]):
+            names = sorted(n for n in files if n.lower().endswith(IMG_EXTENSIONS))
+            out.append((f"{base}{folder.rstrip('/')}/", names, *_compact(files[n] for n in names)))
+        return out
+
     pack = _Packer()
     counts = np.zeros(len(classes), dtype=np.int64)
-    for label, name in enumerate(classes):
-        before = len(pack.sizes)
-        folders = sorted(
-            _call(url, lambda name=name: list(fs.walk(f"{root}/{name}", detail=True))),
-            key=lambda w: w[0],
-        )
-        for folder, _, files in folders:
-            names = sorted(n for n in files if n.lower().endswith(IMG_EXTENSIONS))
-            pack.add_folder(f"{base}{folder.rstrip('/')}/", names, [files[n] for n in names])
-        counts[label] = len(pack.sizes) - before
+    with ThreadPoolExecutor(LIST_THREADS, thread_name_prefix="gpucache-list") as pool:
+        for label, folders in enumerate(ordered(pool, one_class, classes, 2 * LIST_THREADS)):
+            for prefix, names, sizes, tags in folders:
+                pack.add_folder(prefix, names, sizes, tags)
+                counts[label] += len(names)
     empty = [c for c, k in zip(classes, counts) if k == 0]
     if len(empty) == len(classes):
         raise FileNotFoundError(
@@ -414,15 +437,16 @@ def list_folder(
 LIST_FOLDER_FROM = 32
 
 
-def list_urls(
-    urls: Sequence[str], storage_options: dict | None, *, threads: int = 32, fs: Any = None
-) -> Listing:
+def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = None) -> Listing:
     """Size and ETag of each URL of a list (``from_files``, ``from_csv``), in the list's order.
 
     Consecutive URLs of one folder are looked up in one listing of that folder when there are
-    at least ``LIST_FOLDER_FROM`` of them, else each with a HEAD request (``threads`` at once);
-    a URL with no object is kept as missing (a bad sample with that reason, never a hole)."""
+    at least ``LIST_FOLDER_FROM`` of them, else each with a HEAD request; ``LIST_THREADS``
+    requests at once. A URL with no object is kept as missing (a bad sample with that reason,
+    never a hole)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from ._pipeline import ordered
 
     urls = [os.fspath(u) for u in urls]
     protos = {protocol_of(u) for u in urls}
@@ -433,45 +457,47 @@ def list_urls(
         )
     proto = protos.pop() if protos else "s3"
     fs = fs or filesystem(urls[0] if urls else "s3://", storage_options)
-    pack = _Packer()
-    missing: dict[int, str] = {}
 
-    def head(u: str) -> dict | None:
-        try:
-            return _call(u, lambda: fs.info(strip(u)), "read")
-        except FileNotFoundError:
-            return None
-
-    with ThreadPoolExecutor(threads, thread_name_prefix="gpucache-list") as pool:
+    def tasks() -> Iterator[tuple[str, list[str]]]:
         for folder, run in _runs(urls):
-            names = [u[len(folder) :] for u in run]
             if len(run) >= LIST_FOLDER_FROM:
-                try:
-                    entries = _call(folder, lambda f=folder: fs.ls(strip(f), detail=True))
-                except FileNotFoundError:
-                    entries = []
-                found = {
-                    e["name"].rsplit("/", 1)[-1]: e for e in entries if e.get("type") == "file"
-                }
-                infos = [found.get(n) for n in names]
+                yield folder, run
             else:
-                infos = list(pool.map(head, run))
-            start = len(pack.sizes)
-            pack.add_folder(folder, names, [i or {} for i in infos])
-            for k, info in enumerate(infos):
-                if not info:
-                    missing[start + k] = (
-                        "no such object (check the URL; listed when the build began)"
-                    )
+                yield from ((folder, [u]) for u in run)
+
+    def look_up(task: tuple[str, list[str]]) -> tuple[str, list[str], list[int], list[int]]:
+        folder, run = task
+        names = [u[len(folder) :] for u in run]
+        if len(run) >= LIST_FOLDER_FROM:
+            try:
+                entries = _call(folder, lambda: fs.ls(strip(folder), detail=True))
+            except FileNotFoundError:
+                entries = []
+            found = {e["name"].rsplit("/", 1)[-1]: e for e in entries if e.get("type") == "file"}
+            infos = [found.get(n) for n in names]
+        else:
+            try:
+                infos = [_call(run[0], lambda: fs.info(strip(run[0])), "read")]
+            except FileNotFoundError:
+                infos = [None]
+            if infos[0] is not None and infos[0].get("type") != "file":
+                infos = [None]
+        return (folder, names, *_compact(infos))
+
+    pack = _Packer()
+    with ThreadPoolExecutor(LIST_THREADS, thread_name_prefix="gpucache-list") as pool:
+        for folder, names, sizes, tags in ordered(pool, look_up, tasks(), 2 * LIST_THREADS):
+            pack.add_folder(folder, names, sizes, tags)
     listing = pack.listing(
         proto,
-        missing=missing,
-        relist=lambda: list_urls(urls, storage_options, threads=threads, fs=fs),
+        relist=lambda: list_urls(urls, storage_options, fs=fs),
         where=f"{len(urls):,} URLs" + (f" ({bucket_of(urls[0])})" if urls else ""),
         fs=fs,
     )
-    for i in missing:
-        listing.sizes[i] = -1
+    missing = np.flatnonzero(listing.sizes < 0)
+    listing.missing = {
+        int(i): "no such object (check the URL; as listed when the build began)" for i in missing
+    }
     return listing
 
 
@@ -494,15 +520,19 @@ def list_shards(shards: Iterable[str], storage_options: dict | None) -> Listing:
     """Size and ETag of each shard: brace patterns expanded (``{000..003}``, ``{a,b}``), glob
     patterns (``*``, ``?``) matched against the bucket's listing."""
     expanded: list[str] = []
-    fs = None
+    fs: Any = None
     for pattern in shards:
         for u in expand_braces(pattern):
             if any(c in strip(u) for c in "*?["):
                 fs = fs or filesystem(u, storage_options)
-                matched = sorted(_call(u, lambda u=u, fs=fs: fs.glob(strip(u))))
+
+                def glob(u: str = u, fs: Any = fs) -> list[str]:
+                    return list(fs.glob(strip(u)))
+
+                matched = sorted(_call(u, glob))
                 if not matched:
                     raise FileNotFoundError(f"no object matches {redact(u)}")
                 expanded += [f"{protocol_of(u)}://{m}" for m in matched]
             else:
                 expanded.append(u)
-    return list_urls(expanded, storage_options, threads=8, fs=fs)
+    return list_urls(expanded, storage_options, fs=fs)

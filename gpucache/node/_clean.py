@@ -10,7 +10,9 @@ removed: a regular file of this user whose name is exactly one that the cache wr
 32-hex-digit key (``<key>.gpucache``, ``<key>.info``, ``<key>.lock``, ``<key>.scan``,
 ``<key>.scan.lock`` and the ``.<name>.<8 characters>.tmp`` temporary names of its atomic writes),
 and whose content is what the cache puts there (a store's magic, the JSON fields of its records).
-Anything else is left alone, whatever its extension.
+Anything else is left alone, whatever its extension. The objects a build fetched from storage
+(``<key>.fetch``, ``<key>.fetched``) stay after a killed build, so the next one resumes; ``--all``
+and ``--older-than`` remove them when their build is not running.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ log = logging.getLogger("gpucache")
 _KEY = "[0-9a-f]{32}"
 _STORE = re.compile(rf"({_KEY})\.gpucache")
 _RECORD = re.compile(rf"({_KEY})\.(info|lock|scan|scan\.lock)")
+_SPOOL = re.compile(rf"({_KEY})\.(fetch|fetched)")  # objects fetched for a build (ingest._fetch)
 _TEMP = re.compile(rf"\.({_KEY})\.(gpucache|info|scan)\.[a-z0-9_]{{8}}\.tmp")  # mkstemp's names
 # the JSON fields each record holds (node/_cache.py writes .info and .scan, node/_lock.py locks)
 _FIELDS = {
@@ -132,6 +135,8 @@ def clean(
             total -= e.nbytes
     if not dry_run:
         removed.leftovers = _tidy(folder)
+        if everything or older_than is not None:
+            removed.leftovers += _spools(folder, 0.0 if everything else older_than)
     for e in removed.stores:
         log.info(
             "gpucache: %s %s (%d bytes, unused for %.0f s)",
@@ -162,6 +167,21 @@ def _remove(folder: Path, e: Entry) -> bool:
     if _is_record(info, "info"):
         info.unlink(missing_ok=True)
     return True
+
+
+def _spools(folder: Path, older_than: float | None) -> list[Path]:
+    """Remove the objects a build fetched from storage and left (killed; kept so the next build
+    resumes) once unused for ``older_than`` seconds, unless their build is running now."""
+    removed = []
+    for p in sorted(folder.iterdir()):
+        m = _SPOOL.fullmatch(p.name)
+        st = _own_file(p) if m else None
+        if m is None or st is None or in_use(folder / f"{m[1]}.lock"):
+            continue
+        if older_than is not None and time.time() - st.st_mtime >= older_than:
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
 
 
 def _tidy(folder: Path) -> list[Path]:

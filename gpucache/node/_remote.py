@@ -13,14 +13,23 @@ import csv
 import io
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..ingest._remote import is_url, redact
+
+if TYPE_CHECKING:
+    from ..ingest._remote import Listing
+    from ..store._store import JpegCache
+
+Scan = Callable[[], "tuple[Listing, tuple[Any, ...]]"]
+Make = Callable[["Listing", Sequence[Any], "Callable[..., None] | None", Path], "JpegCache"]
 
 _OPTIONS = ("on_error", "max_pixels", "restart_markers", "max_side", "jpeg_quality")
 
 
-def any_url(items) -> bool:
+def any_url(items: Any) -> bool:
     """True when a source names objects in storage (a URL, or a list holding one)."""
     if isinstance(items, os.PathLike):
         text = os.fspath(items)
@@ -38,7 +47,7 @@ def any_url(items) -> bool:
         return False
 
 
-def _all_urls(items: Sequence, what: str) -> list[str]:
+def _all_urls(items: Sequence[Any], what: str) -> list[str]:
     out = [os.fspath(x) if isinstance(x, os.PathLike) else x for x in items]
     local = [x for x in out if not (isinstance(x, str) and is_url(x))]
     if local:
@@ -50,7 +59,7 @@ def _all_urls(items: Sequence, what: str) -> list[str]:
     return out
 
 
-def _kw(opts: dict) -> dict:
+def _kw(opts: dict[str, Any]) -> dict[str, Any]:
     """The build options ``ingest._build.build`` takes, from a builder's arguments."""
     return {
         k: opts[k]
@@ -65,7 +74,9 @@ def _kw(opts: dict) -> dict:
     }
 
 
-def _built(cls, scan, make, request, opts):
+def _built(
+    cls: type[JpegCache], scan: Scan, make: Make, request: Sequence[Any], opts: dict[str, Any]
+) -> JpegCache:
     from ._cache import built_once
 
     cache = built_once(
@@ -81,19 +92,31 @@ def _built(cls, scan, make, request, opts):
     return cache
 
 
-def from_folder(cls, root: str, *, storage_options, requests_in_flight, **opts):
+def from_folder(
+    cls: type[JpegCache],
+    root: str,
+    *,
+    storage_options: dict[str, Any] | None,
+    requests_in_flight: int | None,
+    **opts: Any,
+) -> JpegCache:
     """``JpegCache.from_folder`` of a prefix in ImageFolder layout (``s3://b/train/``)."""
     from ..ingest._objects import build_objects
     from ..ingest._remote import list_folder
 
     options = tuple(opts[k] for k in _OPTIONS)
 
-    def scan():
+    def scan() -> tuple[Listing, tuple[Any, ...]]:
         listing, labels, classes = list_folder(root, storage_options)
         return listing, (labels, classes, *options)
 
-    def make(listing, extra, on_progress, base):
-        return build_objects(
+    def make(
+        listing: Listing,
+        extra: Sequence[Any],
+        on_progress: Callable[..., None] | None,
+        base: Path,
+    ) -> JpegCache:
+        store: JpegCache = build_objects(
             cls,
             listing,
             extra[0],
@@ -106,13 +129,22 @@ def from_folder(cls, root: str, *, storage_options, requests_in_flight, **opts):
             on_progress=on_progress,
             **_kw(opts),
         )
+        return store
 
     return _built(cls, scan, make, (redact(root.rstrip("/") + "/"), *options), opts)
 
 
 def from_files(
-    cls, urls, labels, metadata, *, classes, storage_options, requests_in_flight, **opts
-):
+    cls: type[JpegCache],
+    urls: Sequence[Any],
+    labels: Any,
+    metadata: Sequence[str] | None,
+    *,
+    classes: Sequence[str] | None,
+    storage_options: dict[str, Any] | None,
+    requests_in_flight: int | None,
+    **opts: Any,
+) -> JpegCache:
     """``JpegCache.from_files`` of object URLs (and ``from_csv`` of a list of them)."""
     from ..ingest._build import check_labels
     from ..ingest._objects import build_objects
@@ -128,11 +160,16 @@ def from_files(
     meta = None if metadata is None else [str(m) for m in metadata]
     options = tuple(opts[k] for k in _OPTIONS)
 
-    def scan():
+    def scan() -> tuple[Listing, tuple[Any, ...]]:
         return list_urls(urls, storage_options), (labels_arr, names, meta, *options)
 
-    def make(listing, extra, on_progress, base):
-        return build_objects(
+    def make(
+        listing: Listing,
+        extra: Sequence[Any],
+        on_progress: Callable[..., None] | None,
+        base: Path,
+    ) -> JpegCache:
+        store: JpegCache = build_objects(
             cls,
             listing,
             extra[0],
@@ -145,11 +182,12 @@ def from_files(
             on_progress=on_progress,
             **_kw(opts),
         )
+        return store
 
     return _built(cls, scan, make, ([redact(u) for u in urls], *options), opts)
 
 
-def csv_lists_urls(path) -> bool:
+def csv_lists_urls(path: str | os.PathLike[str]) -> bool:
     """True for a CSV in storage, or a local CSV whose first file cell is a URL."""
     path = os.fspath(path)
     if is_url(path):
@@ -163,7 +201,17 @@ def csv_lists_urls(path) -> bool:
     return any(is_url(r[0].strip()) for r in rows[:2])
 
 
-def from_csv(cls, path, *, classes, delimiter, header, storage_options, requests_in_flight, **opts):
+def from_csv(
+    cls: type[JpegCache],
+    path: str | os.PathLike[str],
+    *,
+    classes: Sequence[str] | None,
+    delimiter: str,
+    header: bool | None,
+    storage_options: dict[str, Any] | None,
+    requests_in_flight: int | None,
+    **opts: Any,
+) -> JpegCache:
     """``JpegCache.from_csv`` of a CSV listing object URLs (the CSV itself local or in storage;
     its relative rows are taken against its own folder), read once per node."""
     from ..ingest._objects import build_objects
@@ -173,7 +221,7 @@ def from_csv(cls, path, *, classes, delimiter, header, storage_options, requests
     options = tuple(opts[k] for k in _OPTIONS)
     where = os.fspath(path)
 
-    def scan():
+    def scan() -> tuple[Listing, tuple[Any, ...]]:
         files, labels, names, meta = read_csv(
             where,
             classes=classes,
@@ -184,8 +232,13 @@ def from_csv(cls, path, *, classes, delimiter, header, storage_options, requests
         listing = list_urls(_all_urls(files, f"the CSV {redact(where)}"), storage_options)
         return listing, (labels, names, meta, *options)
 
-    def make(listing, extra, on_progress, base):
-        return build_objects(
+    def make(
+        listing: Listing,
+        extra: Sequence[Any],
+        on_progress: Callable[..., None] | None,
+        base: Path,
+    ) -> JpegCache:
+        store: JpegCache = build_objects(
             cls,
             listing,
             extra[0],
@@ -198,6 +251,7 @@ def from_csv(cls, path, *, classes, delimiter, header, storage_options, requests
             on_progress=on_progress,
             **_kw(opts),
         )
+        return store
 
     local = where if is_url(where) else os.path.abspath(where)
     request = (redact(local), classes, delimiter, header, *options)
@@ -205,8 +259,15 @@ def from_csv(cls, path, *, classes, delimiter, header, storage_options, requests
 
 
 def from_webdataset(
-    cls, shards, *, classes, metadata_ext, storage_options, requests_in_flight, **opts
-):
+    cls: type[JpegCache],
+    shards: Any,
+    *,
+    classes: Sequence[str] | None,
+    metadata_ext: str | None,
+    storage_options: dict[str, Any] | None,
+    requests_in_flight: int | None,
+    **opts: Any,
+) -> JpegCache:
     """``JpegCache.from_webdataset`` of shards in storage; brace patterns as WebDataset writes
     them (``train-{000..003}.tar``) and globs (``*.tar``) are expanded against the bucket."""
     from ..ingest._objects import build_shards
@@ -215,11 +276,16 @@ def from_webdataset(
     patterns = _all_urls([shards] if isinstance(shards, str) else list(shards), "shards")
     options = (classes, metadata_ext, *(opts[k] for k in _OPTIONS))
 
-    def scan():
+    def scan() -> tuple[Listing, tuple[Any, ...]]:
         return list_shards(patterns, storage_options), options
 
-    def make(listing, extra, on_progress, base):
-        return build_shards(
+    def make(
+        listing: Listing,
+        extra: Sequence[Any],
+        on_progress: Callable[..., None] | None,
+        base: Path,
+    ) -> JpegCache:
+        store: JpegCache = build_shards(
             cls,
             listing,
             base=base,
@@ -231,5 +297,6 @@ def from_webdataset(
             metadata_ext=metadata_ext,
             **_kw(opts),
         )
+        return store
 
     return _built(cls, scan, make, ([redact(p) for p in patterns], *options), opts)
