@@ -286,12 +286,12 @@ class Spool:
         return part, zlib.crc32(data), None
 
     def _fetch_missing(self, fd: int, jfd: int, done: np.ndarray) -> None:
-        todo = np.flatnonzero(~done)
         n = len(self.listing)
-        parts_of = np.diff(self.first_part)
+        parts_of = np.diff(self.first_part).astype(np.int32)  # 4 bytes an object: parts...
         counted = np.zeros(len(done) + 1, dtype=np.int64)
         np.cumsum(done, out=counted[1:])
-        have = counted[self.first_part[1:]] - counted[self.first_part[:-1]]
+        have = (counted[self.first_part[1:]] - counted[self.first_part[:-1]]).astype(np.int32)
+        del counted  # ...and parts already there (a resumed build)
         objects_done = int(np.count_nonzero(have == parts_of))  # empty objects count as done
         resumed = np.flatnonzero(done)
         owner = np.searchsorted(self.first_part, resumed, side="right") - 1
@@ -345,7 +345,7 @@ class Spool:
 
         with bar, ThreadPoolExecutor(self.requests, thread_name_prefix="gpucache-fetch") as pool:
             try:
-                for part in _ints(todo):
+                for part in _missing(done):
                     i, a, b = self._locate(part)
                     if i in self.failed:
                         continue
@@ -389,9 +389,10 @@ class Spool:
         return clear or ObjectStoreError(f"cannot read {url}: {reason}", bucket_of(url))
 
 
-def _ints(a: np.ndarray) -> Iterator[int]:
-    for s in range(0, len(a), 65536):
-        yield from a[s : s + 65536].tolist()
+def _missing(done: np.ndarray) -> Iterator[int]:
+    """The parts not done, in order (found 64 Ki parts at a time: no array of all of them)."""
+    for s in range(0, len(done), 65536):
+        yield from (np.flatnonzero(~done[s : s + 65536]) + s).tolist()
 
 
 def _completed(pending: set[Future]) -> Iterator[Future]:
