@@ -335,6 +335,13 @@ def test_missing_and_denied_buckets_are_clear_errors(s3, tmp_path, fast_retries)
             JpegCache.from_folder("s3://bkt/train/", cache_dir=tmp_path, progress=False)
     with pytest.raises(ValueError, match="as a string: 's3://bkt/train'"):
         JpegCache.from_folder(Path("s3://bkt/train"), progress=False)
+    with pytest.raises(ValueError, match=r"http:// is not a source gpucache reads.*s3://"):
+        JpegCache.from_folder("http://example.invalid/train/", progress=False)  # nothing sent
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:  # gs:// goes through the same code, with gcsfs: the fix is named
+        with pytest.raises(ImportError, match=r"pip install 'gpucache\[gcs\]'"):
+            JpegCache.from_folder("gs://bkt/train/", progress=False)
 
 
 def test_no_secret_reaches_a_store_a_record_a_log_or_an_error(
