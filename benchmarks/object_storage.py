@@ -12,9 +12,11 @@ made here, and builds each in a fresh process, ``--repeat`` times, medians repor
 Every build goes through the node cache (``cache_dir=`` a fresh folder: list, fetch or read, build,
 save), the remote ones with each ``--requests`` value (requests in flight). Reported per build:
 wall seconds, objects/s (samples for the folder, shards for the shards), MB/s, and peak memory
-beyond the process before the build, in all and per sample beyond the data: as PSS
-(``psutil``, sampled every 20 ms in a thread of the building process) and as the RSS high-water
-mark (``VmHWM``, reset just before the build; it misses no short peak). Each build's stored bytes are hashed and
+beyond the process before the build, in all and per sample beyond the data: as PSS without the
+shared libraries (``gpucache.testing``'s ``pss``, from ``/proc/self/smaps``, sampled every 50 ms
+in a thread of the building process; a library's share moves with the machine's other
+processes) and as the RSS high-water mark (``VmHWM``, reset just before the build; it misses no
+short peak). Each build's stored bytes are hashed and
 must equal the local build's.
 
 ``--raw`` also times the clients alone on the small objects, at each ``--requests``: fsspec/s3fs
@@ -51,17 +53,16 @@ CLASSES, POOL = 100, 1000
 
 CHILD = r"""
 import hashlib, json, os, sys, threading, time
-import psutil
 from gpucache import JpegCache
+from gpucache.testing._memory import pss
 
 kind, src, cache_dir, requests = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-proc = psutil.Process()
 peak, stop = [0], threading.Event()
 
-def sample():
+def sample():  # PSS less the shared libraries (whose share moves with the machine's other processes)
     while not stop.is_set():
-        peak[0] = max(peak[0], proc.memory_full_info().pss)
-        stop.wait(0.02)
+        peak[0] = max(peak[0], pss(os.getpid(), without_libraries=True))
+        stop.wait(0.05)
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -69,7 +70,7 @@ def status(key):
 
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM back to the current RSS
-rss0, before = status("VmRSS"), proc.memory_full_info().pss
+rss0, before = status("VmRSS"), pss(os.getpid(), without_libraries=True)
 threading.Thread(target=sample, daemon=True).start()
 kw = dict(cache_dir=cache_dir, progress=False)
 if src.startswith("s3://"):
@@ -82,7 +83,7 @@ else:
         os.path.join(src, f) for f in os.listdir(src)), **kw)
 dt = time.perf_counter() - t0
 stop.set()
-peak[0] = max(peak[0], proc.memory_full_info().pss)
+peak[0] = max(peak[0], pss(os.getpid(), without_libraries=True))
 h = hashlib.blake2b(digest_size=16)
 for i in range(len(cache)):
     h.update(cache[i])
@@ -136,9 +137,11 @@ def start_server(port: int) -> subprocess.Popen:
         "import logging, threading; from moto.server import ThreadedMotoServer; "
         f"s = ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False); s.start(); "
         "logging.getLogger('werkzeug').setLevel(logging.ERROR); print('ready', flush=True); "
-        "threading.Event().wait()"
+        "import sys; sys.stdin.read()"  # until this script ends, however it ends
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     line = proc.stdout.readline()
     if "ready" not in line:
         proc.kill()

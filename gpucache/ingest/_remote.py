@@ -38,6 +38,7 @@ SCHEMES = {
     "abfs": "azure",
     "abfss": "azure",
 }
+MAX_CONNECTIONS = 256  # S3 connections pooled (botocore's default, 10, caps requests in flight)
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 _USERINFO = re.compile(r"(?<=://)[^/@]*@")
 CREDENTIALS_HELP = {
@@ -102,7 +103,8 @@ def filesystem(url: str, storage_options: dict | None):
     cached, so a long listing does not stay in memory; other code's instances are left alone).
 
     S3's own retries are turned down to one attempt, so the build's bounded retries
-    (``_fetch``) are the only ones, unless ``storage_options`` sets them."""
+    (``_fetch``) are the only ones, and its connection pool raised to ``MAX_CONNECTIONS`` (opened
+    as requests need them), unless ``storage_options`` sets them."""
     proto = protocol_of(url)
     try:
         import fsspec  # type: ignore[import-untyped]
@@ -119,6 +121,8 @@ def filesystem(url: str, storage_options: dict | None):
     if SCHEMES.get(proto) == "s3":
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+        # botocore pools 10 connections by default: more requests in flight would queue for one
+        config.setdefault("max_pool_connections", MAX_CONNECTIONS)
         options["config_kwargs"] = config
     try:
         fs = cls(skip_instance_cache=True, **options)
