@@ -238,3 +238,15 @@ def test_loader_augmentation_is_seeded_per_batch_for_any_worker_count(cache):
     assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[2]))
     assert all(torch.equal(a, b) for a, b in zip(runs[1], runs[3]))
     assert not torch.equal(runs[0][0], runs[1][0])  # epochs differ
+
+
+def test_a_nested_compose_is_flattened_so_its_batch_steps_run():
+    # a Compose inside a Compose used to count as one geometric op: its Normalize never ran
+    norm = T.Normalize([0.5] * 3, [0.25] * 3)
+    nested = T.Compose([T.Compose([T.Resize((8, 8)), T.RandomHorizontalFlip(p=0.0)]), norm])
+    assert len(nested.geometric) == 2 and nested.steps == [("pixel", norm)]
+    inner_steps = T.Compose([T.Compose([T.Resize((8, 8)), norm])])
+    assert len(inner_steps.geometric) == 1 and inner_steps.steps == [("pixel", norm)]
+    images = torch.full((2, 3, 8, 8), 255, dtype=torch.uint8)
+    out, _ = inner_steps.apply(images, torch.zeros(2, dtype=torch.long))
+    assert out.dtype == torch.float32 and torch.allclose(out, torch.full_like(out, 2.0))

@@ -346,11 +346,14 @@ class Compose(Transform):
     :class:`PerBatch`)."""
 
     # the geometric steps, a list, where a single transform has its class flag (read by _kind,
-    # which a Compose never meets: translate() leaves only single transforms and callables)
+    # which a Compose never meets: a nested Compose, gpucache's or torchvision's, is flattened)
     geometric: list[Geometric]  # type: ignore[assignment]
 
     def __init__(self, transforms: Sequence[Any]):
-        self.transforms = _tvcompat.translate(list(transforms))
+        flat: list[Any] = []
+        for t in transforms:
+            flat += t.transforms if isinstance(t, Compose) else [t]
+        self.transforms = _tvcompat.translate(flat)
         kinds = [_kind(t) for t in self.transforms]
         before_kinds: list[str | None] = [None, *kinds[:-1]]
         for t, k, before in zip(self.transforms, kinds, before_kinds):
