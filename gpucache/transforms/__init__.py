@@ -348,6 +348,7 @@ class Compose(Transform):
     # the geometric steps, a list, where a single transform has its class flag (read by _kind,
     # which a Compose never meets: a nested Compose, gpucache's or torchvision's, is flattened)
     geometric: list[Geometric]  # type: ignore[assignment]
+    transforms: list[Any]
 
     def __init__(self, transforms: Sequence[Any]):
         flat: list[Any] = []
