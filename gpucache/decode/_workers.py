@@ -428,7 +428,7 @@ def _prepare_fork() -> bool:
     """Ready this process to fork workers; returns whether to unfreeze the collector after.
 
     The compiled decoder's self-check (:func:`._roi.region_decoder`, which imports PIL) runs
-    here once, so the workers inherit its result instead of each importing PIL: 4.4 MiB less
+    here once, so the workers inherit its result instead of each importing PIL: 6 MiB less
     private memory a worker. Then ``gc.freeze()``, CPython's remedy for fork: it moves every
     object the collector tracks out of its reach, so a full collection in a worker does not
     write to the objects it inherited and copy the pages that hold them (43 MiB a worker with
