@@ -336,6 +336,7 @@ class GpuCachedLoader:
     def _get_backend(self) -> Backend:
         if self._backend is None:
             self._backend = _make_backend(self)
+            self.stats.probe = self._backend.private_memory
         return self._backend
 
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
@@ -406,7 +407,6 @@ class GpuCachedLoader:
             yield batch
         stats.record_step(clock() - handed)
         stats.wall = wall + clock() - began
-        stats.worker_private = backend.private_memory()
         stats.passes += 1
         stats.end_epoch(epoch)
         if self._pass is pos:

@@ -21,6 +21,7 @@ measures it); ``GPUCACHE_TIMINGS=0`` in the environment turns it off (counts sta
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,10 @@ class LoaderStats:
     route_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUTES, 0.0))
     route_images: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTES, 0))
     worker_busy: dict[int, float] = field(default_factory=dict)  # seconds, by worker id
-    worker_private: dict[int, int] = field(default_factory=dict)  # private dirty bytes, by id
+    #: reads each worker's private dirty bytes (the backend's ``private_memory``), set by the
+    #: loader; :attr:`worker_private` calls it
+    probe: Callable[[], dict[int, int]] | None = field(default=None, repr=False)
+    _private: dict[int, int] = field(default_factory=dict, repr=False)  # the last reading
     wall: float = 0.0  # seconds the loader has been iterated (its passes, end to end)
     first_wait: float = 0.0  # seconds waited for the first batch of each pass (not in "wait")
     passes: int = 0  # passes over an epoch finished
@@ -69,8 +73,18 @@ class LoaderStats:
 
     def reset(self) -> None:
         """Start every count and timing afresh (the per-epoch history too)."""
-        fresh = LoaderStats(workers=self.workers, backend=self.backend)
+        fresh = LoaderStats(workers=self.workers, backend=self.backend, probe=self.probe)
         self.__dict__.update(fresh.__dict__)
+
+    @property
+    def worker_private(self) -> dict[int, int]:
+        """Each worker's private dirty bytes, ``{worker id: bytes}``, read now while the
+        workers run (the last reading once they are stopped; empty for in-process backends and
+        off Linux): the pages it wrote that no other process shares (docs/guides/memory.md)."""
+        now = self.probe() if self.probe is not None else {}
+        if now:
+            self._private = now
+        return dict(self._private)
 
     # ------------------------------------------------------------------ recording
     def record(self, row: dict[str, float], images: int, producer: Any, ready: int) -> None:
@@ -168,8 +182,9 @@ class LoaderStats:
                 out[f"{c}_ms_p{q}"] = v
         images = sum(self.route_images.values())
         out["decode_ms_per_image"] = self.seconds["decode"] / max(1, images) * 1e3
-        if self.worker_private:
-            out["worker_private_mib_max"] = max(self.worker_private.values()) / 2**20
+        private = self.worker_private
+        if private:
+            out["worker_private_mib_max"] = max(private.values()) / 2**20
         return out
 
     def headline(self) -> str:
@@ -264,8 +279,9 @@ class LoaderStats:
                 f"{self.busy_fraction():.0%} busy; a decoded batch was waiting "
                 f"{1 - self.starved / n:.0%} of the time"
             )
-        if self.worker_private:
-            mib = ", ".join(f"{v / 2**20:.0f}" for _, v in sorted(self.worker_private.items()))
+        private = self.worker_private
+        if private:
+            mib = ", ".join(f"{v / 2**20:.0f}" for _, v in sorted(private.items()))
             lines.append(f"worker private memory (MiB): {mib}")
         if self.skipped:
             lines.append(f"{self.skipped} samples skipped (see skipped_samples)")
