@@ -148,6 +148,7 @@ def test_loader_holds_one_copy(copies_src, backing, context, workers):
     )
 
 
+@pytest.mark.slow  # a calibration of the harness, not a contract of the library: pytest -m slow
 def test_list_of_bytes_baseline_is_caught(copies_src):
     """The same harness sees the per-worker copies of a list-of-bytes Dataset under spawn."""
     copies, details = _slope("listbytes", "x", "spawn", 2, copies_src)
