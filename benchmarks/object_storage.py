@@ -19,6 +19,9 @@ processes) and as the RSS high-water mark (``VmHWM``, reset just before the buil
 short peak). Each build's stored bytes are hashed and
 must equal the local build's.
 
+``--listing-memory N`` measures only what an object costs the listing and the fetch's arrays
+(RSS before and after making them for N synthetic ImageNet-like URLs; no server, no data).
+
 ``--raw`` also times the clients alone on the small objects, at each ``--requests``: fsspec/s3fs
 (``cat_file`` from a thread pool, what gpucache runs) and obstore (``get_async`` under an asyncio
 semaphore), objects/s, when obstore is installed.
@@ -123,6 +126,36 @@ if obstore is not None:
     got = asyncio.run(main())
     out["obstore"] = {"s": time.perf_counter() - t0, "bytes": got, "version": obstore.__version__}
 print(json.dumps(out))
+"""
+
+
+MEMORY = r"""
+import gc, json, sys
+from pathlib import Path
+import numpy as np
+from gpucache.ingest._fetch import Spool
+from gpucache.ingest._remote import _Packer, _tag_hash
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+
+n, folders = int(sys.argv[1]), 1000
+gc.collect(); r0 = rss()
+pack = _Packer()
+for c in range(folders):  # ImageNet-like names: s3://bucket/imagenet/train/n00000042/n00000042_00017.JPEG
+    names = [f"n{c:08d}_{i:05d}.JPEG" for i in range(n // folders)]
+    pack.add_folder(f"s3://bucket/imagenet/train/n{c:08d}/", names, [110_000] * len(names),
+                    [_tag_hash(f'"{c}-{i}"') for i in range(len(names))])
+listing = pack.listing("s3")
+del pack; gc.collect(); r1 = rss()
+spool = Spool(Path("/nonexistent/0"), listing, None, progress=False)
+done = np.zeros(int(spool.first_part[-1]), dtype=bool)  # what the fetch adds: what is done,
+parts_of = np.diff(spool.first_part).astype(np.int32)  # parts an object, parts there
+have = np.zeros(len(parts_of), dtype=np.int32)
+gc.collect(); r2 = rss()
+print(json.dumps({"objects": len(listing), "name_bytes": 20, "listing_b_per_object": (r1 - r0) / n,
+                  "fetch_b_per_object": (r2 - r1) / n}))
 """
 
 
@@ -241,7 +274,25 @@ def main() -> None:
     p.add_argument("--raw", action="store_true", help="also time fsspec and obstore alone")
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "gpucache-objbench")
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--listing-memory",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only measure the bytes an object costs a listing and a fetch, with N synthetic URLs "
+        "(no server)",
+    )
     args = p.parse_args()
+    if args.listing_memory:
+        out = subprocess.run(
+            [sys.executable, "-c", MEMORY, str(args.listing_memory)],
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        print(out.stdout.strip())
+        return
     requests = [int(r) for r in args.requests.split(",")]
 
     small = make_small(args.root, args.objects)
