@@ -10,20 +10,12 @@ import tarfile
 import pytest
 
 from gpucache import JpegCache
+from gpucache.node import _builders
+from gpucache.store._store import BUILD_OPTIONS, OBJECT_STORE_OPTIONS
 from gpucache.testing import make_jpeg_bytes
 
 BUILDERS = ("from_folder", "from_files", "from_csv", "from_webdataset", "from_hf")
-OPTIONS = (
-    "on_error",
-    "num_threads",
-    "progress",
-    "max_pixels",
-    "cache_dir",
-    "cache_max_bytes",
-    "restart_markers",
-    "max_side",
-    "jpeg_quality",
-)
+OPTIONS = BUILD_OPTIONS + OBJECT_STORE_OPTIONS
 
 
 def _options(name: str) -> dict:
@@ -37,10 +29,25 @@ def test_every_builder_takes_the_same_keyword_only_build_options():
     assert set(want) == set(OPTIONS)
     assert all(kind is inspect.Parameter.KEYWORD_ONLY for kind, _ in want.values())
     for name in BUILDERS:
-        assert _options(name) == want, name
+        got = _options(name)
+        if name == "from_hf":  # a Hugging Face dataset, not paths or URLs
+            assert set(want) - set(got) == set(OBJECT_STORE_OPTIONS), got
+            want = {k: v for k, v in want.items() if k in BUILD_OPTIONS}
+        assert got == want, name
     doc = JpegCache.from_folder.__doc__
-    for name in ("max_pixels", "cache_dir", "restart_markers", "max_side", "jpeg_quality"):
-        assert name in doc
+    for name in OPTIONS:
+        assert name in doc, name
+
+
+def test_each_builder_is_implemented_with_its_classmethods_signature():
+    # the classmethods hand their arguments on by name: the node layer's builders must take
+    # the same parameters, in the same order, with the same defaults
+    for name in BUILDERS:
+        public = inspect.signature(getattr(JpegCache, name)).parameters
+        impl = inspect.signature(getattr(_builders, name)).parameters
+        shape = [(k, p.kind, p.default) for k, p in impl.items()]
+        assert shape[0][0] == "cls", name
+        assert shape[1:] == [(k, p.kind, p.default) for k, p in public.items()], name
 
 
 def _files(tmp_path, n=4):

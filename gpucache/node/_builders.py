@@ -28,19 +28,9 @@ if TYPE_CHECKING:
 
 
 def _options(args: dict[str, Any]) -> dict[str, Any]:
-    """The build options among a builder's arguments (``locals()``), for ``_remote``."""
-    names = (
-        "on_error",
-        "num_threads",
-        "progress",
-        "max_pixels",
-        "cache_dir",
-        "cache_max_bytes",
-        "restart_markers",
-        "max_side",
-        "jpeg_quality",
-    )
-    return {k: args[k] for k in names}
+    """The build options among a builder's arguments (``locals()``), for ``_remote`` (which
+    takes the object-storage ones by name)."""
+    return {k: args[k] for k in _store.BUILD_OPTIONS}
 
 
 def from_folder(

@@ -35,6 +35,29 @@ from ._mapped import Handle
 BUILDERS: dict[str, Callable[..., JpegCache]] = {}
 
 
+#: The build options every ``from_*`` builder takes by keyword, with the same defaults (documented
+#: once, in ``from_folder``; ``tests/test_builders.py`` holds the builders, the node layer's
+#: implementations and the CLI to them).
+BUILD_OPTIONS = (
+    "on_error",
+    "num_threads",
+    "progress",
+    "max_pixels",
+    "cache_dir",
+    "cache_max_bytes",
+    "restart_markers",
+    "max_side",
+    "jpeg_quality",
+)
+#: and those the builders of paths or URLs take too (all but ``from_hf``)
+OBJECT_STORE_OPTIONS = ("storage_options", "requests_in_flight")
+
+
+def _arguments(given: dict[str, Any]) -> dict[str, Any]:
+    """A classmethod's arguments (its ``locals()`` on entry), for its builder: the same names."""
+    return {k: v for k, v in given.items() if k != "__class__"}
+
+
 def _builder(name: str) -> Callable[..., JpegCache]:
     try:
         return BUILDERS[name]
@@ -147,6 +170,9 @@ class JpegCache:
         requests_in_flight: int | None = None,
     ) -> JpegCache:
         """Pack an ImageFolder tree (``root/<class>/<image>``); labels as torchvision assigns.
+        ``on_error``: a file that cannot be used is left out and listed in ``cache.report``
+        (``"skip"``) or stops the build (``"raise"``: ``BuildError``); ``num_threads``: threads
+        reading and checking files (None: the usable cores); ``progress``: a progress bar.
         ``max_pixels``: images whose header claims more pixels are refused (None: no bound).
         Several ranks or ``cache_dir``: built once per node and mapped (docs/guides/multi-gpu.md);
         ``cache_max_bytes``: then the least recently used stores there are removed to fit.
@@ -160,21 +186,7 @@ class JpegCache:
         ``storage_options``: passed to the fsspec client (credentials otherwise from the
         environment, config files or instance role); ``requests_in_flight``: requests at once
         (default 32) (docs/guides/object-storage.md)."""
-        return _builder("from_folder")(
-            cls,
-            root,
-            on_error=on_error,
-            num_threads=num_threads,
-            progress=progress,
-            max_pixels=max_pixels,
-            cache_dir=cache_dir,
-            cache_max_bytes=cache_max_bytes,
-            restart_markers=restart_markers,
-            max_side=max_side,
-            jpeg_quality=jpeg_quality,
-            storage_options=storage_options,
-            requests_in_flight=requests_in_flight,
-        )
+        return _builder("from_folder")(**_arguments(locals()))
 
     @classmethod
     def from_files(
@@ -199,24 +211,7 @@ class JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
         ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder. Object
         URLs (``s3://bucket/a.jpg``, all items) are fetched once per node as in from_folder."""
-        return _builder("from_files")(
-            cls,
-            paths,
-            labels,
-            metadata,
-            classes=classes,
-            on_error=on_error,
-            num_threads=num_threads,
-            progress=progress,
-            max_pixels=max_pixels,
-            cache_dir=cache_dir,
-            cache_max_bytes=cache_max_bytes,
-            restart_markers=restart_markers,
-            max_side=max_side,
-            jpeg_quality=jpeg_quality,
-            storage_options=storage_options,
-            requests_in_flight=requests_in_flight,
-        )
+        return _builder("from_files")(**_arguments(locals()))
 
     @classmethod
     def from_csv(
@@ -243,24 +238,7 @@ class JpegCache:
         The build options (``on_error`` to ``jpeg_quality``) as in from_folder; with
         ``cache_dir`` the store is keyed on the listed files. Rows may be object URLs, and the
         CSV itself may be in storage (relative rows then name objects beside it)."""
-        return _builder("from_csv")(
-            cls,
-            path,
-            classes=classes,
-            delimiter=delimiter,
-            header=header,
-            on_error=on_error,
-            num_threads=num_threads,
-            progress=progress,
-            max_pixels=max_pixels,
-            cache_dir=cache_dir,
-            cache_max_bytes=cache_max_bytes,
-            restart_markers=restart_markers,
-            max_side=max_side,
-            jpeg_quality=jpeg_quality,
-            storage_options=storage_options,
-            requests_in_flight=requests_in_flight,
-        )
+        return _builder("from_csv")(**_arguments(locals()))
 
     @classmethod
     def from_webdataset(
@@ -285,23 +263,7 @@ class JpegCache:
         the build options as in from_folder (with ``cache_dir`` keyed on the shard files).
         Shards in storage are URLs, with WebDataset's brace patterns
         (``s3://bucket/train-{000..099}.tar``) or globs, fetched once per node."""
-        return _builder("from_webdataset")(
-            cls,
-            shards,
-            classes=classes,
-            metadata_ext=metadata_ext,
-            on_error=on_error,
-            num_threads=num_threads,
-            progress=progress,
-            max_pixels=max_pixels,
-            cache_dir=cache_dir,
-            cache_max_bytes=cache_max_bytes,
-            restart_markers=restart_markers,
-            max_side=max_side,
-            jpeg_quality=jpeg_quality,
-            storage_options=storage_options,
-            requests_in_flight=requests_in_flight,
-        )
+        return _builder("from_webdataset")(**_arguments(locals()))
 
     @classmethod
     def from_hf(
@@ -324,22 +286,7 @@ class JpegCache:
         """Pack a Hugging Face ``datasets.Dataset``'s ``Image`` column, bytes taken as stored;
         the build options as in from_folder (``cache_dir`` is refused: a dataset object has no
         files to key a saved store on; save the store and open it instead)."""
-        return _builder("from_hf")(
-            cls,
-            dataset,
-            image_column=image_column,
-            label_column=label_column,
-            classes=classes,
-            on_error=on_error,
-            num_threads=num_threads,
-            progress=progress,
-            max_pixels=max_pixels,
-            cache_dir=cache_dir,
-            cache_max_bytes=cache_max_bytes,
-            restart_markers=restart_markers,
-            max_side=max_side,
-            jpeg_quality=jpeg_quality,
-        )
+        return _builder("from_hf")(**_arguments(locals()))
 
     @classmethod
     def open(
