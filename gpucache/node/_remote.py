@@ -101,7 +101,6 @@ def from_folder(
     **opts: Any,
 ) -> JpegCache:
     """``JpegCache.from_folder`` of a prefix in ImageFolder layout (``s3://b/train/``)."""
-    from ..ingest._objects import build_objects
     from ..ingest._remote import list_folder
 
     options = tuple(opts[k] for k in _OPTIONS)
@@ -110,26 +109,7 @@ def from_folder(
         listing, labels, classes = list_folder(root, storage_options)
         return listing, (labels, classes, *options)
 
-    def make(
-        listing: Listing,
-        extra: Sequence[Any],
-        on_progress: Callable[..., None] | None,
-        base: Path,
-    ) -> JpegCache:
-        store: JpegCache = build_objects(
-            cls,
-            listing,
-            extra[0],
-            extra[1],
-            None,
-            base=base,
-            storage_options=storage_options,
-            requests=requests_in_flight,
-            progress=opts["progress"],
-            on_progress=on_progress,
-            **_kw(opts),
-        )
-        return store
+    make = _objects_maker(cls, storage_options, requests_in_flight, opts, metadata=False)
 
     return _built(cls, scan, make, (redact(root.rstrip("/") + "/"), *options), opts)
 
@@ -147,7 +127,6 @@ def from_files(
 ) -> JpegCache:
     """``JpegCache.from_files`` of object URLs (and ``from_csv`` of a list of them)."""
     from ..ingest._build import check_labels
-    from ..ingest._objects import build_objects
     from ..ingest._remote import list_urls
 
     urls = _all_urls(urls, "the list")
@@ -163,26 +142,7 @@ def from_files(
     def scan() -> tuple[Listing, tuple[Any, ...]]:
         return list_urls(urls, storage_options), (labels_arr, names, meta, *options)
 
-    def make(
-        listing: Listing,
-        extra: Sequence[Any],
-        on_progress: Callable[..., None] | None,
-        base: Path,
-    ) -> JpegCache:
-        store: JpegCache = build_objects(
-            cls,
-            listing,
-            extra[0],
-            extra[1],
-            extra[2],
-            base=base,
-            storage_options=storage_options,
-            requests=requests_in_flight,
-            progress=opts["progress"],
-            on_progress=on_progress,
-            **_kw(opts),
-        )
-        return store
+    make = _objects_maker(cls, storage_options, requests_in_flight, opts, metadata=True)
 
     return _built(cls, scan, make, ([redact(u) for u in urls], *options), opts)
 
@@ -214,7 +174,6 @@ def from_csv(
 ) -> JpegCache:
     """``JpegCache.from_csv`` of a CSV listing object URLs (the CSV itself local or in storage;
     its relative rows are taken against its own folder), read once per node."""
-    from ..ingest._objects import build_objects
     from ..ingest._remote import list_urls
     from ..ingest._sources import read_csv
 
@@ -232,26 +191,7 @@ def from_csv(
         listing = list_urls(_all_urls(files, f"the CSV {redact(where)}"), storage_options)
         return listing, (labels, names, meta, *options)
 
-    def make(
-        listing: Listing,
-        extra: Sequence[Any],
-        on_progress: Callable[..., None] | None,
-        base: Path,
-    ) -> JpegCache:
-        store: JpegCache = build_objects(
-            cls,
-            listing,
-            extra[0],
-            extra[1],
-            extra[2],
-            base=base,
-            storage_options=storage_options,
-            requests=requests_in_flight,
-            progress=opts["progress"],
-            on_progress=on_progress,
-            **_kw(opts),
-        )
-        return store
+    make = _objects_maker(cls, storage_options, requests_in_flight, opts, metadata=True)
 
     local = where if is_url(where) else os.path.abspath(where)
     request = (redact(local), classes, delimiter, header, *options)
@@ -300,3 +240,39 @@ def from_webdataset(
         return store
 
     return _built(cls, scan, make, ([redact(p) for p in patterns], *options), opts)
+
+
+def _objects_maker(
+    cls: type[JpegCache],
+    storage_options: dict[str, Any] | None,
+    requests_in_flight: int | None,
+    opts: dict[str, Any],
+    *,
+    metadata: bool,
+) -> Callable[[Listing, Sequence[Any], Callable[..., None] | None, Path], JpegCache]:
+    """The build step of a listing of objects: the scan's extra is (labels, classes[, metadata],
+    ...)."""
+    from ..ingest._objects import build_objects
+
+    def make(
+        listing: Listing,
+        extra: Sequence[Any],
+        on_progress: Callable[..., None] | None,
+        base: Path,
+    ) -> JpegCache:
+        store: JpegCache = build_objects(
+            cls,
+            listing,
+            extra[0],
+            extra[1],
+            extra[2] if metadata else None,
+            base=base,
+            storage_options=storage_options,
+            requests=requests_in_flight,
+            progress=opts["progress"],
+            on_progress=on_progress,
+            **_kw(opts),
+        )
+        return store
+
+    return make
