@@ -12,6 +12,7 @@ BUILTIN = {
     "SharedMemoryError": RuntimeError,
     "SampleError": RuntimeError,
     "WorkerError": RuntimeError,
+    "ObjectStoreError": OSError,  # what a failed read of a file has always raised
 }
 
 
