@@ -502,6 +502,8 @@ _CTRL_C_CHILD = textwrap.dedent("""
             time.sleep(0.01)  # polling interval, under a deadline
 
     threading.Thread(target=announce, daemon=True).start()
+    import faulthandler  # a hang prints every thread's stack to stderr, for the test to show
+    faulthandler.dump_traceback_later(100, exit=True)
     for _ in it:
         pass
 """)

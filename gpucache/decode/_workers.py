@@ -52,6 +52,7 @@ _GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and agai
 # when it never does, so they are generous for a loaded machine (load 15 on 2 cores).
 _REAP = 5.0  # for a worker whose connection ended to be reaped, so its exit code can be named
 _LEAVE = 10.0  # for a get() woken by close() in another thread to leave the pool
+_SLICE_MS = 1000  # the longest a wait for a worker sleeps before it checks for signals
 
 
 class WorkerError(GpucacheError, RuntimeError):
@@ -341,7 +342,11 @@ class WorkerPool:
                 f"decoding samples {_span(indices)}{part}; it is hung or stopped "
                 "(SIGSTOP). Raise timeout= if images are very large."
             )
-        events = poller.poll(None if left is None else max(1, int(left * 1000) + 1))
+        # at most a second at a time: a signal the kernel hands to another thread of this
+        # process (Ctrl-C while this one sleeps, when this one already had one pending) runs
+        # its Python handler only once this thread runs Python again
+        wait_ms = _SLICE_MS if left is None else min(_SLICE_MS, max(1, int(left * 1000) + 1))
+        events = poller.poll(wait_ms)
         if self._closed:
             raise WorkerError(
                 f"the worker pool was closed (close() from another thread) while "
