@@ -482,6 +482,9 @@ def test_no_worker_survives_its_parent(parents_killed, case):
 
 _CTRL_C_CHILD = textwrap.dedent("""
     import os, signal, sys, threading, time
+    # Python's own Ctrl-C handler, even where this test runs with SIGINT ignored (a background
+    # job of a non-interactive shell): a child inherits the ignore, and Python keeps it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from gpucache import GpuCachedLoader, JpegCache
     loader = GpuCachedLoader(JpegCache.open(sys.argv[1]), batch_size=50, num_workers=2,
                              device="cpu", multiprocessing_context="fork")
