@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -16,7 +15,7 @@ import torch
 from .. import _dist
 from .. import decode as _decode
 from ..decode._base import Backend
-from ..decode._core import TIMED, Decoded
+from ..decode._core import TIMED, Decoded, stage_clock
 from ..decode._core import stage_range as _range
 from ..decode._workers import default_workers
 from ..store._store import JpegCache
@@ -367,7 +366,7 @@ class GpuCachedLoader:
         )  # GPU backends: >= 2 batches in flight
         submitted = 0
         in_flight: deque[tuple[np.ndarray, np.ndarray]] = deque()  # (indices, plans) per batch
-        stats, clock = self.stats, time.perf_counter if TIMED else _no_clock
+        stats, clock = self.stats, stage_clock
         began = handed = clock()
         wall = stats.wall
         for b in range(len(batches)):
@@ -424,7 +423,7 @@ class GpuCachedLoader:
     ) -> tuple[Any, ...]:
         """``(images, labels)``, or ``(images, labels, BatchInfo)`` with ``return_metadata``;
         the seconds its transfer and batch transforms took go into ``row``."""
-        clock = time.perf_counter if TIMED else _no_clock
+        clock = stage_clock
         s = self.stats
         s.batches += 1
         s.samples += len(out.indices)
@@ -500,10 +499,6 @@ class GpuCachedLoader:
             f"backend={self.backend_name!r}, device={str(self.device)!r}, "
             f"num_workers={self.num_workers})"
         )
-
-
-def _no_clock() -> float:
-    return 0.0
 
 
 def _ragged(
