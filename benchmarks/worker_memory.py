@@ -72,8 +72,13 @@ SCENARIOS = ["none", "workers", "workers+parent", "program froze"]
 
 # ------------------------------------------------------------------------------ measuring
 def private_dirty(pid: int) -> int:
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Private_Dirty:"))
+    """What ``loader.stats.worker_private`` reads (the library's reader), for a live process."""
+    from gpucache.decode._workers import private_dirty as read
+
+    size = read(pid)
+    if size is None:
+        raise ProcessLookupError(f"cannot read /proc/{pid}/smaps_rollup")
+    return size
 
 
 def at_rest(pids: list[int], deadline_s: float = 10.0) -> list[int]:
