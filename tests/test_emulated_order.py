@@ -381,6 +381,24 @@ def test_torchvision_rebuilds_its_decoder_when_the_device_differs(jpeg):
         assert emu.decoder_rebuilds == 2
 
 
+def test_a_decoders_own_memory_shows_in_mem_get_info_only(jpeg):
+    """nvJPEG's buffers are outside torch's caching allocator: a decoder built, one leaked by
+    a rebuild and a decoder that leaks every call show in the device's used memory alone."""
+    from tests.support.emulated_nvjpeg import DECODER_BYTES
+
+    def used() -> int:
+        free, total = torch.cuda.mem_get_info(0)
+        return total - free - torch.cuda.memory_reserved(0)
+
+    with EmulatedCuda(devices=2, decoder_leak=1000) as emu, torch.cuda.stream(torch.cuda.Stream()):
+        assert used() == 0
+        out = decode_jpeg([jpeg], device="cuda:0")
+        assert used() == DECODER_BYTES + 1000
+        decode_jpeg([jpeg], device="cuda")  # a rebuild: the old decoder's buffers stay
+        assert used() == 2 * DECODER_BYTES + 2000 and emu.decoder_rebuilds == 1
+        assert out[0].numel() <= torch.cuda.memory_reserved(0) < 2**20  # torch counts its own
+
+
 # ------------------------------------------------------------------ the nvjpeg backend
 @pytest.fixture(scope="module")
 def cache(small_folder):
@@ -469,27 +487,41 @@ def test_the_backend_reports_the_decoders_out_of_memory_as_such(cache):
         backend.close()
 
 
-def test_the_loader_makes_no_host_sync_per_batch_on_the_training_thread(cache):
+@pytest.mark.parametrize("case", ["normalize", "color_jitter", "ragged_targets"])
+def test_the_loader_makes_no_host_sync_per_batch_on_the_training_thread(cache, case):
     """Contract 14: after the first batch (constants made once per device), the training
-    thread waits for the device nowhere: batches, labels and transforms are only queued."""
-    from gpucache import GpuCachedLoader
+    thread waits for the device nowhere: batches, labels, ragged targets and transforms are
+    only queued (Normalize's mean and std, ColorJitter's factors and the targets cross in
+    pinned non_blocking copies)."""
+    from gpucache import GpuCachedLoader, with_targets
 
-    tf = T.Compose(
-        [
-            T.RandomResizedCrop(24),
-            T.RandomHorizontalFlip(),
-            T.Normalize((0.5, 0.5, 0.5), (0.2, 0.2, 0.2)),
-        ]
-    )
+    steps = [T.RandomResizedCrop(24), T.RandomHorizontalFlip()]
+    if case == "color_jitter":
+        steps.append(T.ColorJitter(0.4, 0.4, 0.4))
+    steps.append(T.Normalize((0.5, 0.5, 0.5), (0.2, 0.2, 0.2)))
+    store, extra = cache, {}
+    if case == "ragged_targets":
+        boxes = [np.full((k % 3, 5), k, np.float32) for k in range(len(cache))]
+        store, extra = with_targets(cache, ragged=boxes), {"return_metadata": True}
     with EmulatedCuda(devices=2) as emu:
         with GpuCachedLoader(
-            cache, device="cuda", backend="nvjpeg", batch_size=8, seed=0, transform=tf
+            store,
+            device="cuda",
+            backend="nvjpeg",
+            batch_size=8,
+            seed=0,
+            transform=T.Compose(steps),
+            **extra,
         ) as loader:
             batches = iter(loader)
             next(batches)
             with emu.count_syncs() as c:
-                n = sum(1 for _ in batches)
-        assert n == len(loader) - 1 >= 3 and len(c) == 0, c
+                got = list(batches)
+        assert len(got) == len(loader) - 1 >= 3 and len(c) == 0, c
+        if case == "ragged_targets":  # the targets did arrive, on the device, per sample
+            info = got[0][2]
+            assert len(info.targets) == len(got[0][1]) == 8
+            assert all(t.device.type == "cuda" and t.shape[1] == 5 for t in info.targets)
 
 
 def _hand_over_without_wait(self, event, tensors):
@@ -683,7 +715,7 @@ def test_cpu_path_images_cross_in_one_pinned_copy_without_a_host_sync(
     bad_folder, monkeypatch, pageable
 ):
     """PNG, CMYK and other CPU-path samples of a batch are stacked on the CPU and cross to the
-    device in one pinned non_blocking copy: the transform thread never waits on the host for
+    device in one pinned non_blocking copy: no thread of the backend waits on the host for
     them (a pageable .to(device) an image synchronised once per image)."""
     cache = JpegCache.from_files(sorted(bad_folder["cases"]), progress=False)
     idx = np.arange(len(cache))
@@ -706,5 +738,6 @@ def test_cpu_path_images_cross_in_one_pinned_copy_without_a_host_sync(
         out = backend.get()
         assert out.cpu_decoded >= on_cpu and out.images.shape[0] == len(out.indices)
         backend.close()
-        waits = [h for h in emu.host_syncs if "transform" in h.thread]
+        # in any of the backend's threads: the copy was once made in the decode thread
+        waits = [h for h in emu.host_syncs if "host-to" in h.reason]
     assert bool(waits) == pageable, waits

@@ -3,6 +3,7 @@ on two emulated GPUs, with the device given un-indexed and indexed), on a folder
 sample (skipped) and an EXIF-rotated one (kept); a GPU decoder that fails is a failed run, however
 well the CPU retry covers for it; and the one-call device command in docs/guides/backends.md."""
 
+import functools
 import json
 import re
 import sys
@@ -132,6 +133,22 @@ def test_memory_growth_sees_what_torch_does_not_allocate():
     assert gpu_check.memory_growth(flat, flat, [500.0, 600.0, 600.0, 610.0])["ok"]
     leak = gpu_check.memory_growth(flat, flat, [500.0, 600.0, 600.0, 800.0])
     assert not leak["ok"] and leak["used_growth_mib"] == 200.0
+
+
+def test_the_memory_part_sees_a_decoder_that_leaks_outside_torch(folder, tmp_path, monkeypatch):
+    """A decoder that keeps device memory of its own every call (nvJPEG's buffers are not
+    torch's) leaves torch's allocated and reserved memory flat: the memory part reads the
+    device's used memory each epoch and fails on it."""
+    leaking = functools.partial(EmulatedCuda, decoder_leak=48 * 2**20)
+    monkeypatch.setattr(gpu_check, "EmulatedCuda", leaking)
+    out = tmp_path / "check.json"
+    args = ["--backends", "nvjpeg", "--skip", "nvjpeg vs cpu,nvjpeg ordering,throughput,overlap"]
+    args += ["--memory-epochs", "4"]
+    code = gpu_check.main(FAST + args + ["--folder", str(folder), "--json", str(out)])
+    mem = json.loads(out.read_text())["parts"]["nvjpeg memory"]
+    assert code == 1 and not mem["ok"], mem
+    assert mem["growth_mib"] <= 16 and mem["reserved_growth_mib"] <= 64  # torch's: flat
+    assert mem["used_growth_mib"] >= 2 * 48 and len(mem["device_used_mib"]) == 4
 
 
 def test_a_failing_part_is_recorded_and_the_rest_still_run(folder, tmp_path, monkeypatch):

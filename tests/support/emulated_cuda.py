@@ -77,6 +77,10 @@ nvJPEG (``torchvision.io.decode_jpeg(..., device=cuda)``, TorchCodec's ``decode_
   a plain RuntimeError), ``"init"`` makes building the decoder raise its ``"Failed to initialize
   nvjpeg with hardware backend: 5"`` (NVJPEG_STATUS_ALLOCATOR_FAILURE); ``emu.decoder_fault`` may
   be changed inside the block;
+- the decoder's own device memory (nvJPEG's buffers, outside torch's caching allocator):
+  ``emulated_nvjpeg.DECODER_BYTES`` a decoder built (a rebuilt one's are leaked with it), and
+  ``decoder_leak=B`` more bytes every CUDA decode call (a decoder that leaks); ``mem_get_info``
+  counts them (``emu.outside`` a device), ``memory_allocated``/``memory_reserved`` do not;
 - ``stream_pool=N`` hands out ``torch.cuda.Stream()`` as torch does, round-robin from a pool of
   ``N`` streams a device (32 in torch), so the library's streams may be ones a user computes on.
 
@@ -218,6 +222,7 @@ class EmulatedCuda(OrderRules):
         decoder_fault: str | None = None,
         trust_decoder_sync: bool = False,
         stream_pool: int | None = None,
+        decoder_leak: int = 0,
     ):
         if decoder_fault not in (None, "oom", "init"):
             raise ValueError(f"decoder_fault={decoder_fault!r}: use None, 'oom' or 'init'.")
@@ -226,6 +231,8 @@ class EmulatedCuda(OrderRules):
         self.decoder_fault = decoder_fault
         self.trust_decoder_sync = trust_decoder_sync
         self.stream_pool = stream_pool  # None: every Stream() its own stream
+        self.decoder_leak = decoder_leak  # bytes a CUDA decode call never gives back
+        self.outside = [0] * devices  # device bytes held outside torch's caching allocator
         self._pooled: dict[int, list[Stream]] = {}
         self._made_streams: dict[int, int] = {}
         self.decoder_rebuilds = 0
@@ -342,8 +349,10 @@ class EmulatedCuda(OrderRules):
         return _Properties(f"emulated CUDA device {index}", TOTAL_MEMORY, 9, 0, 132)
 
     def mem_get_info(self, device=None) -> tuple[int, int]:
-        """(free, total) bytes: the total less what the emulated allocator reserved."""
-        return TOTAL_MEMORY - self.memory_reserved(device), TOTAL_MEMORY
+        """(free, total) bytes: the total less what the emulated allocator reserved and what
+        the decoders hold outside it."""
+        index = self.index_device(device).index
+        return TOTAL_MEMORY - self.memory_reserved(device) - self.outside[index], TOTAL_MEMORY
 
     # ------------------------------------------------------------------ tensors
     def _wrap(self, out, index: int | None):

@@ -14,6 +14,7 @@ import torch
 from .emulated_order import Stream, _caller, _join, _what, active
 
 NVJPEG_ALLOCATOR_FAILURE = 5
+DECODER_BYTES = 64 * 2**20  # device memory a decoder holds outside torch's caching allocator
 
 
 def _size(nbytes: int) -> str:
@@ -37,6 +38,7 @@ def decoder_stream(emu, library: str, given: torch.device, dev: torch.device) ->
                 if cur is not None:
                     emu.decoder_rebuilds += 1  # the old decoder is leaked, not freed
                 n = 1 + emu.decoder_rebuilds
+                emu.outside[dev.index] += DECODER_BYTES
                 emu._tv_decoder = (
                     given,
                     Stream(
@@ -47,6 +49,7 @@ def decoder_stream(emu, library: str, given: torch.device, dev: torch.device) ->
         if dev.index not in emu._codec_decoders:  # TorchCodec: a decoder cache per device
             if emu.decoder_fault == "init":
                 raise init
+            emu.outside[dev.index] += DECODER_BYTES
             emu._codec_decoders[dev.index] = Stream(
                 dev, _label=(f"nvJPEG's private stream of {dev} (TorchCodec decoder)")
             )
@@ -112,6 +115,8 @@ def emulated_decode_jpeg(cpu_decode, *, library: str):
         if emu.decoder_fault == "oom":
             raise RuntimeError(_oom_message(data, dev))
         out = [emu._wrap(x, dev.index) for x in cpu_decode(data, **kw)]
+        with emu._lock:
+            emu.outside[dev.index] += emu.decoder_leak
         decoded(emu, out, dev, current, private, ours)
         return out if batch else out[0]
 
