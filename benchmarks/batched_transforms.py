@@ -17,7 +17,12 @@ before its batched transforms) and the batched one (:func:`gpucache.transforms._
    here to time launches);
 3. **pixels**: both paths on the decoded photos (CPU tensors), against the per-image path's
    float arithmetic (what CUDA runs) and the CPU backend's fixed-point uint8 resize: largest
-   difference in levels and the share of differing values.
+   difference in levels and the share of differing values;
+4. **candidates** for the batched resize, on CPU tensors at batch 64 (``--skip-candidates`` skips
+   it): milliseconds a batch and agreement with the per-image float path for the per-image path
+   itself, the two batched matrix products (:func:`resample`), and torchvision's ``roi_align``
+   (one op: each output pixel the mean of ``sampling_ratio``² bilinear samples in its bin, on the
+   batch zero-padded to its largest photo; the adaptive ratio, ``-1``, and 2).
 
 The photos: ``--photos`` (an ImageFolder tree or a flat folder of JPEGs; default: 397 hymenoptera
 photos when ``../shared`` has them, else 256 synthetic photo-size JPEGs).
@@ -236,12 +241,83 @@ def pixels(cache: JpegCache) -> dict:
     }
 
 
+def _median_ms(fn, rounds: int):
+    """(median milliseconds of ``rounds`` calls after one warm-up, the last result)."""
+    times, out = [], fn()
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), out
+
+
+def roi_align_batch(stored: list[torch.Tensor], plans: np.ndarray, ratio: int) -> torch.Tensor:
+    """The plans as one ``roi_align`` over the batch zero-padded to its largest photo: each plan's
+    second crop mapped back through the resize to a box in the photo, a flip as reversed columns."""
+    from torchvision.ops import roi_align
+
+    h = max(int(im.shape[1]) for im in stored)
+    w = max(int(im.shape[2]) for im in stored)
+    x = torch.zeros(len(stored), 3, h, w)
+    for k, im in enumerate(stored):
+        x[k, :, : im.shape[1], : im.shape[2]] = im
+    p = plans.astype(np.float64)
+    sy, sx = p[:, 2] / p[:, 4], p[:, 3] / p[:, 5]  # source pixels an output pixel
+    boxes = np.stack(
+        [
+            np.arange(len(p)),
+            p[:, 1] + p[:, 7] * sx,
+            p[:, 0] + p[:, 6] * sy,
+            p[:, 1] + (p[:, 7] + p[:, 9]) * sx,
+            p[:, 0] + (p[:, 6] + p[:, 8]) * sy,
+        ],
+        axis=1,
+    )
+    out = roi_align(
+        x,
+        torch.from_numpy(boxes).float(),
+        (int(plans[0, 8]), int(plans[0, 9])),
+        sampling_ratio=ratio,
+        aligned=True,
+    )
+    flip = torch.from_numpy(plans[:, 10].astype(bool))[:, None, None, None]
+    return torch.where(flip, out.flip(-1), out).round_().clamp_(0, 255).to(torch.uint8)
+
+
+def candidates(cache: JpegCache, batch: int, rounds: int) -> dict:
+    """Each way to run a batch's plans on CPU tensors: ms a batch (median of ``rounds``) and its
+    pixels against the per-image float path (what the per-image path runs on CUDA)."""
+    idx = np.resize(np.arange(len(cache)), batch)
+    plans = _plans(cache, idx, 0)
+    stored = [decode_sample(cache, int(i)) for i in idx.tolist()]  # EXIF applied
+    ways = {
+        "per-image float": lambda: torch.stack([float_plan(im, p) for im, p in zip(stored, plans)]),
+        "batched matmuls": lambda: resample(stored, plans),
+        "roi_align ratio -1": lambda: roi_align_batch(stored, plans, -1),
+        "roi_align ratio 2": lambda: roi_align_batch(stored, plans, 2),
+    }
+    out, ref = {}, None
+    for name, fn in ways.items():
+        ms, got = _median_ms(fn, rounds)
+        ref = got if ref is None else ref
+        d = (got.int() - ref.int()).abs()
+        out[name] = {
+            "ms_per_batch": ms,
+            "max_levels": int(d.max()),
+            "share_differing": float((d > 0).float().mean()),
+            "share_over_2": float((d > 2).float().mean()),
+            "mean_levels": float(d.float().mean()),
+        }
+    return {"batch": batch, "ways": out}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--photos", default=None)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--skip-pixels", action="store_true")
+    ap.add_argument("--skip-candidates", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -274,6 +350,15 @@ def main(argv: list[str] | None = None) -> dict:
             print(
                 f"batched vs per-image {name:>5}: max {r['max_levels']} levels, "
                 f"{100 * r['share_differing']:.3f}% of values differ, mean {r['mean_levels']:.4f}"
+            )
+    if not args.skip_candidates:
+        result["candidates"] = candidates(cache, 64, args.rounds)
+        print("batch 64 on CPU tensors, against the per-image float path:")
+        for name, r in result["candidates"]["ways"].items():
+            print(
+                f"  {name:>20}: {r['ms_per_batch']:7.1f} ms a batch, max {r['max_levels']} "
+                f"levels, {100 * r['share_differing']:.2f}% differ, "
+                f"{100 * r['share_over_2']:.2f}% by more than 2"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
