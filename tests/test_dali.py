@@ -340,7 +340,8 @@ def test_dali_threads_are_this_ranks_share_of_the_cores(
         monkeypatch.delenv(name, raising=False)
     for name, value in launcher.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(_workers, "usable_cores", lambda: usable)
+    # the system's answers, not gpucache's helper: whatever reads them sees this machine
+    monkeypatch.setattr(_workers.os, "sched_getaffinity", lambda pid: set(range(usable)))
     monkeypatch.setattr(_workers.os, "cpu_count", lambda: 16)
     loader = GpuCachedLoader(
         jpegs, batch_size=8, seed=0, device="cpu", backend="dali", num_workers=given
