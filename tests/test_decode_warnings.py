@@ -110,8 +110,9 @@ def test_damaged_scan_decodes_to_different_pixels(store):
     assert decode_sample(good, 0).shape == bad.shape
 
 
-def _decode_in_a_loop(data: bytes, stop: threading.Event, count: list[int]) -> None:
-    """Decode with torchvision's decoders, as the nvjpeg backend's threads do, until told."""
+def _decode_in_a_loop(data: bytes, stop: threading.Event, decoded: threading.Semaphore) -> None:
+    """Decode with torchvision's decoders, as the nvjpeg backend's threads do, until told;
+    release ``decoded`` after each decode."""
     from gpucache.decode._batched import torchvision_decoder
     from gpucache.decode._core import decode_jpeg
 
@@ -119,36 +120,44 @@ def _decode_in_a_loop(data: bytes, stop: threading.Event, count: list[int]) -> N
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     while not stop.is_set():
         tv.decode([t])
+        decoded.release()
         decode_jpeg(t, use_torchcodec=False)
-        count[0] += 1
+        decoded.release()
 
 
 def test_decoding_in_a_thread_keeps_the_main_threads_warning_filters():
     """A decode thread must never save and restore the process's filter list (what
-    ``warnings.catch_warnings`` does): a filter the main thread adds meanwhile would be lost."""
+    ``warnings.catch_warnings`` does): a filter the main thread adds meanwhile would be lost.
+    The main thread adds one filter each time the thread has decoded, so each lands while the
+    next decode runs (300 rounds)."""
     data = make_jpeg_bytes(64, 48, seed=1)
-    stop, count, errors = threading.Event(), [0], []
+    stop, decoded, errors = threading.Event(), threading.Semaphore(0), []
 
     def run() -> None:
         try:
-            _decode_in_a_loop(data, stop, count)
+            _decode_in_a_loop(data, stop, decoded)
         except BaseException as err:  # noqa: BLE001 - reported by the main thread
             errors.append(err)
+        finally:
             stop.set()
+            decoded.release()  # wakes the main thread if it waits
 
-    lost = []
+    lost: list[str] = []
     with warnings.catch_warnings():  # the main thread's own save and restore, around it all
         thread = threading.Thread(target=run)
         thread.start()
         try:
             mine: list[str] = []
-            while (len(mine) < 300 or count[0] < 300) and not stop.is_set():
+            while len(mine) < 300 and not lost:
+                assert decoded.acquire(timeout=60), "the decode thread made no progress in 60 s"
+                if stop.is_set():
+                    break
                 mine.append(f"gpucache test filter {len(mine)}")
                 warnings.filterwarnings("ignore", message=mine[-1])
-                present = {f[1].pattern for f in warnings.filters if f[1] is not None}
+                # a snapshot (one C call): iterating the live list while the other thread
+                # moves a filter to the front would skip an entry that is there
+                present = {f[1].pattern for f in tuple(warnings.filters) if f[1] is not None}
                 lost = [m for m in mine if m not in present]
-                if lost:
-                    break
         finally:
             stop.set()
             thread.join(timeout=60)
@@ -212,7 +221,8 @@ def test_the_stores_read_only_view_warns_nobody_and_keeps_every_filter(tmp_path)
         "while (len(mine) < 2000 or made[0] < 2000) and not stop.is_set() and not lost:\n"
         "    mine.append(f'mine {len(mine)}')\n"
         "    warnings.filterwarnings('ignore', message=mine[-1])\n"
-        "    present = {f[1].pattern for f in warnings.filters if f[1] is not None}\n"
+        "    snapshot = tuple(warnings.filters)  # the live list may shift under a loop\n"
+        "    present = {f[1].pattern for f in snapshot if f[1] is not None}\n"
         "    lost = [m for m in mine if m not in present]\n"
         "stop.set(); t.join()\n"
         "assert not errors, errors\n"
