@@ -1,6 +1,7 @@
 """Does decode of batch k+1 overlap the training step on batch k? nvjpeg backend, threaded vs sync.
 
     PYTHONPATH=. python benchmarks/overlap.py [--images 192] [--batch 32] [--runs 5] [--device cpu]
+        [--step matmul|sleep] [--ahead 3]
 
 The same NvjpegBackend code runs on a CPU device here (torch's batched CPU decode_jpeg) and on CUDA
 (nvJPEG); the training step is a torch matmul (it releases the GIL, as a real step does), or with
@@ -9,6 +10,7 @@ The same NvjpegBackend code runs on a CPU device here (torch's batched CPU decod
 ``sync`` = an epoch with ``threaded=False`` (decode in submit, on the training thread), ``threaded``
 = the background thread. Expected: sync ~ decode + train, threaded ~ max(decode, train). Medians of
 ``--runs`` runs, side by side. ``torch.set_num_threads(1)``: one core trains, one decodes.
+``--ahead``: batches in flight, as the loader keeps them (default: its ``GPU_IN_FLIGHT``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpucache import JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
+from gpucache.loader._loader import GPU_IN_FLIGHT  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
 
 TRAIN = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])
@@ -37,7 +40,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def epoch(backend, cache, batches, step, device: torch.device, ahead: int = 2) -> float:
+def epoch(backend, cache, batches, step, device: torch.device, ahead: int = GPU_IN_FLIGHT) -> float:
     """Seconds for one epoch as the loader drives a backend (``ahead`` batches in flight)."""
     s = cache.samples
     plans = [
@@ -96,6 +99,7 @@ def measure(
     train_ratio: float = 1.0,
     step_kind: str = "matmul",
     deadline: float = float("inf"),
+    ahead: int = GPU_IN_FLIGHT,
 ) -> dict:
     """Median epoch seconds of decode alone, train alone, sync and threaded; ratios."""
     batches = [np.arange(k, min(k + batch, len(cache))) for k in range(0, len(cache), batch)]
@@ -116,7 +120,7 @@ def measure(
         sync(device)
         times["train"].append(time.perf_counter() - t0)
         for mode, be in backends.items():
-            times[mode].append(epoch(be, cache, batches, step, device))
+            times[mode].append(epoch(be, cache, batches, step, device, ahead))
         if time.perf_counter() > deadline:
             break
     for be in backends.values():
@@ -129,6 +133,7 @@ def measure(
         "batches": len(batches),
         "batch": batch,
         "step": step_kind,
+        "ahead": ahead,
         "median_s": med,
         "all_s": times,
         "threaded_over_max": med["threaded"] / bound,
@@ -176,6 +181,9 @@ def main() -> int:
         help="training step: torch matmuls (need a free core), or a GPU-like wait",
     )
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--ahead", type=int, default=GPU_IN_FLIGHT, help="batches in flight (the loader's: 3)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     folder = args.folder or cached_jpeg_folder(args.images, seed=0)
@@ -188,12 +196,13 @@ def main() -> int:
         runs=args.runs,
         train_ratio=args.train_ratio,
         step_kind=args.step,
+        ahead=args.ahead,
     )
     m = r["median_s"]
     print(
         f"{len(cache)} images ({folder}), batch {args.batch}, device {device}, "
         f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f}), torch threads 1, "
-        f"step {args.step}, medians of {r['runs']} runs"
+        f"step {args.step}, {args.ahead} batches in flight, medians of {r['runs']} runs"
     )
     print(f"{'epoch':28} {'seconds':>8}")
     for name, label in (

@@ -136,3 +136,40 @@ def test_loader_break_and_close_leave_no_thread(cache, monkeypatch):
     loader.close()
     ref.close()
     assert set(_threads()) - before == set()
+
+
+@pytest.mark.parametrize("prefetch_factor, want", [(2, 3), (5, 5)])
+def test_the_loader_keeps_three_batches_in_flight(cache, monkeypatch, prefetch_factor, want):
+    """While the loop trains on batch k, batch k+1 is transformed and k+2 decoded: the loader
+    holds at least three batches in the GPU backend (prefetch_factor when larger)."""
+    from tests.support.emulated_cuda import EmulatedCuda
+
+    in_flight, most = [0], [0]
+    submit, get = NvjpegBackend.submit, NvjpegBackend.get
+
+    def counted_submit(self, *args):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        return submit(self, *args)
+
+    def counted_get(self):
+        out = get(self)
+        in_flight[0] -= 1
+        return out
+
+    monkeypatch.setattr(NvjpegBackend, "submit", counted_submit)
+    monkeypatch.setattr(NvjpegBackend, "get", counted_get)
+    tf = T.Compose([T.RandomResizedCrop(16)])
+    with EmulatedCuda(devices=1):
+        with GpuCachedLoader(
+            cache,
+            batch_size=2,
+            device="cuda",
+            backend="nvjpeg",
+            seed=0,
+            transform=tf,
+            prefetch_factor=prefetch_factor,
+        ) as loader:
+            assert len(loader) > want
+            assert sum(len(y) for _, y in loader) == len(cache)
+    assert most[0] == want and in_flight[0] == 0

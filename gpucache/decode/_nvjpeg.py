@@ -2,7 +2,8 @@
 
 Each submitted batch goes through three stages, each on its own thread (``threaded=False`` runs
 them in ``submit`` instead), so batch k+1 decodes while batch k is transformed and the training
-step consumes batch k-1; the loader keeps at least two batches in flight:
+step consumes batch k-1; the loader keeps at least three batches in flight
+(:data:`gpucache.loader._loader.GPU_IN_FLIGHT`):
 
 1. **CPU** (a small pool of threads): samples the batched decoder does not take (PNG, GIF, WebP,
    CMYK, arithmetic JPEG) and progressive JPEGs (whose Huffman decoding nvJPEG would run on the
@@ -228,7 +229,7 @@ class NvjpegBackend(Backend):
                 f"the nvjpeg backend ({self.decoder.name}'s decoder) "
                 f"decoding a batch of {n} samples",
                 self.device,
-                "at least 2 batches are decoded ahead: lower batch_size or "
+                "at least 3 batches are in flight: lower batch_size or "
                 "prefetch_factor, or free memory held elsewhere",
             ) from err
 

@@ -28,6 +28,12 @@ from ._stats import LoaderStats
 
 log = logging.getLogger("gpucache")
 
+#: Batches a GPU backend holds in flight at least: while the loop trains on batch k, batch k+1 is
+#: transformed and batch k+2 decoded (the nvjpeg backend's stages run side by side). With two,
+#: only batch k+1 would be in flight during the step: its decode and transforms one after the
+#: other (``benchmarks/overlap.py --ahead``).
+GPU_IN_FLIGHT = 3
+
 
 class BatchInfo(NamedTuple):
     """Per-sample details of a batch (``return_metadata=True``). Strings stay Python lists."""
@@ -83,7 +89,7 @@ class GpuCachedLoader:
             for ``"dali"``). None: this rank's share of the usable cores. 0 decodes in the
             main process.
         prefetch_factor: Batches each worker works on ahead (GPU backends: batches in flight,
-            at least 2).
+            at least 3).
         persistent_workers: Always on (workers live until ``close()``); False warns.
         multiprocessing_context: ``"fork"``, ``"spawn"`` or ``"forkserver"``; None: the
             platform's default. Workers attach to the same store pages under each.
@@ -362,8 +368,8 @@ class GpuCachedLoader:
         ahead = (
             self.prefetch_factor * max(1, self.num_workers)
             if self.backend_name == "cpu"
-            else max(2, self.prefetch_factor)
-        )  # GPU backends: >= 2 batches in flight
+            else max(GPU_IN_FLIGHT, self.prefetch_factor)
+        )
         submitted = 0
         in_flight: deque[tuple[np.ndarray, np.ndarray]] = deque()  # (indices, plans) per batch
         stats, clock = self.stats, stage_clock
