@@ -62,6 +62,7 @@ from gpucache.decode import dali_available, normalize_device  # noqa: E402
 from gpucache.decode._batched import default_decoder, orient, torchvision_decoder  # noqa: E402
 from gpucache.decode._core import decode_batch, quiet_torchvision_deprecation  # noqa: E402
 from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
+from gpucache.loader._loader import GPU_IN_FLIGHT  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
 from tests.support.emulated_cuda import EmulatedCuda  # noqa: E402
 
@@ -141,7 +142,8 @@ class Check:
         return torch.device("cpu") if self.args.emulate and name == "dali" else self.device
 
     def batches(self, backend, transform, *, batch: int, seed: int, shuffle: bool = False):
-        """(indices as drawn, plans as drawn, Decoded) per batch, two batches in flight."""
+        """(indices as drawn, plans as drawn, Decoded) per batch, as many batches in flight as
+        the loader keeps (``GPU_IN_FLIGHT``)."""
         order = (
             np.random.default_rng(seed).permutation(len(self.cache))
             if shuffle
@@ -159,7 +161,7 @@ class Check:
         ]
         submitted = 0
         for k in range(len(drawn)):
-            while submitted < len(drawn) and submitted < k + 2:
+            while submitted < len(drawn) and submitted < k + GPU_IN_FLIGHT:
                 backend.submit(drawn[submitted], plans[submitted], True)
                 submitted += 1
             yield drawn[k], plans[k], backend.get()
