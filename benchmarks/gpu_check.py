@@ -59,10 +59,10 @@ from benchmarks.overlap import measure as measure_overlap  # noqa: E402
 from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode import dali_available, normalize_device  # noqa: E402
+from gpucache.decode._base import GPU_IN_FLIGHT  # noqa: E402
 from gpucache.decode._batched import default_decoder, orient, torchvision_decoder  # noqa: E402
 from gpucache.decode._core import decode_batch, quiet_torchvision_deprecation  # noqa: E402
 from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
-from gpucache.loader._loader import GPU_IN_FLIGHT  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
 from tests.support.emulated_cuda import EmulatedCuda  # noqa: E402
 

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpucache import JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
+from gpucache.decode._base import GPU_IN_FLIGHT  # noqa: E402
 from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
-from gpucache.loader._loader import GPU_IN_FLIGHT  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
 
 TRAIN = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])
@@ -182,7 +182,10 @@ def main() -> int:
     )
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
-        "--ahead", type=int, default=GPU_IN_FLIGHT, help="batches in flight (the loader's: 3)"
+        "--ahead",
+        type=int,
+        default=GPU_IN_FLIGHT,
+        help=f"batches in flight (the loader's: {GPU_IN_FLIGHT})",
     )
     args = ap.parse_args()
     torch.set_num_threads(1)

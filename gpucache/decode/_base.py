@@ -9,6 +9,12 @@ import numpy as np
 
 from ._core import Decoded
 
+#: Batches the loader keeps in a GPU backend at least: while the loop trains on batch k, batch
+#: k+1 is transformed and batch k+2 decoded (the nvjpeg backend's stages run side by side). With
+#: two, only batch k+1 would be in flight during the step: its decode and transforms one after
+#: the other (``benchmarks/overlap.py --ahead``).
+GPU_IN_FLIGHT = 3
+
 
 class Backend(ABC):
     """Turns (store indices, geometric plans) into decoded uint8 images, in submission order.

@@ -3,7 +3,7 @@
 Each submitted batch goes through three stages, each on its own thread (``threaded=False`` runs
 them in ``submit`` instead), so batch k+1 decodes while batch k is transformed and the training
 step consumes batch k-1; the loader keeps at least three batches in flight
-(:data:`gpucache.loader._loader.GPU_IN_FLIGHT`):
+(:data:`gpucache.decode._base.GPU_IN_FLIGHT`):
 
 1. **CPU** (a small pool of threads): samples the batched decoder does not take (PNG, GIF, WebP,
    CMYK, arithmetic JPEG) and progressive JPEGs (whose Huffman decoding nvJPEG would run on the
@@ -47,7 +47,7 @@ from ..ingest._sniff import Kind
 from ..store._oom import is_out_of_memory
 from ..transforms._resample import BUDGET_BYTES, Scratch, resample
 from . import normalize_device
-from ._base import Backend
+from ._base import GPU_IN_FLIGHT, Backend
 from ._batched import BatchDecoder, applies_exif, default_decoder, orient
 from ._core import Decoded, apply_plan, check_size, failure, out_size
 from ._fallback import Part, Result, decode_on_cpu, join, out_of_memory, split, stage_times
@@ -229,7 +229,7 @@ class NvjpegBackend(Backend):
                 f"the nvjpeg backend ({self.decoder.name}'s decoder) "
                 f"decoding a batch of {n} samples",
                 self.device,
-                "at least 3 batches are in flight: lower batch_size or "
+                f"at least {GPU_IN_FLIGHT} batches are in flight: lower batch_size or "
                 "prefetch_factor, or free memory held elsewhere",
             ) from err
 

@@ -14,7 +14,7 @@ import torch
 
 from .. import _dist
 from .. import decode as _decode
-from ..decode._base import Backend
+from ..decode._base import GPU_IN_FLIGHT, Backend
 from ..decode._core import TIMED, Decoded, stage_clock
 from ..decode._core import stage_range as _range
 from ..decode._workers import default_workers
@@ -27,12 +27,6 @@ from ._sampling import Sampling
 from ._stats import LoaderStats
 
 log = logging.getLogger("gpucache")
-
-#: Batches a GPU backend holds in flight at least: while the loop trains on batch k, batch k+1 is
-#: transformed and batch k+2 decoded (the nvjpeg backend's stages run side by side). With two,
-#: only batch k+1 would be in flight during the step: its decode and transforms one after the
-#: other (``benchmarks/overlap.py --ahead``).
-GPU_IN_FLIGHT = 3
 
 
 class BatchInfo(NamedTuple):
