@@ -185,6 +185,16 @@ def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3
 LAUNCH_US = 5.0
 
 
+def _median_ms(fn, rounds: int):
+    """(median milliseconds of ``rounds`` calls after one warm-up, the last result)."""
+    times, out = [], fn()
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), out
+
+
 def host_time(cache: JpegCache, batch: int, rounds: int) -> dict:
     """Host µs an image: the batched path's NumPy part measured (:func:`host_arrays`, the plans'
     address parts and filter windows for the photos' real sizes; median of ``rounds``), and each
@@ -197,12 +207,9 @@ def host_time(cache: JpegCache, batch: int, rounds: int) -> dict:
         [shapes[:, 0] * shapes[:, 1], shapes[:, 1], np.ones(batch, np.int64)], axis=1
     )
     plans = _plans(cache, idx, 0)
-    times = []
-    for _ in range(rounds + 1):
-        t0 = time.perf_counter()
-        host_arrays(shapes, strides, plans, np.ones(batch, dtype=np.int64))
-        times.append((time.perf_counter() - t0) / batch * 1e6)
-    return {"numpy_us_per_image": statistics.median(times[1:])}
+    orient = np.ones(batch, dtype=np.int64)
+    ms, _ = _median_ms(lambda: host_arrays(shapes, strides, plans, orient), rounds)
+    return {"numpy_us_per_image": ms / batch * 1e3}
 
 
 def float_plan(img: torch.Tensor, plan) -> torch.Tensor:
@@ -239,16 +246,6 @@ def pixels(cache: JpegCache) -> dict:
         }
         for name, rows in out.items()
     }
-
-
-def _median_ms(fn, rounds: int):
-    """(median milliseconds of ``rounds`` calls after one warm-up, the last result)."""
-    times, out = [], fn()
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), out
 
 
 def roi_align_batch(stored: list[torch.Tensor], plans: np.ndarray, ratio: int) -> torch.Tensor:
