@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1] / "gpucache"
 
 #: Top to bottom. A module belongs to the first entry whose name is it or a package above it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("cli", ("gpucache.cli", "gpucache.bench")),  # the commands; the benchmark users run
+    ("cli", ("gpucache.cli", "gpucache.bench", "gpucache.__main__")),  # the commands (and
+    # `python -m gpucache`); the benchmark users run
     ("api", ("gpucache",)),  # the package's __init__: it wires the public names, nothing else
     ("integrations", ("gpucache.lightning",)),  # imported by users who train with Lightning
     # synthetic photos for tests and benchmarks: public (gpucache.testing, imported on first use),

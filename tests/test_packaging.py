@@ -40,16 +40,16 @@ def test_import_gpucache_leaves_testing_and_image_draw_out():
     assert out.strip() == "gpucache.testing"
 
 
+#: What a clone holds that no build may see: VCS data, virtual environments, earlier builds.
+NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", "*.so", "*.pyc", "*.gpucache"
+)
+
+
 @pytest.mark.timeout(600)
-def test_the_wheel_holds_no_test_only_module(tmp_path):
-    src = tmp_path / "src"  # a clean copy: no build/ folder of an earlier build leaks into it
-    shutil.copytree(
-        REPO / "gpucache",
-        src / "gpucache",
-        ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"),
-    )
-    for name in ("setup.py", "pyproject.toml", "README.md"):
-        shutil.copy2(REPO / name, src / name)
+def test_the_wheel_holds_the_library_alone(tmp_path):
+    src = tmp_path / "src"  # the whole clone, as `pip wheel .` there sees it, minus earlier builds
+    shutil.copytree(REPO, src, ignore=NOT_SOURCE)
     out = tmp_path / "dist"
     subprocess.run(
         [
@@ -68,10 +68,21 @@ def test_the_wheel_holds_no_test_only_module(tmp_path):
         check=True,
         cwd=tmp_path,
     )
-    (wheel,) = out.glob("gpucache-*.whl")
+    (wheel,) = out.glob("*.whl")
+    assert wheel.name.startswith("gpucache_loader-")  # the distribution's own name on the index
     names = zipfile.ZipFile(wheel).namelist()
     modules = [n for n in names if n.startswith("gpucache/") and n.endswith(".py")]
     assert "gpucache/__init__.py" in modules and "gpucache/testing/__init__.py" in modules
+    assert "gpucache/__main__.py" in modules
+    top = {n.split("/")[0] for n in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"gpucache"}, sorted(top)
     leaked = [n for n in names if any(t in Path(n).name for t in TEST_ONLY)]
     assert not leaked, leaked
-    assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "pipelines/"))]
+
+
+def test_python_m_gpucache_is_the_command_line():
+    run = subprocess.run(
+        [sys.executable, "-m", "gpucache", "--help"], cwd=REPO, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("usage: gpucache ") and "build" in run.stdout
