@@ -4,6 +4,9 @@ Real DALI, real JPEGs. The reference is gpucache.decode._core.decode_batch on th
 Tolerance: mean absolute difference <= 2 levels per image. Measured on these fixtures: mean
 0.08-0.21 per image; max 1 (Resize+CenterCrop) and up to 12 (RandomResizedCrop, at the crop borders,
 where DALI's and torch's antialias filters treat the image edge differently).
+
+The GPU graph is defined and its operators checked without a GPU (DALI serializes a pipeline with
+"mixed" operators when device_id is None); running it needs CUDA (the last test, skipped here).
 """
 
 import logging
@@ -474,3 +477,19 @@ def test_auto_chooses_nvjpeg_on_cuda_with_dali_installed(jpegs):
     with EmulatedCuda(devices=1):
         with GpuCachedLoader(jpegs, batch_size=4, device="cuda") as loader:
             assert loader.backend_name == "nvjpeg"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available on this machine")
+def test_gpu_graph_orients_as_the_cpu_backend(oriented):  # pragma: no cover - needs a GPU
+    """On a GPU (none here: skipped; see the manual's GPU status): the same headers through the
+    "mixed" decoder, within the GPU decoders' tolerance (3 levels mean per image)."""
+    idx = np.arange(len(oriented))
+    plans = plans_for(oriented, idx, TRANSFORMS["rrc_flip"], seed=7)
+    be = backend(oriented, device=torch.device("cuda", torch.cuda.current_device()))
+    out = decode(be, idx, plans, stack=False)
+    ref = decode_batch(oriented, idx, plans, on_error="raise", stack=False)
+    assert out.indices.tolist() == idx.tolist() and out.failed == [] and out.cpu_decoded == 0
+    for a, b in zip(out.images, ref.images):
+        assert a.is_cuda and a.shape == b.shape
+        assert (a.cpu().float() - b.float()).abs().mean().item() <= 3.0
+    be.close()
