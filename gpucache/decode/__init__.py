@@ -4,7 +4,9 @@
 - ``nvjpeg``: batched nvJPEG in a background thread with its own CUDA streams (``_nvjpeg``)
 - ``dali``: an NVIDIA DALI pipeline; CPU-only mode on a CPU device (``_dali``)
 
-``auto`` picks dali when it is importable and the device is CUDA, else nvjpeg on CUDA, else cpu.
+``auto`` picks nvjpeg on CUDA and cpu elsewhere: dali is never chosen for the user, since its GPU
+graph has not run on a GPU yet (docs/guides/backends.md, "GPU status"); ``backend="dali"`` asks
+for it.
 
 ``resolve(backend, device)`` turns the user's choice into a concrete backend name.
 :func:`normalize_device` is the one place a device gets its index; every device gpucache keeps or
@@ -88,9 +90,8 @@ def resolve(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
     if backend == "auto":
-        if device.type != "cuda":
-            return "cpu"
-        return "dali" if dali_available() else "nvjpeg"
+        # not dali, installed or not: its GPU graph has not run on a GPU yet (see the manual)
+        return "nvjpeg" if device.type == "cuda" else "cpu"
     if backend == "nvjpeg" and device.type != "cuda":
         raise ValueError(
             f"backend='nvjpeg' decodes on a CUDA device, but device is {device}; use "

@@ -1,12 +1,12 @@
 """backend="dali": NVIDIA DALI decodes each batch and runs its geometric plans in one graph.
 
-Per sample, the graph is ``decoders.image_slice`` (crop1, EXIF orientation applied) -> ``resize``
-(antialiased linear) to (rh, rw) -> ``slice`` (crop2, zero padding outside the image) ->
-``crop_mirror_normalize`` (flip; uint8 CHW out). Normalization and dtype stay with the loader's
-pixel transforms, which every backend shares.
+The graph (:mod:`._dali_graph`) decodes each whole image, applies the orientation the store
+recorded (never DALI's own reading of EXIF), then the plan's crops, resize and flip. Normalization
+and dtype stay with the loader's pixel transforms, which every backend shares.
 
 The encoded bytes go in as zero-copy views of the store (``external_source(no_copy=True)``), kept
-alive until that batch's outputs are back; the plan goes in as one int32 row per sample. Outputs
+alive until that batch's outputs are back; the plan and the orientation go in as one int32 row
+per sample (:func:`._dali_graph.rows`). Outputs
 reach torch through DLPack and are copied out of DALI's buffers at once; on CUDA they are taken
 bound to the stream that copy runs on (``pipe.outputs(cuda_stream=...)``, the current stream of the
 backend's device, :func:`~gpucache.decode._streams.consumer_stream`), so DALI reuses a buffer only
@@ -24,13 +24,11 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 try:
-    from nvidia.dali import fn, types
     from nvidia.dali.pipeline import Pipeline
 except ImportError as err:  # pragma: no cover - depends on what is installed
     raise ImportError(
@@ -38,15 +36,13 @@ except ImportError as err:  # pragma: no cover - depends on what is installed
         "gpucache[dali]), or use backend='nvjpeg' or 'cpu'."
     ) from err
 
-from . import normalize_device
+from . import _dali_graph, normalize_device
 from ._base import Backend
 from ._core import ON_ERROR, Decoded, out_size
 from ._fallback import Part, decode_on_cpu, join, out_of_memory, split, stage_times
 from ._streams import consumer_stream
 
 log = logging.getLogger("gpucache")
-
-_PIXELS: dict[str, Any] = dict(axis_names="HW", normalized_anchor=False, normalized_shape=False)
 
 
 @dataclass
@@ -103,49 +99,14 @@ class DaliBackend(Backend):
         if self._pipe is not None:
             return self._pipe
         gpu = self._graph_on_gpu()  # the only CUDA-specific lines of this backend
-        decoder = (
-            dict(device="mixed", hw_decoder_load=self.hw_decoder_load, jpeg_fancy_upsampling=True)
-            if gpu
-            else dict(device="cpu")
-        )
-        pipe = Pipeline(
+        pipe = _dali_graph.define(
+            gpu=gpu,
+            device_id=self.device.index if gpu else None,
             batch_size=self.batch_size,
             num_threads=self.num_threads,
-            device_id=self.device.index if gpu else None,
             seed=self.seed,
-            prefetch_queue_depth=1,
-            exec_dynamic=True,
+            hw_decoder_load=self.hw_decoder_load,
         )
-        with pipe:
-            enc = fn.external_source(
-                name="enc", dtype=types.DALIDataType.UINT8, ndim=1, no_copy=True
-            )
-            plan = fn.external_source(
-                name="plan", dtype=types.DALIDataType.INT32, ndim=1
-            )  # the 11 integers
-            img = fn.decoders.image_slice(
-                enc, plan[0:2], plan[2:4], output_type=types.DALIImageType.RGB, **decoder, **_PIXELS
-            )
-            img = fn.resize(
-                img,
-                resize_y=fn.cast(plan[4], dtype=types.DALIDataType.FLOAT),
-                resize_x=fn.cast(plan[5], dtype=types.DALIDataType.FLOAT),
-                antialias=True,
-                interp_type=types.DALIInterpType.INTERP_LINEAR,
-            )
-            # one input, one DataNode out: DALI's stub for resize returns a union of its forms
-            img = fn.slice(
-                img,  # type: ignore[arg-type]
-                plan[6:8],
-                plan[8:10],
-                out_of_bounds_policy="pad",
-                fill_values=0,
-                **_PIXELS,
-            )
-            img = fn.crop_mirror_normalize(
-                img, mirror=plan[10], dtype=types.DALIDataType.UINT8, output_layout="CHW"
-            )
-            pipe.set_outputs(img)
         pipe.build()
         self._pipe = pipe
         return pipe
@@ -154,9 +115,11 @@ class DaliBackend(Backend):
         """Feed one batch and schedule it; returns the views DALI reads until it is collected."""
         pipe = self._pipeline()
         views = [self.cache[i] for i in indices.tolist()]
+        s = self.cache.samples[indices]
+        rows = _dali_graph.rows(plans, s["orientation"], s["height"], s["width"])
         try:
             pipe.feed_input("enc", views)
-            pipe.feed_input("plan", np.ascontiguousarray(plans, dtype=np.int32))
+            pipe.feed_input("plan", rows)
             pipe.schedule_run()
         except BaseException:
             self._reset()  # a half-fed iteration would shift every later batch

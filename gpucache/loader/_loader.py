@@ -93,8 +93,8 @@ class GpuCachedLoader:
         device: *Decoding.* Where batches end up: None is CUDA when present, else the CPU;
             ``"cuda"`` means the current CUDA device.
         backend: ``"cpu"`` (worker processes, libjpeg-turbo), ``"nvjpeg"`` (batched GPU decode
-            and transforms), ``"dali"`` (an NVIDIA DALI pipeline), or ``"auto"``: dali when
-            installed and on CUDA, else nvjpeg on CUDA, else cpu.
+            and transforms), ``"dali"`` (an NVIDIA DALI pipeline), or ``"auto"``: nvjpeg on
+            CUDA, else cpu (dali only when asked for: its GPU graph is untested on GPU).
         exact: True decodes every JPEG in full before its plan (bit-exact with a full decode);
             False (default) lets the CPU decode at a reduced DCT scale and cut an eval crop
             before its resize, within the tolerance the manual states.
