@@ -112,7 +112,7 @@ def test_auto_selection_and_device_errors(jpeg_folder):
         GpuCachedLoader(cache, batch_size=4, device="cpu", backend="nvjpeg")
     from gpucache.decode import resolve
 
-    assert resolve("auto", torch.device("cuda")) in ("dali", "nvjpeg")
+    assert resolve("auto", torch.device("cuda")) == "nvjpeg"  # DALI installed or not
     assert resolve("auto", CPU) == "cpu"
 
 
