@@ -95,3 +95,18 @@ def test_cli_builds_from_a_quoted_local_pattern(shards, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no file matches the shard pattern" in err and missing in err, err
     assert not (tmp_path / "x.gpucache").exists()
+
+
+def test_the_node_store_of_a_glob_is_keyed_on_the_shards_it_matches(shards, tmp_path):
+    folder, blobs = shards
+    local = tmp_path / "shards"
+    local.mkdir()
+    for name in ("train-000.tar", "train-001.tar"):
+        (local / name).write_bytes((folder / name).read_bytes())
+    cdir, pattern = tmp_path / "node", f"{local}/train-*.tar"
+    first = JpegCache.from_webdataset(pattern, cache_dir=cdir, progress=False)
+    again = JpegCache.from_webdataset(pattern, cache_dir=cdir, progress=False)
+    assert again.path == first.path and list(again.labels) == [0, 1, 2, 3]
+    (local / "train-002.tar").write_bytes((folder / "train-002.tar").read_bytes())
+    grown = JpegCache.from_webdataset(pattern, cache_dir=cdir, progress=False)  # a new shard
+    assert grown.path != first.path and _stored(grown) == blobs[:6]
