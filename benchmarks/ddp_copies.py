@@ -1,4 +1,5 @@
-"""Copies of the data held on one node by a torchrun job running the README's multi-GPU code.
+"""Copies of the data held on one node by a torchrun job running the code of the multi-GPU guide
+(docs/guides/multi-gpu.md).
 
     python benchmarks/ddp_copies.py [--ranks 2 3] [--contexts fork spawn forkserver] [--json F]
 

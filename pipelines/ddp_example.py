@@ -1,4 +1,4 @@
-"""The README's multi-GPU code as a script: one process per GPU (or CPU rank) under torchrun.
+"""The first code block of docs/guides/multi-gpu.md as a script, one process a GPU (or CPU rank).
 
     torchrun --standalone --nproc_per_node=4 -m pipelines.ddp_example --data imagenet/train
 
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
             "(LOCAL_RANK is not set: this process was not started by a launcher)"
         )
 
-    # ---- the README's code
+    # ---- the code of docs/guides/multi-gpu.md
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

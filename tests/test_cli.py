@@ -107,3 +107,101 @@ def test_bench_prints_its_plan_and_estimate_before_timing(tmp_path):
     assert "plan: 1 contenders (pil), each 1 warm-up + 1 measured epochs of 8 images" in out
     assert re.search(r"estimated time: about \d+ (s|min)", out)
     assert out.index("estimated time") < out.index("warm-up pil")
+
+
+def _commands(parser) -> dict[str, object]:
+    """``{"build": parser, ..., "cache list": parser}``: every command's own parser."""
+    import argparse
+
+    out: dict[str, object] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                inner = _commands(sub)
+                out.update({f"{name} {k}": v for k, v in inner.items()} if inner else {name: sub})
+    return out
+
+
+def test_the_cli_reference_synopsis_lists_every_option_of_every_command():
+    from gpucache.cli import make_parser
+
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    block = page.split("```\n", 2)[1]  # the page's first code block: the synopsis
+    documented: dict[str, set[str]] = {}
+    current = None
+    for line in block.splitlines():
+        text = line.split("  #")[0]
+        m = re.match(r"gpucache (cache \w+|\w+)", text)
+        if m:
+            current = m[1]
+        assert current is not None, line
+        documented.setdefault(current, set()).update(re.findall(r"(?<![\w-])--?[a-z][\w-]*", text))
+    commands = _commands(make_parser())
+    assert set(documented) == set(commands)
+    for name, sub in commands.items():
+        options = [a.option_strings for a in sub._actions if a.option_strings and a.dest != "help"]
+        missing = [o[-1] for o in options if not documented[name] & set(o)]
+        assert not missing, f"gpucache {name}: the synopsis lacks {missing}"
+        known = {o for strings in options for o in strings}
+        assert documented[name] <= known, f"gpucache {name}: no such {documented[name] - known}"
+
+
+# ------------------------------------------------------- the words a newcomer meets first, in-process
+def test_on_error_raise_on_the_command_line_names_the_command_lines_option(
+    odd_folder, tmp_path, capsys
+):
+    from gpucache.cli import main
+
+    out = tmp_path / "x.gpucache"
+    assert main(["build", str(odd_folder), "-o", str(out), "--on-error", "raise"]) == 1
+    err = capsys.readouterr().err
+    assert "--on-error skip" in err and "on_error=" not in err, err
+    assert "truncated.jpg" in err and not out.exists()  # the report still names the file
+
+
+def test_a_store_file_or_a_flat_folder_given_as_an_imagefolder_says_what_takes_it(tmp_path, capsys):
+    from gpucache import JpegCache
+    from gpucache.cli import main
+    from gpucache.testing import make_jpeg_bytes
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for k in range(3):
+        (flat / f"{k}.jpg").write_bytes(make_jpeg_bytes(32, 24, seed=k))
+    with pytest.raises(FileNotFoundError, match="no class folders") as info:
+        JpegCache.from_folder(flat, progress=False)
+    assert "JpegCache.from_files" in str(info.value) and "--csv" in str(info.value)
+    store = tmp_path / "x.gpucache"
+    JpegCache.from_files(sorted(flat.glob("*.jpg")), progress=False).save(store)  # the hint
+    with pytest.raises(NotADirectoryError, match=r"store file.*JpegCache\.open"):
+        JpegCache.from_folder(store, progress=False)
+    assert main(["build", str(store), "-o", str(tmp_path / "y.gpucache")]) == 2
+    assert f"gpucache info {store}" in capsys.readouterr().err
+    with pytest.raises(NotADirectoryError, match="is a file, not a folder"):  # not a store
+        JpegCache.from_folder(flat / "0.jpg", progress=False)
+
+
+def test_an_unlabeled_store_says_unlabeled_and_counts_agree_in_number(tmp_path, capsys):
+    from gpucache import JpegCache
+    from gpucache.cli import main
+    from gpucache.testing import make_jpeg_bytes
+
+    paths = []
+    for k in range(2):
+        paths.append(tmp_path / f"{k}.jpg")
+        paths[-1].write_bytes(make_jpeg_bytes(32, 24, seed=k))
+    unlabeled = JpegCache.from_files(paths, progress=False)
+    assert "unlabeled" in repr(unlabeled) and "0 classes" not in repr(unlabeled)
+    assert "1 class," in repr(JpegCache.from_files(paths, [0, 0], progress=False))
+    (tmp_path / "list.csv").write_text("0.jpg\n1.jpg\n")  # paths alone: no labels
+    out = tmp_path / "u.gpucache"
+    assert main(["build", "--csv", str(tmp_path / "list.csv"), "-o", str(out)]) == 0
+    assert "unlabeled" in capsys.readouterr().out
+    assert main(["info", str(out)]) == 0
+    assert "unlabeled" in capsys.readouterr().out
+    cdir = tmp_path / "node"
+    kept = JpegCache.from_files(paths[:1], cache_dir=cdir, progress=False)  # one file, one store
+    assert main(["cache", "list", "--dir", str(cdir)]) == 0
+    listed = capsys.readouterr().out
+    assert f"{cdir}: 1 store, " in listed and f"1 file, first {paths[0]}" in listed, listed
+    del kept

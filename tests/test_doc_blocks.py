@@ -1,7 +1,7 @@
 """Every ```python block of README.md and the manual (docs/**/*.md) runs as written.
 
 The blocks run in a folder laid out as the manual names its data: ``imagenet/train`` (an
-ImageFolder), ``train.gpucache`` (a saved store), ``shards/train-*.tar`` (WebDataset),
+ImageFolder), ``train.gpucache`` (a saved store), ``shards/train-00000{0,1}.tar`` (WebDataset),
 ``lists/train.csv`` and ``beans`` (a Hugging Face ``save_to_disk`` folder, made when ``datasets``
 is installed), small photos made here; the same under ``s3://my-bucket/`` on an S3 server on
 127.0.0.1 (moto's, when installed), whose endpoint and credentials every block gets from the
@@ -123,6 +123,8 @@ def project(tmp_path_factory):
                 info = tarfile.TarInfo(f"{k:06d}.{ext}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
+    second = base / "shards" / "train-000001.tar"  # the manual's shard patterns name two
+    second.write_bytes((base / "shards" / "train-000000.tar").read_bytes())
     (base / "lists").mkdir()
     rows = [
         f"../imagenet/train/{p.parent.name}/{p.name},{p.parent.name}"

@@ -63,9 +63,9 @@ def test_cache_clean_removes_old_stores_never_one_in_use(two, capsys):
     cdir, old_path, kept, _ = two
     _age(kept.path, 5)  # old too, but open
     assert main(["cache", "clean", "--dir", str(cdir), "--older-than", "1d", "--dry-run"]) == 0
-    assert "would remove 1 stores" in capsys.readouterr().out and len(_stores(cdir)) == 2
+    assert "would remove 1 store," in capsys.readouterr().out and len(_stores(cdir)) == 2
     assert main(["cache", "clean", "--dir", str(cdir), "--all"]) == 0
-    assert "removed 1 stores" in capsys.readouterr().out
+    assert "removed 1 store," in capsys.readouterr().out
     assert _stores(cdir) == [kept.path]
     assert sorted(p.suffix for p in cdir.iterdir()) == [".gpucache", ".info"]
     assert len(kept) == 4 and bytes(kept[0][:2]) == b"\xff\xd8"  # still mapped: a JPEG

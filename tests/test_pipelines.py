@@ -57,3 +57,18 @@ def test_ddp_example_without_torchrun_says_how_to_start_it(tmp_path):
     assert run.returncode == 1
     assert "start it with torchrun" in run.stderr and "LOCAL_RANK is not set" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_every_manual_page_the_code_points_at_exists():
+    """``--help`` texts and docstrings point at the manual by path; each path names a page."""
+    named: dict[str, str] = {}
+    for folder in ("gpucache", "pipelines", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text()
+            assert 'README "' not in text, f"{path}: point at a page under docs/"
+            for page in re.findall(r"docs/[\w/.-]+?\.md", text):
+                named.setdefault(page, str(path.relative_to(ROOT)))
+    missing = {page: where for page, where in named.items() if not (ROOT / page).is_file()}
+    assert not missing, missing
+    ddp = (ROOT / "pipelines" / "ddp_example.py").read_text()
+    assert "docs/guides/multi-gpu.md" in ddp.split("\n")[0]  # its --help's description

@@ -12,7 +12,8 @@ import torch
 
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
-from gpucache.loader._stats import BOTTLENECKS, COLUMNS, ROUTES
+from gpucache.decode._workers import default_workers
+from gpucache.loader._stats import BOTTLENECKS, COLUMNS, ROUTES, LoaderStats
 
 STEP = 0.25  # seconds: the training step, or the batch transform, that a run is built around
 
@@ -77,10 +78,26 @@ def test_random_resized_crop_on_photos_is_decode_bound(photos):
     assert s.bottleneck == "decode", str(s)
     head = str(s).splitlines()[0]
     assert "decode-bound: 2 workers" in head and "ms an image to decode" in head, head
-    assert "add workers" in head and "restart_markers=True" in head, head
+    assert "restart_markers=True" in head, head
+    assert ("add workers" in head) == (default_workers() > 2), head  # only while cores are idle
     assert sum(s.route_images.values()) == s.samples == len(photos)
     assert s.route_images["region"] > 0  # crops decode only their box
     assert set(s.worker_busy) == {0, 1} and 0 < s.busy_fraction() <= 1
+
+
+@pytest.mark.parametrize("bound", ["decode", "resize"])
+def test_more_workers_are_advised_only_while_cores_are_idle(bound):
+    cores = default_workers()
+    for workers in {1, cores - 1, cores, cores + 2} - {0}:
+        stats = LoaderStats(workers=workers, backend="cpu", batches=10, samples=80)
+        stats.seconds.update(wait=5.0, step=0.1)  # the loop waits: the data is the bottleneck
+        stats.seconds[bound] = 40.0
+        stats.route_images["full"], stats.route_seconds["full"] = 80, 40.0
+        head = stats.headline()
+        assert stats.bottleneck == ("decode" if bound == "decode" else "transform"), head
+        assert ("add workers" in head) == (workers < cores), (workers, cores, head)
+        if workers >= cores:
+            assert "every usable core already" in head, head
 
 
 def test_every_stage_is_timed_and_reset_starts_afresh(photos):

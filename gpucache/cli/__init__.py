@@ -11,10 +11,13 @@ import numpy as np
 
 from .. import bench
 from .._errors import GpucacheError
+from ..ingest._build import BuildError
+from ..ingest._pipeline import default_threads as read_threads
 from ..ingest._resize import SECTION as RESIZED
 from ..ingest._resize import max_side_of, resized
 from ..ingest._sniff import Kind
-from ..store._store import JpegCache
+from ..store._checksum import default_threads as check_threads
+from ..store._store import JpegCache, classes_text
 from . import _build as _build_cli
 from . import _cache as _cache_cli
 
@@ -35,8 +38,11 @@ def _build(args) -> int:
                 file=sys.stderr,
             )
             return 2
-    except (ValueError, RuntimeError, MemoryError, ImportError) as err:  # BuildError; no
-        # transcoder, no client for a URL's scheme (each says the fix)
+    except BuildError as err:  # in the command line's words
+        print(BuildError(err.report, skip="--on-error skip"), file=sys.stderr)
+        return 1
+    except (ValueError, RuntimeError, MemoryError, ImportError) as err:  # no transcoder, no
+        # client for a URL's scheme (each says the fix)
         print(err, file=sys.stderr)
         return 1
     cache.save(args.output)
@@ -47,7 +53,7 @@ def _build(args) -> int:
             print(f"all {len(report.skipped)} skipped files: gpucache info --skipped {args.output}")
     print(
         f"wrote {args.output}: {len(cache)} samples, {cache.nbytes / 2**20:,.1f} MiB of images, "
-        f"{len(cache.classes)} classes in {time.perf_counter() - t0:.1f} s"
+        f"{classes_text(cache.classes)} in {time.perf_counter() - t0:.1f} s"
     )
     return 0
 
@@ -61,6 +67,8 @@ def _info(args) -> int:
     print(
         f"classes ({len(cache.classes)}): {', '.join(cache.classes[:20])}"
         f"{' ...' if len(cache.classes) > 20 else ''}"
+        if cache.classes
+        else "classes: none (unlabeled: every label is -1)"
     )
     print("kinds: " + ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())))
     if len(cache):
@@ -125,11 +133,8 @@ def _verify(args) -> int:
     return 1 if problems else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    for stream in (sys.stdout, sys.stderr):  # names that are not UTF-8 print escaped (\udcXX)
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
-    logging.basicConfig(format="%(message)s", level=logging.WARNING)
+def make_parser() -> argparse.ArgumentParser:
+    """The ``gpucache`` command's parser, every command's options on it."""
     parser = argparse.ArgumentParser(prog="gpucache", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="pack an ImageFolder tree into one store file")
@@ -140,7 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         "storage (s3://bucket/train/, gs://..., az://...)",
     )
     p.add_argument("--csv", help="a CSV of path,label[,metadata] rows instead of a folder")
-    p.add_argument("--webdataset", nargs="+", metavar="SHARD", help="WebDataset .tar shards")
+    p.add_argument(
+        "--webdataset",
+        nargs="+",
+        metavar="SHARD",
+        help="WebDataset .tar shards: paths or URLs, with brace patterns ({000..099}) or globs "
+        "(*; quote them so that the shell leaves them to gpucache)",
+    )
     p.add_argument(
         "--hf",
         metavar="DATASET",
@@ -167,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         help="a corrupt, truncated or non-image file: skip it and list it in the "
         "build report (default), or stop the build with an error naming it",
     )
-    _build_cli.add_threads(p, "reader threads (default: every core)")
+    _build_cli.add_threads(
+        p,
+        "threads reading the inputs (default: two per core of the machine, at most 16: "
+        f"{read_threads()} here)",
+    )
     _build_cli.add_options(p)
     p.add_argument(
         "--restart-markers",
@@ -199,9 +214,15 @@ def main(argv: list[str] | None = None) -> int:
         "--skipped", action="store_true", help="list every file the build skipped, with the reason"
     )
     p.set_defaults(func=_info)
-    p = sub.add_parser("verify", help="check every sample's checksum and decode it, on every core")
+    p = sub.add_parser(
+        "verify", help="check every sample's checksum and decode it, on every usable core"
+    )
     p.add_argument("file")
-    _build_cli.add_threads(p, "threads to check with (default: every core)")
+    _build_cli.add_threads(
+        p,
+        "threads to check with (default: one per core this process may run on: "
+        f"{check_threads()} here)",
+    )
     p.add_argument(
         "--decode",
         action=argparse.BooleanOptionalAction,
@@ -211,7 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_verify)
     bench.add_parser(sub)
     _cache_cli.add_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # names that are not UTF-8 print escaped (\udcXX)
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    logging.basicConfig(format="%(message)s", level=logging.WARNING)
+    args = make_parser().parse_args(argv)
     try:
         return args.func(args)
     except (GpucacheError, OSError) as err:  # says what, where and the fix

@@ -43,6 +43,11 @@ def _ago(s: float) -> str:
     return f"{s:.0f}s"
 
 
+def _count(n: int, what: str) -> str:
+    """``1 store``, ``2 stores``."""
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 def _folder(args) -> Path | int:
     """The checked folder, or the exit status: 0 (no folder: nothing to do), 2 (refused)."""
     folder = Path(args.dir) if args.dir else default_dir()
@@ -61,7 +66,7 @@ def _list(args) -> int:
     if isinstance(folder, int):
         return folder
     found = entries(folder)
-    print(f"{folder}: {len(found)} stores, {_human(sum(e.nbytes for e in found))}")
+    print(f"{folder}: {_count(len(found), 'store')}, {_human(sum(e.nbytes for e in found))}")
     for e in reversed(found):  # most recently used first
         print(
             f"  {e.key}  {_human(e.nbytes):>11}  used {_ago(e.age_s):>6} ago"
@@ -96,8 +101,8 @@ def _clean(args) -> int:
     kept = entries(folder) if not args.dry_run else []
     busy = sum(e.in_use for e in kept)
     print(
-        f"{verb} {len(gone.stores)} stores, {_human(sum(e.nbytes for e in gone.stores))}"
-        + (f", {len(gone.leftovers)} leftover files" if gone.leftovers else "")
+        f"{verb} {_count(len(gone.stores), 'store')}, {_human(sum(e.nbytes for e in gone.stores))}"
+        + (f", {_count(len(gone.leftovers), 'leftover file')}" if gone.leftovers else "")
         + (f"; {busy} in use kept" if busy else "")
     )
     return 0

@@ -1,4 +1,4 @@
-"""``gpucache verify``: every sample's checksum and (optionally) decode, on every core.
+"""``gpucache verify``: every sample's checksum and (optionally) decode, on every usable core.
 
 Stores saved by this version hold one CRC-32 per sample (section ``sample.crc32``), so a corrupt
 sample is found by index and path, even when its bytes still decode (a flipped bit in the

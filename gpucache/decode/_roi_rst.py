@@ -212,6 +212,6 @@ def decode_crop(
 def intervals(cache) -> np.ndarray | None:
     """The store's restart interval per sample (int32, MCUs; 0 = none), or None (a plain store).
 
-    Kept in the store file's optional section ``rst`` (README "File format")."""
+    Kept in the store file's optional section ``rst`` (docs/reference/format.md)."""
     extra = getattr(cache, "extra", None)
     return None if extra is None else extra.get(SECTION)

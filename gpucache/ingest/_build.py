@@ -24,6 +24,7 @@ import numpy as np
 
 from .._errors import GpucacheError
 from .._progress import tqdm
+from ..store._format import MAGIC
 from ..store._limits import DEFAULT_MAX_PIXELS
 from ..store._report import BuildReport, Skipped
 from . import _pipeline
@@ -52,9 +53,10 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 
 class BuildError(GpucacheError, ValueError):
     """Raised by ``on_error="raise"``, and by any build that would keep no sample; ``.report``
-    lists every bad file with its reason."""
+    lists every bad file with its reason. ``skip``: how the caller spells the option that leaves
+    bad files out (the command line's ``--on-error skip``)."""
 
-    def __init__(self, report: BuildReport):
+    def __init__(self, report: BuildReport, skip: str = "on_error='skip'"):
         self.report = report
         if report.total == 0:
             msg = (
@@ -70,7 +72,7 @@ class BuildError(GpucacheError, ValueError):
         else:
             msg = (
                 f"{len(report.skipped)} of {report.total} files cannot be used (pass "
-                "on_error='skip' to leave them out)"
+                f"{skip} to leave them out)"
             )
         super().__init__(f"{msg}:\n{report}" if report.total else msg)
 
@@ -110,13 +112,15 @@ def scan_folder(root: Path) -> tuple[PathList, np.ndarray, list[str]]:
 
     Raises ``FileNotFoundError`` when there is no image at all (as torchvision's "Found no valid
     file"); class folders without an image keep their label and are named in a warning."""
+    if root.is_file():
+        raise NotADirectoryError(_not_a_folder(root))
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a folder; from_folder expects root/<class>/<img>")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     if not classes:
         raise FileNotFoundError(
             f"no class folders in {root}; from_folder expects the ImageFolder "
-            "layout root/<class>/<image>"
+            f"layout root/<class>/<image>{_flat_hint(root)}"
         )
     prefixes: list[str] = []
     folder_of, ends, blobs, end = array("I"), array("Q"), [], 0
@@ -140,7 +144,7 @@ def scan_folder(root: Path) -> tuple[PathList, np.ndarray, list[str]]:
             f"found no image in {root}: none of its {len(classes)} class folders ("
             f"{', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''}) holds a file ending "
             f"in {', '.join(IMG_EXTENSIONS)}; from_folder expects root/<class>/<image> (put the "
-            "images one level down, in a folder per class)"
+            f"images one level down, in a folder per class){_flat_hint(root)}"
         )
     if empty:
         log.warning(
@@ -152,6 +156,35 @@ def scan_folder(root: Path) -> tuple[PathList, np.ndarray, list[str]]:
         )
     paths = PathList(prefixes, folder_of, ends, b"".join(blobs))
     return paths, np.repeat(np.arange(len(classes), dtype=np.int64), counts), classes
+
+
+def _not_a_folder(root: Path) -> str:
+    """Why a file is no ImageFolder root, and what opens it when it is a store."""
+    try:
+        with open(root, "rb") as f:
+            store = f.read(len(MAGIC)) == MAGIC
+    except OSError:  # unreadable: said as a file all the same
+        store = False
+    if not store:
+        return f"{root} is a file, not a folder; from_folder expects root/<class>/<img>"
+    return (
+        f"{root} is a gpucache store file, not a folder of images: open it with "
+        f"JpegCache.open({os.fspath(root)!r}) (on the command line: gpucache info {root})"
+    )
+
+
+def _flat_hint(root: Path) -> str:
+    """For images directly in ``root`` (no class folders): how to build from them."""
+    flat = sum(
+        1 for e in os.scandir(root) if e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS)
+    )
+    if not flat:
+        return ""
+    return (
+        f". It holds {flat:,} images directly: to pack them unlabeled, pass their paths to "
+        "JpegCache.from_files (e.g. sorted(glob.glob(...))), or list them one per row in a CSV "
+        "(path[,label]) for JpegCache.from_csv / gpucache build --csv"
+    )
 
 
 def check_labels(n: int, labels, classes) -> tuple[np.ndarray, list[str]]:

@@ -25,6 +25,7 @@ import numpy as np
 
 from .._errors import GpucacheError
 from ._build import IMG_EXTENSIONS, PathList
+from ._patterns import expand_braces
 
 log = logging.getLogger("gpucache")
 
@@ -215,26 +216,6 @@ def access_error(url: str, err: BaseException, what: str = "list") -> ObjectStor
             bucket,
         )
     return None
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """WebDataset's shard patterns: ``train-{000..003}.tar`` (zero-padded ranges) and
-    ``{a,b}`` alternatives, every group expanded in order."""
-    m = re.search(r"\{([^{}]*)\}", pattern)
-    if m is None:
-        return [pattern]
-    head, body, tail = pattern[: m.start()], m[1], pattern[m.end() :]
-    r = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if r:
-        a, b = int(r[1]), int(r[2])
-        width = len(r[1]) if r[1].startswith("0") or len(r[1]) == len(r[2]) else 0
-        step = 1 if b >= a else -1
-        options = [f"{k:0{width}d}" for k in range(a, b + step, step)]
-    elif "," in body:
-        options = body.split(",")
-    else:
-        return [head + "{" + body + "}" + t for t in expand_braces(tail)]
-    return [head + o + t for o in options for t in expand_braces(tail)]
 
 
 def tag_of(info: dict) -> str:

@@ -187,6 +187,23 @@ class LoaderStats:
             out["worker_private_mib_max"] = max(private.values()) / 2**20
         return out
 
+    def _more_workers(self) -> str:
+        """The lever of more worker processes, while the CPU workers leave cores idle: this
+        rank's share of the usable cores (``num_workers=None``'s default) is the most that
+        help; past it they only take turns on the same cores."""
+        from ..decode._workers import default_workers
+
+        if self.backend != "cpu":
+            return "add workers, "
+        cores = default_workers()
+        if self.workers < cores:
+            return f"add workers (num_workers, up to {cores}: the cores this rank may use), "
+        many = self.workers > 1
+        return (
+            f"the {self.workers} worker{'s' if many else ''} ha{'ve' if many else 's'} every "
+            "usable core already: "
+        )
+
     def headline(self) -> str:
         """The report's first line: the data wait, what bounds it, and the lever."""
         what = self.bottleneck
@@ -211,7 +228,7 @@ class LoaderStats:
                 if self.route_images[k]
             )
             lever = (
-                "add workers (num_workers), build the store with restart_markers=True, "
+                f"{self._more_workers()}build the store with restart_markers=True, "
                 "or use backend='nvjpeg' on a GPU"
                 if self.backend == "cpu"
                 else "raise hw_decoder_load (DALI), or decode fewer pixels (max_side at build)"
@@ -240,7 +257,7 @@ class LoaderStats:
                 )
             return head + (
                 f"{busy}, {sec['resize'] / max(1, self.samples) * 1e3:.2f} ms an image to "
-                "crop and resize; add workers, or store smaller images (max_side at build)"
+                f"crop and resize; {self._more_workers()}store smaller images (max_side at build)"
             )
         if what == "read":
             return head + (

@@ -270,9 +270,10 @@ def from_webdataset(
             **_options(locals()),
         )
     from ..ingest import _sources
+    from ..ingest._patterns import expand_local
     from ._cache import built_once
 
-    listed = (
+    listed = expand_local(  # brace patterns and globs, as for URLs
         [os.fspath(shards)]
         if isinstance(shards, (str, os.PathLike))
         else [os.fspath(s) for s in shards]

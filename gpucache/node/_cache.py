@@ -184,7 +184,8 @@ def _source(request: Sequence[Any]) -> str:
     first = request[0]
     if isinstance(first, (str, os.PathLike)):
         return os.fspath(first)
-    return f"{len(first)} files" + (f", first {os.fspath(first[0])}" if len(first) else "")
+    n = len(first)
+    return f"{n} file{'' if n == 1 else 's'}" + (f", first {os.fspath(first[0])}" if n else "")
 
 
 def _scan_once(

@@ -176,7 +176,8 @@ class JpegCache:
         ``max_pixels``: images whose header claims more pixels are refused (None: no bound).
         Several ranks or ``cache_dir``: built once per node and mapped (docs/guides/multi-gpu.md);
         ``cache_max_bytes``: then the least recently used stores there are removed to fit.
-        ``restart_markers``: JPEGs transcoded losslessly so crops decode faster (README "Backends").
+        ``restart_markers``: JPEGs transcoded losslessly so crops decode faster
+        (docs/guides/backends.md).
         ``max_side``: images with a longer side re-encoded once to it; ``jpeg_quality``: their
         quality, and every other image re-encoded at it where that is smaller (lossy, opt-in;
         docs/guides/stores.md).
@@ -261,8 +262,9 @@ class JpegCache:
     ) -> JpegCache:
         """Pack WebDataset tar shards (images and ``.cls`` labels), read in place from the tars;
         the build options as in from_folder (with ``cache_dir`` keyed on the shard files).
-        Shards in storage are URLs, with WebDataset's brace patterns
-        (``s3://bucket/train-{000..099}.tar``) or globs, fetched once per node."""
+        Paths and URLs take WebDataset's brace patterns (``shards/train-{000..099}.tar``) and
+        globs (``shards/train-*.tar``); a pattern that matches nothing is a
+        ``FileNotFoundError`` naming it. Shards in storage are fetched once per node."""
         return _builder("from_webdataset")(**_arguments(locals()))
 
     @classmethod
@@ -334,7 +336,8 @@ class JpegCache:
         """A store file truncated under its mapping would SIGBUS on the next read: make it an error.
 
         One fstat (about 7 us measured) per sample handed out, against a decode of 100 us or more.
-        A truncation between this check and the read still faults (README "Sharing")."""
+        A truncation between this check and the read still faults (docs/guides/memory.md,
+        "Sharing and /dev/shm")."""
         if (
             self._file is not None
             and self._file.path is not None
@@ -429,7 +432,7 @@ class JpegCache:
             else "memory"
         )
         return (
-            f"JpegCache({len(self)} samples, {len(self._classes)} classes, "
+            f"JpegCache({len(self)} samples, {classes_text(self._classes)}, "
             f"{self.nbytes / 2**20:,.1f} MiB in {where})"
         )
 
@@ -540,6 +543,12 @@ class JpegCache:
                 "former by itself for spawn/forkserver workers."
             )
         return (_reopen, (self._file.handle, self.max_pixels))
+
+
+def classes_text(classes: Sequence[str]) -> str:
+    """``"unlabeled"`` for a store with no classes (every label -1), else ``"N classes"``."""
+    n = len(classes)
+    return "unlabeled" if n == 0 else f"{n:,} class{'' if n == 1 else 'es'}"
 
 
 def _user_sections(extra: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -1,6 +1,6 @@
 """Targets beyond int labels, stored in the file format, and boxes/points that follow the geometry.
 
-Two named optional sections of the store (README "File format"):
+Two named optional sections of the store (docs/reference/format.md):
 - ``targets``: float32 (N, C), one row per sample: multi-label (multi-hot) or regression targets.
 - ``targets_ragged`` float32 (M, K) + ``targets_ragged.offsets`` int64 (N + 1): sample ``i`` owns
   rows ``offsets[i]:offsets[i+1]`` (any number, e.g. boxes ``x0, y0, x1, y1, class``).
