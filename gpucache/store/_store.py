@@ -23,7 +23,7 @@ from typing import Any, Literal, overload
 import numpy as np
 import torch
 
-from . import _format, _parse, _readonly, _report, _sections, _shm
+from . import _format, _parse, _readonly, _report, _save, _sections, _shm
 from ._format import Kind
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
@@ -456,7 +456,7 @@ class JpegCache:
         permission bits (default: 0666 less the umask, as ``open`` does)."""
         path = Path(path)
         try:
-            _format.save_atomic(path, mode=mode, **self._stored())
+            _save.save_atomic(path, mode=mode, **self._stored())
         except OSError as err:
             import errno
 
