@@ -213,7 +213,33 @@ def test_save_into_a_folder_she_can_write_never_changes_another_file(
     assert secret.read_text() == "root's own\n"
     assert not target.is_symlink()  # before: her link to the secret saved as the store
     assert "renamed or replaced while the store was saved" in text and str(drop) in text, text
+    assert "choose a folder that only you can write to" in text  # the fix
     assert not target.exists()
     monkeypatch.setattr(_format, "write", write)
     store.save(target, mode=0o644)  # unhindered, it lands, with the mode asked for
     assert stat.S_IMODE(os.lstat(target).st_mode) == 0o644 and len(JpegCache.open(target)) == 3
+
+
+def test_every_link_on_the_way_is_checked_and_the_real_path_is_kept(place, second_user):
+    from gpucache.node._dir import checked_dir
+
+    mine, hers = place / "mine", place / "hers"
+    mine.mkdir(mode=0o700)
+    hers.mkdir()
+    os.chown(hers, second_user.uid, second_user.gid)
+    second_user.run(f"import os; os.symlink({str(mine)!r}, {str(hers / 'l2')!r})")
+    os.symlink(hers / "l2", place / "l1")  # root's own link, to a link in her folder
+    with pytest.raises(PermissionError, match=f"{hers}, a directory on the way"):
+        checked_dir(place / "l1")  # before: accepted (its end, root's folder, was all checked)
+    with pytest.raises(PermissionError, match=f"{hers}, a directory on the way"):
+        checked_dir(hers / "sub")
+    assert not (hers / "sub").exists()  # before: created in her folder, then accepted
+    os.symlink("mine", place / "rel")  # root's own relative link: followed, the real path kept
+    assert checked_dir(place / "rel") == mine
+    assert checked_dir(f"{place}/rel/../rel/.") == mine
+    new = checked_dir(place / "made" / "here")
+    assert new == place / "made" / "here"
+    assert os.stat(new.parent).st_mode & 0o022 == 0 and stat.S_IMODE(os.stat(new).st_mode) == 0o700
+    os.symlink("loop", place / "loop")
+    with pytest.raises(OSError, match="symbolic links"):
+        checked_dir(place / "loop" / "x")

@@ -112,7 +112,7 @@ def _walk(folder: Path, *, create: bool, default: bool) -> tuple[Path, str | Non
         while todo and todo[-1] in ("", "."):
             todo.pop()
         if not todo:
-            return Path(cur), None, st  # the folder's parent was the last directory checked
+            return Path(cur), None, st  # the path ends here (at / or after a "..")
         name = todo.pop()
         if name == "..":
             cur = os.path.dirname(cur)

@@ -57,8 +57,8 @@ def save_atomic(
             with open(fd, "wb") as f:
                 _format.write(f, checksums=True, threads=threads, **arrays)
                 f.flush()
-                os.fsync(fd)
                 os.fchmod(fd, 0o666 & ~_umask() if mode is None else mode)
+                os.fsync(fd)
                 # still locked: nothing takes it for a dead writer's file
                 if not _holds(folder, name, ours):
                     raise _replaced(tmp, path, folder)
@@ -94,7 +94,7 @@ def _replaced(tmp: str, path: Path, folder: int) -> PermissionError:
         errno.EPERM,
         f"the temporary file {tmp} was renamed or replaced while the store was saved, so the "
         f"store was not saved to {path}: another user can change the names in {path.parent} "
-        f"({who}). Save into a folder that only you can write to",
+        f"({who})",
         str(path),
     )
 

@@ -467,6 +467,7 @@ class JpegCache:
                 f"{self.nbytes / 2**20:,.1f} MiB store; raise it",
                 errno.ENOENT: "the folder does not exist; create it first",
                 errno.EACCES: "no permission to write there; choose another folder",
+                errno.EPERM: "choose a folder that only you can write to",
             }
             raise OSError(
                 err.errno,
