@@ -8,6 +8,22 @@ import numpy as np
 import pytest
 
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder
+from tests.support import localuser
+
+
+@pytest.fixture(scope="session")
+def second_user():
+    """Another local user of this machine (``useradd`` for the session, removed after); the
+    attacks run as that user in child processes. Skipped, with the reason, where none can be made
+    (not root, no useradd)."""
+    try:
+        user = localuser.create(f"gpucache-t{os.getpid()}")
+    except localuser.Unavailable as err:
+        pytest.skip(f"no second local user: {err}")
+    try:
+        yield user
+    finally:
+        user.remove()
 
 
 @pytest.fixture(scope="session")

@@ -278,11 +278,11 @@ def test_a_killed_builder_blocks_no_one_and_a_stuck_one_times_out(tmp_path):
     # a builder that dies by SIGKILL mid-save, leaving its lock file and a half-written temp file
     crash = _child(
         "import os, signal; from pathlib import Path; from gpucache import JpegCache\n"
-        "from gpucache.store import _format\n"
+        "from gpucache.store import _save\n"
         "def dying(path, **arrays):\n"
         "    Path(path.parent, f'.{path.name}.x{os.getpid()}.tmp').write_bytes(b'half')\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "_format.save_atomic = dying\n"
+        "_save.save_atomic = dying\n"
         f"JpegCache.from_folder({str(root)!r}, cache_dir={str(cdir)!r}, progress=False)\n"
     )
     crash.communicate(timeout=400)

@@ -29,8 +29,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ingest", ("gpucache.ingest",)),
     ("store", ("gpucache.store",)),
     # leaf helpers any layer may use; they import nothing of gpucache's: distributed ranks, the
-    # compiled part's binding, the progress bar, the errors' base
-    ("base", ("gpucache._dist", "gpucache._native", "gpucache._progress", "gpucache._errors")),
+    # compiled part's binding, the progress bar, the errors' base, files opened as this user's own
+    (
+        "base",
+        (
+            "gpucache._dist",
+            "gpucache._native",
+            "gpucache._progress",
+            "gpucache._errors",
+            "gpucache._owned",
+        ),
+    ),
 ]
 
 

@@ -21,7 +21,7 @@ def store() -> JpegCache:
 
 def _save_and_hang(target: str, conn) -> None:
     """In a child: save, and stop inside the fsync of the full-size temporary file."""
-    import gpucache.store._format as fmt
+    import gpucache.store._save as fmt
 
     def fsync(fd):
         conn.send("inside")

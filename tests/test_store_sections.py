@@ -19,7 +19,7 @@ from PIL import Image
 from gpucache import CacheFormatError, GpuCachedLoader, JpegCache, SampleError, with_targets
 from gpucache.cli import main
 from gpucache.decode._core import decode_batch, decode_sample
-from gpucache.store import _format
+from gpucache.store import _format, _save
 from gpucache.testing import make_jpeg_bytes
 
 N = 6
@@ -43,7 +43,7 @@ def cache(tmp_path_factory) -> JpegCache:
 def _craft(tmp_path, cache: JpegCache, **changes):
     """``cache`` saved with some arrays (``extra``, ``samples``) replaced, unchecked."""
     path = tmp_path / "crafted.gpucache"
-    _format.save_atomic(path, **{**cache._stored(), **changes})
+    _save.save_atomic(path, **{**cache._stored(), **changes})
     return path
 
 

@@ -19,6 +19,7 @@ under the build's ``on_error`` policy.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._owned import open_own
 from .._progress import tqdm
 from ._inputs import FileRangeSource, Refused
 from ._remote import Listing, ObjectStoreError, access_error, bucket_of, describe, error_code
@@ -180,9 +182,15 @@ class Spool:
     # ------------------------------------------------------------------ fetching
     def fetch(self) -> dict[int, str]:
         n_parts = int(self.first_part[-1])
-        fd = os.open(self.data, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        jfd = os.open(self.journal, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd, fresh = _open_own(self.data)
         try:
+            jfd, _ = _open_own(self.journal)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            if fresh:  # a journal names parts of the data file it was written with, no other
+                os.ftruncate(jfd, 0)
             self._reserve(fd)
             done = self._resume(fd, jfd, n_parts)
             os.lseek(jfd, 0, os.SEEK_END)
@@ -387,6 +395,24 @@ class Spool:
         err = PermissionError(reason)
         clear = access_error(url, err, "read")
         return clear or ObjectStoreError(f"cannot read {url}: {reason}", bucket_of(url))
+
+
+def _open_own(path: Path) -> tuple[int, bool]:
+    """``(fd, fresh)``: the spool or journal file at ``path`` opened once (read and write), a
+    regular file of this user that no one else may write (``open_own``), created 0600 if missing.
+    Anything else under the name (another user's file, a link, a FIFO) is never read: it is
+    removed and a new file made (``fresh``), so a build resumes only from its own bytes."""
+    fd, why = open_own(path, os.O_RDWR | os.O_CREAT)
+    if fd is not None:
+        return fd, False
+    if why == "missing":  # even under O_CREAT: the folder is gone
+        raise FileNotFoundError(errno.ENOENT, f"cannot create {path}: its folder is gone")
+    log.warning("gpucache: removing %s, which %s; fetching anew", path, why)
+    path.unlink(missing_ok=True)
+    fd, why = open_own(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    if fd is None:
+        raise PermissionError(errno.EPERM, f"cannot create {path}: it {why}", str(path))
+    return fd, True
 
 
 def _missing(done: np.ndarray) -> Iterator[int]:

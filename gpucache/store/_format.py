@@ -1,5 +1,5 @@
 """Writing the single-file store format (version 2; version 1 files still open).
-``docs/reference/format.md`` specifies it; ``_parse`` reads and validates it.
+``docs/reference/format.md`` specifies it; ``_parse`` reads and validates it; ``_save`` saves a file.
 
 Layout: a 256-byte little-endian header; six index sections (offsets, labels, samples, classes,
 paths, metadata) on 64-byte boundaries; the section directory (one 80-byte entry per named optional
@@ -15,21 +15,12 @@ a file name that is not UTF-8 keeps its exact bytes and reads back as the same `
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import glob
-import logging
-import os
 import re
-import stat
 import struct
-import tempfile
-import threading
 import zlib
 from collections.abc import Mapping, Sequence
 from enum import IntEnum
-from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 import numpy.typing as npt
@@ -43,7 +34,6 @@ __all__ = [
     "SAMPLE_DTYPE",
     "CacheFormatError",
     "write",
-    "save_atomic",
     "pack_strings",
     "check_extra",
 ]
@@ -75,8 +65,6 @@ SAMPLE_DTYPE = np.dtype(
     ]
 )
 
-
-log = logging.getLogger("gpucache")
 
 MAGIC = b"GPUCACHE"
 VERSION = 2
@@ -273,100 +261,3 @@ def write(
     f.write(header + CRC.pack(zlib.crc32(header)))
     f.seek(size)
     return size
-
-
-def save_atomic(
-    path: Path, *, mode: int | None = None, threads: int | None = None, **arrays: Any
-) -> None:
-    """Write to a unique temporary name beside ``path``, fsync, rename, fsync the folder.
-
-    The temporary name comes from ``mkstemp``, so concurrent saves to one path (threads or
-    processes) never share it: the last rename wins and every result is a complete store. The
-    writer holds an exclusive ``flock`` on its temporary file until the rename, so the
-    temporary files that a killed writer left (``.<name>.<random>.tmp``) are told apart from a
-    live writer's and removed by the next save (:func:`remove_stale_temps`)."""
-    if not path.parent.is_dir():
-        raise FileNotFoundError(2, "No such file or directory", str(path.parent))
-    remove_stale_temps(path)
-    fd, tmp = _locked_temp(path)
-    _LIVE.add(tmp)
-    try:
-        with open(fd, "wb") as f:
-            write(f, checksums=True, threads=threads, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-            os.chmod(tmp, 0o666 & ~_umask() if mode is None else mode)
-            os.replace(tmp, path)  # still locked: nothing takes it for a dead writer's file
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    finally:
-        _LIVE.discard(tmp)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-_LIVE: set[str] = set()  # this process's temporary files being written (NFS locks are per process)
-
-
-def _locked_temp(path: Path) -> tuple[int, str]:
-    """A new temporary file beside ``path``, exclusively flocked, still under its name."""
-    for _ in range(100):
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.path.samestat(os.fstat(fd), os.lstat(tmp)):
-                return fd, tmp
-        except OSError as err:  # removed in between by a clean-up: take another name
-            if err.errno not in (errno.ENOENT, errno.EWOULDBLOCK):
-                os.close(fd)
-                raise
-        os.close(fd)
-    raise FileExistsError(f"could not create a temporary file beside {path}")
-
-
-def remove_stale_temps(path: Path) -> list[Path]:
-    """Remove the temporary files of writers to ``path`` that died before their rename.
-
-    A file counts as stale only when it is a regular file of this user whose ``flock`` can be
-    taken (a live writer holds its own until the rename); it is removed while locked, after
-    checking that the name still points to the file that was locked. Returns what was removed."""
-    removed = []
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        if str(tmp) in _LIVE:
-            continue
-        try:
-            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue  # a link, gone already, or not ours to read
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.path.samestat(st, os.lstat(tmp)):
-                os.unlink(tmp)
-                removed.append(tmp)
-                log.info(
-                    "gpucache: removed %s, left by a writer that was killed (%d bytes)",
-                    tmp,
-                    st.st_size,
-                )
-        except OSError:
-            pass  # held by a live writer (EWOULDBLOCK), renamed or removed meanwhile
-        finally:
-            os.close(fd)
-    return removed
-
-
-_UMASK_LOCK = threading.Lock()
-
-
-def _umask() -> int:
-    with _UMASK_LOCK:  # os.umask can only be read by setting it: set it back at once
-        mask = os.umask(0o022)
-        os.umask(mask)
-    return mask

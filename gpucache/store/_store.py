@@ -23,7 +23,7 @@ from typing import Any, Literal, overload
 import numpy as np
 import torch
 
-from . import _format, _parse, _readonly, _report, _sections, _shm
+from . import _format, _parse, _readonly, _report, _save, _sections, _shm
 from ._format import Kind
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
@@ -459,7 +459,7 @@ class JpegCache:
         permission bits (default: 0666 less the umask, as ``open`` does)."""
         path = Path(path)
         try:
-            _format.save_atomic(path, mode=mode, **self._stored())
+            _save.save_atomic(path, mode=mode, **self._stored())
         except OSError as err:
             import errno
 
@@ -470,6 +470,7 @@ class JpegCache:
                 f"{self.nbytes / 2**20:,.1f} MiB store; raise it",
                 errno.ENOENT: "the folder does not exist; create it first",
                 errno.EACCES: "no permission to write there; choose another folder",
+                errno.EPERM: "choose a folder that only you can write to",
             }
             raise OSError(
                 err.errno,
