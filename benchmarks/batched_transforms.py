@@ -44,12 +44,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpucache import JpegCache  # noqa: E402
+from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode._batched import make_decoder, orient, torchvision_decoder  # noqa: E402
 from gpucache.decode._core import apply_plan, decode_batch, decode_sample  # noqa: E402
 from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
+from gpucache.transforms._chunks import BUDGET_BYTES, flops, plan_chunks  # noqa: E402
 from gpucache.transforms._resample import host_arrays, resample  # noqa: E402
 from tests.support.emulated_cuda import EmulatedCuda  # noqa: E402
 
@@ -140,7 +141,7 @@ def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3
     jpeg = np.flatnonzero(cache.gpu_decodable() & (cache.samples["kind"] == 1))
     batches += 1
     idx_all = np.resize(jpeg, batch * batches)
-    totals, by_op = [], {}
+    totals, by_op, chunks = [], {}, []
     with EmulatedCuda(devices=1), CountOps() as counter:
         dev = torch.device("cuda", 0)
         tv = torchvision_decoder(dev)
@@ -172,11 +173,14 @@ def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3
             NORMALIZE(out)
             if b:
                 totals.append(counter.total)
+                elems = cache.samples["height"][idx].astype(np.int64) * cache.samples["width"][idx]
+                chunks.append(len(plan_chunks(plans, elems * 3)))
             by_op = dict(counter.counts)
         backend.close()
     return {
         "ops_per_batch": int(statistics.median(totals)),
         "ops_per_image": statistics.median(totals) / batch,
+        "chunks": int(statistics.median(chunks)),
         "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:8]),
     }
 
@@ -210,6 +214,73 @@ def host_time(cache: JpegCache, batch: int, rounds: int) -> dict:
     orient = np.ones(batch, dtype=np.int64)
     ms, _ = _median_ms(lambda: host_arrays(shapes, strides, plans, orient), rounds)
     return {"numpy_us_per_image": ms / batch * 1e3}
+
+
+def arithmetic(cache: JpegCache, batch: int, draws: int, budget: int = BUDGET_BYTES) -> dict:
+    """Matrix-product arithmetic a batch (:func:`flops`, both products) over ``draws`` batches
+    drawn at random from the photos with their plans: padded GFLOP a batch (median, p95), the
+    useful share (each image's own box over the padded boxes, summed over the draws) and the
+    chunks a batch, as :func:`plan_chunks` cuts it and as one chunk (the batch padded to its
+    largest box)."""
+    s, rng = cache.samples, np.random.default_rng(0)
+    out: dict = {}
+    for name in ("chunked", "one chunk"):
+        padded, useful, chunks = [], 0.0, []
+        for d in range(draws):
+            idx = rng.choice(len(cache), batch, replace=batch > len(cache))
+            plans = _plans(cache, idx, d)
+            elems = s["height"][idx].astype(np.int64) * s["width"][idx] * 3
+            oh, ow = int(plans[0, 8]), int(plans[0, 9])
+            if name == "one chunk":
+                boxes = [(len(plans), int(plans[:, 2].max()), int(plans[:, 3].max()))]
+            else:
+                boxes = [(len(c.rows), *c.box) for c in plan_chunks(plans, elems, budget)]
+            padded.append(sum(flops(m, h, w, oh, ow) for m, h, w in boxes) / 1e9)
+            useful += float(flops(1, plans[:, 2], plans[:, 3], oh, ow).sum()) / 1e9
+            chunks.append(len(boxes))
+        out[name] = {
+            "gflop_per_batch": statistics.median(padded),
+            "gflop_p95": float(np.percentile(padded, 95)),
+            "useful_share": useful / sum(padded),
+            "chunks_median": statistics.median(chunks),
+            "chunks_max": max(chunks),
+        }
+    return {"batch": batch, "draws": draws, "budget_mib": budget / 2**20, **out}
+
+
+#: The memory measurement's device: an H200's 141 GiB.
+H200_BYTES = 141 * 2**30
+
+
+def memory(cache: JpegCache, batch: int, epochs: int) -> dict:
+    """GPU memory the loader holds: RandomResizedCrop(224) + flip + Normalize on the nvjpeg
+    backend over ``epochs`` shuffled epochs of the photos on an emulated 141 GiB device; the
+    caching allocator's reserved and allocated bytes after each epoch (the emulated allocator
+    reuses whole freed blocks, best fit, and never returns one: its reserved figure only grows)."""
+    reserved, allocated = [], []
+    with EmulatedCuda(devices=1, total_memory=H200_BYTES):
+        loader = GpuCachedLoader(
+            cache,
+            batch_size=batch,
+            shuffle=True,
+            seed=0,
+            device="cuda",
+            backend="nvjpeg",
+            transform=[*GEOMETRY.transforms, NORMALIZE],
+        )
+        with loader:
+            for _ in range(epochs):  # each pass plays the next epoch
+                for images, _labels in loader:
+                    del images
+                reserved.append(torch.cuda.memory_reserved() / 2**20)
+                allocated.append(torch.cuda.memory_allocated() / 2**20)
+    return {
+        "batch": batch,
+        "epochs": epochs,
+        "device_gib": H200_BYTES / 2**30,
+        "reserved_mib": reserved,
+        "allocated_mib": allocated,
+    }
 
 
 def float_plan(img: torch.Tensor, plan) -> torch.Tensor:
