@@ -92,26 +92,27 @@ def plan_chunks(
     useful = flops(1, h1, w1, oh, ow)
     fixed = batch_bytes(n, int(h1.max()), int(w1.max()), oh, ow)
     room = max(budget - fixed, budget // 2)  # what the chunks may hold
-    order = np.argsort(h1 * w1, kind="stable").tolist()
+    order = np.argsort(h1 * w1, kind="stable")
     cuts, start = [0], 0
     hc = wc = k = flat = big = 0
     work = 0
-    for pos, i in enumerate(order):
-        h, w, e = int(h1[i]), int(w1[i]), int(image_elems[i])
-        nh, nw, nk, nbig = max(hc, h), max(wc, w), max(k, int(taps[i])), max(big, e)
+    boxes = zip(h1[order].tolist(), w1[order].tolist())
+    sizes = zip(image_elems[order].tolist(), taps[order].tolist(), useful[order].tolist())
+    for pos, ((h, w), (e, t, u)) in enumerate(zip(boxes, sizes)):
+        nh, nw, nk, nbig = max(hc, h), max(wc, w), max(k, t), max(big, e)
         m = pos + 1 - start
-        padded = flops(m, nh, nw, oh, ow)
-        held = chunk_bytes(m, nh, nw, oh, ow, nk, flat + e + nbig)
-        if m > 1 and (padded > (1 + PAD_WASTE) * (work + useful[i]) or held > room):
+        if m > 1 and (
+            flops(m, nh, nw, oh, ow) > (1 + PAD_WASTE) * (work + u)
+            or chunk_bytes(m, nh, nw, oh, ow, nk, flat + e + nbig) > room
+        ):
             cuts.append(pos)
-            start, m = pos, 1
-            nh, nw, nk, nbig, flat, work = h, w, int(taps[i]), e, 0, 0
+            start, nh, nw, nk, nbig, flat, work = pos, h, w, t, e, 0, 0
         hc, wc, k, big = nh, nw, nk, nbig
-        flat, work = flat + e, work + int(useful[i])
+        flat, work = flat + e, work + u
     cuts.append(n)
     out = []
     for a, b in zip(cuts[:-1], cuts[1:]):
-        rows = np.asarray(order[a:b], dtype=np.int64)
+        rows = order[a:b].astype(np.int64)
         box = (int(h1[rows].max()), int(w1[rows].max()))
         band = box[0]
         m, k = len(rows), int(taps[rows].max())
@@ -120,7 +121,7 @@ def plan_chunks(
             fixed = chunk_bytes(m, *box, oh, ow, k, flat, band=0)
             band = int(np.clip((room - fixed) // (15 * m * box[1]), 1, box[0]))
         out.append(Chunk(rows, box, band))
-    return out
+    return out[::-1]  # the largest first: the work buffer grows once, at the first chunk
 
 
 class Scratch:

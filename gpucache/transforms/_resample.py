@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._chunks import BUDGET_BYTES, Scratch, plan_chunks
+from ._chunks import BUDGET_BYTES, Chunk, Scratch, plan_chunks
 
 #: EXIF Orientation (1-8) -> (transpose, flip rows, flip columns), applied in that order to the
 #: stored pixels to give the displayed image (the same table as the decoders' ``orient``).
@@ -61,7 +61,7 @@ ORIENT = {
 
 def _taps_host(
     length: np.ndarray, resized: np.ndarray, start2: np.ndarray, out: int, flip: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One axis's filter per output position, as torch's ``_upsample_bilinear2d_aa`` defines it
     (support = the scale when shrinking, else 1; a triangle normalised per output): a resize
     ``length`` -> ``resized``, then ``out`` positions from ``start2`` (reversed where ``flip``).
@@ -69,7 +69,8 @@ def _taps_host(
     Returns, per image and output position (N, out): the first input index of the window (the
     crop's ``length`` where the position is outside the resized image: the second crop's zero
     padding, whose taps all fall past the box) and its offset ``first - center + 0.5``; per
-    image the inverse filter scale; and the most taps a window can hold.
+    image the inverse filter scale and the support (a window holds at most ``ceil(2 *
+    support) + 1`` taps).
     :func:`_taps_device` expands them to (N, out, K) taps."""
     length = length.astype(np.float64)
     scale = length / resized.astype(np.float64)
@@ -79,12 +80,11 @@ def _taps_host(
     center = scale[:, None] * (pos + 0.5)
     first = np.maximum(np.trunc(center - support[:, None] + 0.5), 0.0)
     inside = (pos >= 0) & (pos < resized[:, None])
-    k = int(np.ceil(2 * support.max())) + 1 if len(support) else 1
     return (
         np.where(inside, first, length[:, None]).astype(np.float32),
         (first - center + 0.5).astype(np.float32),
         (1.0 / support).astype(np.float32),
-        k,
+        support,
     )
 
 
@@ -154,12 +154,13 @@ def _gather_device(
     return rows, chans, cols
 
 
-def _view_size(parts: np.ndarray) -> tuple[int, int, int]:
-    """The strided view's sizes: one more than the largest channel, row and column parts."""
+def _view_sizes(parts: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Each chunk's strided view sizes (chunks of images from ``starts``): one more than its
+    largest channel, row and column parts. (3, chunks)."""
     row0, row_step, h_last, col0, col_step, w_last, base, chan = parts
     rows = np.maximum(row0, row0 + row_step * h_last)
     cols = np.maximum(col0, col0 + col_step * w_last)
-    return int((base + 2 * chan).max()) + 1, int(rows.max()) + 1, int(cols.max()) + 1
+    return np.maximum.reduceat(np.stack([base + 2 * chan, rows, cols]), starts, axis=1) + 1
 
 
 def _upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -223,33 +224,24 @@ def resample(
     flats, strides_ = zip(*(_flat(im) for im in images))
     shapes = np.array([im.shape[-2:] for im in images], dtype=np.int64).reshape(n, 2)
     strides = np.array(strides_, dtype=np.int64).reshape(n, 3)
-    chunks = plan_chunks(plans, shapes[:, 0] * shapes[:, 1] * 3, budget_bytes)
-    if len(chunks) == 1:
-        chunks[0].rows = np.arange(n)  # one chunk: the batch's own order
-    hosts = [
-        host_arrays(shapes[c.rows], strides[c.rows], plans[c.rows], orient[c.rows]) for c in chunks
-    ]
-    # one copy for all: the chunks' address parts side by side, the batch rows in chunk order,
-    # and each chunk's filter windows
-    order = np.concatenate([c.rows for c in chunks])
-    parts = np.concatenate([h.arrays[0] for h in hosts], axis=1)
-    uploaded = _upload([parts, order, *(a for h in hosts for a in h.arrays[1:])], device)
+    chunks, hosts, arrays = host_plan(shapes, strides, plans, orient, budget_bytes)
+    parts_d, order_d, *taps_d = _upload(arrays, device)
     hc = max(h.box[0] for h in hosts)
     wc = max(h.box[1] for h in hosts)
-    rows_d, chans_d, cols_d = _gather_device(uploaded[0], hc, wc)
+    rows_d, chans_d, cols_d = _gather_device(parts_d, hc, wc)
     out = torch.empty((n, 3, oh, ow), dtype=torch.uint8, device=device)
     start = 0
-    for k, (c, h) in enumerate(zip(chunks, hosts)):
-        m = len(c.rows)
-        end = start + m
-        box = (slice(start, end), slice(0, h.box[0]), slice(0, h.box[1]))
+    for c, h in zip(chunks, hosts):
+        end = start + len(c.rows)
+        batch, two = slice(start, end), slice(2 * start, 2 * end)
+        first, offset, inv, last = (t[two] for t in taps_d)
         _run_chunk(
             [flats[i] for i in c.rows.tolist()],
             h,
-            uploaded[2 + 4 * k : 6 + 4 * k],
-            (rows_d[box[0], box[1]], chans_d[box[0]], cols_d[box[0], box[2]]),
+            _taps_device(first, offset, inv, last, h.taps),
+            (rows_d[batch, : h.box[0]], chans_d[batch], cols_d[batch, : h.box[1]]),
             c.band,
-            out if len(chunks) == 1 else (out, uploaded[1][start:end]),
+            out if len(chunks) == 1 else (out, order_d[batch]),
             scratch,
         )
         start = end
@@ -272,55 +264,68 @@ def _flat(im: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
 
 @dataclass
 class _Host:
-    """What the host computes for one chunk (NumPy only): the gather's address parts, the
-    filters' window starts, and the sizes the device ops need."""
+    """What the host computes for one chunk (NumPy only): the sizes its device ops need."""
 
-    arrays: list[np.ndarray]  # address parts, first, offset, inside, inverse scale, lengths
     taps: int  # most taps a filter window holds
     box: tuple[int, int]  # (Hc, Wc): the padded crop box
     view: tuple[int, int, int]  # the strided view's sizes
     total: int  # elements of the joined images
 
 
-def host_arrays(
-    shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray, orient: np.ndarray
-) -> _Host:
-    """The host's part of :func:`resample` for a chunk of images of ``shapes`` (N, 2) with
-    element ``strides`` (N, 3), joined in order: NumPy over (N, OH + OW) values."""
+def host_plan(
+    shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray, orient: np.ndarray, budget: int
+) -> tuple[list[Chunk], list[_Host], list[np.ndarray]]:
+    """The host's part of :func:`resample` for images of ``shapes`` (N, 2) with element
+    ``strides`` (N, 3), NumPy over (N, OH + OW) values: the chunks, each one's sizes, and what
+    crosses to the device in one copy: the address parts (8, N) and the batch's rows in chunk
+    order, then per chunk its heights' and its widths' filter windows (first, offset: (2n, O);
+    inverse scale, last index of the box: (2n,)), chunk after chunk."""
+    chunks = plan_chunks(plans, shapes[:, 0] * shapes[:, 1] * 3, budget)
     n = len(plans)
-    oh, ow = int(plans[0, 8]), int(plans[0, 9])
+    if len(chunks) == 1:
+        chunks[0].rows = np.arange(n)  # one chunk: the batch's own order
+    order = np.concatenate([c.rows for c in chunks])
+    counts = np.array([len(c.rows) for c in chunks])
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    shapes, strides, plans, orient = shapes[order], strides[order], plans[order], orient[order]
     sizes = shapes[:, 0] * shapes[:, 1] * 3
-    bases = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    hc, wc = int(plans[:, 2].max()), int(plans[:, 3].max())
+    ends = np.cumsum(sizes)
+    bases = ends - sizes - np.repeat(ends[starts] - sizes[starts], counts)  # joined per chunk
     parts = _gather_parts(shapes, strides, plans, orient, bases)
-    # both axes' filters in one set of rows: the first N rows are heights, the next N widths
-    o = max(oh, ow)
+    # both axes' filters in one set of rows a chunk: its n heights, then its n widths
+    o = max(int(plans[0, 8]), int(plans[0, 9]))
     hy = _taps_host(plans[:, 2], plans[:, 4], plans[:, 6], o, np.zeros(n, dtype=bool))
     hx = _taps_host(plans[:, 3], plans[:, 5], plans[:, 7], o, plans[:, 10].astype(bool))
-    taps = [np.concatenate([a, b]) for a, b in zip(hy[:3], hx[:3])]
-    last = np.concatenate([plans[:, 2], plans[:, 3]]).astype(np.float32) - 1
-    return _Host(
-        [parts, *taps, last], max(hy[3], hx[3]), (hc, wc), _view_size(parts), int(sizes.sum())
-    )
+    laid = np.concatenate([np.r_[a : a + m, n + a : n + a + m] for a, m in zip(starts, counts)])
+    first, offset, inv = (np.concatenate([y, x])[laid] for y, x in zip(hy[:3], hx[:3]))
+    last = (np.concatenate([plans[:, 2], plans[:, 3]]).astype(np.float32) - 1)[laid]
+    support = np.maximum(hy[3], hx[3])
+    taps = np.ceil(2 * np.maximum.reduceat(support, starts)).astype(np.int64) + 1
+    views = _view_sizes(parts, starts)
+    totals = np.add.reduceat(sizes, starts)
+    hosts = [
+        _Host(int(taps[k]), c.box, (int(v[0]), int(v[1]), int(v[2])), int(totals[k]))
+        for k, (c, v) in enumerate(zip(chunks, views.T))
+    ]
+    return chunks, hosts, [parts, order, first, offset, inv, last]
 
 
 def _run_chunk(
     flats: list[torch.Tensor],
     host: _Host,
-    taps: list[torch.Tensor],
+    taps: tuple[torch.Tensor, torch.Tensor],
     address: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     band: int,
     out: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     scratch: Scratch | None,
 ) -> None:
-    """One chunk on the device (``taps``: its filter windows on the device, ``address``: its
+    """One chunk on the device (``taps``: its filter taps' indices and weights, ``address``: its
     gather's row, channel and column parts): written into ``out``, the batch's output when the
     chunk is the whole batch in order, else an (output, rows) pair. ``band``: rows of the crop
     box gathered and multiplied at a time (the products accumulate)."""
     n, (hc, wc), (s0, s1, s2), total = len(flats), host.box, host.view, host.total
     oh, ow = out.shape[-2:] if isinstance(out, torch.Tensor) else out[0].shape[-2:]
-    first, offset, inv, last = taps
-    index, weight = _taps_device(first, offset, inv, last, host.taps)
+    index, weight = taps
     rows_d, chans_d, cols_d = address
     starts = rows_d[:, :, None] + chans_d[:, None, :]  # (N, Hc, 3): where each row starts
     band = min(band, hc)
