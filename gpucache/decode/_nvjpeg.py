@@ -16,8 +16,9 @@ step consumes batch k-1; the loader keeps at least three batches in flight
    stream (:mod:`._streams`); if the call fails (one corrupt JPEG fails it all) the batch is
    decoded one sample at a time, and what the decoder still rejects goes to the CPU; running out
    of device memory is never a bad sample: it raises ``torch.OutOfMemoryError`` with advice;
-3. **transform** (one thread, the side stream): the batch's plans run in a constant number of
-   ops (:func:`gpucache.transforms._resample.resample`, EXIF orientation folded in) — per image
+3. **transform** (one thread, the side stream): the batch's plans run in a few chunks of a
+   constant number of ops each, in at most 256 MiB of the device
+   (:func:`gpucache.transforms._resample.resample`, EXIF orientation folded in) — per image
    only for a variable-size batch; the CPU stage's results cross in one pinned ``non_blocking``
    copy and join in batch order (:func:`~gpucache.decode._fallback.join`); an event marks the
    batch done.

@@ -1,12 +1,14 @@
-"""A whole batch's geometric plans in a constant number of tensor ops, on any device.
+"""A whole batch's geometric plans in a constant number of tensor ops a chunk, on any device.
 
 The per-image executor (:func:`gpucache.decode._core.apply_plan`) crops, resizes, crops again and
-flips one image at a time: five to seven ops an image, each a kernel launch on CUDA. Here the
-batch takes the same plans in about forty ops whatever its size (41 a batch of 64 or 128 with
-Normalize, measured on the emulated GPU), because every step of a plan is linear and separable:
+flips one image at a time: five to seven ops an image, each a kernel launch on CUDA. Here a chunk
+of the batch (images of similar crop size, below) takes the same plans in a constant number of
+ops whatever its size (about 15 for the batch plus 27 a chunk, measured on the emulated GPU),
+because every step of a plan is linear and separable:
 
-1. **gather**: the images (any sizes, any dense layout) are joined into one flat buffer (one
-   ``cat``), and one advanced-indexing op reads every image's first crop box into a padded
+1. **gather**: a chunk's images (any sizes, any dense layout) are joined into one flat buffer (one
+   ``cat``; a chunk of one image reads its own), and one advanced-indexing op reads every image's
+   first crop box into a padded
    ``(N, Hc, 3, Wc)`` batch. The addresses are the sum of two small broadcast index tensors
    (where each row of each channel starts, (N, Hc, 3), and the column part, (N, Wc); affine in
    their indices, made on the device from 8 numbers an image) over an overlapping ``as_strided``
@@ -21,17 +23,17 @@ Normalize, measured on the emulated GPU), because every step of a plan is linear
 3. **round, clamp, uint8** into an (N, 3, OH, OW) batch.
 
 The host computes, per image and output row or column, where its filter window starts (NumPy over
-(N, OH + OW) values); that and the index parts cross in one copy (pinned, ``non_blocking``, on
-CUDA), and the device expands them to the taps (about ten ops for both axes together) and to dense
-``A``/``B`` (one ``scatter_add_`` each). The result equals the per-image float path up to float
+(N, OH + OW) values); that and the index parts of every chunk cross in one copy (pinned,
+``non_blocking``, on CUDA), and the device expands them to the taps (about a dozen ops a chunk for
+both axes together) and to dense ``A``/``B`` (one ``scatter_add_`` each). The result equals the per-image float path up to float
 rounding (at most one level, in 0.013% of values on real photos) and the CPU's fixed-point uint8
 path within one level (``benchmarks/batched_transforms.py``).
 
 The batch is cut into chunks by :func:`gpucache.transforms._chunks.plan_chunks`: crop boxes sorted
-by size, a cut wherever padding to the chunk's largest box would waste more than a bound of the
+by size, a cut wherever padding to the chunk's largest box would waste more than half of the
 arithmetic or the chunk's buffers would pass ``BUDGET_BYTES`` (256 MiB, every buffer counted), so an
-outlier photo neither inflates the whole batch nor holds gigabytes of the GPU. The chunks' host
-arrays cross in the one copy and each chunk writes its rows of the batch's output; a
+outlier photo neither inflates the whole batch nor holds gigabytes of the GPU. Each chunk writes
+its rows of the batch's output (one ``index_copy_``; a batch of one chunk is written in place); a
 :class:`~gpucache.transforms._chunks.Scratch` keeps the intermediates in one block across batches.
 """
 
