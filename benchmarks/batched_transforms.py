@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/batched_transforms.py [--photos DIR] [--rounds 5] [--json F]
 
-Three measurements of RandomResizedCrop(224) + RandomHorizontalFlip + Normalize, side by side for
+Measurements of RandomResizedCrop(224) + RandomHorizontalFlip + Normalize, side by side for
 the per-image path (``apply_plan`` on each decoded image, then a stack: what the nvjpeg backend ran
 before its batched transforms) and the batched one (:func:`gpucache.transforms._resample.resample`):
 
@@ -10,7 +10,7 @@ before its batched transforms) and the batched one (:func:`gpucache.transforms._
    the decoder's own calls excluded; each is at least one kernel launch on CUDA) while the nvjpeg
    backend decodes and transforms a batch on the emulated GPU
    (:class:`~tests.support.emulated_cuda.EmulatedCuda`) and ``Normalize`` runs on it, as the
-   loader does; and host synchronisations counted the same way;
+   loader does, and the chunks the batch was cut into (:func:`plan_chunks`);
 2. **host time an image**: the batched path's NumPy part, measured on the photos' real sizes and
    plans (median of ``--rounds``), and for both paths a model of the whole host cost: that NumPy
    part + ops an image × ``LAUNCH_US`` (5 µs, the low end of a CUDA launch's host cost; no GPU
@@ -22,7 +22,14 @@ before its batched transforms) and the batched one (:func:`gpucache.transforms._
    it): milliseconds a batch and agreement with the per-image float path for the per-image path
    itself, the two batched matrix products (:func:`resample`), and torchvision's ``roi_align``
    (one op: each output pixel the mean of ``sampling_ratio``² bilinear samples in its bin, on the
-   batch zero-padded to its largest photo; the adaptive ratio, ``-1``, and 2).
+   batch zero-padded to its largest photo; the adaptive ratio, ``-1``, and 2);
+5. **arithmetic**: the two matrix products' GFLOP a batch over ``--draws`` batches drawn at random
+   with their plans (host arithmetic only, :func:`flops`), and their useful share (each image's
+   own crop box over the padded ones), cut as :func:`plan_chunks` cuts and as one chunk padded to
+   its largest box;
+6. **memory** (``--memory-epochs``, 0 skips it): the loader over the photos at batch 256 on an
+   emulated 141 GiB GPU (an H200's size): the caching allocator's reserved and allocated memory
+   after each epoch.
 
 The photos: ``--photos`` (an ImageFolder tree or a flat folder of JPEGs; default: 397 hymenoptera
 photos when ``../shared`` has them, else 256 synthetic photo-size JPEGs).
@@ -44,13 +51,14 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpucache import JpegCache  # noqa: E402
+from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode._batched import make_decoder, orient, torchvision_decoder  # noqa: E402
 from gpucache.decode._core import apply_plan, decode_batch, decode_sample  # noqa: E402
 from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
-from gpucache.transforms._resample import host_arrays, resample  # noqa: E402
+from gpucache.transforms._chunks import BUDGET_BYTES, flops, plan_chunks  # noqa: E402
+from gpucache.transforms._resample import host_plan, resample  # noqa: E402
 from tests.support.emulated_cuda import EmulatedCuda  # noqa: E402
 
 GEOMETRY = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])
@@ -140,7 +148,7 @@ def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3
     jpeg = np.flatnonzero(cache.gpu_decodable() & (cache.samples["kind"] == 1))
     batches += 1
     idx_all = np.resize(jpeg, batch * batches)
-    totals, by_op = [], {}
+    totals, by_op, chunks = [], {}, []
     with EmulatedCuda(devices=1), CountOps() as counter:
         dev = torch.device("cuda", 0)
         tv = torchvision_decoder(dev)
@@ -172,11 +180,14 @@ def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3
             NORMALIZE(out)
             if b:
                 totals.append(counter.total)
+                elems = cache.samples["height"][idx].astype(np.int64) * cache.samples["width"][idx]
+                chunks.append(len(plan_chunks(plans, elems * 3)))
             by_op = dict(counter.counts)
         backend.close()
     return {
         "ops_per_batch": int(statistics.median(totals)),
         "ops_per_image": statistics.median(totals) / batch,
+        "chunks": int(statistics.median(chunks)),
         "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:8]),
     }
 
@@ -196,8 +207,9 @@ def _median_ms(fn, rounds: int):
 
 
 def host_time(cache: JpegCache, batch: int, rounds: int) -> dict:
-    """Host µs an image: the batched path's NumPy part measured (:func:`host_arrays`, the plans'
-    address parts and filter windows for the photos' real sizes; median of ``rounds``), and each
+    """Host µs an image: the batched path's NumPy part measured (:func:`host_plan`: the chunks,
+    the plans' address parts and filter windows for the photos' real sizes; median of
+    ``rounds``), and each
     path's modelled total = that + ops an image × ``LAUNCH_US`` (the per-image path has no NumPy
     part: its host cost is its launches)."""
     idx = np.resize(np.arange(len(cache)), batch)
@@ -208,8 +220,75 @@ def host_time(cache: JpegCache, batch: int, rounds: int) -> dict:
     )
     plans = _plans(cache, idx, 0)
     orient = np.ones(batch, dtype=np.int64)
-    ms, _ = _median_ms(lambda: host_arrays(shapes, strides, plans, orient), rounds)
+    ms, _ = _median_ms(lambda: host_plan(shapes, strides, plans, orient, BUDGET_BYTES), rounds)
     return {"numpy_us_per_image": ms / batch * 1e3}
+
+
+def arithmetic(cache: JpegCache, batch: int, draws: int, budget: int = BUDGET_BYTES) -> dict:
+    """Matrix-product arithmetic a batch (:func:`flops`, both products) over ``draws`` batches
+    drawn at random from the photos with their plans: padded GFLOP a batch (median, p95), the
+    useful share (each image's own box over the padded boxes, summed over the draws) and the
+    chunks a batch, as :func:`plan_chunks` cuts it and as one chunk (the batch padded to its
+    largest box)."""
+    s, rng = cache.samples, np.random.default_rng(0)
+    out: dict = {}
+    for name in ("chunked", "one chunk"):
+        padded, useful, chunks = [], 0.0, []
+        for d in range(draws):
+            idx = rng.choice(len(cache), batch, replace=batch > len(cache))
+            plans = _plans(cache, idx, d)
+            elems = s["height"][idx].astype(np.int64) * s["width"][idx] * 3
+            oh, ow = int(plans[0, 8]), int(plans[0, 9])
+            if name == "one chunk":
+                boxes = [(len(plans), int(plans[:, 2].max()), int(plans[:, 3].max()))]
+            else:
+                boxes = [(len(c.rows), *c.box) for c in plan_chunks(plans, elems, budget)]
+            padded.append(sum(flops(m, h, w, oh, ow) for m, h, w in boxes) / 1e9)
+            useful += float(flops(1, plans[:, 2], plans[:, 3], oh, ow).sum()) / 1e9
+            chunks.append(len(boxes))
+        out[name] = {
+            "gflop_per_batch": statistics.median(padded),
+            "gflop_p95": float(np.percentile(padded, 95)),
+            "useful_share": useful / sum(padded),
+            "chunks_median": statistics.median(chunks),
+            "chunks_max": max(chunks),
+        }
+    return {"batch": batch, "draws": draws, "budget_mib": budget / 2**20, **out}
+
+
+#: The memory measurement's device: an H200's 141 GiB.
+H200_BYTES = 141 * 2**30
+
+
+def memory(cache: JpegCache, batch: int, epochs: int) -> dict:
+    """GPU memory the loader holds: RandomResizedCrop(224) + flip + Normalize on the nvjpeg
+    backend over ``epochs`` shuffled epochs of the photos on an emulated 141 GiB device; the
+    caching allocator's reserved and allocated bytes after each epoch (the emulated allocator
+    reuses whole freed blocks, best fit, and never returns one: its reserved figure only grows)."""
+    reserved, allocated = [], []
+    with EmulatedCuda(devices=1, total_memory=H200_BYTES):
+        loader = GpuCachedLoader(
+            cache,
+            batch_size=batch,
+            shuffle=True,
+            seed=0,
+            device="cuda",
+            backend="nvjpeg",
+            transform=[*GEOMETRY.transforms, NORMALIZE],
+        )
+        with loader:
+            for _ in range(epochs):  # each pass plays the next epoch
+                for images, _labels in loader:
+                    del images
+                reserved.append(torch.cuda.memory_reserved() / 2**20)
+                allocated.append(torch.cuda.memory_allocated() / 2**20)
+    return {
+        "batch": batch,
+        "epochs": epochs,
+        "device_gib": H200_BYTES / 2**30,
+        "reserved_mib": reserved,
+        "allocated_mib": allocated,
+    }
 
 
 def float_plan(img: torch.Tensor, plan) -> torch.Tensor:
@@ -313,6 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--photos", default=None)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--draws", type=int, default=200, help="batches drawn for the arithmetic")
+    ap.add_argument("--memory-epochs", type=int, default=4, help="0 skips the memory part")
     ap.add_argument("--skip-pixels", action="store_true")
     ap.add_argument("--skip-candidates", action="store_true")
     ap.add_argument("--json", default=None)
@@ -322,8 +403,8 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"photos": len(cache), "ops": {}, "host_us_per_image": {}}
     print(f"{len(cache)} photos; RandomResizedCrop(224) + flip + Normalize")
     print(
-        f"{'batch':>6} {'path':>10} {'ops/batch':>10} {'ops/image':>10} {'numpy us/img':>13} "
-        f"{'model us/img':>13}"
+        f"{'batch':>6} {'path':>10} {'ops/batch':>10} {'ops/image':>10} {'chunks':>7} "
+        f"{'numpy us/img':>13} {'model us/img':>13}"
     )
     for batch in args.batches:
         numpy_us = host_time(cache, batch, args.rounds)["numpy_us_per_image"]
@@ -336,11 +417,33 @@ def main(argv: list[str] | None = None) -> dict:
                 "numpy": prep,
                 "model": model,
             }
+            chunks = ops["chunks"] if path == "batched" else "-"
             print(
                 f"{batch:>6} {path:>10} {ops['ops_per_batch']:>10} "
-                f"{ops['ops_per_image']:>10.2f} {prep:>13.1f} {model:>13.1f}",
+                f"{ops['ops_per_image']:>10.2f} {chunks:>7} {prep:>13.1f} {model:>13.1f}",
                 flush=True,
             )
+    print(f"matrix-product arithmetic, {args.draws} batches drawn at random:")
+    result["arithmetic"] = {}
+    for batch in args.batches:
+        r = result["arithmetic"][str(batch)] = arithmetic(cache, batch, args.draws)
+        for name in ("one chunk", "chunked"):
+            a = r[name]
+            print(
+                f"{batch:>6} {name:>10}: {a['gflop_per_batch']:7.1f} GFLOP a batch (p95 "
+                f"{a['gflop_p95']:.1f}), {100 * a['useful_share']:.0f}% useful, chunks "
+                f"{a['chunks_median']:g} (max {a['chunks_max']})",
+                flush=True,
+            )
+    if args.memory_epochs:
+        m = result["memory"] = memory(cache, 256, args.memory_epochs)
+        print(
+            f"emulated {m['device_gib']:.0f} GiB GPU, batch 256, reserved MiB after each epoch: "
+            + ", ".join(f"{v:.0f}" for v in m["reserved_mib"])
+            + "; allocated: "
+            + ", ".join(f"{v:.0f}" for v in m["allocated_mib"]),
+            flush=True,
+        )
     if not args.skip_pixels:
         result["pixels"] = pixels(cache)
         for name, r in result["pixels"].items():

@@ -16,8 +16,9 @@ step consumes batch k-1; the loader keeps at least three batches in flight
    stream (:mod:`._streams`); if the call fails (one corrupt JPEG fails it all) the batch is
    decoded one sample at a time, and what the decoder still rejects goes to the CPU; running out
    of device memory is never a bad sample: it raises ``torch.OutOfMemoryError`` with advice;
-3. **transform** (one thread, the side stream): the batch's plans run in a constant number of
-   ops (:func:`gpucache.transforms._resample.resample`, EXIF orientation folded in) — per image
+3. **transform** (one thread, the side stream): the batch's plans run in a few chunks of a
+   constant number of ops each, in at most 256 MiB of the device
+   (:func:`gpucache.transforms._resample.resample`, EXIF orientation folded in) — per image
    only for a variable-size batch; the CPU stage's results cross in one pinned ``non_blocking``
    copy and join in batch order (:func:`~gpucache.decode._fallback.join`); an event marks the
    batch done.
@@ -45,7 +46,8 @@ import torch
 
 from ..ingest._sniff import Kind
 from ..store._oom import is_out_of_memory
-from ..transforms._resample import BUDGET_BYTES, Scratch, resample
+from ..transforms._chunks import BUDGET_BYTES, Scratch
+from ..transforms._resample import resample
 from . import normalize_device
 from ._base import GPU_IN_FLIGHT, Backend
 from ._batched import BatchDecoder, applies_exif, default_decoder, orient
@@ -116,14 +118,9 @@ class NvjpegBackend(Backend):
         kinds = cache.samples["kind"]
         # progressive JPEGs go to the CPU stage: nvJPEG Huffman-decodes them on the host anyway
         self._gpu_mask = cache.gpu_decodable() & (kinds != Kind.JPEG_PROGRESSIVE)
-        # padded input of the batched transforms held at once: a sixteenth of the GPU's memory
-        self._budget = max(
-            BUDGET_BYTES,
-            torch.cuda.get_device_properties(device).total_memory // 16
-            if device.type == "cuda"
-            else 0,
-        )
-        self._scratch = Scratch()  # the transform stage's work buffer (its one thread and stream)
+        # the transform stage's work buffer (its one thread and stream), within the stage's
+        # fixed budget whatever the GPU's size
+        self._scratch = Scratch(BUDGET_BYTES)
         self._pending: list[_Job] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}
         if threaded:
@@ -311,7 +308,6 @@ class NvjpegBackend(Backend):
                         kept,
                         plans[ok],
                         orientations=None if self.applies_exif else orientation[rows],
-                        budget_bytes=self._budget,
                         scratch=self._scratch,
                     ),
                     False,

@@ -1,12 +1,14 @@
-"""A whole batch's geometric plans in a constant number of tensor ops, on any device.
+"""A whole batch's geometric plans in a constant number of tensor ops a chunk, on any device.
 
 The per-image executor (:func:`gpucache.decode._core.apply_plan`) crops, resizes, crops again and
-flips one image at a time: five to seven ops an image, each a kernel launch on CUDA. Here the
-batch takes the same plans in about forty ops whatever its size (41 a batch of 64 or 128 with
-Normalize, measured on the emulated GPU), because every step of a plan is linear and separable:
+flips one image at a time: five to seven ops an image, each a kernel launch on CUDA. Here a chunk
+of the batch (images of similar crop size, below) takes the same plans in a constant number of
+ops whatever its size (about 15 for the batch plus 27 a chunk, measured on the emulated GPU),
+because every step of a plan is linear and separable:
 
-1. **gather**: the images (any sizes, any dense layout) are joined into one flat buffer (one
-   ``cat``), and one advanced-indexing op reads every image's first crop box into a padded
+1. **gather**: a chunk's images (any sizes, any dense layout) are joined into one flat buffer (one
+   ``cat``; a chunk of one image reads its own), and one advanced-indexing op reads every image's
+   first crop box into a padded
    ``(N, Hc, 3, Wc)`` batch. The addresses are the sum of two small broadcast index tensors
    (where each row of each channel starts, (N, Hc, 3), and the column part, (N, Wc); affine in
    their indices, made on the device from 8 numbers an image) over an overlapping ``as_strided``
@@ -21,15 +23,18 @@ Normalize, measured on the emulated GPU), because every step of a plan is linear
 3. **round, clamp, uint8** into an (N, 3, OH, OW) batch.
 
 The host computes, per image and output row or column, where its filter window starts (NumPy over
-(N, OH + OW) values); that and the index parts cross in one copy (pinned, ``non_blocking``, on
-CUDA), and the device expands them to the taps (about ten ops for both axes together) and to dense
-``A``/``B`` (one ``scatter_add_`` each). The result equals the per-image float path up to float
+(N, OH + OW) values); that and the index parts of every chunk cross in one copy (pinned,
+``non_blocking``, on CUDA), and the device expands them to the taps (about a dozen ops a chunk for
+both axes together) and to dense ``A``/``B`` (one ``scatter_add_`` each). The result equals the per-image float path up to float
 rounding (at most one level, in 0.013% of values on real photos) and the CPU's fixed-point uint8
 path within one level (``benchmarks/batched_transforms.py``).
 
-A batch whose padded input would exceed ``budget_bytes`` is split into chunks of images sorted by
-crop size (each chunk a constant number of ops), so an outlier image does not inflate the whole
-batch; a :class:`Scratch` keeps the intermediates in one block across batches.
+The batch is cut into chunks by :func:`gpucache.transforms._chunks.plan_chunks`: crop boxes sorted
+by size, a cut wherever padding to the chunk's largest box would waste more than half of the
+arithmetic or the chunk's buffers would pass ``BUDGET_BYTES`` (256 MiB, every buffer counted), so an
+outlier photo neither inflates the whole batch nor holds gigabytes of the GPU. Each chunk writes
+its rows of the batch's output (one ``index_copy_``; a batch of one chunk is written in place); a
+:class:`~gpucache.transforms._chunks.Scratch` keeps the intermediates in one block across batches.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from ._chunks import BUDGET_BYTES, Chunk, Scratch, plan_chunks
 
 #: EXIF Orientation (1-8) -> (transpose, flip rows, flip columns), applied in that order to the
 #: stored pixels to give the displayed image (the same table as the decoders' ``orient``).
@@ -53,22 +60,20 @@ ORIENT = {
     8: (True, True, False),
 }
 
-#: Padded input held at once (bytes: 3 channels, uint8 gathered + float32 = 15 an output-box
-#: pixel); a larger batch is split into chunks.
-BUDGET_BYTES = 1 << 30
-
 
 def _taps_host(
     length: np.ndarray, resized: np.ndarray, start2: np.ndarray, out: int, flip: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One axis's filter per output position, as torch's ``_upsample_bilinear2d_aa`` defines it
     (support = the scale when shrinking, else 1; a triangle normalised per output): a resize
     ``length`` -> ``resized``, then ``out`` positions from ``start2`` (reversed where ``flip``).
 
-    Returns, per image and output position (N, out): the first input index of the window, its
-    offset ``first - center + 0.5``, and 1 where the position is inside the resized image (0:
-    the second crop's zero padding); per image the inverse filter scale; and the most taps a
-    window can hold. :func:`_taps_device` expands them to (N, out, K) taps."""
+    Returns, per image and output position (N, out): the first input index of the window (the
+    crop's ``length`` where the position is outside the resized image: the second crop's zero
+    padding, whose taps all fall past the box) and its offset ``first - center + 0.5``; per
+    image the inverse filter scale and the support (a window holds at most ``ceil(2 *
+    support) + 1`` taps).
+    :func:`_taps_device` expands them to (N, out, K) taps."""
     length = length.astype(np.float64)
     scale = length / resized.astype(np.float64)
     support = np.maximum(scale, 1.0)
@@ -77,33 +82,26 @@ def _taps_host(
     center = scale[:, None] * (pos + 0.5)
     first = np.maximum(np.trunc(center - support[:, None] + 0.5), 0.0)
     inside = (pos >= 0) & (pos < resized[:, None])
-    k = int(np.ceil(2 * support.max())) + 1 if len(support) else 1
     return (
-        first.astype(np.float32),
+        np.where(inside, first, length[:, None]).astype(np.float32),
         (first - center + 0.5).astype(np.float32),
-        inside.astype(np.float32),
         (1.0 / support).astype(np.float32),
-        k,
+        support,
     )
 
 
 def _taps_device(
-    first: torch.Tensor,
-    offset: torch.Tensor,
-    inside: torch.Tensor,
-    inv: torch.Tensor,
-    length: torch.Tensor,
-    k: int,
+    first: torch.Tensor, offset: torch.Tensor, inv: torch.Tensor, last: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input indices and normalised weights (N, out, k) from :func:`_taps_host`'s arrays, in a
-    fixed number of ops whatever N: a tap past the crop box (or the window) has weight 0."""
+    """Input indices and normalised weights (N, out, k) from :func:`_taps_host`'s arrays
+    (``last``: the crop box's last index), in a fixed number of ops whatever N: a tap past the
+    crop box (or the window) has weight 0."""
     j = torch.arange(k, dtype=torch.float32, device=first.device)
     w = torch.rsub((offset[..., None] + j).mul_(inv[:, None, None]).abs_(), 1).clamp_min_(0)
     index = first[..., None] + j
-    w.mul_(index < length[:, None, None]).mul_(inside[..., None])
+    w.mul_(index <= last[:, None, None])
     w.div_(w.sum(-1, keepdim=True).clamp_min_(1e-30))
-    index = torch.minimum(index, length[:, None, None] - 1).to(torch.int64)
-    return index, w
+    return torch.minimum(index, last[:, None, None]).to(torch.int64), w
 
 
 def _gather_parts(
@@ -158,12 +156,13 @@ def _gather_device(
     return rows, chans, cols
 
 
-def _view_size(parts: np.ndarray) -> tuple[int, int, int]:
-    """The strided view's sizes: one more than the largest channel, row and column parts."""
+def _view_sizes(parts: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Each chunk's strided view sizes (chunks of images from ``starts``): one more than its
+    largest channel, row and column parts. (3, chunks)."""
     row0, row_step, h_last, col0, col_step, w_last, base, chan = parts
     rows = np.maximum(row0, row0 + row_step * h_last)
     cols = np.maximum(col0, col0 + col_step * w_last)
-    return int((base + 2 * chan).max()) + 1, int(rows.max()) + 1, int(cols.max()) + 1
+    return np.maximum.reduceat(np.stack([base + 2 * chan, rows, cols]), starts, axis=1) + 1
 
 
 def _upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -188,32 +187,6 @@ def _upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Te
     return out
 
 
-class Scratch:
-    """A work buffer that grows (by a quarter more than asked) and is never given back, for a
-    batch's intermediates: batches of varying crop sizes then reuse one block instead of asking
-    the caching allocator for new sizes each time (whose reserved memory would creep up epoch
-    after epoch). Use it from one stream only: the batches that share it run in order."""
-
-    def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
-
-    def take(
-        self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], device: torch.device
-    ) -> list[torch.Tensor]:
-        """Disjoint views of the buffer, one of each (shape, dtype), uninitialised."""
-        sizes = [int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs]
-        spans = [(size + 63) // 64 * 64 for size in sizes]  # every view 64-byte aligned
-        need = sum(spans)
-        if self._buffer is None or self._buffer.numel() < need or self._buffer.device != device:
-            self._buffer = None  # the old block goes back before the new one is asked for
-            self._buffer = torch.empty(need + need // 4, dtype=torch.uint8, device=device)
-        out, offset = [], 0
-        for (shape, dtype), size, span in zip(specs, sizes, spans):
-            out.append(self._buffer[offset : offset + size].view(dtype).view(shape))
-            offset += span
-        return out
-
-
 def resample(
     images: Sequence[torch.Tensor],
     plans: np.ndarray,
@@ -228,8 +201,10 @@ def resample(
     ``images``: RGB uint8 (3, H, W) tensors as *stored* (before EXIF orientation), on one device;
     ``orientations``: each image's EXIF orientation (1-8; None: all 1, e.g. a decoder that
     applied it). ``plans``: the (N, 11) plans of :mod:`gpucache.transforms`, in displayed
-    coordinates. ``scratch``: where the float intermediates live (a fresh allocation each
-    otherwise). Device-agnostic: the same function runs on CPU tensors in CI."""
+    coordinates. ``budget_bytes``: the device memory the call may hold
+    (:func:`~gpucache.transforms._chunks.plan_chunks` cuts the batch to fit it and to bound the
+    padding). ``scratch``: where the intermediates live (a fresh allocation each otherwise).
+    Device-agnostic: the same function runs on CPU tensors in CI."""
     plans = np.asarray(plans, dtype=np.int64).reshape(-1, 11)
     n = len(images)
     if n != len(plans):
@@ -248,25 +223,31 @@ def resample(
         else np.asarray(orientations, dtype=np.int64).reshape(n)
     )
     device = images[0].device
-    area = plans[:, 2] * plans[:, 3]
-    if n > 1 and int(plans[:, 2].max()) * int(plans[:, 3].max()) * 15 * n > budget_bytes:
-        order = np.argsort(area, kind="stable")
-        chunks, start, acc_h, acc_w = [], 0, 0, 0
-        for k, i in enumerate(order.tolist()):
-            acc_h, acc_w = max(acc_h, int(plans[i, 2])), max(acc_w, int(plans[i, 3]))
-            if k > start and acc_h * acc_w * 15 * (k + 1 - start) > budget_bytes:
-                chunks.append(order[start:k])
-                start, acc_h, acc_w = k, int(plans[i, 2]), int(plans[i, 3])
-        chunks.append(order[start:])
-        if len(chunks) > 1:
-            parts = [
-                _resample([images[i] for i in c.tolist()], plans[c], orient[c], device, scratch)
-                for c in chunks
-            ]
-            inverse = np.argsort(np.concatenate(chunks), kind="stable")
-            (perm,) = _upload([inverse.astype(np.int64)], device)
-            return torch.cat(parts).index_select(0, perm)
-    return _resample(list(images), plans, orient, device, scratch)
+    flats, strides_ = zip(*(_flat(im) for im in images))
+    shapes = np.array([im.shape[-2:] for im in images], dtype=np.int64).reshape(n, 2)
+    strides = np.array(strides_, dtype=np.int64).reshape(n, 3)
+    chunks, hosts, arrays = host_plan(shapes, strides, plans, orient, budget_bytes)
+    parts_d, order_d, *taps_d = _upload(arrays, device)
+    hc = max(h.box[0] for h in hosts)
+    wc = max(h.box[1] for h in hosts)
+    rows_d, chans_d, cols_d = _gather_device(parts_d, hc, wc)
+    out = torch.empty((n, 3, oh, ow), dtype=torch.uint8, device=device)
+    start = 0
+    for c, h in zip(chunks, hosts):
+        end = start + len(c.rows)
+        batch, two = slice(start, end), slice(2 * start, 2 * end)
+        first, offset, inv, last = (t[two] for t in taps_d)
+        _run_chunk(
+            [flats[i] for i in c.rows.tolist()],
+            h,
+            _taps_device(first, offset, inv, last, h.taps),
+            (rows_d[batch, : h.box[0]], chans_d[batch], cols_d[batch, : h.box[1]]),
+            c.band,
+            out if len(chunks) == 1 else (out, order_d[batch]),
+            scratch,
+        )
+        start = end
+    return out
 
 
 def _flat(im: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -285,78 +266,117 @@ def _flat(im: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
 
 @dataclass
 class _Host:
-    """What the host computes for one chunk (NumPy only): the gather's address parts, the
-    filters' window starts, and the sizes the device ops need."""
+    """What the host computes for one chunk (NumPy only): the sizes its device ops need."""
 
-    arrays: list[np.ndarray]  # address parts, first, offset, inside, inverse scale, lengths
     taps: int  # most taps a filter window holds
     box: tuple[int, int]  # (Hc, Wc): the padded crop box
     view: tuple[int, int, int]  # the strided view's sizes
     total: int  # elements of the joined images
 
 
-def host_arrays(
-    shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray, orient: np.ndarray
-) -> _Host:
+def host_plan(
+    shapes: np.ndarray, strides: np.ndarray, plans: np.ndarray, orient: np.ndarray, budget: int
+) -> tuple[list[Chunk], list[_Host], list[np.ndarray]]:
     """The host's part of :func:`resample` for images of ``shapes`` (N, 2) with element
-    ``strides`` (N, 3), joined in order: NumPy over (N, OH + OW) values."""
+    ``strides`` (N, 3), NumPy over (N, OH + OW) values: the chunks, each one's sizes, and what
+    crosses to the device in one copy: the address parts (8, N) and the batch's rows in chunk
+    order, then per chunk its heights' and its widths' filter windows (first, offset: (2n, O);
+    inverse scale, last index of the box: (2n,)), chunk after chunk."""
+    chunks = plan_chunks(plans, shapes[:, 0] * shapes[:, 1] * 3, budget)
     n = len(plans)
-    oh, ow = int(plans[0, 8]), int(plans[0, 9])
+    if len(chunks) == 1:
+        chunks[0].rows = np.arange(n)  # one chunk: the batch's own order
+    order = np.concatenate([c.rows for c in chunks])
+    counts = np.array([len(c.rows) for c in chunks])
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    shapes, strides, plans, orient = shapes[order], strides[order], plans[order], orient[order]
     sizes = shapes[:, 0] * shapes[:, 1] * 3
-    bases = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    hc, wc = int(plans[:, 2].max()), int(plans[:, 3].max())
+    ends = np.cumsum(sizes)
+    bases = ends - sizes - np.repeat(ends[starts] - sizes[starts], counts)  # joined per chunk
     parts = _gather_parts(shapes, strides, plans, orient, bases)
-    # both axes' filters in one set of rows: the first N rows are heights, the next N widths
-    o = max(oh, ow)
+    # both axes' filters in one set of rows a chunk: its n heights, then its n widths
+    o = max(int(plans[0, 8]), int(plans[0, 9]))
     hy = _taps_host(plans[:, 2], plans[:, 4], plans[:, 6], o, np.zeros(n, dtype=bool))
     hx = _taps_host(plans[:, 3], plans[:, 5], plans[:, 7], o, plans[:, 10].astype(bool))
-    taps = [np.concatenate([a, b]) for a, b in zip(hy[:4], hx[:4])]
-    lengths = np.concatenate([plans[:, 2], plans[:, 3]]).astype(np.float32)
-    return _Host(
-        [parts, *taps, lengths], max(hy[4], hx[4]), (hc, wc), _view_size(parts), int(sizes.sum())
-    )
+    laid = np.concatenate([np.r_[a : a + m, n + a : n + a + m] for a, m in zip(starts, counts)])
+    first, offset, inv = (np.concatenate([y, x])[laid] for y, x in zip(hy[:3], hx[:3]))
+    last = (np.concatenate([plans[:, 2], plans[:, 3]]).astype(np.float32) - 1)[laid]
+    support = np.maximum(hy[3], hx[3])
+    taps = np.ceil(2 * np.maximum.reduceat(support, starts)).astype(np.int64) + 1
+    views = _view_sizes(parts, starts)
+    totals = np.add.reduceat(sizes, starts)
+    hosts = [
+        _Host(int(taps[k]), c.box, (int(v[0]), int(v[1]), int(v[2])), int(totals[k]))
+        for k, (c, v) in enumerate(zip(chunks, views.T))
+    ]
+    return chunks, hosts, [parts, order, first, offset, inv, last]
 
 
-def _resample(
-    images: list[torch.Tensor],
-    plans: np.ndarray,
-    orient: np.ndarray,
-    device: torch.device,
+def _run_chunk(
+    flats: list[torch.Tensor],
+    host: _Host,
+    taps: tuple[torch.Tensor, torch.Tensor],
+    address: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    band: int,
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     scratch: Scratch | None,
-) -> torch.Tensor:
-    n = len(images)
-    oh, ow = int(plans[0, 8]), int(plans[0, 9])
-    flats, strides = zip(*(_flat(im) for im in images))
-    shapes = np.array([im.shape[-2:] for im in images], dtype=np.int64).reshape(n, 2)
-    host = host_arrays(shapes, np.array(strides, dtype=np.int64).reshape(n, 3), plans, orient)
-    parts_d, first_d, off_d, in_d, inv_d, len_d = _upload(host.arrays, device)
-    index, weight = _taps_device(first_d, off_d, in_d, inv_d, len_d, host.taps)
-    (hc, wc), (s0, s1, s2), total = host.box, host.view, host.total
-    rows_d, chans_d, cols_d = _gather_device(parts_d, hc, wc)
+) -> None:
+    """One chunk on the device (``taps``: its filter taps' indices and weights, ``address``: its
+    gather's row, channel and column parts): written into ``out``, the batch's output when the
+    chunk is the whole batch in order, else an (output, rows) pair. ``band``: rows of the crop
+    box gathered and multiplied at a time (the products accumulate)."""
+    n, (hc, wc), (s0, s1, s2), total = len(flats), host.box, host.view, host.total
+    oh, ow = out.shape[-2:] if isinstance(out, torch.Tensor) else out[0].shape[-2:]
+    index, weight = taps
+    rows_d, chans_d, cols_d = address
     starts = rows_d[:, :, None] + chans_d[:, None, :]  # (N, Hc, 3): where each row starts
-    # the strided view's bounds reach past the images (never read: every address is clamped
-    # inside its image), so the images are joined into the head of a longer buffer
+    band = min(band, hc)
+    # the products reuse the gathered box's memory (dead by then) where it is large enough
+    gathered_n, result_n = n * band * 3 * wc, n * 3 * oh * ow
     f32, u8 = torch.float32, torch.uint8
     specs = [
-        ((max(total, s0 + s1 + s2 - 1),), u8),
-        ((n, hc, 3, wc), u8),
-        ((n, hc, 3 * wc), f32),
+        ((max(gathered_n, result_n),), u8),  # the gathered box, then the uint8 result
+        ((max(gathered_n, result_n),), f32),  # the box in float32, then the second product
         ((n, oh, hc), f32),
         ((n, ow, wc), f32),
         ((n, oh, 3 * wc), f32),
     ]
+    if n > 1:
+        # the strided view's bounds reach past the images (never read: every address is
+        # clamped inside its image), so the images are joined into the head of a longer buffer
+        specs.append(((max(total, s0 + s1 + s2 - 1),), u8))
+    device = flats[0].device
     if scratch is None:
-        flat, gathered, x, a, b, y = (torch.empty(sh, dtype=dt, device=device) for sh, dt in specs)
+        bufs = [torch.empty(sh, dtype=dt, device=device) for sh, dt in specs]
     else:
-        flat, gathered, x, a, b, y = scratch.take(specs, device)
-    torch.cat(flats, out=flat[:total])
+        bufs = scratch.take(specs, device)
+    gathered, x, a, b, y = bufs[:5]
+    if n > 1:
+        flat = bufs[5]
+        torch.cat(flats, out=flat[:total])
+    else:  # one image: its own elements, which the view's bounds end at exactly
+        flat = flats[0]
     view = flat.as_strided((s0 + s1 - 1, s2), (1, 1))  # view[a, b] is flat[a + b]
-    torch.ops.aten.index.Tensor_out(
-        view, [starts[..., None], cols_d[:, None, None, :]], out=gathered
-    )  # (N, Hc, 3, Wc): channels between rows/cols
-    x.view(n, hc, 3, wc).copy_(gathered)
     a.zero_().scatter_add_(2, index[:n, :oh], weight[:n, :oh])
     b.zero_().scatter_add_(2, index[n:, :ow], weight[n:, :ow])
-    torch.bmm(a, x, out=y)
-    z = torch.bmm(y.view(n, oh * 3, wc), b.transpose(1, 2)).view(n, oh, 3, ow).permute(0, 2, 1, 3)
-    return z.round_().clamp_(0, 255).to(torch.uint8, memory_format=torch.contiguous_format)
+    for r0 in range(0, hc, band):
+        bh = min(band, hc - r0)
+        g = gathered[: n * bh * 3 * wc].view(n, bh, 3, wc)
+        torch.ops.aten.index.Tensor_out(
+            view, [starts[:, r0 : r0 + bh, :, None], cols_d[:, None, None, :]], out=g
+        )  # (N, bh, 3, Wc): channels between rows/cols
+        xb = x[: n * bh * 3 * wc].view(n, bh, 3 * wc)
+        xb.view(n, bh, 3, wc).copy_(g)
+        if r0 == 0:
+            torch.bmm(a[:, :, :bh], xb, out=y)
+        else:
+            y.baddbmm_(a[:, :, r0 : r0 + bh], xb)
+    z = x[:result_n].view(n, oh * 3, ow)
+    torch.bmm(y.view(n, oh * 3, wc), b.transpose(1, 2), out=z)
+    zz = z.view(n, oh, 3, ow).permute(0, 2, 1, 3).round_().clamp_(0, 255)
+    if isinstance(out, torch.Tensor):
+        out.copy_(zz)  # integral values: the cast is exact
+    else:
+        result = gathered[:result_n].view(n, 3, oh, ow)
+        result.copy_(zz)
+        out[0].index_copy_(0, out[1], result)

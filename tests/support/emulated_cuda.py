@@ -185,7 +185,7 @@ _DATA_SHAPED = {
 }
 #: Factories that allocate without writing.
 _NO_WRITE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
-TOTAL_MEMORY = 80 * 2**30  # each emulated device's memory, as get_device_properties reports it
+TOTAL_MEMORY = 80 * 2**30  # each emulated device's memory unless given
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,7 @@ class EmulatedCuda(OrderRules):
         trust_decoder_sync: bool = False,
         stream_pool: int | None = None,
         decoder_leak: int = 0,
+        total_memory: int = TOTAL_MEMORY,
     ):
         if decoder_fault not in (None, "oom", "init"):
             raise ValueError(f"decoder_fault={decoder_fault!r}: use None, 'oom' or 'init'.")
@@ -232,6 +233,7 @@ class EmulatedCuda(OrderRules):
         self.trust_decoder_sync = trust_decoder_sync
         self.stream_pool = stream_pool  # None: every Stream() its own stream
         self.decoder_leak = decoder_leak  # bytes a CUDA decode call never gives back
+        self.total_memory = total_memory  # each device's, as get_device_properties reports it
         self.outside = [0] * devices  # device bytes held outside torch's caching allocator
         self._pooled: dict[int, list[Stream]] = {}
         self._made_streams: dict[int, int] = {}
@@ -344,15 +346,17 @@ class EmulatedCuda(OrderRules):
         return pool[made % self.stream_pool]
 
     def get_device_properties(self, device=None):
-        """What ``torch.cuda.get_device_properties`` tells: an 80 GiB device."""
+        """What ``torch.cuda.get_device_properties`` tells: a ``total_memory`` device (80 GiB
+        unless given)."""
         index = self.index_device(device).index
-        return _Properties(f"emulated CUDA device {index}", TOTAL_MEMORY, 9, 0, 132)
+        return _Properties(f"emulated CUDA device {index}", self.total_memory, 9, 0, 132)
 
     def mem_get_info(self, device=None) -> tuple[int, int]:
         """(free, total) bytes: the total less what the emulated allocator reserved and what
         the decoders hold outside it."""
         index = self.index_device(device).index
-        return TOTAL_MEMORY - self.memory_reserved(device) - self.outside[index], TOTAL_MEMORY
+        total = self.total_memory
+        return total - self.memory_reserved(device) - self.outside[index], total
 
     # ------------------------------------------------------------------ tensors
     def _wrap(self, out, index: int | None):
