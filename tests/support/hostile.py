@@ -141,11 +141,13 @@ def flat_progressive(
     comps: int = 3,
     sampling: int = 0x11,
     arithmetic: bool = False,
+    eob_runs: bool = True,
 ) -> bytes:
     """A valid progressive JPEG of a flat gray image (every coefficient 0) written with the scan
     ``script`` ((components, Ss, Se, Ah, Al) per scan; components index the frame's), a few bytes
     a scan at any size: a DC scan codes each block's zero difference, an AC scan is end-of-band
-    runs; ``sampling`` is the first component's factors (0x22: 4:2:0). Arithmetic coding
+    runs (``eob_runs=False``: an end-of-band code in each block, which costs the decoder a
+    Huffman decode a block); ``sampling`` is the first component's factors (0x22: 4:2:0). Arithmetic coding
     (SOF10) takes DC scans only, each with no data at all: libjpeg's arithmetic decoder reads
     zeros at a marker (the standard's convention, without a warning), which decode to small
     differences (a gentle gradient, not flat), so each scan is a pass over every block for 14
@@ -177,8 +179,10 @@ def flat_progressive(
             blocks = -(-cols // 8) * -(-rows // 8)
         if ss == 0:  # DC: a 0 bit a block (the symbol of a first scan, the refinement bit)
             out.append(b"\x00" * -(-blocks // 8))
-        else:  # AC: end-of-band runs over the component's blocks
+        elif eob_runs:  # AC: end-of-band runs over the component's blocks
             out.append(_eob_runs(blocks))
+        else:  # AC: an end-of-band code (symbol 0, code 0000) in each block
+            out.append(b"\x00" * -(-blocks // 2))
     out.append(b"\xff\xd9")
     return b"".join(out)
 
