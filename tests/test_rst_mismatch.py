@@ -99,3 +99,23 @@ def test_verify_takes_the_loader_s_route_and_reports_a_wrong_interval(plain, tmp
     _with_rst(plain, np.ones(N), tmp_path / "ones.gpucache")
     assert main(["verify", str(tmp_path / "ones.gpucache")]) == 1
     assert f"0 of {N} samples decode" in capsys.readouterr().out
+
+
+@needs_c
+def test_the_gpu_backends_cpu_fallback_decodes_and_warns_too(plain, tmp_path):
+    """A GPU backend hands the samples its decoder does not take to the CPU, one at a time
+    (``_fallback.decode_on_cpu``): a wrong interval there is decoded and warned about too."""
+    from gpucache.decode._fallback import decode_on_cpu
+
+    bad = _with_rst(plain, np.ones(N), tmp_path / "bad.gpucache")
+    idx = np.arange(3)
+    h, w = bad.samples["height"][idx], bad.samples["width"][idx]
+    plans = T.Compose([T.RandomResizedCrop(32)]).plan(
+        h.astype(np.int64), w.astype(np.int64), np.random.default_rng(0)
+    )
+    with pytest.warns(RuntimeWarning) as caught:
+        got = decode_on_cpu(bad, idx, plans, range(3), on_error="raise")
+    want = decode_on_cpu(plain, idx, plans, range(3), on_error="raise")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    said = [str(w.message) for w in caught if "restart interval of 1 MCUs" in str(w.message)]
+    assert [f"sample {i} (" in m for i, m in enumerate(said)] == [True] * 3
