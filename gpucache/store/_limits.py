@@ -82,7 +82,7 @@ def over_work(scans: int, work: int, limit: int | None) -> str | None:
         f"JPEG whose {scans} scans cost {work:,} samples of decoding work (every "
         f"scan is a pass over the blocks of its components; arithmetic-coded ones count "
         f"{ARITHMETIC_WEIGHT}x), more than the {budget:,} allowed under max_pixels={limit:,} "
-        f"({WORK_PER_PIXEL} a pixel, what the heaviest script encoders write costs): refused as "
+        f"({WORK_PER_PIXEL} a pixel; the heaviest script encoders write costs 48): refused as "
         "a denial of service; if it is genuine, rewrite it losslessly as one scan with "
         "'jpegtran -copy all IN > OUT', or raise max_pixels="
     )
