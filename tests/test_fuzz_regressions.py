@@ -147,17 +147,23 @@ def _two_gib_of_address_space() -> None:  # an input that asks for 12 GB fails, 
 def test_fuzz_harness_holds_inputs_to_the_library_s_limits(tmp_path):
     """The fuzz loop once passed a 1.7 KB JPEG claiming 35830 x 58024 to the transcoder, which
     asked for 12 GB and was killed for memory (no sanitizer report). The library refuses such
-    bytes (and a JPEG with more than MAX_SCANS scans) before any decoder sees them; the loop
-    now does too, and still runs a good input through every target. Replayed with the installed
-    (unsanitized) library under a 2 GiB address-space limit."""
+    bytes (a JPEG with more than MAX_SCANS scans, or whose scans cost more decoding work than
+    the budget, too) before any decoder sees them; the loop now does too, and still runs a good
+    input through every target. Replayed with the installed (unsanitized) library under a 2 GiB
+    address-space limit."""
     from gpucache.ingest._sniff import MAX_SCANS
     from gpucache.testing import make_jpeg_bytes
-    from tests.support.hostile import extra_scans, patch_sof
+    from tests.support.hostile import extra_scans, flat_progressive, patch_sof
 
     bomb = patch_sof(make_jpeg_bytes(16, 16, seed=2, quality=50), height=35830, width=58024)
     scans = extra_scans(make_jpeg_bytes(48, 32, seed=1, progressive=True), MAX_SCANS)
+    dc_by_bits = [((0, 1, 2), 0, 0, 0, 13)] + [
+        ((0, 1, 2), 0, 0, a, a - 1) for a in range(13, 0, -1)
+    ]
+    work = flat_progressive(9459, 9459, dc_by_bits, arithmetic=True)  # 14 valid scans, 1.5 KB
     files = []
-    for name, data in [("bomb", bomb), ("scans", scans), ("good", big_metadata_jpeg())]:
+    inputs = [("bomb", bomb), ("scans", scans), ("work", work), ("good", big_metadata_jpeg())]
+    for name, data in inputs:
         files.append(tmp_path / f"{name}.jpg")
         files[-1].write_bytes(data)
     lib = importlib.util.find_spec("gpucache._jpeg_regions").origin
@@ -170,7 +176,7 @@ def test_fuzz_harness_holds_inputs_to_the_library_s_limits(tmp_path):
     )
     assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-2000:]}"
     out = json.loads(r.stdout.splitlines()[-1])
-    assert (out["iterations"], out["refused"]) == (3, 2), out
+    assert (out["iterations"], out["refused"]) == (4, 3), out
     assert out["calls"] >= 8 and out["errors"] == 0, out  # the good one: every target, no error
 
 

@@ -15,14 +15,16 @@ from PIL import Image
 from gpucache import JpegCache
 from gpucache.decode._core import decode_jpeg, decode_pil, decode_sample
 from gpucache.ingest._build import BytesSource, FileObjSource, FileRangeSource, build
-from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, count_scans, sniff
+from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, sniff
 from gpucache.store._limits import check_pixels
 from gpucache.testing import make_jpeg_bytes
 from tests.support.hostile import (
     before_marker,
     extra_scans,
+    flat_progressive,
     hostile_image_bytes,
     make_hostile_folder,
+    one_coefficient_script,
 )
 
 CASES = hostile_image_bytes(fill_bytes=4096)
@@ -173,36 +175,43 @@ def test_decode_guard_reads_the_bytes_not_only_the_record():
 
 
 def test_progressive_jpeg_with_thousands_of_scans_is_refused_at_build(tmp_path):
-    """A valid progressive JPEG with 5,000 scans (each an end-of-band run: libjpeg decodes it to
-    the pixels of the 10-scan original, without a warning) is left out with its reason; one at
-    the limit and the 10-scan original are kept and decode as before."""
+    """A valid progressive JPEG with 5,000 more scans (each an end-of-band run: libjpeg decodes it
+    to the pixels of the 10-scan original, without a warning) and one with 101 distinct scans
+    are left out with their reasons; one with 100 distinct scans and the 10-scan original are
+    kept and decode as before."""
     plain = make_jpeg_bytes(48, 32, seed=1, progressive=True)
-    at_limit = extra_scans(plain, MAX_SCANS - count_scans(plain, 2))
+    at_limit = flat_progressive(32, 48, one_coefficient_script(MAX_SCANS))
+    over = flat_progressive(32, 48, one_coefficient_script(MAX_SCANS + 1))
     hostile = extra_scans(plain, 5000)
     assert torch.equal(_decode(hostile), _decode(plain))  # valid: same pixels
-    names = ["plain.jpg", "at_limit.jpg", "hostile.jpg", "baseline.jpg"]
-    for name, data in zip(names, [plain, at_limit, hostile, make_jpeg_bytes(40, 30, seed=2)]):
+    assert _decode(over).shape == (3, 32, 48)  # valid too
+    names = ["plain.jpg", "at_limit.jpg", "hostile.jpg", "baseline.jpg", "over.jpg"]
+    datas = [plain, at_limit, hostile, make_jpeg_bytes(40, 30, seed=2), over]
+    for name, data in zip(names, datas):
         (tmp_path / name).write_bytes(data)
     paths = [str(tmp_path / n) for n in names]
     cache = JpegCache.from_files(paths, progress=False)
     skipped = cache.report.skipped
-    assert [(s.index, s.path) for s in skipped] == [(2, paths[2])]
-    assert f"more than {MAX_SCANS} scans" in skipped[0].reason
-    assert "jpegtran" in skipped[0].reason  # the fix
+    assert [(s.index, s.path) for s in skipped] == [(2, paths[2]), (4, paths[4])]
+    assert "scan 11 codes again coefficients 1-63 of component 1" in skipped[0].reason
+    assert f"more than {MAX_SCANS} scans" in skipped[1].reason
+    assert all("jpegtran" in s.reason for s in skipped)  # the fix
     assert len(cache) + len(skipped) == len(paths)
     assert list(cache.paths) == [paths[0], paths[1], paths[3]]
     assert cache.samples["kind"][:2].tolist() == [Kind.JPEG_PROGRESSIVE] * 2
-    assert torch.equal(decode_sample(cache, 1), _decode(plain))
+    assert torch.equal(decode_sample(cache, 0), _decode(plain))
+    assert torch.equal(decode_sample(cache, 1), _decode(at_limit))
 
 
 def test_scans_are_counted_without_decoding():
     """20,000 scans over a 1024 x 1024 image: about 2 s of libjpeg decode (0.1 ms a scan,
-    benchmarks/scan_limit.py); refused in about 1 ms of CPU, skipping the scan data in C."""
+    benchmarks/scan_limit.py); refused at its first repeated scan, the 11th, in about 1 ms of
+    CPU, skipping the scan data in C."""
     buf = io.BytesIO()
     Image.new("RGB", (1024, 1024), (90, 140, 200)).save(buf, "JPEG", progressive=True)
     hostile = memoryview(extra_scans(buf.getvalue(), 20_000))
     t = time.process_time()
-    with pytest.raises(SniffError, match="more than 100 scans"):
+    with pytest.raises(SniffError, match="scan 11 codes again"):
         sniff(hostile)
     assert time.process_time() - t < 0.1
 
@@ -232,7 +241,7 @@ def test_decode_guard_counts_the_scans_of_the_stored_bytes():
     )
     check_pixels(cache, 0)
     for guarded in (check_pixels, decode_sample):
-        with pytest.raises(ValueError, match=f"more than {MAX_SCANS} scans"):
+        with pytest.raises(ValueError, match="scan 11 codes again"):
             guarded(uncounted, 0)
 
 

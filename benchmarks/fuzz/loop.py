@@ -287,7 +287,8 @@ def run_targets(
     """One input through the targets: the region decoder at two scales, the segment decoder when
     it has restart markers and, with probability ``transcode``, the transcoder and the segment
     decoder on its output. An input the library refuses before any decoder sees it (over the
-    default max_pixels, too many scans: ``store._limits.bytes_refused``) is counted, not run."""
+    default max_pixels; too many scans, a repeated one, or more scan work than the budget:
+    ``store._limits.bytes_refused``) is counted, not run."""
     if bytes_refused(memoryview(data), DEFAULT_MAX_PIXELS) is not None:
         stats["refused"] += 1
         return

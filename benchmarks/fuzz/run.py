@@ -20,7 +20,9 @@ fields) and runs it through
 * the segment decoder on the mutated input itself (mutated restart-marker JPEGs, any interval).
 
 A mutated input the library would refuse before any decoder sees it (a frame header over the
-default ``max_pixels``, more than ``MAX_SCANS`` scans: ``store._limits.bytes_refused``, the check
+default ``max_pixels``; scans that cost more than the library allows: more than ``MAX_SCANS``, a
+scan that codes again what an earlier one coded, or more decoding work than the budget of
+``WORK_PER_PIXEL`` samples a pixel of ``max_pixels``: ``store._limits.bytes_refused``, the check
 before every decode) is counted as ``refused`` and not run: a 1.7 KB JPEG claiming 35830 x 58024
 would have the transcoder allocate 12 GB and be killed for memory, without a report.
 

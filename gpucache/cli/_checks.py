@@ -80,35 +80,39 @@ def check_checksums(cache, *, threads: int | None = None, progress: bool = True)
     ]
 
 
-def _decode_noting(cache, i: int):
-    """Sample ``i`` decoded in full, and libjpeg's warning about it (corrupt data decoded anyway)
-    or None. Through the compiled decoder where it takes the sample, which hands the warning back
-    instead of printing it unattributed on stderr; otherwise as the loader decodes in full."""
-    from ..decode import _roi
+def _decode_noting(cache, i: int, k: int):
+    """Sample ``i`` decoded in full by the route the loader takes, and libjpeg's warning about it
+    (corrupt data decoded anyway) or None. Through the compiled decoder where it takes the
+    sample, which hands the warning back instead of printing it unattributed on stderr: from its
+    restart segments where the store records an interval ``k`` for it (the loader's crop route:
+    a sample whose bytes do not match ``k`` fails with the reason), else by the region decoder;
+    otherwise as the loader decodes in full (``k`` checked against the bytes all the same)."""
+    from ..decode import _roi, _roi_rst
     from ..decode._core import _ROI_KINDS, decode_sample
     from ..store._limits import check_pixels
 
     rec = cache.samples[i]
     height, width = int(rec["height"]), int(rec["width"])
-    if (
-        _roi.region_decoder(int(rec["components"])) is _roi._c_region
-        and rec["kind"] in _ROI_KINDS
-        and rec["precision"] == 8
-    ):
-        check_pixels(cache, i)
-        _roi.take_warning()
-        img = _roi.decode_crop(
-            cache[i],
-            0,
-            0,
-            height,
-            width,
-            orientation=int(rec["orientation"]),
-            height=height,
-            width=width,
-            region=_roi._c_region,
-        )
-        return img, _roi.take_warning()
+    try:
+        if (
+            _roi.region_decoder(int(rec["components"])) is _roi._c_region
+            and rec["kind"] in _ROI_KINDS
+            and rec["precision"] == 8
+        ):
+            check_pixels(cache, i)
+            _roi.take_warning()
+            kw = dict(orientation=int(rec["orientation"]), height=height, width=width)
+            if k:
+                img = _roi_rst.decode_crop(
+                    cache[i], k, 0, 0, height, width, region=_roi._c_region, **kw
+                )
+            else:
+                img = _roi.decode_crop(cache[i], 0, 0, height, width, region=_roi._c_region, **kw)
+            return img, _roi.take_warning()
+        if k:
+            _roi_rst.check_interval(cache[i], k)
+    except _roi_rst.IntervalMismatch as err:
+        raise _roi_rst.IntervalMismatch(_roi_rst.mismatch_reason(k, err)) from err
     return decode_sample(cache, i), None
 
 
@@ -118,15 +122,17 @@ def check_decodes(
     """Problems found by decoding every sample in full (and checking its size). Samples that
     decode with a libjpeg warning (corrupt data decoded anyway) are appended to ``warned``."""
     from ..decode._core import check_size
+    from ..decode._roi_rst import intervals
 
     n = len(cache)
+    restart = intervals(cache)
     paths = cache.paths
 
     def one(first: int) -> list[Problem]:
         found = []
         for i in range(first, min(first + DECODE_CHUNK, n)):
             try:
-                img, note = _decode_noting(cache, i)
+                img, note = _decode_noting(cache, i, 0 if restart is None else int(restart[i]))
                 check_size(cache, i, img)
                 if note is not None and warned is not None:
                     warned.append(Problem(i, paths[i], f"libjpeg: {note} (decoded anyway)"))

@@ -110,6 +110,8 @@ class Decoded:
     routes: dict[str, int] = field(default_factory=dict)  # images decoded by each route
     busy: float = 0.0  # seconds its producer (a worker, a thread) was busy on it
     worker: int = -1  # the worker that made it (-1: the loader's process)
+    #: kept, but decoded without the restart interval the store records (its bytes do not match)
+    mismatched: list[tuple[int, str]] = field(default_factory=list)
 
 
 class SampleError(GpucacheError, RuntimeError):
@@ -167,9 +169,11 @@ def _decode_box(
     restart: int,
     regions: dict,
     denom: int,
+    mismatched: list[tuple[int, str]],
 ) -> tuple[torch.Tensor, bool, int]:
     """Sample ``i`` cropped to the plan's first crop box; True if only the box was decoded; the
-    DCT scale denominator it was decoded at.
+    DCT scale denominator it was decoded at. A sample whose bytes do not match its restart
+    interval (``restart``) is decoded without it and noted in ``mismatched``.
 
     With ``denom`` > 1 (``exact=False``, :func:`._scaled.fast_plan`) the box is decoded at
     1/``denom`` DCT scale (compiled decoder only), so the result is smaller than the box."""
@@ -206,9 +210,18 @@ def _decode_box(
             )
         kw = dict(orientation=orientation, height=height, width=width, region=region)
         try:
+            x = None
             if restart:
-                x = _roi_rst.decode_crop(cache[i], restart, t1, l1, h1, w1, denom=denom, **kw)
-            else:
+                try:
+                    x = _roi_rst.decode_crop(cache[i], restart, t1, l1, h1, w1, denom=denom, **kw)
+                except _roi_rst.IntervalMismatch as err:  # decoded as a plain store would
+                    mismatched.append(
+                        (
+                            i,
+                            f"sample {i} ({cache.paths[i]}): {_roi_rst.mismatch_reason(restart, err)}",
+                        )
+                    )
+            if x is None:
                 x = _roi.decode_crop(cache[i], t1, l1, h1, w1, denom=denom, **kw)
         except _roi.ScaleRefused:  # sampling factors it does not scale: the exact path
             return _decode_box(
@@ -221,9 +234,10 @@ def _decode_box(
                 orientation,
                 height,
                 width,
-                restart,
+                0 if mismatched and mismatched[-1][0] == i else restart,
                 regions,
                 1,
+                mismatched,
             )
         return x, not whole, denom
     img = check_size(cache, i, _decode_full(cache, i, kind))
@@ -249,6 +263,7 @@ def decode_batch(
     profiled = torch.autograd._profiler_enabled()
     started = clock()
     images, kept, failed, warned, roi = [], [], [], [], 0
+    mismatched: list[tuple[int, str]] = []
     read = decoded = resized = 0.0
     route_s = dict.fromkeys(ROUTES, 0.0)
     route_n = dict.fromkeys(ROUTES, 0)
@@ -305,6 +320,7 @@ def decode_batch(
                     k,
                     regions,
                     denom,
+                    mismatched,
                 )
             t2 = clock()
             route = (
@@ -356,6 +372,7 @@ def decode_batch(
         times=times,
         routes=route_n,
         busy=end - started,
+        mismatched=mismatched,
     )
 
 

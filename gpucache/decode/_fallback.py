@@ -10,6 +10,7 @@ batch order. Nothing here touches CUDA, so CI runs it on CPU tensors.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import cast
 
@@ -62,6 +63,8 @@ def decode_on_cpu(
         d = decode_batch(
             cache, indices[p : p + 1], plans[p : p + 1], on_error=on_error, stack=False
         )
+        for _, reason in d.mismatched:  # decoded without its restart interval (see ._core)
+            warnings.warn(f"gpucache: {reason}", RuntimeWarning, stacklevel=2)
         out.append(d.images[0] if d.images else d.failed[0][1])
     return out
 

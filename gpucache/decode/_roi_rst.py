@@ -30,6 +30,31 @@ def _load():
     return _native.lib()
 
 
+class IntervalMismatch(ValueError):
+    """A sample's bytes are not a restart-marker JPEG of the interval the store records for it
+    (section ``rst``): its crops are decoded without the restart markers instead."""
+
+
+def mismatch_reason(k: int, err: Exception) -> str:
+    """What the loader (once per sample, after the sample's index and path) and ``gpucache
+    verify`` say of a sample whose bytes do not match its restart interval ``k``."""
+    return (
+        f"its bytes do not match the restart interval of {k} MCUs the store records for it "
+        f"(section 'rst'): {err}; its crops are decoded without restart markers (whole rows "
+        "up to the box: same pixels, slower). The section is wrong or the data was altered: "
+        "rebuild the store (`gpucache verify` lists every such sample)"
+    )
+
+
+def check_interval(data: np.ndarray, k: int) -> None:
+    """Raise :class:`IntervalMismatch` if ``data`` is not a restart-marker JPEG of interval ``k``
+    (one pass over its bytes for the markers)."""
+    try:
+        Layout(data, k)
+    except ValueError as err:
+        raise IntervalMismatch(str(err)) from err
+
+
 class Layout:
     """Where a restart-marker JPEG's parts are: headers, SOF, MCU geometry, segment byte ranges."""
 
@@ -190,7 +215,9 @@ def decode_crop(
             raise ValueError(f"segment decode failed: {err.value.decode(errors='replace')}")
         if ret == 3:
             raise _roi.ScaleRefused(err.value.decode(errors="replace"))
-    if denom > 1:  # not such a JPEG after all: the plain region decoder scales it
+    check_interval(data, k)  # what is wrong, if the C decoder said "not such a JPEG" (ret 2)
+    lay = Layout(data, k)  # for the Python segment cut (any region decoder)
+    if denom > 1:  # the plain region decoder scales it
         return _roi.decode_crop(
             data,
             top,
@@ -203,7 +230,6 @@ def decode_crop(
             region=region,
             denom=denom,
         )
-    lay = Layout(data, k)  # the same in Python (any region decoder), or to say what is wrong
     sub, y0, x0, sub_h, sub_w = segment_jpeg(data, lay, t, l, hh, ww)
     box = region(sub, t - y0, l - x0, hh, ww, height=sub_h, width=sub_w)
     return _roi.orient(box, orientation)

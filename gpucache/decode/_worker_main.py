@@ -279,6 +279,7 @@ def _result(task: int, out: Decoded) -> tuple[bytes, memoryview]:
             "indices": out.indices,
             "failed": out.failed,
             "warned": out.warned,
+            "mismatched": out.mismatched,
             "times": times,
             "routes": out.routes,
             "busy": out.busy + took,

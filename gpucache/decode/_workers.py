@@ -285,6 +285,7 @@ class WorkerPool:
             msg["failed"],
             len(msg["indices"]),
             warned=msg.get("warned", []),
+            mismatched=msg.get("mismatched", []),
             times=msg["times"],
             routes=msg["routes"],
             busy=msg["busy"],

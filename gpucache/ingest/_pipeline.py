@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..store._format import pack_strings
-from ..store._limits import over_budget
+from ..store._limits import over_budget, over_work
 from ..store._readonly import writable_buffer
 from ._inputs import name_of, read_into, size_of
 from ._sniff import SAMPLE_DTYPE, SniffError, sniff
@@ -166,6 +166,10 @@ def read_chunk(
         why = over_budget(info.height, info.width, max_pixels)
         if why is not None:
             out.errors.append((i, f"header claims {why}"))
+            continue
+        why = over_work(info.scans, info.work, max_pixels)
+        if why is not None:
+            out.errors.append((i, why))
             continue
         pos += size
         if rewriters:

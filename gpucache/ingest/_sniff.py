@@ -1,7 +1,8 @@
 """Sniff encoded images: format, dimensions and the JPEG features decoders care about.
 
 Only headers are parsed, never pixels (a PNG's chunks are walked, its image data skipped; a
-progressive JPEG's scans are counted, its scan data skipped in C). The result decides whether a
+progressive JPEG's scan headers are read, its scan data skipped in C, and the decoding work they
+cost is weighed: ``store._jpeg.read_scans``). The result decides whether a
 sample is kept, which decoder may take it (GPU decoders want 8-bit Huffman JPEG with 1 or 3
 components) and, from the stored height/width after EXIF orientation, lets the loader draw crop
 boxes without decoding.
@@ -19,16 +20,17 @@ from ..store._format import SAMPLE_DTYPE as SAMPLE_DTYPE
 from ..store._format import Kind as Kind
 from ..store._jpeg import (  # noqa: F401 - the marker walk is shared with the decode-time re-check
     _FF,
-    _PROGRESSIVE,
     _SOF_KINDS,
     _SOF_UNSUPPORTED,
     MAX_SCANS,
+    NO_SCANS,
     TOO_MANY_SCANS,
     _next_marker,
     _skip_fill,
-    count_scans,
+    components,
+    frame_kind,
     jpeg_header,
-    scans_decoded,
+    read_scans,
 )
 from ..store._oom import BUILD_FIX, raise_if_out_of_memory
 
@@ -44,6 +46,8 @@ class Info(NamedTuple):  # a tuple: made once per sample at build, so it is kept
     components: int = 3
     orientation: int = 1
     precision: int = 8
+    scans: int = 0  # a JPEG's scans and their decoding work (``_jpeg.read_scans``), held to
+    work: int = 0  # the budget by the build (``_limits.over_work``)
 
 
 def _exif_orientation(seg: memoryview | bytes) -> int:
@@ -116,7 +120,7 @@ def _sniff_jpeg(b: memoryview | bytes) -> Info:
         raise SniffError("truncated JPEG: no end-of-image marker (FFD9) at the end of the file")
     if n <= _COPY_BELOW:  # indexing bytes is several times faster than indexing a memoryview
         b = bytes(b)
-    pos, orientation, app1, frame, sof, sos = 2, 1, False, None, 0, -1
+    pos, orientation, app1, frame, sof, sos = 2, 1, False, None, {}, -1
     while True:  # the markers libjpeg reads before the first scan (SOS)
         if pos + 1 < n and b[pos] == 0xFF and b[pos + 1] not in _NOT_MARKER:  # the usual case
             marker, pos = b[pos + 1], pos + 2
@@ -148,16 +152,20 @@ def _sniff_jpeg(b: memoryview | bytes) -> Info:
             else:
                 if frame is not None:
                     raise SniffError("corrupt JPEG header: two frame headers (SOF)")
-                frame, sof = _frame(b[pos + 2 : pos + length], marker), marker
+                seg = b[pos + 2 : pos + length]
+                frame, sof = _frame(seg, marker), frame_kind(marker, components(seg))
         pos += length
     if frame is None:
         raise SniffError("truncated or corrupt JPEG header: no frame header (SOF) found")
     kind, h, w, comps = frame  # a missing scan is left to the decoder (a decode-time failure)
-    if sos >= 0 and scans_decoded(b, sos, progressive=sof in _PROGRESSIVE, comps=comps) > MAX_SCANS:
-        raise SniffError(TOO_MANY_SCANS)
+    scans = NO_SCANS
+    if sos >= 0:
+        scans = read_scans(b, sos, height=h, width=w, **sof)
+        if scans.problem is not None:
+            raise SniffError(scans.problem)
     if orientation >= 5:
         h, w = w, h
-    return Info(kind, h, w, comps, orientation, 8)
+    return Info(kind, h, w, comps, orientation, 8, scans.number, scans.work)
 
 
 def _png_exif_chunks(b: memoryview, im, fp: io.BytesIO) -> None:

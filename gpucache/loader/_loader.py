@@ -437,6 +437,10 @@ class GpuCachedLoader:
                 s.warned_samples[index] = reason
                 s.warned += 1
                 log.warning("gpucache: %s", reason)
+        for index, reason in out.mismatched:  # kept, decoded without restart markers: once each
+            if index not in s.mismatched_samples:
+                s.mismatched_samples[index] = reason
+                warnings.warn(f"gpucache: {reason}", RuntimeWarning, stacklevel=3)
         move = self._move
         t0 = clock()
         with _range("gpucache.transfer", profiled):

@@ -53,6 +53,9 @@ class LoaderStats:
     skipped_samples: list[tuple[int, str]] = field(default_factory=list)
     warned: int = 0  # samples libjpeg warned about (corrupt data, decoded anyway), each once
     warned_samples: dict[int, str] = field(default_factory=dict)  # index -> the warning
+    #: samples whose bytes do not match the restart interval the store records: decoded without
+    #: it (same pixels, slower), warned about once each; index -> the warning
+    mismatched_samples: dict[int, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COLUMNS, 0.0))
     route_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUTES, 0.0))
     route_images: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTES, 0))

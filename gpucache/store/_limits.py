@@ -3,8 +3,10 @@
 A few-KB JPEG can claim 65500 x 65500 pixels in its header (a decompression bomb: 12 GiB of RGB).
 The bound is checked from the header when a store is built and again, from the stored record,
 before every decode on every backend and every CPU fallback, so no decoder ever allocates for it.
-The same re-check refuses a JPEG with more scans than the sniffer allows (``_jpeg.MAX_SCANS``),
-which would cost a decoder a pass over the whole image per scan.
+The same re-check refuses a JPEG whose scans would cost a decoder more than the sniffer allows
+(each scan is a pass over the whole image): more than ``_jpeg.MAX_SCANS``, a scan that codes
+again what an earlier one coded, or more work than :func:`work_budget` (``_jpeg.WORK_PER_PIXEL``
+samples visited per pixel of ``max_pixels``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import struct
 from typing import TYPE_CHECKING
 
-from ._jpeg import MAX_SCANS, TOO_MANY_SCANS, jpeg_header
+from ._jpeg import ARITHMETIC_WEIGHT, NO_SCANS, WORK_PER_PIXEL, Scans, jpeg_header
 from ._mapped import CacheFormatError
 
 if TYPE_CHECKING:
@@ -64,9 +66,32 @@ def over_budget(height: int, width: int, limit: int | None) -> str | None:
     )
 
 
+def work_budget(limit: int | None) -> int | None:
+    """The most decoding work (samples visited, ``_jpeg.read_scans``) a JPEG may cost under a
+    pixel budget of ``limit`` (None: unbounded)."""
+    return None if limit is None else WORK_PER_PIXEL * int(limit)
+
+
+def over_work(scans: int, work: int, limit: int | None) -> str | None:
+    """The reason a JPEG whose ``scans`` cost ``work`` (``_jpeg.read_scans``) is refused under
+    ``limit``, or None if it may be decoded."""
+    budget = work_budget(limit)
+    if budget is None or work <= budget:
+        return None
+    return (
+        f"JPEG whose {scans} scans cost {work:,} samples of decoding work (every "
+        f"scan is a pass over the blocks of its components; arithmetic-coded ones count "
+        f"{ARITHMETIC_WEIGHT}x), more than the {budget:,} allowed under max_pixels={limit:,} "
+        f"({WORK_PER_PIXEL} a pixel; the heaviest script encoders write costs 48): refused as "
+        "a denial of service; if it is genuine, rewrite it losslessly as one scan with "
+        "'jpegtran -copy all IN > OUT', or raise max_pixels="
+    )
+
+
 def check_pixels(cache: JpegCache, i: int) -> None:
     """Raise ``ValueError`` if sample ``i`` would cost a decoder more than the store allows: more
-    pixels than its budget, or a JPEG with more than ``MAX_SCANS`` scans (``_jpeg.count_scans``);
+    pixels than its budget, or a JPEG whose scans cost more (``_jpeg.read_scans``: too many, a
+    repeat, or over :func:`work_budget`);
     :class:`CacheFormatError` if its record's size is not the size its bytes state.
 
     Checks the stored record and the sample's own bytes (JPEG and PNG: a few microseconds, tens
@@ -102,26 +127,30 @@ def _check_record(cache: JpegCache, i: int, height: int, width: int) -> None:
         )
 
 
-def stated_size(b: memoryview | bytes) -> tuple[int, int, int] | None:
-    """``(height, width, scans)`` the encoded bytes state (size before EXIF orientation; scans
-    0 for a PNG), or None where that is not cheap to read (other formats, a PNG whose first chunk
+def stated_size(b: memoryview | bytes) -> tuple[int, int, Scans] | None:
+    """``(height, width, scans)`` the encoded bytes state (size before EXIF orientation; no scans
+    for a PNG), or None where that is not cheap to read (other formats, a PNG whose first chunk
     is not its header)."""
     if b[:2] == b"\xff\xd8":
         return jpeg_header(b)
     if b[:8] == b"\x89PNG\r\n\x1a\n" and len(b) >= 24 and b[12:16] == b"IHDR":
         width, height = struct.unpack_from(">II", b, 16)
-        return height, width, 0
+        return height, width, NO_SCANS
     return None
 
 
-def _refused(stated: tuple[int, int, int] | None, limit: int | None) -> str | None:
+def _refused(stated: tuple[int, int, Scans] | None, limit: int | None) -> str | None:
     if stated is None:
         return None
     height, width, scans = stated
-    return TOO_MANY_SCANS if scans > MAX_SCANS else over_budget(height, width, limit)
+    return (
+        scans.problem
+        or over_budget(height, width, limit)
+        or over_work(scans.number, scans.work, limit)
+    )
 
 
 def bytes_refused(b: memoryview, limit: int | None) -> str | None:
     """Why the encoded bytes are refused (size as they state it, before EXIF orientation; a JPEG's
-    scans), whatever the record says they are; None if they may be decoded."""
+    scans and their work), whatever the record says they are; None if they may be decoded."""
     return _refused(stated_size(b), limit)

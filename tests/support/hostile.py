@@ -76,20 +76,123 @@ def extra_scans(jpeg: bytes, count: int) -> bytes:
     hmax, vmax = max(f >> 4 for f in factors), max(f & 15 for f in factors)
     cols, rows = -(-width * (hv >> 4) // hmax), -(-height * (hv & 15) // vmax)  # its samples
     blocks = -(-cols // 8) * -(-rows // 8)
+    data = _eob_runs(blocks)
+    table = b"\x10" + bytes([0, 0, 0, 15] + [0] * 12) + bytes(range(0, 0xF0, 0x10))  # AC table 0
+    dht = b"\xff\xc4" + struct.pack(">H", 2 + len(table)) + table
+    scan = b"\xff\xda\x00\x08\x01" + bytes([cid]) + b"\x00\x01\x3f\x00" + data
+    end = jpeg.rindex(b"\xff\xd9")
+    return jpeg[:end] + dht + scan * count + jpeg[end:]
+
+
+def _segment(marker: int, body: bytes) -> bytes:
+    return bytes((0xFF, marker)) + struct.pack(">H", len(body) + 2) + body
+
+
+def _eob_runs(blocks: int) -> bytes:
+    """Huffman scan data (AC table 0 of :func:`flat_progressive`) that is end-of-band runs over
+    ``blocks`` blocks: EOBRUN codes, symbol r<<4 (4-bit code r) then r bits of run - 2**r."""
     bits, nbits = 0, 0
-    while blocks:  # EOBRUN codes: symbol r<<4 (4-bit code r) then r bits of run - 2**r
+    while blocks:
         run = min(blocks, 32767)
         r = run.bit_length() - 1
         bits, nbits = (bits << (4 + r)) | (r << r) | (run - (1 << r)), nbits + 4 + r
         blocks -= run
     pad = -nbits % 8
     data = ((bits << pad) | ((1 << pad) - 1)).to_bytes((nbits + pad) // 8, "big")
-    data = data.replace(b"\xff", b"\xff\x00")
-    table = b"\x10" + bytes([0, 0, 0, 15] + [0] * 12) + bytes(range(0, 0xF0, 0x10))  # AC table 0
-    dht = b"\xff\xc4" + struct.pack(">H", 2 + len(table)) + table
-    scan = b"\xff\xda\x00\x08\x01" + bytes([cid]) + b"\x00\x01\x3f\x00" + data
-    end = jpeg.rindex(b"\xff\xd9")
-    return jpeg[:end] + dht + scan * count + jpeg[end:]
+    return data.replace(b"\xff", b"\xff\x00")
+
+
+#: libjpeg's progressive scripts (jcparam.c, jpeg_simple_progression), as (components, Ss, Se,
+#: Ah, Al): 10 scans for YCbCr, 18 for 4 components (CMYK).
+COLOUR_SCRIPT = (
+    ((0, 1, 2), 0, 0, 0, 1),
+    ((0,), 1, 5, 0, 2),
+    ((2,), 1, 63, 0, 1),
+    ((1,), 1, 63, 0, 1),
+    ((0,), 6, 63, 0, 2),
+    ((0,), 1, 63, 2, 1),
+    ((0, 1, 2), 0, 0, 1, 0),
+    ((2,), 1, 63, 1, 0),
+    ((1,), 1, 63, 1, 0),
+    ((0,), 1, 63, 1, 0),
+)
+CMYK_SCRIPT = (
+    ((0, 1, 2, 3), 0, 0, 0, 1),
+    *(((c,), 1, 5, 0, 2) for c in range(4)),
+    *(((c,), 6, 63, 0, 2) for c in range(4)),
+    *(((c,), 1, 63, 2, 1) for c in range(4)),
+    ((0, 1, 2, 3), 0, 0, 1, 0),
+    *(((c,), 1, 63, 1, 0) for c in range(4)),
+)
+
+
+def one_coefficient_script(scans: int, comps: int = 3) -> tuple:
+    """A valid script of ``scans`` distinct scans (at most 1 + 63 x ``comps``): the DC of every
+    component, then AC scans of one coefficient each, component by component."""
+    ac = [((c,), k, k, 0, 0) for c in range(comps) for k in range(1, 64)]
+    return (((*range(comps),), 0, 0, 0, 0), *ac[: scans - 1])
+
+
+def flat_progressive(
+    height: int,
+    width: int,
+    script,
+    *,
+    comps: int = 3,
+    sampling: int = 0x11,
+    arithmetic: bool = False,
+    eob_runs: bool = True,
+) -> bytes:
+    """A valid progressive JPEG of a flat gray image (every coefficient 0) written with the scan
+    ``script`` ((components, Ss, Se, Ah, Al) per scan; components index the frame's), a few bytes
+    a scan at any size: a DC scan codes each block's zero difference, an AC scan is end-of-band
+    runs (``eob_runs=False``: an end-of-band code in each block, which costs the decoder a
+    Huffman decode a block); ``sampling`` is the first component's factors (0x22: 4:2:0). Arithmetic coding
+    (SOF10) takes DC scans only, each with no data at all: libjpeg's arithmetic decoder reads
+    zeros at a marker (the standard's convention, without a warning), which decode to small
+    differences (a gentle gradient, not flat), so each scan is a pass over every block for 14
+    bytes. libjpeg decodes any such script, a scan repeated too, without a warning."""
+    hs = [sampling >> 4 if c == 0 else 1 for c in range(comps)]
+    vs = [sampling & 15 if c == 0 else 1 for c in range(comps)]
+    hmax, vmax = max(hs), max(vs)
+    mcus = -(-width // (8 * hmax)) * -(-height // (8 * vmax))
+    out = [b"\xff\xd8", _segment(0xDB, b"\x00" + bytes([1] * 64))]
+    frame = struct.pack(">BHHB", 8, height, width, comps)
+    frame += b"".join(bytes((c + 1, hs[c] << 4 | vs[c], 0)) for c in range(comps))
+    out.append(_segment(0xCA if arithmetic else 0xC2, frame))
+    if not arithmetic:  # DC table 0: one symbol (0: no difference), code 0; AC table 0: EOBRUNs
+        dc = b"\x00" + bytes([1] + [0] * 15) + b"\x00"
+        ac = b"\x10" + bytes([0, 0, 0, 15] + [0] * 12) + bytes(range(0, 0xF0, 0x10))
+        out.append(_segment(0xC4, dc + ac))
+    for members, ss, se, ah, al in script:
+        header = bytes([len(members)]) + b"".join(bytes((c + 1, 0)) for c in members)
+        out.append(_segment(0xDA, header + bytes((ss, se, ah << 4 | al))))
+        if arithmetic:
+            if ss != 0:
+                raise ValueError("flat_progressive writes arithmetic-coded DC scans only")
+            continue
+        if len(members) > 1:  # interleaved (DC only): the blocks of every MCU
+            blocks = mcus * sum(hs[c] * vs[c] for c in members)
+        else:  # one component: its own blocks
+            c = members[0]
+            cols, rows = -(-width * hs[c] // hmax), -(-height * vs[c] // vmax)
+            blocks = -(-cols // 8) * -(-rows // 8)
+        if ss == 0:  # DC: a 0 bit a block (the symbol of a first scan, the refinement bit)
+            out.append(b"\x00" * -(-blocks // 8))
+        elif eob_runs:  # AC: end-of-band runs over the component's blocks
+            out.append(_eob_runs(blocks))
+        else:  # AC: an end-of-band code (symbol 0, code 0000) in each block
+            out.append(b"\x00" * -(-blocks // 2))
+    out.append(b"\xff\xd9")
+    return b"".join(out)
+
+
+def arithmetic_dc_repeats(height: int = 9456, width: int = 9456, repeats: int = 97) -> bytes:
+    """The decode-cost attack on a scan count: a 9456 x 9456 arithmetic-coded progressive JPEG
+    (within the default ``max_pixels``) whose first DC scan comes ``repeats`` + 1 times, 98
+    scans: 1.5 KB, and 5-10 s of libjpeg decode (every scan is a pass over all 4.2 M blocks)."""
+    dc = ((0, 1, 2), 0, 0, 0, 0)
+    return flat_progressive(height, width, (dc,) * (repeats + 1), arithmetic=True)
 
 
 def png_bytes(
