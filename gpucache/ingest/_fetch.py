@@ -12,7 +12,11 @@ saved; a partial spool is never a store.
 
 Transient failures (connection reset or refused, timeouts, HTTP 5xx, 429 and S3's SlowDown)
 are retried up to ``RETRIES`` times with exponential backoff and full jitter, within
-``DEADLINE_S`` a part; anything else (403, 404, an object shorter than listed) is final. An
+``DEADLINE_S`` a part; anything else (403, 404, a redirect, an object shorter than listed) is
+final. Each attempt has a time limit of its own, ``ATTEMPT_S`` and never past the part's
+deadline, besides the client's read timeout (which a body sent a byte at a time never
+reaches): an attempt still reading then is cancelled, its connection closed, and the part
+retried, so a part ends, fetched or failed, within ``DEADLINE_S`` of its first attempt. An
 object that stays unreadable is handed to the build as a refused input with its URL and reason,
 under the build's ``on_error`` policy.
 """
@@ -23,6 +27,7 @@ import errno
 import logging
 import os
 import random
+import shutil
 import threading
 import time
 import zlib
@@ -44,8 +49,10 @@ IN_FLIGHT_BYTES = 128 << 20  # response bodies held at once, across the requests
 DEFAULT_REQUESTS = 32  # requests in flight (``requests_in_flight=``)
 RETRIES = 5  # retries of a transient failure (6 attempts in all)...
 DEADLINE_S = 300.0  # ...within this many seconds of a part's first attempt
+ATTEMPT_S = 120.0  # the most one attempt at a part takes (8 MiB in 120 s: 70 KB/s)
 BACKOFF_S, BACKOFF_CAP_S = 0.25, 8.0  # full jitter: uniform(0, min(cap, base * 2**attempt))
 DENIED_STOP = 8  # this many objects denied before any is fetched: the bucket is denied, stop
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a disk, a file-size limit, a quota
 _RECORD = np.dtype([("part", "<u8"), ("crc", "<u4")])
 _TRANSIENT_CODES = {
     "SlowDown",
@@ -201,21 +208,33 @@ class Spool:
         return self.failed
 
     def _reserve(self, fd: int) -> None:
-        """Room for every object, reserved before the first request (a full disk fails now)."""
-        if os.fstat(fd).st_size != self.total:
-            os.ftruncate(fd, self.total)
+        """Room for every object, reserved before the first request (a full disk fails now,
+        and a spool this build made is removed again: no sparse file of the full size stays)."""
+        before = os.fstat(fd).st_size
         try:
+            if before != self.total:
+                os.ftruncate(fd, self.total)
             if self.total:
-                os.posix_fallocate(fd, 0, self.total)
+                try:
+                    os.posix_fallocate(fd, 0, self.total)
+                except OSError as err:
+                    if err.errno in _FULL:
+                        raise
+                    # a file system without fallocate: the writes find out
         except OSError as err:
-            if err.errno in (28, 27):  # ENOSPC, EFBIG
-                raise OSError(
-                    err.errno,
-                    f"cannot reserve {self.total / 2**30:,.2f} GiB for the fetched objects in "
-                    f"{self.data} ({err.strerror}): free space there, or pass cache_dir= a "
-                    "folder on a larger node-local disk",
-                ) from err
-            # a file system without fallocate: the writes find out
+            if err.errno not in _FULL:
+                raise
+            if before == 0:  # this build's new spool: nothing of it is kept
+                self.remove()
+            else:  # a killed build's spool: as it was, its recorded parts kept for a resume
+                os.ftruncate(fd, before)
+            raise OSError(
+                err.errno,
+                f"cannot reserve {_size(self.total)} for the fetched objects in "
+                f"{self.data} ({err.strerror}; {_free(self.data)}): free space there, or pass "
+                "cache_dir= a folder on a larger node-local disk (the store needs as much "
+                "again while it is saved)",
+            ) from err
 
     def _resume(self, fd: int, jfd: int, n_parts: int) -> np.ndarray:
         """The parts a previous build recorded and whose bytes still match their CRC."""
@@ -263,11 +282,13 @@ class Spool:
         i, a, b = self._locate(part)
         path = self.listing.path(i)
         start, attempt = time.monotonic(), 0
+        timed = bool(getattr(self.fs, "async_impl", False))  # fsspec's async clients take one
         while True:
             if self._stop.is_set():
                 return part, 0, "the build stopped"
+            limit = min(ATTEMPT_S, DEADLINE_S - (time.monotonic() - start))
             try:
-                data = self.fs.cat_file(path, start=a, end=b)
+                data = self._attempt(path, a, b, limit if timed else None)
                 if len(data) != b - a:
                     raise _Changed(
                         f"the server sent {len(data):,} bytes for bytes {a:,}-{b:,} of an object "
@@ -279,19 +300,37 @@ class Spool:
                 return part, 0, str(err)
             except Exception as err:
                 spent = time.monotonic() - start
-                if not transient(err) or attempt >= RETRIES or spent > DEADLINE_S:
-                    tries = f"{attempt + 1} attempt{'s' if attempt else ''} in {spent:.1f} s"
-                    if transient(err):
-                        return part, 0, f"cannot fetch: {describe(err)}; gave up after {tries}"
+                if not transient(err):
                     return part, 0, f"cannot fetch: {describe(err)}"
+                delay = backoff(attempt)
+                if attempt >= RETRIES or DEADLINE_S - spent - delay < 0.05:  # no time to retry
+                    tries = f"{attempt + 1} attempt{'s' if attempt else ''} in {spent:.1f} s"
+                    return part, 0, f"cannot fetch: {describe(err)}; gave up after {tries}"
                 log.debug("gpucache: retrying %s after %s", self.listing.urls[i], describe(err))
-            self._stop.wait(backoff(attempt))  # a backoff, cut short when the build stops
+            self._stop.wait(delay)  # a backoff, cut short when the build stops
             attempt += 1
         view, at = memoryview(data), int(self.offsets[i]) + a
         while view:
             written = os.pwrite(fd, view, at)
             view, at = view[written:], at + written
         return part, zlib.crc32(data), None
+
+    def _attempt(self, path: str, a: int, b: int, limit: float | None) -> bytes:
+        """Bytes ``a:b`` of ``path``; an async client's call is cancelled (its connection
+        closed) after ``limit`` seconds, however slowly the body still comes."""
+        if limit is None:
+            data: bytes = self.fs.cat_file(path, start=a, end=b)
+            return data
+        try:
+            data = self.fs.cat_file(path, start=a, end=b, timeout=max(limit, 0.01))
+        except Exception as err:  # fsspec's sync(): asyncio.wait_for, then FSTimeoutError
+            if type(err).__name__ != "FSTimeoutError":
+                raise
+            raise TimeoutError(
+                f"no complete answer within {limit:.1f} s (an attempt's limit: a body "
+                "that comes too slowly is cut off)"
+            ) from err
+        return data
 
     def _fetch_missing(self, fd: int, jfd: int, done: np.ndarray) -> None:
         n = len(self.listing)
@@ -413,6 +452,37 @@ def _open_own(path: Path) -> tuple[int, bool]:
     if fd is None:
         raise PermissionError(errno.EPERM, f"cannot create {path}: it {why}", str(path))
     return fd, True
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def _free(path: Path) -> str:
+    """How much room the disk holding ``path`` has left, in words."""
+    try:
+        return f"{_size(shutil.disk_usage(path.parent).free)} free there"
+    except OSError:
+        return "the free space there unknown"
+
+
+def spool_full(err: OSError, spool: Path) -> OSError | None:
+    """``err`` (saving a store built from the spool ``spool``: a full disk) saying that the
+    spool holds the other copy of the data, where and how big, and that it is kept; None
+    without a spool."""
+    try:
+        size = _size(spool.stat().st_size)
+    except OSError:
+        return None
+    return OSError(
+        err.errno,
+        f"{err.strerror} The spool {spool} beside it holds the other copy of the data, the "
+        f"fetched objects ({size}; {_free(spool)}): the disk needs room for the data twice "
+        "while the store is saved. Free that much there, or pass cache_dir= a folder on a "
+        "larger node-local disk; the spool is kept, and a build of the same objects into this "
+        "folder resumes from it without fetching them again (`gpucache cache clean --all` "
+        "removes it)",
+    )
 
 
 def _missing(done: np.ndarray) -> Iterator[int]:

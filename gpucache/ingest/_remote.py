@@ -41,7 +41,8 @@ SCHEMES = {
 }
 MAX_CONNECTIONS = 256  # S3 connections pooled (botocore's default, 10, caps requests in flight)
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-_USERINFO = re.compile(r"(?<=://)[^/@]*@")
+_URL_IN_TEXT = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^\s'\"]*)")
+_BUCKETS = {"s3", "gcs"}  # whose bucket names never hold '@' or ':' (Azure's container@account)
 CREDENTIALS_HELP = {
     "s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, ~/.aws/credentials, an "
     "instance role), AWS_DEFAULT_REGION, and AWS_ENDPOINT_URL for a server other than AWS; or "
@@ -81,12 +82,42 @@ def is_url(x: Any) -> bool:
             f"{redact(x)}: {m[1]}:// is not a source gpucache reads; give a local path or a "
             f"URL of {', '.join(s + '://' for s in sorted(SCHEMES))}"
         )
+    if _userinfo(m[1].lower(), x[m.end() :]):
+        raise ValueError(
+            f"{redact(x)}: this URL carries a user name or password (SCHEME://USER:PASSWORD@"
+            "...), and gpucache takes no credential from a URL (it would be kept in the store's "
+            "paths, its build report and the logs, and the client would not use it); give the "
+            "URL without it, and the credentials the way the client reads them: "
+            f"{CREDENTIALS_HELP[SCHEMES[m[1].lower()]]}"
+        )
     return True
 
 
-def redact(url: str) -> str:
-    """The URL with any ``user:password@`` part removed (what names, logs and errors show)."""
-    return _USERINFO.sub("", url)
+def _userinfo(scheme: str, rest: str) -> str:
+    """The ``user:password@`` (or ``user@``) that begins ``rest``, a URL after its ``://``.
+
+    A colon before the first ``/`` and before an ``@`` starts one (a password may hold ``/``:
+    AWS secret keys do); an ``@`` before the first ``/`` too, where bucket names cannot hold
+    one (S3, GCS; Azure's ``container@account`` is no user)."""
+    at, slash, colon = rest.find("@"), rest.find("/"), rest.find(":")
+    if at < 0:
+        return ""
+    first = len(rest) if slash < 0 else slash
+    if 0 <= colon < at and colon < first:
+        return rest[: at + 1]
+    if at < first and SCHEMES.get(scheme) in _BUCKETS:
+        return rest[: at + 1]
+    return ""
+
+
+def redact(text: str) -> str:
+    """``text`` with any URL's ``user:password@`` part removed (what names, logs and errors
+    show)."""
+
+    def one(m: re.Match) -> str:
+        return m[1] + m[2][len(_userinfo(m[1][:-3].lower(), m[2])) :]
+
+    return _URL_IN_TEXT.sub(one, text)
 
 
 def protocol_of(url: str) -> str:
@@ -105,7 +136,8 @@ def filesystem(url: str, storage_options: dict | None):
 
     S3's own retries are turned down to one attempt, so the build's bounded retries
     (``_fetch``) are the only ones, and its connection pool raised to ``MAX_CONNECTIONS`` (opened
-    as requests need them), unless ``storage_options`` sets them."""
+    as requests need them), unless ``storage_options`` sets them. Its HTTP session follows no
+    redirect (``_s3http``): a GET answered with one fails, as botocore's own client does."""
     proto = protocol_of(url)
     try:
         import fsspec  # type: ignore[import-untyped]
@@ -124,6 +156,10 @@ def filesystem(url: str, storage_options: dict | None):
         config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         # botocore pools 10 connections by default: more requests in flight would queue for one
         config.setdefault("max_pool_connections", MAX_CONNECTIONS)
+        if "http_session_cls" not in config:
+            from ._s3http import session_class
+
+            config["http_session_cls"] = session_class()
         options["config_kwargs"] = config
     try:
         fs = cls(skip_instance_cache=True, **options)
@@ -159,12 +195,34 @@ def error_code(err: BaseException) -> tuple[str, int]:
         status = getattr(e, "status", None)  # aiohttp: a response's status (not a payload
         if name == "ClientResponseError" and isinstance(status, int):  # error's local code)
             return str(status), status
+        azure = getattr(e, "error_code", None)  # azure-core's HttpResponseError (adlfs)
+        if isinstance(azure, str) and isinstance(getattr(e, "status_code", None), int):
+            return azure, int(e.status_code)  # type: ignore[attr-defined]
         e = e.__cause__ or e.__context__
     return "", 0
 
 
+def _location(err: BaseException) -> str:
+    """Where a redirect answer pointed (scheme, host, port and path; no query, no user), or ""."""
+    from urllib.parse import urlsplit
+
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):  # botocore's ClientError: the answer's headers
+            headers = response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+            where = urlsplit(str(headers.get("location", "")))
+            if where.netloc:
+                return f"{where.scheme}://{where.netloc.rpartition('@')[2]}{where.path}"
+        e = e.__cause__ or e.__context__
+    return ""
+
+
 def describe(err: BaseException) -> str:
-    """A short reason for ``err``: the service's code and message, no request details."""
+    """A short reason for ``err``: the service's code and message, no request details; for a
+    redirect, where it pointed (it is not followed)."""
     code, status = error_code(err)
     text = redact(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
     parts = [type(err).__name__]
@@ -172,6 +230,14 @@ def describe(err: BaseException) -> str:
         parts.append(f"HTTP {status}")
     if code and code != str(status) and code not in text:
         parts.append(code)
+    if 300 <= status < 400:
+        where = _location(err)
+        return (
+            f"the server answered with a redirect{' to ' + where if where else ''} "
+            f"({', '.join(parts)}), which is not followed: objects are read from the "
+            "endpoint alone; check the endpoint (AWS_ENDPOINT_URL, endpoint_url) and the "
+            "bucket's region"
+        )
     return f"{text} ({', '.join(parts)})"
 
 
@@ -181,8 +247,10 @@ def access_error(url: str, err: BaseException, what: str = "list") -> ObjectStor
     proto = SCHEMES.get(protocol_of(url), "s3")
     bucket = bucket_of(url)
     creds = CREDENTIALS_HELP[proto]
-    if code in ("NoSuchBucket", "ContainerNotFound") or (
-        isinstance(err, FileNotFoundError) and "bucket" in str(err).lower()
+    # by the service's error code (GCS gives none but its message), never by the words of
+    # the error's text, which names the object too (s3://my-bucket/a.jpg, a missing object)
+    if code in ("NoSuchBucket", "ContainerNotFound") or "specified bucket does not exist" in (
+        code.lower()
     ):
         return ObjectStoreError(
             f"cannot {what} {redact(url)}: the bucket {bucket} does not exist (or is not visible "

@@ -24,6 +24,7 @@ single process with no ``cache_dir`` builds in memory and writes nothing.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import _dist
+from ..ingest._fetch import spool_full
 from ..ingest._objects import spool_files
 from ..ingest._remote import Listing as ObjectListing
 from ..store._format import CacheFormatError
@@ -154,7 +156,15 @@ def built_once(
             lock.phase("building", len(listing[0]))
             built = build(*listing, lock.progress, *((folder / key,) if remote else ()))
             lock.phase("saving", len(built))
-            built.save(store, mode=0o600)
+            try:
+                built.save(store, mode=0o600)
+            except OSError as err:  # a full disk: the spool holds the data's other copy
+                full = None
+                if remote and err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    full = spool_full(err, spool_files(folder / key)[0])
+                if full is None:
+                    raise
+                raise full from err
             info = {"source": _source(request), "samples": len(built), "created": time.time()}
             write_private(folder / f"{key}.info", json.dumps(info).encode())
             if remote:  # the store is saved: the fetched objects are no longer needed

@@ -37,7 +37,7 @@ ERROR_XML = (
 class Rule:
     method: str
     match: Callable[[str], bool]
-    kind: str  # "status", "drop", "cut", "delay", "hook"
+    kind: str  # "status", "drop", "cut", "delay", "hook", "redirect", "trickle"
     times: int | None  # None: until removed
     status: int = 503
     code: str = "SlowDown"
@@ -84,6 +84,14 @@ class FaultLayer:
             self.closing.wait(rule.seconds)  # a slow server, not a synchronisation
         elif rule.kind == "hook" and rule.hook is not None:
             rule.hook(path)
+        elif isinstance(rule, Redirect):  # another server's address for the object
+            start_response(
+                f"{rule.status} Redirect",
+                [("Location", rule.location + path), ("Content-Length", "0")],
+            )
+            return [b""]
+        elif rule.kind == "trickle":  # moto's answer, its body one byte every `seconds`
+            return self._trickle(rule, environ, start_response)
         if rule.kind == "cut":  # half the body, then the connection goes
             chunks = []
             status_headers = {}
@@ -98,6 +106,20 @@ class FaultLayer:
             start_response(status_headers["status"], status_headers["headers"])
             return _cut(body)
         return self.app(environ, start_response)
+
+    def _trickle(self, rule: Rule, environ, start_response) -> Iterator[bytes]:
+        answered: dict = {}
+
+        def keep(status, headers, exc_info=None):
+            answered.update(status=status, headers=headers)
+            return lambda data: None
+
+        body = b"".join(self.app(environ, keep))
+        start_response(answered["status"], answered["headers"])
+        for k in range(len(body)):
+            if self.closing.wait(rule.seconds):  # a slow link, cut short when the server stops
+                return
+            yield body[k : k + 1]
 
 
 def _cut(body: bytes) -> Iterator[bytes]:
@@ -181,12 +203,18 @@ class S3Server(ThreadedMotoServer):
         method: str = "GET",
         times: int | None = 1,
         status: int = 503,
+        location: str = "",
         code: str = "SlowDown",
         seconds: float = 0.0,
         hook: Callable[[str], None] | None = None,
     ) -> Rule:
         test = match if callable(match) else (lambda p, m=match: m in p)
-        rule = Rule(method, test, kind, times, status, code, seconds, hook)
+        if kind == "redirect":  # to ``location`` + the request's path (another server's)
+            rule: Rule = Redirect(
+                method, test, kind, times, status, code, seconds, hook, location=location
+            )
+        else:
+            rule = Rule(method, test, kind, times, status, code, seconds, hook)
         with self.faults.lock:
             self.faults.rules.append(rule)
         return rule
@@ -202,3 +230,56 @@ class S3Server(ThreadedMotoServer):
             yield self
         finally:
             self.clear_faults()
+
+
+@dataclass
+class Redirect(Rule):
+    """A ``"redirect"`` rule: answers ``status`` with ``Location: <location><path>``."""
+
+    location: str = ""
+
+
+class Stranger:
+    """Another HTTP server on 127.0.0.1, the target of a ``"redirect"`` rule: it answers every
+    GET of a path with ``body(path)`` (say other bytes of the object's listed size) and keeps
+    the requests it gets (``requests``: paths; ``headers``: their headers)."""
+
+    def __init__(self, body: Callable[[str], bytes]) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        stranger = self
+        self.requests: list[str] = []
+        self.headers: list[dict[str, str]] = []
+        self.lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the handler's name in http.server
+                with stranger.lock:
+                    stranger.requests.append(self.path)
+                    stranger.headers.append(dict(self.headers))
+                data = body(self.path.split("?", 1)[0])
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:  # no line per request
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> Stranger:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=30)
