@@ -74,13 +74,21 @@ nvJPEG (``torchvision.io.decode_jpeg(..., device=cuda)``, TorchCodec's ``decode_
   ``emu.decoder_rebuilds`` counts rebuilds, a new decoder comes with a new private stream;
 - ``decoder_fault="oom"`` makes every CUDA decode raise torchvision's ``RuntimeError("Error while
   decoding JPEG images: CUDA out of memory. Tried to allocate ...")`` (it rethrows CUDA's error as
-  a plain RuntimeError), ``"init"`` makes building the decoder raise its ``"Failed to initialize
-  nvjpeg with hardware backend: 5"`` (NVJPEG_STATUS_ALLOCATOR_FAILURE); ``emu.decoder_fault`` may
-  be changed inside the block;
+  a plain RuntimeError), ``"alloc"`` raise nvJPEG's own allocator failure as torchvision says it
+  (``"Error while decoding JPEG images: Failed to decode batch: 5"``, 5 being
+  NVJPEG_STATUS_ALLOCATOR_FAILURE), ``"init"`` makes building the decoder raise its ``"Failed to
+  initialize nvjpeg with hardware backend: 5"``; ``emu.decoder_fault`` may be changed inside the
+  block. ``emu.decode_calls`` counts CUDA decode calls;
 - the decoder's own device memory (nvJPEG's buffers, outside torch's caching allocator):
   ``emulated_nvjpeg.DECODER_BYTES`` a decoder built (a rebuilt one's are leaked with it), and
   ``decoder_leak=B`` more bytes every CUDA decode call (a decoder that leaks); ``mem_get_info``
-  counts them (``emu.outside`` a device), ``memory_allocated``/``memory_reserved`` do not;
+  counts them (``emu.outside`` a device), ``memory_allocated``/``memory_reserved`` do not.
+  During a call nvJPEG also needs work memory of its own, 3 bytes a pixel of the batch
+  (``emulated_nvjpeg.work_bytes``): when the device's free memory (``total_memory`` less what
+  torch reserved, cached blocks included, and ``emu.outside``) is short of it, the call fails
+  with ``"Error while decoding JPEG images: Failed to initialize batch decoding: 5"``, as
+  nvJPEG's ``cudaMalloc`` does when torch's cache holds the memory. ``torch.cuda.empty_cache()``
+  gives the cached blocks back (``emu.empty_caches`` counts the calls);
 - ``stream_pool=N`` hands out ``torch.cuda.Stream()`` as torch does, round-robin from a pool of
   ``N`` streams a device (32 in torch), so the library's streams may be ones a user computes on.
 
@@ -223,9 +231,12 @@ class EmulatedCuda(OrderRules):
         trust_decoder_sync: bool = False,
         stream_pool: int | None = None,
         decoder_leak: int = 0,
+        total_memory: int = TOTAL_MEMORY,
     ):
-        if decoder_fault not in (None, "oom", "init"):
-            raise ValueError(f"decoder_fault={decoder_fault!r}: use None, 'oom' or 'init'.")
+        if decoder_fault not in (None, "oom", "alloc", "init"):
+            raise ValueError(
+                f"decoder_fault={decoder_fault!r}: use None, 'oom', 'alloc' or 'init'."
+            )
         self.devices = devices
         self.default_stream_decode = default_stream_decode  # "allow": isolate the other rules
         self.decoder_fault = decoder_fault
@@ -233,6 +244,9 @@ class EmulatedCuda(OrderRules):
         self.stream_pool = stream_pool  # None: every Stream() its own stream
         self.decoder_leak = decoder_leak  # bytes a CUDA decode call never gives back
         self.outside = [0] * devices  # device bytes held outside torch's caching allocator
+        self.total_memory = total_memory  # each device's, as get_device_properties reports it
+        self.decode_calls = 0  # CUDA decode calls (failed ones too)
+        self.empty_caches = 0  # torch.cuda.empty_cache() calls
         self._pooled: dict[int, list[Stream]] = {}
         self._made_streams: dict[int, int] = {}
         self.decoder_rebuilds = 0
@@ -344,15 +358,26 @@ class EmulatedCuda(OrderRules):
         return pool[made % self.stream_pool]
 
     def get_device_properties(self, device=None):
-        """What ``torch.cuda.get_device_properties`` tells: an 80 GiB device."""
+        """What ``torch.cuda.get_device_properties`` tells: a ``total_memory`` device."""
         index = self.index_device(device).index
-        return _Properties(f"emulated CUDA device {index}", TOTAL_MEMORY, 9, 0, 132)
+        return _Properties(f"emulated CUDA device {index}", self.total_memory, 9, 0, 132)
 
     def mem_get_info(self, device=None) -> tuple[int, int]:
         """(free, total) bytes: the total less what the emulated allocator reserved and what
         the decoders hold outside it."""
         index = self.index_device(device).index
-        return TOTAL_MEMORY - self.memory_reserved(device) - self.outside[index], TOTAL_MEMORY
+        used = self.memory_reserved(device) + self.outside[index]
+        return self.total_memory - used, self.total_memory
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: every device's cached free blocks go back (reserved
+        falls to what live tensors use)."""
+        with self._lock:
+            self._drain()
+            self.empty_caches += 1
+            for (index, _), blocks in self._free.items():
+                self._reserved[index] -= sum(b.size for b in blocks)
+            self._free.clear()
 
     # ------------------------------------------------------------------ tensors
     def _wrap(self, out, index: int | None):
@@ -675,6 +700,7 @@ class EmulatedCuda(OrderRules):
             "get_device_name": lambda device=None: f"emulated CUDA ({self.devices} devices)",
             "get_device_properties": self.get_device_properties,
             "mem_get_info": self.mem_get_info,
+            "empty_cache": self.empty_cache,
         }.items():
             self._patch(c, name, value)
         self._patch(
