@@ -713,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=200, help="ordering-stress batches")
     ap.add_argument("--epochs", type=int, default=2, help="timed epochs per contender")
     ap.add_argument("--overlap-runs", type=int, default=3)
-    ap.add_argument("--memory-epochs", type=int, help="memory part's epochs (20; 8 emulated)")
+    ap.add_argument("--memory-epochs", type=int, help="memory part's epochs (12; 8 emulated)")
     ap.add_argument("--skip", default="", help="parts to leave out, e.g. throughput,overlap")
     args = ap.parse_args(argv)
     for name, cuda, emulated in (
@@ -721,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         ("batch", 256, 16),
         ("budget_s", 110.0, 60.0),
         ("max_photos", 2048, 32),
-        ("memory_epochs", 20, 8),
+        ("memory_epochs", 12, 8),
     ):
         if getattr(args, name) is None:
             setattr(args, name, emulated if args.emulate else cuda)
