@@ -193,7 +193,7 @@ _DATA_SHAPED = {
 }
 #: Factories that allocate without writing.
 _NO_WRITE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
-TOTAL_MEMORY = 80 * 2**30  # each emulated device's memory, as get_device_properties reports it
+TOTAL_MEMORY = 80 * 2**30  # each emulated device's memory unless given
 
 
 @dataclass(frozen=True)
@@ -243,8 +243,8 @@ class EmulatedCuda(OrderRules):
         self.trust_decoder_sync = trust_decoder_sync
         self.stream_pool = stream_pool  # None: every Stream() its own stream
         self.decoder_leak = decoder_leak  # bytes a CUDA decode call never gives back
-        self.outside = [0] * devices  # device bytes held outside torch's caching allocator
         self.total_memory = total_memory  # each device's, as get_device_properties reports it
+        self.outside = [0] * devices  # device bytes held outside torch's caching allocator
         self.decode_calls = 0  # CUDA decode calls (failed ones too)
         self.empty_caches = 0  # torch.cuda.empty_cache() calls
         self._pooled: dict[int, list[Stream]] = {}
@@ -358,7 +358,8 @@ class EmulatedCuda(OrderRules):
         return pool[made % self.stream_pool]
 
     def get_device_properties(self, device=None):
-        """What ``torch.cuda.get_device_properties`` tells: a ``total_memory`` device."""
+        """What ``torch.cuda.get_device_properties`` tells: a ``total_memory`` device (80 GiB
+        unless given)."""
         index = self.index_device(device).index
         return _Properties(f"emulated CUDA device {index}", self.total_memory, 9, 0, 132)
 
@@ -366,8 +367,8 @@ class EmulatedCuda(OrderRules):
         """(free, total) bytes: the total less what the emulated allocator reserved and what
         the decoders hold outside it."""
         index = self.index_device(device).index
-        used = self.memory_reserved(device) + self.outside[index]
-        return self.total_memory - used, self.total_memory
+        total = self.total_memory
+        return total - self.memory_reserved(device) - self.outside[index], total
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: every device's cached free blocks go back (reserved
