@@ -1,12 +1,19 @@
-"""One-call GPU check: correctness, stream-ordering stress, throughput, overlap, GPU memory.
+"""One-call GPU check: correctness, stream-ordering stress, transforms, throughput, overlap, memory.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py --json gpu_check.json          # on a CUDA machine
-    PYTHONPATH=. python benchmarks/gpu_check.py --emulate --json emulated.json # CPU, same code
-    PYTHONPATH=. python benchmarks/gpu_check.py --emulate --device cuda:1 ...  # a non-current GPU
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --out OUT [PHOTOS]  # on a CUDA machine
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --emulate --out OUT # CPU, same code
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --emulate --device cuda:1 --out OUT # another GPU
 
-The JSON is written at start and rewritten after every part, so a crash (even before the first
-part) still leaves a file; each part runs in its own try (an error is printed and recorded, the
-next part runs), prints its whole result and its seconds, and stops at its share of --budget-s:
+Everything it writes goes into the one folder ``--out`` (see :mod:`benchmarks.gpu_check_out`: the
+JSON, the machine with ``nvidia-smi -q``, full tracebacks, hung parts' stacks). PHOTOS, a folder of
+real photos (ImageFolder layout or flat; at most --max-photos of them, drawn at random), is what
+the transforms, throughput, overlap and memory parts run on; without it they run on the synthetic
+photos, whose kinds (5% progressive, 3% over 1,500 px, gray, CMYK, EXIF) the correctness and
+ordering parts are for. The JSON is written at start and rewritten after every part, so a crash
+(even before the first part) still leaves a file; each part runs in its own try (an error is
+printed whole and recorded, the next part runs), prints its whole result and its seconds, and
+stops at its share of --budget-s. The nvjpeg backend's parts run first, DALI's last (a DALI that
+crashes the process then costs only its own parts):
 (env) versions (of the installed distributions: importlib.metadata), the decoder in use and
     whether it applies EXIF (measured, not assumed), and one image through each nvJPEG entry
     point called directly, torchvision's ``decode_jpeg([bytes], device=cuda:N)`` and TorchCodec's
@@ -21,19 +28,24 @@ next part runs), prints its whole result and its seconds, and stops at its share
     pixels alone would pass;
 (b) stream-ordering stress: batch checksums vs a synchronised reference while the backend's *side*
     stream is kept busy, checksums kept on the device (no synchronisation per step);
-(c) images/s of the train pipeline: nvjpeg threaded and synchronous, dali, torchvision's
-    per-image GPU decode, the cpu backend with every core;
+(t) the batched transforms against the per-image path on the device, TF32 matmuls off and on,
+    by maximum difference (and share of values that differ); and the synchronous backend inside a
+    bfloat16 ``torch.autocast`` region against outside it (must be equal);
+(c) images/s of the train pipeline: nvjpeg threaded and synchronous, torchvision's per-image GPU
+    decode, the cpu backend with every core; dali's in a part of its own;
 (d) overlap: the nvjpeg epoch with a training step, threaded vs synchronous (benchmarks/overlap.py);
 (e) GPU memory, allocated and reserved (each stream keeps its own pool), after each epoch.
 ``--emulate`` runs all of it on the CPU under :class:`~tests.support.emulated_cuda.EmulatedCuda`
 (two emulated GPUs): the same ``device="cuda"`` code paths, streams and device indices, with
 torchvision's decoder, which ignores EXIF there as on CUDA; DALI, which cannot run its GPU graph
 without a GPU, runs its CPU mode, and the overlap part a CPU device. Exit 0 all passed, 1 a check
-failed or a part raised, 2 no CUDA (not emulating). The parts' shares add up to 0.78 of
---budget-s (270 s by default), leaving the rest for the store's build, warm-ups and the minimum
-work a part does past its share (one epoch, the memory part's five). ``--emulate`` defaults to
-64 images in batches of 16 and --budget-s 60: the same code paths and checks (every kind of
-sample: gray, CMYK, progressive, EXIF-rotated; four batches an epoch, two in flight), sized for
+failed or a part raised, 2 no CUDA (not emulating). The parts' shares add up to 0.58 of
+--budget-s without DALI and 0.82 with it (110 s by default), the rest being the stores' builds,
+warm-ups and the minimum work a part does past its share (one epoch, the memory part's five).
+``--emulate`` defaults to
+64 images in batches of 16 (the data parts on 32 of them) and --budget-s 60: the same code paths
+and checks (every kind of sample: gray, CMYK, progressive, EXIF-rotated; four batches an epoch,
+three in flight), sized for
 the nvjpeg backend's batched transforms on CPU tensors (about 50-100 ms a photo on a 2-core VM),
 which dominate the emulated run: the parts then do about their minimum (one or two epochs;
 memory, five).
@@ -47,7 +59,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from importlib import metadata
 from pathlib import Path
 
@@ -55,6 +66,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gpu_check_out import Outputs, system  # noqa: E402
 from benchmarks.overlap import measure as measure_overlap  # noqa: E402
 from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
@@ -73,11 +85,21 @@ NORMALIZE = T.Normalize((0.5,) * 3, (0.25,) * 3)
 #: Each part's share of --budget-s (a part runs at least its minimum past it; see the doc).
 SHARES = {
     "correctness": 0.05,
-    "ordering": 0.07,
-    "rate": 0.06,
+    "ordering": 0.06,
+    "transforms": 0.06,
+    "rate": 0.06,  # each contender
     "cpu rate": 0.06,
     "overlap": 0.1,
     "memory": 0.07,
+}
+#: The parts' kinds, by name (a backend's name stripped), for their shares and hang watch.
+_KIND = {
+    "vs cpu": "correctness",
+    "ordering": "ordering",
+    "transforms": "transforms",
+    "throughput": "rate",
+    "overlap": "overlap",
+    "memory": "memory",
 }
 DALI_DISTRIBUTIONS = ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110")
 
@@ -85,18 +107,21 @@ DALI_DISTRIBUTIONS = ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali
 class Check:
     """Settings, the device, the results dict and its JSON file."""
 
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, args, out: Outputs):
+        self.args, self.out = args, out
         self.device = torch.device(args.device)  # as given: the library normalises it
         self.result: dict = {
             "emulated": args.emulate,
             "device": args.device,
+            "photos": args.photos,
             "parts": {},
             "errors": {},
             "seconds_per_part": {},
             "finished": False,
         }
         self.t0 = time.perf_counter()
+        self.cache: JpegCache  # the synthetic photos (or --folder): correctness, ordering
+        self.data: JpegCache  # PHOTOS (else the same): transforms, throughput, overlap, memory
 
     def deadline(self, part: str) -> float:
         return time.perf_counter() + SHARES[part] * self.args.budget_s
@@ -117,10 +142,11 @@ class Check:
             return torchvision_decoder(self.device)
         return default_decoder(self.device)
 
-    def backend(self, name: str, *, threaded: bool = True, batch: int | None = None):
+    def backend(self, name: str, *, threaded: bool = True, batch: int | None = None, cache=None):
+        cache = self.cache if cache is None else cache
         if name == "nvjpeg":
             return NvjpegBackend(
-                self.cache,
+                cache,
                 device=self.device,
                 on_error="skip",
                 decoder=self.decoder(),
@@ -129,7 +155,7 @@ class Check:
         from gpucache.decode._dali import DaliBackend
 
         return DaliBackend(
-            self.cache,
+            cache,
             device=self.device_for(name),
             batch_size=batch or self.args.batch,
             on_error="skip",
@@ -141,16 +167,17 @@ class Check:
         """DALI cannot run its GPU graph on emulated CUDA: it runs its CPU mode there."""
         return torch.device("cpu") if self.args.emulate and name == "dali" else self.device
 
-    def batches(self, backend, transform, *, batch: int, seed: int, shuffle: bool = False):
-        """(indices as drawn, plans as drawn, Decoded) per batch, as many batches in flight as
-        the loader keeps (``GPU_IN_FLIGHT``)."""
-        order = (
-            np.random.default_rng(seed).permutation(len(self.cache))
-            if shuffle
-            else np.arange(len(self.cache))
-        )
+    def batches(
+        self, backend, transform, *, batch: int, seed: int, shuffle: bool = False, stack=True
+    ):
+        """(indices as drawn, plans as drawn, Decoded) per batch of the backend's store, as
+        many batches in flight as the loader keeps (``GPU_IN_FLIGHT``)."""
+        cache = backend.cache
+        order = np.random.default_rng(seed).permutation(len(cache)) if shuffle else None
+        if order is None:
+            order = np.arange(len(cache))
         drawn = [order[k : k + batch] for k in range(0, len(order), batch)]
-        s = self.cache.samples
+        s = cache.samples
         plans = [
             transform.plan(
                 s["height"][b].astype(np.int64),
@@ -162,7 +189,7 @@ class Check:
         submitted = 0
         for k in range(len(drawn)):
             while submitted < len(drawn) and submitted < k + GPU_IN_FLIGHT:
-                backend.submit(drawn[submitted], plans[submitted], True)
+                backend.submit(drawn[submitted], plans[submitted], stack)
                 submitted += 1
             yield drawn[k], plans[k], backend.get()
 
@@ -171,12 +198,15 @@ class Check:
             return
         t0 = time.perf_counter()
         print(f"[{t0 - self.t0:6.1f} s] {name} ...", flush=True)
+        kind = next((k for key, k in _KIND.items() if name.endswith(key)), "correctness")
+        share = SHARES[kind] * self.args.budget_s * (3 if kind == "rate" else 1)
         try:
-            self.result["parts"][name] = fn(self, *args)
+            with self.out.watch(name, share):
+                self.result["parts"][name] = fn(self, *args)
             print(f"    {json.dumps(self.result['parts'][name], default=str)}", flush=True)
-        except Exception as err:  # noqa: BLE001 - recorded; the next part still runs
-            self.result["errors"][name] = "".join(traceback.format_exception(err))[-3000:]
-            print(f"    ERROR in {name}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        except Exception as err:  # noqa: BLE001 - recorded whole; the next part still runs
+            self.result["errors"][name] = text = self.out.error(name, err)
+            print(f"    ERROR in {name}:\n{text}", file=sys.stderr, flush=True)
         self.result["seconds_per_part"][name] = round(time.perf_counter() - t0, 2)
         self.write()
 
@@ -185,9 +215,9 @@ class Check:
         self.result["finished"] = finished
         parts = self.result["parts"].values()
         self.result["ok"] = not self.result["errors"] and all(p.get("ok", True) for p in parts)
-        tmp = Path(self.args.json).with_suffix(".tmp")
+        tmp = self.out.json.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.result, indent=2, default=str))
-        tmp.replace(self.args.json)
+        tmp.replace(self.out.json)
 
 
 def version(*distributions: str) -> str | None:
@@ -398,6 +428,86 @@ def ordering(c: Check, name: str) -> dict:
     }
 
 
+#: Batched against per-image transforms, levels: what the manual states (the float filter both
+#: run, in different orders of arithmetic).
+TRANSFORM_MAX_DIFF = 1.0
+
+
+def transforms(c: Check) -> dict:
+    """The nvjpeg backend's batched transforms (``stack=True``: the matrix products) against
+    its per-image path (``stack=False``: ``apply_plan`` on each decoded image) on the same
+    decoded batches and plans, with TF32 matmuls off and on: maximum difference and the share
+    of values that differ. Then the synchronous backend inside a bfloat16 autocast region
+    against outside it, which must be equal (autocast never reaches the pixels)."""
+    deadline, out = c.deadline("transforms"), {}
+    # emulated: one batch of 8 (the matrix products on CPU tensors cost about 0.1 s a photo)
+    n_batches, batch = (1, min(8, c.args.batch)) if c.args.emulate else (2, c.args.batch)
+    be = c.backend("nvjpeg", threaded=False, cache=c.data)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for label, flag in (("tf32_off", False), ("tf32_on", True)):
+            torch.backends.cuda.matmul.allow_tf32 = flag
+            worst, differ, values, images = 0.0, 0, 0, 0
+            batched = _take(c, be, n_batches, batch, stack=True, deadline=deadline)
+            single = _take(c, be, len(batched), batch, stack=False, deadline=float("inf"))
+            for k, (a, b) in enumerate(zip(batched, single, strict=True)):
+                if not np.array_equal(a.indices, b.indices):
+                    raise AssertionError(f"batch {k}: the two paths kept different samples")
+                d = (a.images.float() - torch.stack(b.images).float()).abs()
+                worst = max(worst, float(d.max().item()) if d.numel() else 0.0)
+                differ += int((d > 0).sum().item())
+                values, images = values + d.numel(), images + len(a.indices)
+            out[label] = {
+                "images": images,
+                "max_abs_diff": worst,
+                "share_differing": differ / values if values else None,
+            }
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        out["autocast_bf16_max_abs_diff"] = _autocast_diff(c, be, batch)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        be.close()
+    out["ok"] = (
+        all(
+            0 < out[k]["images"] and out[k]["max_abs_diff"] <= TRANSFORM_MAX_DIFF
+            for k in ("tf32_off", "tf32_on")
+        )
+        and out["autocast_bf16_max_abs_diff"] == 0
+    )
+    return out
+
+
+def _take(c: Check, be, n: int, batch: int, *, stack: bool, deadline: float) -> list:
+    """The first ``n`` batches of the PHOTOS store (fewer past ``deadline``), the rest of the
+    epoch dropped from the backend."""
+    out = []
+    for _, _, d in c.batches(be, TRAIN, batch=batch, seed=5, stack=stack):
+        out.append(d)
+        if len(out) == n or time.perf_counter() > deadline:
+            break
+    be.drain()
+    return out
+
+
+def _autocast_diff(c: Check, be, batch: int) -> float:
+    """One batch of the synchronous backend inside ``torch.autocast(bfloat16)`` (the device's;
+    the CPU's where the device is emulated on CPU tensors) against outside it."""
+    idx = np.arange(min(batch, len(c.data)))
+    s = c.data.samples
+    plans = TRAIN.plan(
+        s["height"][idx].astype(np.int64),
+        s["width"][idx].astype(np.int64),
+        np.random.default_rng(9),
+    )
+    be.submit(idx, plans, True)
+    ref = be.get()
+    with torch.autocast("cpu" if c.args.emulate else c.device.type, dtype=torch.bfloat16):
+        be.submit(idx, plans, True)
+        got = be.get()
+    d = (got.images.float() - ref.images.float()).abs()
+    return float(d.max().item()) if d.numel() else 0.0
+
+
 def _rate(c: Check, batches, part: str) -> float:
     """Median images/s over epochs of ``batches()`` (a fresh iterator per epoch), warm-up first."""
     deadline, rates = c.deadline(part), []
@@ -414,26 +524,35 @@ def _rate(c: Check, batches, part: str) -> float:
     return float(np.median(rates))
 
 
-def throughput(c: Check) -> dict:
+def _backend_rates(c: Check, name: str) -> dict:
+    """Images/s of a backend on the PHOTOS store (nvjpeg: threaded and synchronous)."""
     out, b = {}, c.args.batch
-    for name in c.names:
-        for threaded in (True, False) if name == "nvjpeg" else (True,):
-            be = c.backend(name, threaded=threaded)
-            label = f"gpucache {name}" + (
-                "" if name != "nvjpeg" else " threaded" if threaded else " sync"
-            )
-            out[label] = _rate(
-                c,
-                lambda e, be=be, b=b: (
-                    d.images for _, _, d in c.batches(be, TRAIN, batch=b, seed=e, shuffle=True)
-                ),
-                "rate",
-            )
-            be.close()
+    for threaded in (True, False) if name == "nvjpeg" else (True,):
+        be = c.backend(name, threaded=threaded, cache=c.data)
+        label = f"gpucache {name}" + (
+            "" if name != "nvjpeg" else " threaded" if threaded else " sync"
+        )
+        out[label] = _rate(
+            c,
+            lambda e, be=be, b=b: (
+                d.images for _, _, d in c.batches(be, TRAIN, batch=b, seed=e, shuffle=True)
+            ),
+            "rate",
+        )
+        be.close()
+    return out
+
+
+def dali_throughput(c: Check) -> dict:
+    return {"img_s": _backend_rates(c, "dali"), "batch": c.args.batch, "photos": len(c.data)}
+
+
+def throughput(c: Check) -> dict:
+    out, b = _backend_rates(c, "nvjpeg"), c.args.batch
     out["torchvision per-image decode"] = _rate(c, lambda e: _per_image(c, e), "rate")
     workers = os.cpu_count() if not c.args.emulate else 1
     loader = GpuCachedLoader(
-        c.cache,
+        c.data,
         batch_size=b,
         shuffle=True,
         seed=0,
@@ -446,7 +565,7 @@ def throughput(c: Check) -> dict:
         c, lambda e: (x for x, _ in loader), "cpu rate"
     )
     loader.close()
-    return {"img_s": out, "batch": b}
+    return {"img_s": out, "batch": b, "photos": len(c.data)}
 
 
 def _per_image(c: Check, epoch: int):
@@ -457,7 +576,8 @@ def _per_image(c: Check, epoch: int):
 
     rrc = T.RandomResizedCrop(224)
     rng = np.random.default_rng(epoch)
-    order = rng.permutation(np.flatnonzero(c.cache.gpu_decodable()))
+    cache = c.data
+    order = rng.permutation(np.flatnonzero(cache.gpu_decodable()))
     device = c.decode_device
     quiet_torchvision_deprecation()  # torchvision >= 0.29's TorchCodec notice
     for start in range(0, len(order), c.args.batch):
@@ -465,11 +585,11 @@ def _per_image(c: Check, epoch: int):
         for i in order[start : start + c.args.batch].tolist():
             try:
                 img = torchvision.io.decode_jpeg(
-                    c.cache._bytes_tensor(i), device=device, mode=torchvision.io.ImageReadMode.RGB
+                    cache._bytes_tensor(i), device=device, mode=torchvision.io.ImageReadMode.RGB
                 )
             except RuntimeError:  # a corrupt sample: skipped, as a training loop would
                 continue
-            img = orient(img, c.cache.samples["orientation"][i])
+            img = orient(img, cache.samples["orientation"][i])
             top, left, h, w = rrc.box(img.shape[1], img.shape[2], rng)
             out.append(F.resized_crop(img, top, left, h, w, [224, 224], antialias=True))
         yield torch.stack(out)
@@ -478,7 +598,7 @@ def _per_image(c: Check, epoch: int):
 def overlap(c: Check) -> dict:
     device = torch.device("cpu") if c.args.emulate else c.device  # CPU-sized matmul steps
     r = measure_overlap(
-        c.cache,
+        c.data,
         device,
         batch=c.args.batch,
         runs=c.args.overlap_runs,
@@ -492,11 +612,16 @@ def memory(c: Check, name: str) -> dict:
     """GPU memory after each epoch: torch's allocated and reserved, and the device's used memory
     (``mem_get_info``: also what nvJPEG, TorchCodec and DALI allocate outside torch's caching
     allocator); after two warm-up epochs none may grow by more than MEMORY_GROWTH_MIB (a leak, a
-    stream pool that never gives back, a decoder rebuilt and leaked)."""
+    stream pool that never gives back, a decoder rebuilt and leaked). It runs --memory-epochs
+    epochs, stopping earlier (after five) only past three times its share: how many epochs it
+    sees must not hang on the machine's speed, since a later epoch may draw a larger crop box."""
     device = c.device_for(name)
     if device.type != "cuda":
         return {"skipped": "GPU memory is measured on CUDA only"}
-    backend, deadline, allocated, reserved = c.backend(name), c.deadline("memory"), [], []
+    backend = c.backend(name, cache=c.data)
+    deadline = time.perf_counter() + 3 * SHARES["memory"] * c.args.budget_s
+    allocated: list[float] = []
+    reserved: list[float] = []
     used: list[float] = []
     for epoch in range(c.args.memory_epochs):
         for _ in c.batches(backend, TRAIN, batch=c.args.batch, seed=epoch, shuffle=True):
@@ -510,6 +635,8 @@ def memory(c: Check, name: str) -> dict:
             break
     backend.close()
     return {
+        "photos": len(c.data),
+        "epochs": len(allocated),
         "allocated_mib": allocated,
         "reserved_mib": reserved,
         "device_used_mib": used,
@@ -548,7 +675,19 @@ def memory_growth(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default="gpu_check.json")
+    ap.add_argument(
+        "photos",
+        nargs="?",
+        help="a folder of real photos for the transforms, throughput, overlap and memory "
+        "parts (ImageFolder layout or flat); without it, the synthetic photos",
+    )
+    ap.add_argument("--out", help="the one folder for every file the check writes")
+    ap.add_argument("--json", help="the results (default: OUT/gpu_check.json)")
+    ap.add_argument(
+        "--max-photos",
+        type=int,
+        help="photos drawn at most for the data parts (2048; 32 emulated, of the synthetic ones)",
+    )
     ap.add_argument(
         "--emulate",
         action="store_true",
@@ -559,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         default="cuda",
         help="the device as a user passes it: cuda (the current GPU) or cuda:N",
     )
-    ap.add_argument("--images", type=int, help="synthetic photos (1024; 64 emulated)")
+    ap.add_argument("--images", type=int, help="synthetic photos (512; 64 emulated)")
     ap.add_argument("--folder", help="an image folder instead of the synthetic photos")
     ap.add_argument("--batch", type=int, help="batch size (256; 16 emulated)")
     ap.add_argument(
@@ -568,24 +707,35 @@ def main(argv: list[str] | None = None) -> int:
         help="GPU backends to check (dali only when importable)",
     )
     ap.add_argument(
-        "--budget-s", type=float, help="time for all parts (270; 60 emulated); see SHARES"
+        "--budget-s", type=float, help="time for all parts (110; 60 emulated); see SHARES"
     )
     ap.add_argument("--correctness-batches", type=int, default=4)
     ap.add_argument("--iterations", type=int, default=200, help="ordering-stress batches")
     ap.add_argument("--epochs", type=int, default=2, help="timed epochs per contender")
     ap.add_argument("--overlap-runs", type=int, default=3)
-    ap.add_argument("--memory-epochs", type=int, default=20)
+    ap.add_argument("--memory-epochs", type=int, help="memory part's epochs (12; 8 emulated)")
     ap.add_argument("--skip", default="", help="parts to leave out, e.g. throughput,overlap")
     args = ap.parse_args(argv)
     for name, cuda, emulated in (
-        ("images", 1024, 64),
+        ("images", 512, 64),
         ("batch", 256, 16),
-        ("budget_s", 270.0, 60.0),
+        ("budget_s", 110.0, 60.0),
+        ("max_photos", 2048, 32),
+        ("memory_epochs", 12, 8),
     ):
         if getattr(args, name) is None:
             setattr(args, name, emulated if args.emulate else cuda)
-    c = Check(args)
+    if args.out is None and args.json is None:
+        ap.error("name the output folder: --out OUT (or the results file: --json FILE)")
+    json_path = Path(args.json) if args.json else None
+    out = Outputs(Path(args.out) if args.out else Path(args.json).parent, json_path)
+    c = Check(args, out)
     c.write()  # a file exists from the start, whatever happens next
+    try:
+        c.result["system"] = system(out)  # the real machine, before any emulation
+    except Exception as err:  # noqa: BLE001 - recorded; the check still runs
+        c.result["errors"]["system"] = out.error("system", err)
+    c.write()
     if not args.emulate and not torch.cuda.is_available():
         c.result["errors"]["start"] = "CUDA is not available here"
         c.write(finished=True)
@@ -598,26 +748,60 @@ def main(argv: list[str] | None = None) -> int:
         return _run(c)
 
 
+def photo_store(root: str, limit: int) -> JpegCache:
+    """At most ``limit`` photos of ``root`` (ImageFolder layout, or images in one folder),
+    drawn at random (seed 0), in a store."""
+    from gpucache.ingest._build import IMG_EXTENSIONS, scan_folder
+
+    try:
+        found, found_labels, classes = scan_folder(Path(root))
+        paths, labels = list(found), list(np.asarray(found_labels).tolist())
+    except FileNotFoundError:  # no class folders: the folder's own images
+        paths = sorted(
+            str(p) for p in Path(root).iterdir() if p.name.lower().endswith(IMG_EXTENSIONS)
+        )
+        labels, classes = [0] * len(paths), ["photos"]
+    if not paths:
+        raise FileNotFoundError(f"no images in {root}")
+    pick = np.arange(len(paths))
+    if len(paths) > limit:
+        pick = np.sort(np.random.default_rng(0).choice(len(paths), limit, replace=False))
+    return JpegCache.from_files(
+        [paths[i] for i in pick.tolist()],
+        [labels[i] for i in pick.tolist()],
+        classes=classes,
+        progress=False,
+    )
+
+
 def _run(c: Check) -> int:
     args = c.args
     try:
-        c.cache = JpegCache.from_folder(
-            args.folder or cached_jpeg_folder(args.images, seed=0), progress=False
-        )
+        root = args.folder or cached_jpeg_folder(args.images, seed=0)
+        c.cache = JpegCache.from_folder(root, progress=False)
+        c.data = c.cache
+        if args.photos or len(c.cache) > args.max_photos:  # emulated: 32 of the 64
+            c.data = photo_store(args.photos or str(root), args.max_photos)
     except Exception as err:  # noqa: BLE001 - recorded in the JSON, then the run stops
-        c.result["errors"]["start"] = "".join(traceback.format_exception(err))[-3000:]
+        c.result["errors"]["start"] = c.out.error("start", err)
         c.write(finished=True)
         raise
+    c.result["photos_in_store"] = len(c.data)
     c.part("env", env)
     names = [n for n in args.backends.split(",") if n == "nvjpeg" or dali_available()]
     c.names = names
-    for name in names:
-        c.part(f"{name} vs cpu", correctness, name)
-        c.part(f"{name} ordering", ordering, name)
-    c.part("throughput", throughput)
-    c.part("overlap", overlap)
-    for name in names:
-        c.part(f"{name} memory", memory, name)
+    if "nvjpeg" in names:  # first: a DALI that crashes the process costs only its own parts
+        c.part("nvjpeg vs cpu", correctness, "nvjpeg")
+        c.part("nvjpeg ordering", ordering, "nvjpeg")
+        c.part("transforms", transforms)
+        c.part("throughput", throughput)
+        c.part("overlap", overlap)
+        c.part("nvjpeg memory", memory, "nvjpeg")
+    if "dali" in names:
+        c.part("dali vs cpu", correctness, "dali")
+        c.part("dali ordering", ordering, "dali")
+        c.part("dali throughput", dali_throughput)
+        c.part("dali memory", memory, "dali")
     c.write(finished=True)
     for name, seconds in c.result["seconds_per_part"].items():
         state = (
@@ -630,7 +814,7 @@ def _run(c: Check) -> int:
         print(f"  {name:22} {state:5} {seconds:7.1f} s")
     print(
         f"{'PASS' if c.result['ok'] else 'FAIL'} in {c.result['seconds']:.0f} s "
-        f"({len(c.result['errors'])} part errors); JSON in {args.json}"
+        f"({len(c.result['errors'])} part errors); results in {c.out.folder}"
     )
     return 0 if c.result["ok"] else 1
 

@@ -1,12 +1,16 @@
 """benchmarks/gpu_check.py end to end in its CPU emulation mode (EmulatedCuda: the CUDA code paths
 on two emulated GPUs, with the device given un-indexed and indexed), on a folder with a corrupt
 sample (skipped) and an EXIF-rotated one (kept); a GPU decoder that fails is a failed run, however
-well the CPU retry covers for it; and the one-call device command in docs/guides/backends.md."""
+well the CPU retry covers for it; what it leaves in its output folder (whole tracebacks, the
+machine, a hung part's stacks); a folder of photos for the data parts; and the one-call device
+command in docs/guides/backends.md."""
 
 import functools
 import json
 import re
 import sys
+import threading
+import time
 import types
 from importlib import metadata
 from pathlib import Path
@@ -44,7 +48,7 @@ ONLY_ENV = [
     "--backends",
     "nvjpeg",
     "--skip",
-    "nvjpeg vs cpu,nvjpeg ordering,throughput,overlap,nvjpeg memory",
+    "nvjpeg vs cpu,nvjpeg ordering,transforms,throughput,overlap,nvjpeg memory",
 ]
 
 
@@ -64,7 +68,7 @@ def test_emulated_run_writes_every_part(folder, tmp_path, device, backend_device
     args = (
         ["--backends", "nvjpeg,dali"]
         if full
-        else ["--backends", "nvjpeg", "--skip", "throughput,overlap"]
+        else ["--backends", "nvjpeg", "--skip", "transforms,throughput,overlap"]
     )
     assert (
         gpu_check.main(
@@ -88,7 +92,12 @@ def test_emulated_run_writes_every_part(folder, tmp_path, device, backend_device
         assert c["gpu_ok"] and 0 < c["gpu_allowed"] <= c["gpu_decoded"] <= c["samples"]
     ordering = parts["nvjpeg ordering"]
     assert ordering["mismatches"] == 0 and ordering["iterations"] and ordering["busy_side_stream"]
-    if full:
+    if full:  # batched against per-image, TF32 off and on; autocast never reaches the pixels
+        tr = parts["transforms"]
+        assert tr["ok"] and tr["autocast_bf16_max_abs_diff"] == 0
+        assert all(
+            tr[k]["images"] >= 5 and tr[k]["max_abs_diff"] <= 1 for k in ("tf32_off", "tf32_on")
+        )
         assert {
             "gpucache nvjpeg threaded",
             "gpucache nvjpeg sync",
@@ -142,8 +151,8 @@ def test_the_memory_part_sees_a_decoder_that_leaks_outside_torch(folder, tmp_pat
     leaking = functools.partial(EmulatedCuda, decoder_leak=48 * 2**20)
     monkeypatch.setattr(gpu_check, "EmulatedCuda", leaking)
     out = tmp_path / "check.json"
-    args = ["--backends", "nvjpeg", "--skip", "nvjpeg vs cpu,nvjpeg ordering,throughput,overlap"]
-    args += ["--memory-epochs", "4"]
+    args = ["--backends", "nvjpeg", "--memory-epochs", "4", "--skip"]
+    args += ["nvjpeg vs cpu,nvjpeg ordering,transforms,throughput,overlap"]
     code = gpu_check.main(FAST + args + ["--folder", str(folder), "--json", str(out)])
     mem = json.loads(out.read_text())["parts"]["nvjpeg memory"]
     assert code == 1 and not mem["ok"], mem
@@ -151,18 +160,73 @@ def test_the_memory_part_sees_a_decoder_that_leaks_outside_torch(folder, tmp_pat
     assert mem["used_growth_mib"] >= 2 * 48 and len(mem["device_used_mib"]) == 4
 
 
-def test_a_failing_part_is_recorded_and_the_rest_still_run(folder, tmp_path, monkeypatch):
+def test_a_failing_part_is_recorded_whole_and_the_rest_still_run(folder, tmp_path, monkeypatch):
+    """Its whole traceback, causes and all (not the last 3,000 characters), in the JSON, in the
+    output folder's errors file and in the log."""
+    long = "x" * 5000
+
     def boom(c):
-        raise RuntimeError("emulated crash in throughput")
+        try:
+            raise ValueError("the root cause")
+        except ValueError as err:
+            raise RuntimeError(f"emulated crash in throughput {long}") from err
 
     monkeypatch.setattr(gpu_check, "throughput", boom)
     out = tmp_path / "check.json"
     args = FAST + ["--backends", "nvjpeg", "--folder", str(folder), "--json", str(out)]
+    args += ["--skip", "nvjpeg vs cpu,nvjpeg ordering,transforms,overlap"]
     assert gpu_check.main(args) == 1
     r = json.loads(out.read_text())
-    assert not r["ok"] and "emulated crash in throughput" in r["errors"]["throughput"]
-    ran = {"env", "nvjpeg vs cpu", "nvjpeg ordering", "overlap", "nvjpeg memory"}
-    assert ran <= set(r["parts"])
+    error = r["errors"]["throughput"]
+    assert not r["ok"] and "the root cause" in error and f"throughput {long}" in error
+    assert error in (tmp_path / "gpu_check_errors.txt").read_text()
+    assert {"env", "nvjpeg memory"} <= set(r["parts"])
+
+
+def test_a_hung_part_leaves_every_threads_stack(folder, tmp_path, monkeypatch):
+    """A part still running past its share (and a grace) dumps every thread's stack into the
+    output folder, and runs on; the machine is recorded there too."""
+    from benchmarks import gpu_check_out
+
+    monkeypatch.setattr(gpu_check_out, "HANG_GRACE_S", 0.1)
+    stacks = tmp_path / "out" / "gpu_check_stacks.txt"
+    seen = threading.Event()
+
+    def stuck_in_overlap(c):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "stuck_in_overlap" not in stacks.read_text():
+            seen.wait(0.05)  # polled with a deadline: the dump comes from faulthandler's thread
+        return {"ok": True}
+
+    monkeypatch.setattr(gpu_check, "overlap", stuck_in_overlap)
+    args = ["--emulate", "--backends", "nvjpeg", "--budget-s", "1", "--folder", str(folder)]
+    args += ["--skip", "nvjpeg vs cpu,nvjpeg ordering,transforms,throughput,nvjpeg memory"]
+    assert gpu_check.main(args + ["--out", str(tmp_path / "out")]) == 0
+    text = stacks.read_text()
+    assert "===== overlap" in text and "in stuck_in_overlap" in text
+    r = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert r["system"]["torch"] == torch.__version__ and "torch_cuda" in r["system"]
+    system = (tmp_path / "out" / "gpu_check_system.txt").read_text()
+    assert "===== nvidia-smi -q" in system and "===== torch.__config__.show()" in system
+
+
+def test_a_folder_of_photos_feeds_the_data_parts(folder, tmp_path):
+    """PHOTOS (a flat folder here; at most --max-photos of it, drawn at random) is what the
+    transforms, throughput and memory parts run on; correctness stays on the other store."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for k in range(8):
+        (photos / f"p{k}.jpg").write_bytes(make_jpeg_bytes(48 + 8 * k, 40, seed=k))
+    out = tmp_path / "out"
+    args = FAST + ["--backends", "nvjpeg", "--folder", str(folder), "--out", str(out)]
+    args += ["--skip", "nvjpeg ordering,overlap", "--max-photos", "5", str(photos)]
+    assert gpu_check.main(args) == 0
+    r = json.loads((out / "gpu_check.json").read_text())
+    assert r["photos"] == str(photos) and r["photos_in_store"] == 5
+    parts = r["parts"]
+    assert parts["throughput"]["photos"] == parts["nvjpeg memory"]["photos"] == 5
+    assert parts["transforms"]["tf32_off"]["images"] == 5
+    assert parts["nvjpeg vs cpu"]["val"]["samples"] >= 5 and parts["env"]["images"] == 13
 
 
 def test_env_reads_versions_from_the_installed_distributions(folder, tmp_path, monkeypatch):
@@ -195,7 +259,8 @@ def test_a_gpu_decoder_that_always_fails_fails_the_run(folder, tmp_path, monkeyp
         lambda device: make_decoder("broken", device, _broken, applies_exif=False),
     )
     out = tmp_path / "check.json"
-    args = ["--backends", "nvjpeg", "--skip", "nvjpeg ordering,throughput,overlap,nvjpeg memory"]
+    args = ["--backends", "nvjpeg"]
+    args += ["--skip", "nvjpeg ordering,transforms,throughput,overlap,nvjpeg memory"]
     code = gpu_check.main(FAST + args + ["--folder", str(folder), "--json", str(out)])
     r = json.loads(out.read_text())
     part = r["parts"]["nvjpeg vs cpu"]
@@ -263,7 +328,7 @@ def test_every_decoder_call_gets_one_indexed_device(folder, tmp_path, monkeypatc
         "--backends",
         "nvjpeg",
         "--skip",
-        "nvjpeg ordering,overlap,nvjpeg memory",
+        "nvjpeg ordering,transforms,overlap,nvjpeg memory",
         "--device",
         "cuda",
     ]
@@ -275,17 +340,21 @@ def test_every_decoder_call_gets_one_indexed_device(folder, tmp_path, monkeypatc
     assert seen and set(seen) == {"cuda:0"}, sorted(set(seen))
 
 
-def test_documented_device_command_brings_its_results_back():
-    """The one-call command in docs/guides/backends.md: JSON and full log under $OUT (what comes
-    back from the device machine), and its two timeouts at most 420 s together, so that a
-    15-minute device budget, machine start included, leaves time to run it again."""
+def test_documented_device_command_diagnoses_on_the_first_try():
+    """The one-call command in docs/guides/backends.md: ``python3`` (the device machine's
+    interpreter with torch), stacks on a crash or a hang (``-X faulthandler``, ``timeout -s
+    ABRT``, unbuffered output), every failing GPU test run (no ``-x``), everything under $OUT
+    (what comes back from the device machine), and about 200 s in all, so that a 15-minute
+    device budget, machine start included, leaves time to run it again."""
     text = (ROOT / "docs" / "guides" / "backends.md").read_text()
     blocks = [b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "gpu_check.py" in b]
     assert len(blocks) == 1, blocks
     cmd = " ".join(blocks[0].replace("\\\n", " ").split())
-    timeouts = [int(t) for t in re.findall(r"\btimeout (\d+)\b", cmd)]
-    assert len(timeouts) == 2 and sum(timeouts) <= 420, timeouts
+    runs = re.findall(r"timeout -s ABRT -k (\d+) (\d+) python3 -X faulthandler ", cmd)
+    assert len(runs) == 2 and sum(int(k) + int(t) for k, t in runs) <= 230, runs
+    assert not re.search(r"\bpython\b", cmd) and "PYTHONUNBUFFERED=1" in cmd
     budget = float(re.search(r"--budget-s (\d+)", cmd).group(1))
-    assert budget <= timeouts[0] - 20
-    assert '--json "$OUT/gpu_check.json"' in cmd and 'tee "$OUT/gpu_check.log"' in cmd
-    assert "pytest" in cmd and "tests/gpu" in cmd and '"$OUT/' in cmd.split("pytest", 1)[1]
+    assert budget <= int(runs[0][1]) - 30
+    assert '--out "$OUT"' in cmd and 'tee "$OUT/gpu_check.log"' in cmd
+    tests = cmd.split("pytest", 1)[1]
+    assert "tests/gpu" in tests and 'tee "$OUT/' in tests and not re.search(r" -x\b", tests)

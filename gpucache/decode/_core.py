@@ -94,6 +94,19 @@ def finish_plan(
     return x
 
 
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Autocast off on ``device``'s type and the CPU's: the batched resize's float matrix
+    products (and :func:`finish_plan`'s float filter) keep float32 inside a caller's
+    ``torch.autocast`` region, which would otherwise run them in bfloat16 or float16 and move
+    pixels by a level or two. Autocast is per thread: the GPU backends' own threads never see it,
+    a synchronous backend runs on the caller's."""
+    stack = contextlib.ExitStack()
+    for kind in dict.fromkeys((device.type, "cpu")):
+        if torch.amp.is_autocast_available(kind):  # not for "meta", say
+            stack.enter_context(torch.autocast(kind, enabled=False))
+    return stack
+
+
 @dataclass
 class Decoded:
     """One decoded batch: ``images`` (stacked when every output has one size) for ``indices``."""

@@ -5,18 +5,22 @@ them in ``submit`` instead), so batch k+1 decodes while batch k is transformed a
 step consumes batch k-1; the loader keeps at least three batches in flight
 (:data:`gpucache.decode._base.GPU_IN_FLIGHT`):
 
-1. **CPU** (a small pool of threads): samples the batched decoder does not take (PNG, GIF, WebP,
+1. **CPU** (a pool of threads, the rank's cores less two: :func:`default_cpu_threads`): samples the batched decoder does not take (PNG, GIF, WebP,
    CMYK, arithmetic JPEG) and progressive JPEGs (whose Huffman decoding nvJPEG would run on the
    host, one image at a time, inside the batched call) are decoded and planned on the CPU
    (:func:`~gpucache.decode._fallback.decode_on_cpu`, region decode included), ahead of and
-   beside the GPU work; the pixel budget refuses oversized samples before any decoder sees them;
+   beside the GPU work, a batch's samples split among the threads; the pixel budget refuses
+   oversized samples before any decoder sees them;
 2. **decode** (one thread: torchvision's decoder is one global instance): one batched
    ``decode_jpeg(list, device=...)`` call (:mod:`._batched`: TorchCodec's when installed, else
    torchvision's) reads zero-copy views of the store; its outputs are allocated on a dedicated
    stream (:mod:`._streams`); if the call fails (one corrupt JPEG fails it all) the batch is
    decoded one sample at a time, and what the decoder still rejects goes to the CPU; running out
-   of device memory is never a bad sample: it raises ``torch.OutOfMemoryError`` with advice;
-3. **transform** (one thread, the side stream): the batch's plans run in a few chunks of a
+   of device memory is never a bad sample (:mod:`._nvjpeg_faults`): nvJPEG's own allocator
+   failing (status 5) empties torch's caching allocator and retries the batch once, then, like
+   any out of memory, raises ``torch.OutOfMemoryError`` with advice;
+3. **transform** (one thread, the side stream; autocast off, so an autocast region around a
+   synchronous ``submit`` leaves the pixels alone): the batch's plans run in a few chunks of a
    constant number of ops each, in at most 256 MiB of the device
    (:func:`gpucache.transforms._resample.resample`, EXIF orientation folded in) — per image
    only for a variable-size batch; the CPU stage's results cross in one pinned ``non_blocking``
@@ -45,23 +49,25 @@ import numpy as np
 import torch
 
 from ..ingest._sniff import Kind
-from ..store._oom import is_out_of_memory
 from ..transforms._chunks import BUDGET_BYTES, Scratch
 from ..transforms._resample import resample
 from . import normalize_device
-from ._base import GPU_IN_FLIGHT, Backend
+from ._base import Backend
 from ._batched import BatchDecoder, applies_exif, default_decoder, orient
-from ._core import Decoded, apply_plan, check_size, failure, out_size
-from ._fallback import Part, Result, decode_on_cpu, join, out_of_memory, split, stage_times
+from ._core import Decoded, apply_plan, check_size, failure, no_autocast, out_size
+from ._fallback import Part, Result, decode_on_cpu, join, split, stage_times
+from ._nvjpeg_faults import allocator_failure, raise_if_broken, raise_if_out_of_memory
 from ._streams import CudaStreams, HostStreams
+from ._workers import default_workers
 
 log = logging.getLogger("gpucache")
 
-#: Threads that decode the CPU stage's samples (libjpeg-turbo releases the GIL).
-CPU_THREADS = 2
-#: What decoders say when nvJPEG cannot start (torchvision: "Failed to initialize nvjpeg with
-#: hardware backend: 5", "nvjpegCreateSimple failed"): never a bad sample.
-_BROKEN = ("Failed to initialize nvjpeg", "nvjpegCreate", "Failed to create nvjpeg")
+
+def default_cpu_threads() -> int:
+    """Threads of the CPU stage (libjpeg-turbo and PIL release the GIL): this rank's share of the
+    cores (:func:`._workers.default_workers`) less two, for the training loop's thread and the
+    decode and transform stages, and at least 2. A progressive JPEG costs about 8 ms there."""
+    return max(2, default_workers() - 2)
 
 
 @dataclass
@@ -74,13 +80,13 @@ class _Done:
 class _Job:
     """One submitted batch: its three stages' futures (or results, unthreaded)."""
 
-    cpu: Future | list[Result]
+    cpu: list[Future] | list[tuple[list[Result], float]]  # per chunk: results, seconds
     # (outputs, ready event); [] in a job whose submit failed
     gpu: Future | tuple[list[torch.Tensor | Exception], object] | list[object]
     done: Future | _Done
 
     def futures(self) -> list[Future]:
-        return [f for f in (self.done, self.gpu, self.cpu) if isinstance(f, Future)]
+        return [f for f in (self.done, self.gpu, *self.cpu) if isinstance(f, Future)]
 
 
 def _result(x):
@@ -98,7 +104,7 @@ class NvjpegBackend(Backend):
         on_error: str,
         decoder: BatchDecoder | None = None,
         threaded: bool = True,
-        cpu_threads: int = CPU_THREADS,
+        cpu_threads: int | None = None,
         decode_threads: int | None = None,
     ):
         device = normalize_device(device)
@@ -123,9 +129,11 @@ class NvjpegBackend(Backend):
         self._scratch = Scratch(BUDGET_BYTES)
         self._pending: list[_Job] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}
+        #: threads of the CPU stage, among which a batch's CPU samples are split
+        self.cpu_threads = max(1, default_cpu_threads() if cpu_threads is None else cpu_threads)
         if threaded:
             self._pools = {
-                "cpu": ThreadPoolExecutor(max(1, cpu_threads), "gpucache-nvjpeg-cpu"),
+                "cpu": ThreadPoolExecutor(self.cpu_threads, "gpucache-nvjpeg-cpu"),
                 "decode": ThreadPoolExecutor(
                     self._decode_threads(decode_threads), "gpucache-nvjpeg-decode"
                 ),
@@ -149,10 +157,20 @@ class NvjpegBackend(Backend):
 
     def measure_applies_exif(self) -> bool:
         """Whether the decoder applies EXIF orientation, by decoding a tagged probe image under
-        the backend's own streams (never on the caller's current stream)."""
+        the backend's own streams (never on the caller's current stream). Out of memory there
+        is ``torch.OutOfMemoryError`` too, after the same one retry as a batch's."""
         with self._streams.on_side():
             with self._streams.decoding():
-                return applies_exif(self.decoder.decode, adopt=self._streams.adopt)
+                what = "probing whether it applies EXIF orientation (one 16 x 8 image)"
+                try:
+                    return applies_exif(
+                        lambda data: self._decode_batch(data, what), adopt=self._streams.adopt
+                    )
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as err:
+                    raise_if_broken(err, self.decoder.name, self.device)
+                    raise
 
     # ------------------------------------------------------------------ the three stages
     def _note_thread(self) -> None:
@@ -160,14 +178,13 @@ class NvjpegBackend(Backend):
             self._threads.append(threading.current_thread())
 
     def _cpu_stage(
-        self, indices: np.ndarray, plans: np.ndarray, positions: np.ndarray, took: dict
-    ) -> list[Result]:
+        self, indices: np.ndarray, plans: np.ndarray, positions: np.ndarray
+    ) -> tuple[list[Result], float]:
+        """One chunk of the batch's CPU samples: their results and the seconds it took."""
         self._note_thread()
         t0 = time.perf_counter()
-        try:
-            return decode_on_cpu(self.cache, indices, plans, positions, on_error=self.on_error)
-        finally:
-            took["fallback"] = time.perf_counter() - t0
+        out = decode_on_cpu(self.cache, indices, plans, positions, on_error=self.on_error)
+        return out, time.perf_counter() - t0
 
     def _decode_stage(
         self, indices: np.ndarray, positions: np.ndarray, took: dict
@@ -189,46 +206,44 @@ class NvjpegBackend(Backend):
 
     def _decode_all(self, data: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         try:
-            return list(self.decoder.decode(data))
+            return list(self._decode_batch(data, f"decoding a batch of {len(data)} samples"))
+        except torch.OutOfMemoryError:
+            raise
         except Exception as err:  # noqa: BLE001 - one bad JPEG fails the batched call: find it
-            self._raise_if_oom(err, len(data))
-            self._raise_if_broken(err)
+            raise_if_broken(err, self.decoder.name, self.device)
             out: list[torch.Tensor | Exception] = []
             for d in data:
                 try:
                     out.append(self.decoder.decode([d])[0])
                 except Exception as one:  # noqa: BLE001 - retried on the CPU, then reported
-                    self._raise_if_oom(one, 1)
+                    self._raise_if_oom(one, "decoding one sample", retried=False)
                     out.append(one)
             return out
 
-    def _raise_if_broken(self, err: BaseException) -> None:
-        """A decoder that cannot start (nvJPEG's handle or hardware backend fails to initialise)
-        is no bad sample either: decoding every sample on the CPU, one warning each, would hide
-        a broken GPU setup behind a slow epoch."""
-        text = str(err)
-        if any(s in text for s in _BROKEN):
-            first = text.splitlines()[0]
-            raise RuntimeError(
-                f"gpucache: {self.decoder.name}'s decoder on {self.device} failed to start "
-                f"({type(err).__name__}: {first}); nvJPEG did not initialise. Check the CUDA "
-                "driver and that torchvision/TorchCodec were built with nvJPEG for this CUDA "
-                "version, or decode on the CPU with backend='cpu'."
-            ) from err
+    def _decode_batch(self, data: list[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """The decoder's call; nvJPEG's allocator failing (status 5) empties torch's caching
+        allocator and retries once. Out of memory then (or at first, as torch or CUDA say it)
+        raises ``torch.OutOfMemoryError``; any other error is the caller's."""
+        try:
+            return self.decoder.decode(data)
+        except Exception as err:  # noqa: BLE001 - classified here, re-raised otherwise
+            if not allocator_failure(err):
+                self._raise_if_oom(err, what, retried=False)
+                raise
+            log.info("gpucache: %s on %s; emptying torch's cached memory and retrying", err, what)
+        self._streams.release_cached()
+        try:
+            return self.decoder.decode(data)
+        except Exception as err:  # noqa: BLE001 - classified here, re-raised otherwise
+            self._raise_if_oom(err, what, retried=True)
+            raise
 
-    def _raise_if_oom(self, err: BaseException, n: int) -> None:
+    def _raise_if_oom(self, err: BaseException, what: str, *, retried: bool) -> None:
         """Out of device memory is not a bad sample, however the decoder says it (torchvision
         rethrows CUDA's as ``RuntimeError("Error while decoding JPEG images: CUDA out of
-        memory...")``): ``torch.OutOfMemoryError`` with advice, never retries or the CPU."""
-        if isinstance(err, torch.OutOfMemoryError) or is_out_of_memory(err):
-            raise out_of_memory(
-                err,
-                f"the nvjpeg backend ({self.decoder.name}'s decoder) "
-                f"decoding a batch of {n} samples",
-                self.device,
-                f"at least {GPU_IN_FLIGHT} batches are in flight: lower batch_size or "
-                "prefetch_factor, or free memory held elsewhere",
-            ) from err
+        memory...")``, nvJPEG's own allocator says status 5): ``torch.OutOfMemoryError``
+        with advice, never retries one sample at a time or the CPU."""
+        raise_if_out_of_memory(err, self.decoder.name, self.device, what, retried=retried)
 
     def _transform_stage(
         self,
@@ -243,13 +258,17 @@ class NvjpegBackend(Backend):
         took: dict,
     ) -> _Done:
         self._note_thread()
-        with self._streams.on_side():
+        # float32 pixels whatever autocast region the caller is in (a synchronous submit runs
+        # here on the caller's thread; autocast is per thread)
+        with self._streams.on_side(), no_autocast(self.device):
             decoded, ready = _result(gpu)
             self._streams.adopt((t for t in decoded if isinstance(t, torch.Tensor)), ready)
             t0 = time.perf_counter()
             parts = self._plan_gpu(indices, plans, stack, gpu_pos, decoded)
             t1 = time.perf_counter()
-            parts.append((cpu_pos, _result(cpu), True))
+            chunks = [_result(c) for c in cpu]  # the CPU stage's chunks, in batch order
+            took["fallback"] = sum(seconds for _, seconds in chunks)
+            parts.append((cpu_pos, [r for results, _ in chunks for r in results], True))
             parts.append(refused)
             t2 = time.perf_counter()
             out = join(
@@ -358,14 +377,18 @@ class NvjpegBackend(Backend):
         gpu_pos, cpu_pos = gpu_ok[on_gpu], np.sort(np.concatenate([cpu_ok, gpu_ok[~on_gpu]]))
         took: dict[str, float] = {}  # each stage's seconds, under keys of its own
         if not self._pools:
-            cpu = self._cpu_stage(indices, plans, cpu_pos, took)
+            cpu = [self._cpu_stage(indices, plans, cpu_pos)]
             gpu = self._decode_stage(indices, gpu_pos, took)
             done = self._transform_stage(
                 indices, plans, stack, gpu_pos, gpu, cpu_pos, cpu, refused, took
             )
             self._pending.append(_Job(cpu, gpu, done))
             return
-        cpu_f = self._pools["cpu"].submit(self._cpu_stage, indices, plans, cpu_pos, took)
+        n = min(self.cpu_threads, len(cpu_pos))  # the batch's CPU samples split among threads
+        cpu_f = [
+            self._pools["cpu"].submit(self._cpu_stage, indices, plans, chunk)
+            for chunk in (np.array_split(cpu_pos, n) if n else [])
+        ]
         gpu_f = self._pools["decode"].submit(self._decode_stage, indices, gpu_pos, took)
         done_f = self._pools["transform"].submit(
             self._transform_stage,

@@ -69,6 +69,10 @@ class HostStreams:
     def record(self) -> torch.cuda.Event | None:
         return None
 
+    def release_cached(self) -> None:
+        """Give the memory torch's caching allocator holds unused back to the device (for a
+        decoder that allocates outside it, such as nvJPEG); nothing off CUDA."""
+
     def hand_over(self, event, tensors: Iterable[torch.Tensor]) -> None:
         check_on_device(tensors, self.device)
 
@@ -117,6 +121,10 @@ class CudaStreams(HostStreams):
         event = torch.cuda.Event()
         event.record(self.side)
         return event
+
+    def release_cached(self) -> None:
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
 
     def hand_over(self, event, tensors: Iterable[torch.Tensor]) -> None:
         consumer = consumer_stream(self.device)  # the backend's device, not the current one

@@ -182,3 +182,56 @@ def test_gpu_memory_is_flat_across_epochs(cache):
     assert max(used[5:]) <= used[4] * 1.05 + (1 << 20), used
     assert max(reserved[5:]) <= reserved[4] * 1.05 + (16 << 20), reserved
     loader.close()
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_batched_and_per_image_transforms_agree_with_tf32_off_and_on(cache, tf32):
+    """The batched matrix products against the per-image float filter on the same GPU decode:
+    at most 1 level apart, TF32 matmuls or not (gpu_check's transforms part does it at scale)."""
+    idx = np.arange(len(cache))
+    plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(40), T.RandomHorizontalFlip()]))
+    backend = NvjpegBackend(cache, device=CUDA, on_error="raise", threaded=False)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        backend.submit(idx, plans, True)
+        batched = backend.get()
+        backend.submit(idx, plans, False)
+        single = backend.get()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+        backend.close()
+    assert np.array_equal(batched.indices, single.indices)
+    d = (batched.images.float() - torch.stack(single.images).float()).abs()
+    assert d.max().item() <= 1
+
+
+def test_autocast_around_the_synchronous_path_leaves_the_pixels_alone(cache):
+    idx = np.arange(8)
+    plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(40)]))
+    backend = NvjpegBackend(cache, device=CUDA, on_error="raise", threaded=False)
+    backend.submit(idx, plans, True)
+    ref = backend.get().images
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        backend.submit(idx, plans, True)
+        got = backend.get().images
+    backend.close()
+    assert torch.equal(got, ref)
+
+
+def test_emptying_torchs_cache_between_decodes(cache):
+    """What the backend does on nvJPEG's status 5: torch's cached blocks go back, and the
+    decoder and the streams work on."""
+    backend = NvjpegBackend(cache, device=CUDA, on_error="raise")
+    idx = np.arange(8)
+    plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(32)]))
+    backend.submit(idx, plans, True)
+    first = backend.get().images.clone()
+    x = torch.empty(64 << 20, dtype=torch.uint8, device=CUDA)
+    del x
+    before = torch.cuda.memory_reserved(CUDA)
+    backend._streams.release_cached()
+    assert torch.cuda.memory_reserved(CUDA) <= before - (64 << 20)
+    backend.submit(idx, plans, True)
+    assert torch.equal(backend.get().images, first)
+    backend.close()

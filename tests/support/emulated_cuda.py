@@ -74,13 +74,21 @@ nvJPEG (``torchvision.io.decode_jpeg(..., device=cuda)``, TorchCodec's ``decode_
   ``emu.decoder_rebuilds`` counts rebuilds, a new decoder comes with a new private stream;
 - ``decoder_fault="oom"`` makes every CUDA decode raise torchvision's ``RuntimeError("Error while
   decoding JPEG images: CUDA out of memory. Tried to allocate ...")`` (it rethrows CUDA's error as
-  a plain RuntimeError), ``"init"`` makes building the decoder raise its ``"Failed to initialize
-  nvjpeg with hardware backend: 5"`` (NVJPEG_STATUS_ALLOCATOR_FAILURE); ``emu.decoder_fault`` may
-  be changed inside the block;
+  a plain RuntimeError), ``"alloc"`` raise nvJPEG's own allocator failure as torchvision says it
+  (``"Error while decoding JPEG images: Failed to decode batch: 5"``, 5 being
+  NVJPEG_STATUS_ALLOCATOR_FAILURE), ``"init"`` makes building the decoder raise its ``"Failed to
+  initialize nvjpeg with hardware backend: 5"``; ``emu.decoder_fault`` may be changed inside the
+  block. ``emu.decode_calls`` counts CUDA decode calls;
 - the decoder's own device memory (nvJPEG's buffers, outside torch's caching allocator):
   ``emulated_nvjpeg.DECODER_BYTES`` a decoder built (a rebuilt one's are leaked with it), and
   ``decoder_leak=B`` more bytes every CUDA decode call (a decoder that leaks); ``mem_get_info``
-  counts them (``emu.outside`` a device), ``memory_allocated``/``memory_reserved`` do not;
+  counts them (``emu.outside`` a device), ``memory_allocated``/``memory_reserved`` do not.
+  During a call nvJPEG also needs work memory of its own, 3 bytes a pixel of the batch
+  (``emulated_nvjpeg.work_bytes``): when the device's free memory (``total_memory`` less what
+  torch reserved, cached blocks included, and ``emu.outside``) is short of it, the call fails
+  with ``"Error while decoding JPEG images: Failed to initialize batch decoding: 5"``, as
+  nvJPEG's ``cudaMalloc`` does when torch's cache holds the memory. ``torch.cuda.empty_cache()``
+  gives the cached blocks back (``emu.empty_caches`` counts the calls);
 - ``stream_pool=N`` hands out ``torch.cuda.Stream()`` as torch does, round-robin from a pool of
   ``N`` streams a device (32 in torch), so the library's streams may be ones a user computes on.
 
@@ -225,8 +233,10 @@ class EmulatedCuda(OrderRules):
         decoder_leak: int = 0,
         total_memory: int = TOTAL_MEMORY,
     ):
-        if decoder_fault not in (None, "oom", "init"):
-            raise ValueError(f"decoder_fault={decoder_fault!r}: use None, 'oom' or 'init'.")
+        if decoder_fault not in (None, "oom", "alloc", "init"):
+            raise ValueError(
+                f"decoder_fault={decoder_fault!r}: use None, 'oom', 'alloc' or 'init'."
+            )
         self.devices = devices
         self.default_stream_decode = default_stream_decode  # "allow": isolate the other rules
         self.decoder_fault = decoder_fault
@@ -235,6 +245,8 @@ class EmulatedCuda(OrderRules):
         self.decoder_leak = decoder_leak  # bytes a CUDA decode call never gives back
         self.total_memory = total_memory  # each device's, as get_device_properties reports it
         self.outside = [0] * devices  # device bytes held outside torch's caching allocator
+        self.decode_calls = 0  # CUDA decode calls (failed ones too)
+        self.empty_caches = 0  # torch.cuda.empty_cache() calls
         self._pooled: dict[int, list[Stream]] = {}
         self._made_streams: dict[int, int] = {}
         self.decoder_rebuilds = 0
@@ -357,6 +369,16 @@ class EmulatedCuda(OrderRules):
         index = self.index_device(device).index
         total = self.total_memory
         return total - self.memory_reserved(device) - self.outside[index], total
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: every device's cached free blocks go back (reserved
+        falls to what live tensors use)."""
+        with self._lock:
+            self._drain()
+            self.empty_caches += 1
+            for (index, _), blocks in self._free.items():
+                self._reserved[index] -= sum(b.size for b in blocks)
+            self._free.clear()
 
     # ------------------------------------------------------------------ tensors
     def _wrap(self, out, index: int | None):
@@ -679,6 +701,7 @@ class EmulatedCuda(OrderRules):
             "get_device_name": lambda device=None: f"emulated CUDA ({self.devices} devices)",
             "get_device_properties": self.get_device_properties,
             "mem_get_info": self.mem_get_info,
+            "empty_cache": self.empty_cache,
         }.items():
             self._patch(c, name, value)
         self._patch(

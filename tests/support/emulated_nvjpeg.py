@@ -15,6 +15,13 @@ from .emulated_order import Stream, _caller, _join, _what, active
 
 NVJPEG_ALLOCATOR_FAILURE = 5
 DECODER_BYTES = 64 * 2**20  # device memory a decoder holds outside torch's caching allocator
+_FAILED = "Error while decoding JPEG images: "  # torchvision's prefix of a decode call's error
+
+
+def work_bytes(images: list[torch.Tensor]) -> int:
+    """nvJPEG's own device memory during a call decoding to ``images``: 3 bytes a pixel."""
+    with torch._C.DisableTorchFunction():
+        return sum(3 * x.shape[-1] * x.shape[-2] for x in images)
 
 
 def _size(nbytes: int) -> str:
@@ -112,9 +119,19 @@ def emulated_decode_jpeg(cpu_decode, *, library: str):
             kw["apply_exif_orientation"] = False  # torchvision's CUDA decoder ignores EXIF
         batch = isinstance(input, list)
         data = input if batch else [input]
+        with emu._lock:
+            emu.decode_calls += 1
         if emu.decoder_fault == "oom":
             raise RuntimeError(_oom_message(data, dev))
-        out = [emu._wrap(x, dev.index) for x in cpu_decode(data, **kw)]
+        if emu.decoder_fault == "alloc":
+            raise RuntimeError(f"{_FAILED}Failed to decode batch: {NVJPEG_ALLOCATOR_FAILURE}")
+        decoded_cpu = cpu_decode(data, **kw)
+        free, _ = emu.mem_get_info(dev)
+        if free < work_bytes(decoded_cpu):  # nvJPEG's cudaMalloc, outside torch's allocator
+            raise RuntimeError(
+                f"{_FAILED}Failed to initialize batch decoding: {NVJPEG_ALLOCATOR_FAILURE}"
+            )
+        out = [emu._wrap(x, dev.index) for x in decoded_cpu]
         with emu._lock:
             emu.outside[dev.index] += emu.decoder_leak
         decoded(emu, out, dev, current, private, ours)
