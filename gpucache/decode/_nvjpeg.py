@@ -55,7 +55,7 @@ from ._core import Decoded, apply_plan, check_size, failure, out_size
 from ._fallback import Part, Result, decode_on_cpu, join, out_of_memory, split, stage_times
 from ._streams import CudaStreams, HostStreams
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 #: Threads that decode the CPU stage's samples (libjpeg-turbo releases the GIL).
 CPU_THREADS = 2
