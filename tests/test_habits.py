@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,84 @@ def test_every_logger_of_the_package_is_named_by_its_module():
     assert calls, "no getLogger call found: the search is broken"
     other = [f"{p.relative_to(REPO)}:{n}: getLogger({a})" for p, n, a in calls if a != "__name__"]
     assert not other, other
+
+
+# ------------------------------------------------------------------ benchmarks: indexed and cited
+BENCH = REPO / "benchmarks"
+
+
+def _braces(pattern: str) -> list[str]:
+    """``a{,-b}.{json,md}`` -> ``a.json a.md a-b.json a-b.md`` (the shell's brace expansion)."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [
+        out
+        for alt in m[1].split(",")
+        for out in _braces(pattern[: m.start()] + alt + pattern[m.end() :])
+    ]
+
+
+def test_every_benchmark_script_is_in_the_benchmarks_readme():
+    readme = (BENCH / "README.md").read_text()
+    named = set(re.findall(r"`([\w/*.]+\.(?:py|c|sh))`", readme))
+    scripts = sorted(p.relative_to(BENCH) for p in BENCH.rglob("*") if p.suffix in (".py", ".c"))
+    missing = [
+        str(s) for s in scripts if not any(fnmatch(str(s), n) or fnmatch(s.name, n) for n in named)
+    ]
+    assert scripts and not missing, f"benchmarks/README.md does not name {missing}"
+    assert "https://download.pytorch.org/tutorial/hymenoptera_data.zip" in readme  # the photos
+
+
+def test_every_result_file_is_cited_by_a_page_or_a_script():
+    """A file under benchmarks/results/ is named by a README, a manual page or a script, by its
+    name, a brace pattern (``peers-photos{,-420q90}.{json,md,png}``), a glob (``quiet-*``) or
+    the stem a script was told to write (``--out results/peers-photos``)."""
+    texts = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *BENCH.rglob("*.md")]
+    texts += [*BENCH.rglob("*.py"), *(REPO / "gpucache").rglob("*.py")]
+    cited = set()
+    for path in texts:
+        if "results" in path.relative_to(REPO).parts[:2]:
+            continue  # a result does not cite itself
+        for ref in re.findall(r"results/([\w.{},*-]+)", path.read_text()):
+            for name in _braces(ref.rstrip(".,")):
+                cited |= {name, f"{name}.*"} if "." not in name else {name}
+    results = sorted(p.name for p in (BENCH / "results").iterdir())
+    uncited = [r for r in results if not any(fnmatch(r, c) for c in cited)]
+    assert results and not uncited, f"cited nowhere (delete them, or cite them): {uncited}"
+
+
+def test_a_result_records_the_commit_it_ran_on(tmp_path, monkeypatch):
+    """benchmarks/_record.py's ``"run"``: the command, the date, the machine and this checkout's
+    commit (``-dirty`` with uncommitted changes); ``gpucache bench``'s machine entry too."""
+    import json
+    import subprocess
+
+    from benchmarks import _record
+    from gpucache.bench._report import source_commit
+
+    repo = tmp_path / "tree"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    try:
+        subprocess.run([*git, "init", "-q"], check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("no git")
+    (repo / "a.txt").write_text("1\n")
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    sha = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert source_commit(repo) == sha
+    (repo / "a.txt").write_text("2\n")
+    assert source_commit(repo) == f"{sha}-dirty"
+    assert source_commit(tmp_path) is None  # no .git of its own: an installed wheel's case
+
+    monkeypatch.setattr(_record, "REPO", repo)
+    monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks" / "x.py"), "--n", "2 3"])
+    _record.write_json(tmp_path / "r.json", [{"n": 1}])
+    got = json.loads((tmp_path / "r.json").read_text())
+    assert got["rows"] == [{"n": 1}] and got["run"]["commit"] == f"{sha}-dirty"
+    assert got["run"]["command"].endswith("x.py --n '2 3'") and got["run"]["date"]
+    assert "cores" in got["run"]["machine"] and sha in _record.run_line()
+    times, last = _record.timed(lambda: 7, 3)
+    assert len(times) == 3 and last == 7
