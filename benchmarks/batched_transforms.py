@@ -38,11 +38,9 @@ photos when ``../shared`` has them, else 256 synthetic photo-size JPEGs).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +49,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._record import timed, write_json  # noqa: E402
 from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode._batched import make_decoder, orient, torchvision_decoder  # noqa: E402
@@ -198,12 +197,8 @@ LAUNCH_US = 5.0
 
 def _median_ms(fn, rounds: int):
     """(median milliseconds of ``rounds`` calls after one warm-up, the last result)."""
-    times, out = [], fn()
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), out
+    times, out = timed(fn, rounds)
+    return statistics.median(times) * 1e3, out
 
 
 def host_time(cache: JpegCache, batch: int, rounds: int) -> dict:
@@ -461,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{100 * r['share_over_2']:.2f}% by more than 2"
             )
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     return result
 
 

@@ -30,6 +30,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # benchmarks._record
+from benchmarks._record import run_info, run_line, write_json  # noqa: E402
+
 CLASSES = 1000
 POOL = 1000
 
@@ -110,6 +113,8 @@ def main() -> None:
     ap.add_argument("--restart-markers", action="store_true")
     ap.add_argument("--json", type=Path, help="write the rows here too")
     args = ap.parse_args()
+    run = run_info()
+    print(run_line())
     rows = []
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; src {args.src}")
     print("| N | build s (files/s) | CPU s | peak beyond the data | left after |")
@@ -143,7 +148,7 @@ def main() -> None:
         )
     print(f"load after: {os.getloadavg()[0]:.2f}")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        write_json(args.json, rows, run=run)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import argparse
 import io
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._record
+from benchmarks._record import run_line  # noqa: E402
 
 
 def main() -> None:
@@ -33,6 +38,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    print(run_line(), flush=True)
     torch.set_num_threads(1)
     import torchvision.transforms.v2 as v2
     from PIL import Image

@@ -31,6 +31,8 @@ from pathlib import Path
 from gpucache.testing import make_jpeg_folder
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # benchmarks._record
+from benchmarks._record import run_info, run_line, write_json  # noqa: E402
 
 
 def _data(base: Path, repeat: int) -> Path:
@@ -99,6 +101,8 @@ def main() -> None:
     p.add_argument("--contexts", nargs="+", default=["fork", "spawn", "forkserver"])
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    run = run_info()
+    print(run_line())
     rows = []
     with tempfile.TemporaryDirectory(prefix="gpucache-ddp-") as tmp:
         base = Path(tmp)
@@ -122,7 +126,7 @@ def main() -> None:
                     flush=True,
                 )
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        write_json(args.json, rows, run=run)
 
 
 if __name__ == "__main__":

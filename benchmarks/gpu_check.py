@@ -66,6 +66,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._record import run_info  # noqa: E402
 from benchmarks.gpu_check_out import Outputs, system  # noqa: E402
 from benchmarks.overlap import measure as measure_overlap  # noqa: E402
 from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
@@ -111,6 +112,7 @@ class Check:
         self.args, self.out = args, out
         self.device = torch.device(args.device)  # as given: the library normalises it
         self.result: dict = {
+            "run": run_info(),  # command, date, machine, commit
             "emulated": args.emulate,
             "device": args.device,
             "photos": args.photos,

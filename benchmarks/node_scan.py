@@ -31,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks._record import run_line  # noqa: E402
 
 RANK = """
 import json, os, sys, time
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--no-strace", action="store_true")
     args = ap.parse_args()
+    print(run_line(), flush=True)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gpucache-node-scan-"))
     root, cdir, out = work / "data", work / "cache", work / "out"
     try:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -52,6 +51,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # benchmarks._record
+from benchmarks._record import run_info, run_line, write_json  # noqa: E402
+
 CLASSES, POOL = 100, 1000
 
 CHILD = r"""
@@ -311,10 +313,9 @@ def main() -> None:
         "OMP_NUM_THREADS": "1",
     }
     os.environ.update({k: env[k] for k in env if k.startswith("AWS_")})
+    run = run_info()
+    print(run_line(), flush=True)
     results: dict = {
-        "command": " ".join(sys.argv),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "date": time.strftime("%Y-%m-%d"),
         "server": "moto ThreadedMotoServer on 127.0.0.1, its own process",
     }
     try:
@@ -378,10 +379,9 @@ def main() -> None:
     finally:
         server.kill()
         server.wait()
-    text = json.dumps(results, indent=1)
-    print(text)
+    print(json.dumps(results, indent=1))
     if args.json:
-        args.json.write_text(text + "\n")
+        write_json(args.json, results, run=run)
 
 
 if __name__ == "__main__":

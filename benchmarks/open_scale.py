@@ -14,10 +14,14 @@ import argparse
 import os
 import pickle
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._record
+from benchmarks._record import run_line  # noqa: E402
 
 
 def make_store(path: Path, n: int, sections: bool = False) -> None:
@@ -71,6 +75,7 @@ def main() -> None:
         help="add the optional sections that open checks (targets, resized, rst)",
     )
     args = ap.parse_args()
+    print(run_line(), flush=True)
     import gpucache
     from gpucache import JpegCache
 

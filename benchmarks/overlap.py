@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._record import run_line  # noqa: E402
 from gpucache import JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode._base import GPU_IN_FLIGHT  # noqa: E402
@@ -188,6 +189,7 @@ def main() -> int:
         help=f"batches in flight (the loader's: {GPU_IN_FLIGHT})",
     )
     args = ap.parse_args()
+    print(run_line(), flush=True)
     torch.set_num_threads(1)
     folder = args.folder or cached_jpeg_folder(args.images, seed=0)
     cache = JpegCache.from_folder(folder, progress=False)

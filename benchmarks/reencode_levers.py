@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, JpegImagePlugin
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks._record
+from benchmarks._record import write_json  # noqa: E402
 
 VARIANTS = {
     "444q95": {"quality": 95, "subsampling": 0},
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
             f"{name:10} {share:8.3f} {s['mad_median']:11.2f} {s['mad_p90']:6.2f} "
             f"{s['mad_max']:6.2f} {s['psnr_median']:12.1f} {s['psnr_min']:6.1f}"
         )
-    (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_json(a.out / "summary.json", summary)
     return 0
 
 

@@ -26,8 +26,7 @@ max) with the worst samples named (file, size, scale); CPU ms per sample
 from __future__ import annotations
 
 import argparse
-import json
-import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks._record
+from benchmarks._record import run_info, run_line, write_json  # noqa: E402
 
 
 def mosaics(photos: list[Path], n: int, out: Path) -> list[Path]:
@@ -151,9 +154,9 @@ def main() -> None:
     pick = (
         photos if args.images <= 0 else photos[:: max(1, len(photos) // args.images)][: args.images]
     )
+    run = run_info()
+    print(run_line(), flush=True)
     results: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": platform.processor() or platform.machine(),
         "load": open("/proc/loadavg").read().split()[:3],
         "library_variant": _name((_scaled.SCALE_MARGIN, _scaled._CONTEXT, _scaled._MAX_SHIFT)),
         "seeds": args.seeds,
@@ -186,7 +189,7 @@ def main() -> None:
                         flush=True,
                     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    write_json(args.out, results, run=run)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 import torch
 from PIL import Image
 
+from benchmarks._record import run_line, timed
 from gpucache.decode._core import decode_jpeg
 from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, sniff
 from gpucache.store._jpeg import ARITHMETIC_WEIGHT, WORK_PER_PIXEL
@@ -54,12 +55,7 @@ from tests.support.hostile import (
 
 
 def best(fn, repeat: int = 3) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.process_time()
-        fn()
-        times.append(time.process_time() - t)
-    return min(times)
+    return min(timed(fn, repeat, warmup=0, clock=time.process_time)[0])
 
 
 def tv(b: bytes) -> None:
@@ -162,6 +158,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=4000)
     ap.add_argument("--attack", action="store_true", help="decode the refused 98-scan JPEG too")
     args = ap.parse_args()
+    print(run_line(), flush=True)
     print(f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; MAX_SCANS={MAX_SCANS}")
     photos = [p.read_bytes() for p in sorted(args.photos.rglob("*.jpg"))]
     if photos:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks._record import run_info, run_line, write_json  # noqa: E402
 
 RUN = """
 import sys, time
@@ -115,6 +116,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    run = run_info()
+    print(run_line(), flush=True)
     from gpucache import JpegCache
     from gpucache.testing import cached_jpeg_folder
 
@@ -129,8 +132,6 @@ def main() -> None:
         "batch": a.batch,
         "epochs": a.epochs,
         "rounds": a.rounds,
-        "machine": f"{os.cpu_count()} cores",
-        "date": time.strftime("%Y-%m-%d"),
         "configs": {},
     }
     for workers in [int(w) for w in a.workers.split(",")]:
@@ -163,7 +164,7 @@ def main() -> None:
     result["timing_code"] = cost
     print(json.dumps(result, indent=1))
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(a.json, result, run=run)
 
 
 if __name__ == "__main__":

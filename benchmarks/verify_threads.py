@@ -12,7 +12,12 @@ import argparse
 import os
 import resource
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._record
+from benchmarks._record import run_line  # noqa: E402
 
 
 def main() -> None:
@@ -21,6 +26,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="the many-thread side (all cores)")
     args = ap.parse_args()
+    print(run_line(), flush=True)
     from gpucache import JpegCache
     from gpucache.cli._checks import check_checksums, check_decodes
     from gpucache.store._checksum import default_threads

@@ -41,7 +41,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # benchmarks._record
+from benchmarks._record import run_info, write_json  # noqa: E402
+
 SHARED = REPO.parent / "shared" / "data" / "hymenoptera"
 MIB = 2**20
 
@@ -415,15 +417,6 @@ def _env(tmp: str) -> dict:
     return env
 
 
-def _machine() -> str:
-    import torch
-
-    return (
-        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, glibc {platform.libc_ver()[1]}"
-    )
-
-
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_photos":
         print(json.dumps(_photos_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
@@ -440,8 +433,8 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--out", type=Path, help="all: writes OUT.json and OUT.txt")
     args = p.parse_args()
-    started, load = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()
-    result: dict = {"machine": _machine(), "data": str(args.data), "date": started}
+    run = run_info()
+    result: dict = {"data": str(args.data)}
     if args.what in ("photos", "all"):
         result["photos"] = photos(args.data, args.epochs)
         result["fault_us"] = fault_us()
@@ -450,12 +443,12 @@ def main() -> None:
         result["ranks"] = ranks(args.data, args.runs)
     path = args.json or (args.out.with_suffix(".json") if args.out else None)
     if path:
-        path.write_text(json.dumps(result, indent=1))
+        write_json(path, result, run=run)
     if args.out:
         lines = [
-            f"python benchmarks/worker_memory.py {' '.join(sys.argv[1:])}",
-            f"{started}, {result['machine']}; data: {args.data}; load average "
-            f"{load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at the end",
+            run["command"],
+            f"{run['date']}, commit {run['commit'] or 'unknown'}; {run['machine']}; data: "
+            f"{args.data}; load average {os.getloadavg()[0]:.1f} at the end",
             "private dirty memory of each worker (MiB): at start, at rest after epoch N, busy max",
         ]
         lines += [_photo_line(r) for r in result.get("photos", [])]

@@ -17,14 +17,12 @@ import argparse
 import os
 import sys
 
-try:
-    import gpucache  # noqa: F401  (installed)
-except ImportError:  # run from a checkout
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # benchmarks._record
 
 import numpy as np
 import torch
 
+from benchmarks._record import run_line
 from gpucache.decode._core import Decoded
 from gpucache.decode._worker_main import _result
 from gpucache.testing._memory import reset_peak_rss, status_bytes
@@ -35,6 +33,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=8)
     ap.add_argument("--side", type=int, default=1000)
     args = ap.parse_args()
+    print(run_line(), flush=True)
     torch.set_num_threads(1)
     imgs = [
         torch.from_numpy(np.full((args.side, args.side + 10 * k, 3), k, np.uint8)).permute(2, 0, 1)

@@ -8,6 +8,7 @@ from types import ModuleType as _ModuleType  # private: the public surface is __
 from . import transforms
 from ._dataset import JpegDataset
 from ._errors import GpucacheError
+from ._version import read_version as _read_version
 from .decode._core import SampleError
 from .decode._workers import WorkerError
 from .ingest._build import (
@@ -27,7 +28,7 @@ from .store._shm import SharedMemoryError
 from .store._store import JpegCache
 from .store._targets import with_targets
 
-__version__ = "0.1.0"
+__version__ = _read_version()  # pyproject.toml's version, from the installed metadata
 
 
 def __getattr__(name: str) -> _ModuleType:

@@ -24,7 +24,7 @@ from .decode._core import check_size, decode_sample
 from .store._store import JpegCache
 from .store._targets import dense_targets, ragged_targets
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 _OUTPUTS = ("tensor", "numpy", "pil")
 

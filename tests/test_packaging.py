@@ -86,3 +86,20 @@ def test_python_m_gpucache_is_the_command_line():
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("usage: gpucache ") and "build" in run.stdout
+
+
+def test_the_version_is_pyprojects_from_metadata_or_from_the_checkout(tmp_path, capsys):
+    """Written once, in pyproject.toml: the installed metadata carries it, a plain checkout on
+    PYTHONPATH (no distribution installed) reads it from the pyproject beside the package."""
+    import gpucache
+    from gpucache._version import UNKNOWN, read_version
+    from gpucache.cli import main
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert gpucache.__version__ == version == read_version()
+    assert read_version("no-such-distribution-xyz") == version  # the checkout's pyproject
+    assert read_version("no-such-distribution-xyz", tmp_path / "pyproject.toml") == UNKNOWN
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"gpucache {version}"

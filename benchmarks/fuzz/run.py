@@ -45,6 +45,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # benchmarks._record
+from benchmarks._record import write_json  # noqa: E402
+
 SRC = HERE.parents[1] / "gpucache" / "_jpeg_regions.c"
 FLAGS = [
     "-fsanitize=address,undefined",
@@ -159,9 +162,8 @@ def main() -> int:
             )
             total["iterations"] += 1
         seed += 1
-    text = json.dumps(total, indent=1)
-    (args.out / "summary.json").write_text(text)
-    print(text)
+    write_json(args.out / "summary.json", total)
+    print(json.dumps(total, indent=1))
     return 1 if total["crashes"] or total["mismatches"] or total["harness_errors"] else 0
 
 

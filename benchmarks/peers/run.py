@@ -286,10 +286,11 @@ def main(argv=None) -> int:
     if args.gpucache_src.resolve() != ROOT:  # stores of another version kept apart
         work = work / hashlib.sha1(str(args.gpucache_src.resolve()).encode()).hexdigest()[:8]
     work.mkdir(parents=True, exist_ok=True)
-    from gpucache.bench._report import machine_info
+    from gpucache.bench._report import machine_info, source_commit
 
     report = {
-        "machine": machine_info(),
+        "machine": machine_info(),  # with the commit of this tree
+        "gpucache_src_commit": source_commit(args.gpucache_src.resolve()),  # the contenders' tree
         "load_start": load(),
         "note": args.note,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

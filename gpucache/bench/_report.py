@@ -6,6 +6,7 @@ import datetime
 import math
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,27 @@ from ._contenders import CONTENDERS
 from ._timing import Result
 
 NO_CACHE_TOLERANCE = 0.1  # a contender that reads files shows "0" when measured within this of 0
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the tree holding this gpucache
+
+
+def source_commit(root: Path = SOURCE_ROOT) -> str | None:
+    """The git commit of the source tree ``root`` (by default the one gpucache is imported from),
+    ``"<sha>-dirty"`` when its tracked files differ from it; None outside a checkout (an installed
+    wheel: ``root`` has no ``.git`` of its own, whatever repository encloses it)."""
+    if not (root / ".git").exists():  # a folder, or a file in a worktree
+        return None
+
+    def git(*args: str) -> str:
+        run = subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=True, timeout=30
+        )
+        return run.stdout.strip()
+
+    try:
+        sha = git("rev-parse", "HEAD")
+        return f"{sha}-dirty" if git("status", "--porcelain", "--untracked-files=no") else sha
+    except (OSError, subprocess.SubprocessError):  # no git installed, or not a repository
+        return None
 
 
 def machine_info() -> dict:
@@ -50,6 +72,7 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "gpucache": __version__,
+        "commit": source_commit(),
         "versions": versions,
         "jpeg_decoder": jpeg_decoder_name(),
         "default_start_method": mp.get_start_method(allow_none=True) or "default",
@@ -125,7 +148,8 @@ def header(source: Source, cfg: Config, machine: dict) -> str:
         f"{i['images']} images ({i['bytes'] / 2**20:,.1f} MiB, {i['classes']} classes) from "
         f"{i['src']}\npipeline {cfg.pipeline}, batch {cfg.batch_size}, {cfg.workers} workers, "
         f"{cfg.epochs} epochs after a warm-up; {machine['cpu']}, {machine['usable_cores']} "
-        f"cores, torch {machine['versions']['torch']}, decoder {machine['jpeg_decoder']}"
+        f"cores, torch {machine['versions']['torch']}, decoder {machine['jpeg_decoder']}, "
+        f"commit {machine['commit'] or 'unknown'}"
     )
 
 

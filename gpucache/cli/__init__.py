@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from .. import bench
+from .. import __version__, bench
 from .._errors import GpucacheError
 from ..ingest._build import BuildError
 from ..ingest._pipeline import default_threads as read_threads
@@ -136,6 +136,7 @@ def _verify(args) -> int:
 def make_parser() -> argparse.ArgumentParser:
     """The ``gpucache`` command's parser, every command's options on it."""
     parser = argparse.ArgumentParser(prog="gpucache", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="pack an ImageFolder tree into one store file")
     p.add_argument(

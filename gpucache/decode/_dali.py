@@ -42,7 +42,7 @@ from ._core import ON_ERROR, Decoded, out_size
 from ._fallback import Part, decode_on_cpu, join, out_of_memory, split, stage_times
 from ._streams import consumer_stream
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 
 @dataclass

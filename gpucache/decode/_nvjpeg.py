@@ -60,7 +60,7 @@ from ._nvjpeg_faults import allocator_failure, raise_if_broken, raise_if_out_of_
 from ._streams import CudaStreams, HostStreams
 from ._workers import default_workers
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 
 def default_cpu_threads() -> int:

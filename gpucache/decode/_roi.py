@@ -39,7 +39,7 @@ try:
 except Exception:  # pragma: no cover - depends on what is installed
     _nvimgcodec = None
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 #: ROI decode is used when True and a region decoder is there; set False to force full decodes.
 ENABLED = True

@@ -46,7 +46,7 @@ from . import _roi
 from ._core import Decoded, SampleError
 from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 _GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and again after SIGTERM
 # Bounds on waits that end as soon as something already under way finishes; they only matter
 # when it never does, so they are generous for a loaded machine (load 15 on 2 cores).

@@ -45,7 +45,7 @@ __all__ = [
     "build",
 ]
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 #: The extensions torchvision's ImageFolder accepts (same filter, same order of classes/files).
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

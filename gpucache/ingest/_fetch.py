@@ -42,7 +42,7 @@ from .._progress import tqdm
 from ._inputs import FileRangeSource, Refused
 from ._remote import Listing, ObjectStoreError, access_error, bucket_of, describe, error_code
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 PART = 8 << 20  # bytes of one ranged GET of a large object
 IN_FLIGHT_BYTES = 128 << 20  # response bodies held at once, across the requests in flight

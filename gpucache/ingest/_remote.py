@@ -27,7 +27,7 @@ from .._errors import GpucacheError
 from ._build import IMG_EXTENSIONS, PathList
 from ._patterns import expand_braces
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 #: URL schemes read through fsspec, and the extra that installs each one's client.
 SCHEMES = {

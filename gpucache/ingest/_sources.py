@@ -30,7 +30,7 @@ from ._remote import is_url, read_text
 if TYPE_CHECKING:
     from ..store._store import JpegCache
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 #: Member extensions taken as the image of a WebDataset sample, in order of preference.
 WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")

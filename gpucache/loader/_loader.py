@@ -26,7 +26,7 @@ from . import _state
 from ._sampling import Sampling
 from ._stats import LoaderStats
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 
 class BatchInfo(NamedTuple):

@@ -47,7 +47,7 @@ from ._lock import NodeLock
 if TYPE_CHECKING:
     from ..store._store import JpegCache
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 STALL_TIMEOUT_S = 900.0  # waiters give up when the builder reports no progress for this long
 SCAN_FRESH_S = 120.0  # a rank takes another rank's scan result only this soon after it was made

@@ -28,7 +28,7 @@ from pathlib import Path
 from ..store._format import MAGIC
 from ._dir import in_use, open_own, read_json
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 _KEY = "[0-9a-f]{32}"
 _STORE = re.compile(rf"({_KEY})\.gpucache")

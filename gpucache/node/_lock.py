@@ -25,7 +25,7 @@ from typing import Any
 
 from ._dir import not_writable, open_own
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 POLL_S, NOTE_S, WRITE_S = 0.2, 30.0, 0.5
 RECORD = 512  # bytes: the record is padded to one fixed-size pwrite, read back whole

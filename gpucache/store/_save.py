@@ -25,7 +25,7 @@ from typing import Any
 from .._owned import NOFOLLOW
 from . import _format
 
-log = logging.getLogger("gpucache")
+log = logging.getLogger(__name__)
 
 _LIVE: set[str] = set()  # this process's temporary files being written (NFS locks are per process)
 _UMASK_LOCK = threading.Lock()

@@ -251,7 +251,7 @@ def cached_jpeg_folder(n: int, *, seed: int = 0, name: str = "synthetic") -> pat
     root = pathlib.Path(tempfile.gettempdir()) / f"gpucache-{name}-{n}-seed{seed}"
     if (root / ".complete").exists():
         return root
-    logging.getLogger("gpucache").info(
+    logging.getLogger(__name__).info(
         "generating %d synthetic JPEGs into %s (once; about %.0f s)", n, root, n * 0.015
     )
     part = root.with_name(f"{root.name}.part-{os.getpid()}")
