@@ -71,14 +71,18 @@ class _Budget:
         self.lock = threading.Lock()
         self.error: BaseException | None = None
 
+    def check(self, url: str) -> None:
+        """Raise the listing's first failure, if another thread met one."""
+        first = self.error
+        if first is not None:
+            raise ObjectStoreError(str(first), getattr(first, "url", url))
+
     def take(self, url: str, objects: int) -> None:
         with self.lock:
             self.pages += 1
             self.objects += objects
             over = self.objects > MAX_OBJECTS or self.pages > MAX_PAGES
-            first = self.error
-        if first is not None:  # another prefix failed: this listing is over
-            raise ObjectStoreError(str(first), getattr(first, "url", url))
+        self.check(url)
         if over:
             raise _refuse(
                 url,
@@ -103,9 +107,10 @@ def _refuse(url: str, why: str) -> ObjectStoreError:
     return ObjectStoreError(f"cannot list {redact(url)}: {why}; no store was published", url)
 
 
-def _paged(fs: Any) -> bool:
-    """Whether gpucache pages this client's listings itself (s3fs)."""
-    return callable(getattr(fs, "call_s3", None))
+def _paged(fs: Any, bucket: str) -> bool:
+    """Whether gpucache pages this client's listings itself: s3fs, but for S3 Express directory
+    buckets (``*--x-s3``), whose listings come in no order and take no ``StartAfter``."""
+    return callable(getattr(fs, "call_s3", None)) and not bucket.endswith("--x-s3")
 
 
 def _page(
@@ -128,6 +133,7 @@ def _page(
         kw["ContinuationToken"] = token
     elif after:
         kw["StartAfter"] = after
+    budget.check(url)
     page = _call(url, lambda: fs.call_s3("list_objects_v2", **kw))
     contents = page.get("Contents") or []
     common = [p.get("Prefix", "") for p in page.get("CommonPrefixes") or []]
@@ -170,7 +176,7 @@ class _Tokens:
 
 def _entries(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> Iterator[list[Entry]]:
     """Every object under ``prefix``, a page at a time."""
-    if not _paged(fs):
+    if not _paged(fs, bucket):
         path = f"{bucket}/{prefix}".rstrip("/")
         walked = _call(url, lambda: list(fs.walk(path, detail=True, on_error="raise")))
         for _, _, files in walked:
@@ -195,7 +201,7 @@ def _entries(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> It
 
 def _folders(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> list[str]:
     """The names of the folders right under ``prefix``."""
-    if not _paged(fs):
+    if not _paged(fs, bucket):
         try:
             top = _call(url, lambda: fs.ls(f"{bucket}/{prefix}".rstrip("/"), detail=True))
         except FileNotFoundError:
@@ -418,7 +424,7 @@ def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = No
     fs = fs or filesystem(urls[0] if urls else "s3://", storage_options)
     where = f"{len(urls):,} URLs" + (f" ({bucket_of(urls[0])})" if urls else "")
     budget = _Budget(where)
-    paged = _paged(fs)
+    paged = _paged(fs, strip(urls[0]).split("/", 1)[0] if urls else "")
 
     def tasks() -> Iterator[tuple[str, list[str]]]:
         for folder, run in _runs(urls):
@@ -475,7 +481,7 @@ def _glob(fs: Any, url: str, budget: _Budget) -> list[str]:
     from fsspec.utils import glob_translate  # type: ignore[import-untyped]
 
     path = strip(url)
-    if not _paged(fs):
+    if not _paged(fs, path.split("/", 1)[0]):
         return sorted(_call(url, lambda: list(fs.glob(path))))
     bucket, _, pattern = path.partition("/")
     fixed = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
