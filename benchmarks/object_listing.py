@@ -94,6 +94,7 @@ def measure(code: Path, server: subprocess.Popen, endpoint: str, kind: str, n: i
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, kind, str(n), str(named)],
         env=env,
+        cwd=code,  # `python -c` puts the working folder first on sys.path
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

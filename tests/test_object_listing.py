@@ -25,7 +25,7 @@ pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
 
 from gpucache import JpegCache, ObjectStoreError  # noqa: E402
-from gpucache.ingest import _fetch, _listing  # noqa: E402
+from gpucache.ingest import _fetch, _listing, _pages  # noqa: E402
 from gpucache.ingest._remote import filesystem  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
 from tests.support.s3server import S3Server, VirtualFolder  # noqa: E402
@@ -152,7 +152,7 @@ def test_a_failing_listing_stops_the_build_through_fsspec_too(
     server, tmp_path, fast_retries, monkeypatch
 ):
     """Services gpucache does not page itself (GCS, Azure) are walked with errors raised."""
-    monkeypatch.setattr(_listing, "_paged", lambda fs, bucket: False)
+    monkeypatch.setattr(_pages, "_paged", lambda fs, bucket: False)
     server.fail_listing(
         "status", "fold/b", times=None, status=500, code="InternalError", bucket=BUCKET
     )
@@ -166,7 +166,7 @@ def test_a_failing_listing_stops_the_build_through_fsspec_too(
 
 # -------------------------------------------------------------------------- bounded listings
 def test_a_paginator_that_never_ends_is_stopped(server, tmp_path, monkeypatch):
-    monkeypatch.setattr(_listing, "MAX_OBJECTS", 5_000)
+    monkeypatch.setattr(_pages, "MAX_OBJECTS", 5_000)
     endless = VirtualFolder("lst", "endless", None)
     server.answer(endless, endless.matches, bucket=BUCKET)
     with pytest.raises(ObjectStoreError, match=r"s3://lst/endless/.*passed 5,000 objects"):
@@ -228,7 +228,7 @@ def test_named_objects_are_looked_up_by_name_not_by_listing_their_folder(server)
 def test_from_files_by_name_across_pages(server, tmp_path, monkeypatch):
     """Pages of 4 keys: the lookup skips ahead, follows tokens and finds every name that
     exists, in the list's order, and reports the rest."""
-    monkeypatch.setattr(_listing, "PAGE_KEYS", 4)
+    monkeypatch.setattr(_pages, "PAGE_KEYS", 4)
     names = sorted(IDS)
     chosen = names[30:] + names[:3] + names[10:25:2] + names[26:28] + names[27:28]
     chosen += ["ids/000.jp", "ids/100.jpg", "ids/015.jpgx"]  # no such objects
