@@ -252,3 +252,15 @@ def test_keys_a_disk_could_not_hold_are_stored_in_imagefolder_order(server, tmp_
         (f"s3://lst/names/{k}", NAMES[f"names/{k}"]) for k in order
     ]
     assert cache.classes == ["a", "b"] and cache.labels.tolist() == [0] * 3 + [1] * 4
+
+
+def test_glob_patterns_are_matched_against_a_bounded_listing(server, monkeypatch):
+    monkeypatch.setattr(_pages, "PAGE_KEYS", 4)
+    listing = _listing.list_shards(["s3://lst/ids/0[0-1]?.jpg", "s3://lst/ids/03*"], None)
+    want = [k for k in sorted(IDS) if k[4:6] in ("00", "01")] + [
+        f"ids/03{i}.jpg" for i in range(10)
+    ]
+    assert list(listing.urls) == [f"s3://lst/{k}" for k in want]
+    assert listing.sizes.tolist() == [len(IDS[k]) for k in want]
+    with pytest.raises(FileNotFoundError, match="no object matches s3://lst/ids/9"):
+        _listing.list_shards(["s3://lst/ids/9*.jpg"], None)
