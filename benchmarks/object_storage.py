@@ -136,7 +136,9 @@ import gc, json, sys
 from pathlib import Path
 import numpy as np
 from gpucache.ingest._fetch import Spool
-from gpucache.ingest._remote import _Packer, _tag_hash
+from array import array
+from gpucache.ingest._listing import _Names, _Packer
+from gpucache.ingest._remote import _tag_hash
 
 def rss():
     with open("/proc/self/status") as f:
@@ -147,8 +149,9 @@ gc.collect(); r0 = rss()
 pack = _Packer()
 for c in range(folders):  # ImageNet-like names: s3://bucket/imagenet/train/n00000042/n00000042_00017.JPEG
     names = [f"n{c:08d}_{i:05d}.JPEG" for i in range(n // folders)]
-    pack.add_folder(f"s3://bucket/imagenet/train/n{c:08d}/", names, [110_000] * len(names),
-                    [_tag_hash(f'"{c}-{i}"') for i in range(len(names))])
+    tags = array("Q", [_tag_hash(f'"{c}-{i}"') for i in range(len(names))])
+    pack.add(f"s3://bucket/imagenet/train/n{c:08d}/",
+             _Names.of(names, array("q", [110_000]) * len(names), tags))
 listing = pack.listing("s3")
 del pack; gc.collect(); r1 = rss()
 spool = Spool(Path("/nonexistent/0"), listing, None, progress=False)

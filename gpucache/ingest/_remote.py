@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
-from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .._errors import GpucacheError
-from ._build import IMG_EXTENSIONS, PathList
-from ._patterns import expand_braces
+from ._build import PathList
 
 log = logging.getLogger(__name__)
 
@@ -346,65 +343,29 @@ class Listing(Sequence[str]):
         return f"<{len(self)} objects of {self.where}>"
 
 
-#: Listing requests in flight (one a folder, or one a URL of a short run).
-LIST_THREADS = 32
-
-
-class _Packer:
-    """URLs, sizes and ETag hashes appended folder by folder into a :class:`Listing`."""
-
-    def __init__(self) -> None:
-        self.prefixes: list[str] = []
-        self.blobs: list[bytes] = []
-        self.folder_of, self.ends, self.end = array("I"), array("Q"), 0
-        self.sizes, self.tags = array("q"), array("Q")
-
-    def add_folder(self, prefix: str, names: list[str], sizes: list[int], tags: list[int]) -> None:
-        """Objects ``prefix + name`` (size -1: no such object)."""
-        if not names:
-            return
-        self.folder_of.extend([len(self.prefixes)] * len(names))
-        self.prefixes.append(prefix)
-        encoded = [os.fsencode(n) for n in names]
-        for b in encoded:
-            self.end += len(b)
-            self.ends.append(self.end)
-        self.blobs.append(b"".join(encoded))
-        self.sizes.extend(sizes)
-        self.tags.extend(tags)
-
-    def listing(self, protocol: str, **kw) -> Listing:
-        urls = PathList(self.prefixes, self.folder_of, self.ends, b"".join(self.blobs))
-        sizes = np.array(self.sizes, dtype=np.int64)
-        tags = np.array(self.tags, dtype=np.uint64)
-        return Listing(protocol, urls, sizes, tags, **kw)
-
-
-def _compact(infos: Iterable[dict | None]) -> tuple[list[int], list[int]]:
-    """Sizes and ETag hashes of listed objects (None: no such object: -1, 0)."""
-    sizes, tags = [], []
-    for info in infos:
-        sizes.append(int(info.get("size", -1)) if info else -1)
-        tags.append(_tag_hash(tag_of(info)) if info else 0)
-    return sizes, tags
-
-
 def _call(url: str, fn: Callable[[], Any], what: str = "list") -> Any:
-    """``fn()``, retried on transient errors; a denied or missing bucket is a clear error."""
-    from ._fetch import retrying
+    """``fn()``, retried on transient errors as a GET is (``_fetch.retrying``). A denied or
+    missing bucket is a clear error; a missing object stays a ``FileNotFoundError``; any other
+    failure, after its retries, an :class:`ObjectStoreError` naming ``url`` (a listing that
+    cannot be had stops the build: a store never lacks what could not be listed)."""
+    from ._fetch import RETRIES, retrying, transient
 
     try:
         return retrying(fn)
-    except OSError as err:
-        clear = access_error(url, err, what)
-        if clear is not None:
-            raise clear from None
+    except ObjectStoreError:
         raise
     except Exception as err:
         clear = access_error(url, err, what)
         if clear is not None:
             raise clear from None
-        raise ObjectStoreError(f"cannot {what} {redact(url)}: {describe(err)}", url) from err
+        if isinstance(err, FileNotFoundError):
+            raise
+        tried = f", still failing after {RETRIES + 1} attempts" if transient(err) else ""
+        raise ObjectStoreError(
+            f"cannot {what} {redact(url)}: {describe(err)}{tried}; no store was published. "
+            "Check the endpoint and the service's status, then build again",
+            url,
+        ) from err
 
 
 def read_text(url: str, storage_options: dict | None) -> str:
@@ -415,177 +376,3 @@ def read_text(url: str, storage_options: dict | None) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{redact(url)} is not UTF-8 text ({err}); give a CSV in UTF-8") from None
-
-
-def list_folder(
-    url: str, storage_options: dict | None, fs: Any = None
-) -> tuple[Listing, np.ndarray, list[str]]:
-    """Objects, labels and class names of an ImageFolder layout under a prefix, in the order
-    ``torchvision.datasets.ImageFolder`` gives the same tree on a disk (classes sorted; in each,
-    folders sorted by path and files by name; the same extensions). Classes are listed
-    ``LIST_THREADS`` at a time, each kept as names, sizes and ETag hashes only."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ._pipeline import ordered
-
-    proto = protocol_of(url)
-    fs = fs or filesystem(url, storage_options)
-    root = strip(url).rstrip("/")
-    base = f"{proto}://"
-    try:
-        top = _call(url, lambda: fs.ls(root, detail=True))
-    except FileNotFoundError:
-        top = []
-    classes = sorted(
-        e["name"].rstrip("/").rsplit("/", 1)[-1] for e in top if e.get("type") == "directory"
-    )
-    if not classes:
-        raise FileNotFoundError(
-            f"no class folders under {redact(url)}: from_folder expects the ImageFolder "
-            "layout PREFIX/<class>/<image> (objects named PREFIX/ants/1.jpg, ...)"
-        )
-
-    def one_class(name: str) -> list[tuple[str, list[str], list[int], list[int]]]:
-        walked = _call(url, lambda: list(fs.walk(f"{root}/{name}", detail=True)))
-        out = []
-        for folder, _, files in sorted(walked, key=lambda w: w[0]):
-            names = sorted(n for n in files if n.lower().endswith(IMG_EXTENSIONS))
-            out.append((f"{base}{folder.rstrip('/')}/", names, *_compact(files[n] for n in names)))
-        return out
-
-    pack = _Packer()
-    counts = np.zeros(len(classes), dtype=np.int64)
-    with ThreadPoolExecutor(LIST_THREADS, thread_name_prefix="gpucache-list") as pool:
-        for label, folders in enumerate(ordered(pool, one_class, classes, 2 * LIST_THREADS)):
-            for prefix, names, sizes, tags in folders:
-                pack.add_folder(prefix, names, sizes, tags)
-                counts[label] += len(names)
-    empty = [c for c, k in zip(classes, counts) if k == 0]
-    if len(empty) == len(classes):
-        raise FileNotFoundError(
-            f"found no image under {redact(url)}: none of its {len(classes)} class folders holds "
-            f"an object ending in {', '.join(IMG_EXTENSIONS)}; from_folder expects "
-            "PREFIX/<class>/<image>"
-        )
-    if empty:
-        log.warning(
-            "gpucache: %d class folders of %s hold no image and keep their label with no "
-            "sample: %s",
-            len(empty),
-            redact(url),
-            ", ".join(empty[:10]),
-        )
-    listing = pack.listing(
-        proto,
-        relist=lambda: list_folder(url, storage_options, fs)[0],
-        where=redact(url),
-        fs=fs,
-    )
-    labels = np.repeat(np.arange(len(classes), dtype=np.int64), counts)
-    return listing, labels, classes
-
-
-#: A folder named by at least this many URLs of a list is listed (1 request per 1,000 objects);
-#: fewer are asked for one by one (1 request each).
-LIST_FOLDER_FROM = 32
-
-
-def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = None) -> Listing:
-    """Size and ETag of each URL of a list (``from_files``, ``from_csv``), in the list's order.
-
-    Consecutive URLs of one folder are looked up in one listing of that folder when there are
-    at least ``LIST_FOLDER_FROM`` of them, else each with a HEAD request; ``LIST_THREADS``
-    requests at once. A URL with no object is kept as missing (a bad sample with that reason,
-    never a hole)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ._pipeline import ordered
-
-    urls = [os.fspath(u) for u in urls]
-    protos = {protocol_of(u) for u in urls}
-    if len(protos) > 1:
-        raise ValueError(
-            f"the list mixes URL schemes ({', '.join(sorted(protos))}); build one store per "
-            "storage service, or copy the data to one"
-        )
-    proto = protos.pop() if protos else "s3"
-    fs = fs or filesystem(urls[0] if urls else "s3://", storage_options)
-
-    def tasks() -> Iterator[tuple[str, list[str]]]:
-        for folder, run in _runs(urls):
-            if len(run) >= LIST_FOLDER_FROM:
-                yield folder, run
-            else:
-                yield from ((folder, [u]) for u in run)
-
-    def look_up(task: tuple[str, list[str]]) -> tuple[str, list[str], list[int], list[int]]:
-        folder, run = task
-        names = [u[len(folder) :] for u in run]
-        if len(run) >= LIST_FOLDER_FROM:
-            try:
-                entries = _call(folder, lambda: fs.ls(strip(folder), detail=True))
-            except FileNotFoundError:
-                entries = []
-            found = {e["name"].rsplit("/", 1)[-1]: e for e in entries if e.get("type") == "file"}
-            infos = [found.get(n) for n in names]
-        else:
-            try:
-                infos = [_call(run[0], lambda: fs.info(strip(run[0])), "read")]
-            except FileNotFoundError:
-                infos = [None]
-            if infos[0] is not None and infos[0].get("type") != "file":
-                infos = [None]
-        return (folder, names, *_compact(infos))
-
-    pack = _Packer()
-    with ThreadPoolExecutor(LIST_THREADS, thread_name_prefix="gpucache-list") as pool:
-        for folder, names, sizes, tags in ordered(pool, look_up, tasks(), 2 * LIST_THREADS):
-            pack.add_folder(folder, names, sizes, tags)
-    listing = pack.listing(
-        proto,
-        relist=lambda: list_urls(urls, storage_options, fs=fs),
-        where=f"{len(urls):,} URLs" + (f" ({bucket_of(urls[0])})" if urls else ""),
-        fs=fs,
-    )
-    missing = np.flatnonzero(listing.sizes < 0)
-    listing.missing = {
-        int(i): "no such object (check the URL; as listed when the build began)" for i in missing
-    }
-    return listing
-
-
-def _runs(urls: Sequence[str]) -> Iterator[tuple[str, list[str]]]:
-    """``(folder URL with its slash, consecutive URLs in it)``."""
-    run: list[str] = []
-    folder = None
-    for u in urls:
-        f = u.rpartition("/")[0] + "/"
-        if f != folder and run:
-            yield folder, run  # type: ignore[misc]
-            run = []
-        folder = f
-        run.append(u)
-    if run:
-        yield folder, run  # type: ignore[misc]
-
-
-def list_shards(shards: Iterable[str], storage_options: dict | None) -> Listing:
-    """Size and ETag of each shard: brace patterns expanded (``{000..003}``, ``{a,b}``), glob
-    patterns (``*``, ``?``) matched against the bucket's listing."""
-    expanded: list[str] = []
-    fs: Any = None
-    for pattern in shards:
-        for u in expand_braces(pattern):
-            if any(c in strip(u) for c in "*?["):
-                fs = fs or filesystem(u, storage_options)
-
-                def glob(u: str = u, fs: Any = fs) -> list[str]:
-                    return list(fs.glob(strip(u)))
-
-                matched = sorted(_call(u, glob))
-                if not matched:
-                    raise FileNotFoundError(f"no object matches {redact(u)}")
-                expanded += [f"{protocol_of(u)}://{m}" for m in matched]
-            else:
-                expanded.append(u)
-    return list_urls(expanded, storage_options, fs=fs)

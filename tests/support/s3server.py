@@ -6,6 +6,11 @@ applies the rules a test adds (``server.fail(...)``): an HTTP error (503 SlowDow
 AccessDenied), a connection dropped before the response or in the middle of its body, a delay
 before the response, or a hook run before the request is served. Each rule applies a bounded
 number of times (``times``) or until removed. Nothing here reaches any address but 127.0.0.1.
+
+A rule may also match on the query string (``query=``: a listing of one prefix is
+``GET /bucket?list-type=2&prefix=...``), and answer in the server's place (``server.answer(...)``):
+a page that is not XML, or the pages of a :class:`VirtualFolder`, a folder of any size (a
+paginator that never ends, one that repeats its token) that exists only in its listings.
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ import logging
 import os
 import socket
 import threading
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from urllib.parse import parse_qs, quote
 
 from moto.moto_server.werkzeug_app import (
     DomainDispatcherApplication,
@@ -43,6 +50,8 @@ class Rule:
     code: str = "SlowDown"
     seconds: float = 0.0
     hook: Callable[[str], None] | None = None
+    query: Callable[[str], bool] | None = None  # also matched on the query string
+    answer: Callable[[dict], tuple[int, bytes]] | None = None  # "answer": status and body
 
 
 class FaultLayer:
@@ -60,7 +69,14 @@ class FaultLayer:
         with self.lock:
             self.counts[(method, path)] += 1
             rule = next(
-                (r for r in self.rules if r.method in (method, "*") and r.match(path)), None
+                (
+                    r
+                    for r in self.rules
+                    if r.method in (method, "*")
+                    and r.match(path)
+                    and (r.query is None or r.query(environ.get("QUERY_STRING", "")))
+                ),
+                None,
             )
             if rule is not None and rule.times is not None:
                 rule.times -= 1
@@ -72,6 +88,13 @@ class FaultLayer:
             body = ERROR_XML.format(code=rule.code, message=f"injected {rule.code}").encode()
             start_response(
                 f"{rule.status} Injected",
+                [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+            )
+            return [body]
+        if rule.kind == "answer" and rule.answer is not None:  # the server's reply, made here
+            status, body = rule.answer(environ)
+            start_response(
+                f"{status} Answered",
                 [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
             )
             return [body]
@@ -120,6 +143,83 @@ class FaultLayer:
             if self.closing.wait(rule.seconds):  # a slow link, cut short when the server stops
                 return
             yield body[k : k + 1]
+
+
+def listing_page(
+    bucket: str,
+    prefix: str,
+    keys: list[tuple[str, int]],
+    *,
+    token: str | None = None,
+    prefixes: tuple[str, ...] = (),
+) -> bytes:
+    """A ListObjectsV2 answer (keys URL-encoded, as asked by botocore's ``encoding-type=url``);
+    ``token``: truncated, with this continuation token."""
+    contents = "".join(
+        f"<Contents><Key>{quote(k)}</Key><Size>{n}</Size><ETag>&quot;{n:032x}&quot;</ETag>"
+        "<LastModified>2026-01-01T00:00:00.000Z</LastModified>"
+        "<StorageClass>STANDARD</StorageClass></Contents>"
+        for k, n in keys
+    )
+    common = "".join(
+        f"<CommonPrefixes><Prefix>{quote(p)}</Prefix></CommonPrefixes>" for p in prefixes
+    )
+    more = f"<NextContinuationToken>{token}</NextContinuationToken>" if token else ""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult '
+        'xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        f"<Name>{bucket}</Name><Prefix>{quote(prefix)}</Prefix><KeyCount>{len(keys)}</KeyCount>"
+        f"<MaxKeys>1000</MaxKeys><EncodingType>url</EncodingType>"
+        f"<IsTruncated>{'true' if token else 'false'}</IsTruncated>{more}{contents}{common}"
+        "</ListBucketResult>"
+    ).encode()
+
+
+class VirtualFolder:
+    """The listings of ``count`` objects ``<prefix>/<class>/<i:010d>.jpg`` (``size`` bytes each)
+    that exist nowhere else: answers ListObjectsV2 for the prefix (its class folders, with
+    ``delimiter=/``) and for each class folder, paged by ``page`` keys, from a continuation
+    token or ``start-after``. ``count=None`` is a paginator that never ends; ``repeat=True``
+    answers every page with the first page's token (a listing that repeats itself)."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        count: int | None,
+        *,
+        classes: tuple[str, ...] = ("c",),
+        size: int = 1000,
+        page: int = 1000,
+        repeat: bool = False,
+    ) -> None:
+        self.bucket, self.prefix, self.count, self.classes = bucket, prefix, count, classes
+        self.size, self.page, self.repeat = size, page, repeat
+
+    def matches(self, query: str) -> bool:
+        q = parse_qs(query)
+        return "list-type" in q and q.get("prefix", [""])[0].startswith(self.prefix)
+
+    def __call__(self, environ: dict) -> tuple[int, bytes]:
+        q = {k: v[0] for k, v in parse_qs(environ.get("QUERY_STRING", "")).items()}
+        prefix = q.get("prefix", "")
+        if q.get("delimiter") == "/" and prefix == self.prefix + "/":
+            folders = tuple(f"{prefix}{c}/" for c in self.classes)
+            return 200, listing_page(self.bucket, prefix, [], prefixes=folders)
+        cls = prefix[len(self.prefix) + 1 :].rstrip("/")
+        if cls not in self.classes:
+            return 200, listing_page(self.bucket, prefix, [])
+        folder = f"{self.prefix}/{cls}/"
+        n = self.count if self.count is not None else 10**9
+        if "continuation-token" in q:
+            start = int(q["continuation-token"])
+        else:  # the first key after start-after
+            after = q.get("start-after", "")
+            start = bisect_right(range(n), after, key=lambda i: f"{folder}{i:010d}.jpg")
+        stop = min(n, start + min(self.page, int(q.get("max-keys", 1000))))
+        keys = [(f"{folder}{i:010d}.jpg", self.size) for i in range(start, stop)]
+        token = "0" if self.repeat else (str(stop) if stop < n or self.count is None else None)
+        return 200, listing_page(self.bucket, prefix, keys, token=token)
 
 
 def _cut(body: bytes) -> Iterator[bytes]:
@@ -218,6 +318,50 @@ class S3Server(ThreadedMotoServer):
         with self.faults.lock:
             self.faults.rules.append(rule)
         return rule
+
+    def fail_listing(
+        self,
+        kind: str,
+        prefix: str,
+        *,
+        bucket: str = "bkt",
+        times: int | None = 1,
+        status: int = 503,
+        code: str = "SlowDown",
+        seconds: float = 0.0,
+    ) -> Rule:
+        """A fault on the listings of ``prefix`` (``ListObjectsV2`` with a prefix starting so)."""
+
+        def listing_of(query: str) -> bool:
+            q = parse_qs(query)
+            return "list-type" in q and q.get("prefix", [""])[0].startswith(prefix)
+
+        rule = Rule("GET", lambda p: p.rstrip("/") == f"/{bucket}", kind, times, status, code)
+        rule.seconds, rule.query = seconds, listing_of
+        with self.faults.lock:
+            self.faults.rules.append(rule)
+        return rule
+
+    def answer(
+        self,
+        answer: Callable[[dict], tuple[int, bytes]],
+        query: Callable[[str], bool],
+        *,
+        bucket: str = "bkt",
+        times: int | None = None,
+    ) -> Rule:
+        """Requests on ``bucket`` whose query string ``query`` accepts are answered by
+        ``answer(environ) -> (status, body)`` instead of moto (a garbage page, a
+        :class:`VirtualFolder`)."""
+        rule = Rule("GET", lambda p: p.rstrip("/") == f"/{bucket}", "answer", times)
+        rule.query, rule.answer = query, answer
+        with self.faults.lock:
+            self.faults.rules.append(rule)
+        return rule
+
+    def lists(self, bucket: str = "bkt") -> int:
+        """Listing requests (``GET /bucket?...``) served or faulted so far."""
+        return self.count("GET", f"/{bucket}") + self.count("GET", f"/{bucket}/")
 
     def clear_faults(self) -> None:
         with self.faults.lock:
