@@ -1,7 +1,7 @@
 """Root's builds and saves attacked by a second local user of the node (``second_user``: a real
 user made with useradd; each of her steps runs as that user in a child process).
 
-Object storage: root builds ``s3://bkt/v/`` (a real S3 server on 127.0.0.1) into a ``cache_dir``
+Object storage: root builds ``s3://lua/v/`` (a real S3 server on 127.0.0.1) into a ``cache_dir``
 whose path she can change: a folder of hers on the way, a world-writable non-sticky folder on the
 way, or a link of hers. Anyone who can list the bucket can compute the store's key and the
 spool's layout, so she prepares ``<key>.fetch`` and a ``<key>.fetched`` journal whose CRCs match
@@ -31,7 +31,7 @@ from gpucache.store import _format  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
 
-URL = "s3://bkt/v/"
+URL = "s3://lua/v/"
 
 
 def _padded(jpeg: bytes, size: int) -> bytes:
@@ -59,10 +59,10 @@ def bucket():
             for k, v in server.env().items():
                 mp.setenv(k, v)
             fs = s3fs.S3FileSystem(skip_instance_cache=True)
-            fs.mkdir("bkt")
+            fs.mkdir("lua")
             fs.pipe(
                 {
-                    f"bkt/v/{c}/{i}.jpg": make_jpeg_bytes(96, 80, seed=10 * j + i)
+                    f"lua/v/{c}/{i}.jpg": make_jpeg_bytes(96, 80, seed=10 * j + i)
                     for j, c in enumerate("ab")
                     for i in range(2)
                 }
@@ -144,13 +144,13 @@ def test_a_cache_dir_whose_path_she_can_change_is_refused_before_anything_is_fet
 
     server.reset_counts()
     with server.faulty():
-        server.fail("hook", lambda p: p.rstrip("/") == "/bkt", times=1, hook=her_step)
+        server.fail("hook", lambda p: p.rstrip("/") == "/lua", times=1, hook=her_step)
         try:
             cache = JpegCache.from_folder(URL, cache_dir=t / "cache", progress=False)
             got, text = [bytes(cache[i]) for i in range(len(cache))], ""
         except PermissionError as err:
             got, text = None, str(err)
-    fetched = sum(server.gets("/bkt/v/").values())
+    fetched = sum(server.gets("/lua/v/").values())
     poisoned = got == bucket["hers"]
     assert not poisoned, f"her images in root's store, {fetched} objects fetched"
     assert "refusing the gpucache cache folder" in text and offender in text, text
@@ -171,7 +171,7 @@ def test_a_spool_of_hers_left_in_roots_folder_is_removed_and_fetched_anew(
     server.reset_counts()
     cache = JpegCache.from_folder(URL, cache_dir=folder, progress=False)
     hers = [bytes(cache[i]) for i in range(len(cache))] == bucket["hers"]
-    fetched = sum(server.gets("/bkt/v/").values())
+    fetched = sum(server.gets("/lua/v/").values())
     assert not hers, f"her images in root's store, {fetched} objects fetched"  # before: 0 fetched
     assert [bytes(cache[i]) for i in range(len(cache))] == bucket["theirs"]
     assert fetched == len(cache)
