@@ -340,7 +340,9 @@ def test_missing_and_denied_buckets_are_clear_errors(s3, tmp_path, fast_retries)
     try:
         import gcsfs  # noqa: F401
     except ImportError:  # gs:// goes through the same code, with gcsfs: the fix is named
-        with pytest.raises(ImportError, match=r"pip install 'gpucache\[gcs\]'"):
+        with pytest.raises(
+            ImportError, match=r"pip install gcsfs \(a clone's extra: pip install -e '\.\[gcs\]'\)"
+        ):
             JpegCache.from_folder("gs://bkt/train/", progress=False)
 
 

@@ -3,6 +3,7 @@ listing counts are the tests' own, in tests/support/), and ``import gpucache`` s
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -103,3 +104,23 @@ def test_the_version_is_pyprojects_from_metadata_or_from_the_checkout(tmp_path, 
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"gpucache {version}"
+
+
+def test_no_line_installs_the_index_s_gpucache():
+    """``gpucache`` on the package index is another project: every install line names a package
+    (``s3fs``, ``nvidia-dali-cuda120``) or the clone's extras (``pip install -e '.[s3]'``)."""
+    wrong = re.compile(r"""pip install\s+(-\S+\s+)*['"]?gpucache(?![\w-])""")
+    texts = [
+        REPO / "README.md",
+        *(REPO / "docs").rglob("*.md"),
+        *(REPO / "benchmarks").glob("*.md"),
+    ]
+    texts += [*(REPO / "gpucache").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py")]
+    texts += [*(REPO / "pipelines").rglob("*.py")]
+    found = [
+        f"{p.relative_to(REPO)}:{n}"
+        for p in texts
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if wrong.search(line)
+    ]
+    assert not found, found

@@ -154,7 +154,7 @@ def select(args, cuda: bool) -> list[str]:
             from ..decode import dali_available
 
             if not dali_available():
-                say("dali: skipped, nvidia-dali is not installed (pip install 'gpucache[dali]')")
+                say("dali: skipped, nvidia-dali is not installed (pip install nvidia-dali-cuda120)")
                 continue
         if c.backing == "rst":
             from .._native import transcoder_available

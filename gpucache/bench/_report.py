@@ -157,7 +157,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError as err:
-        raise ImportError("--plot needs matplotlib: pip install 'gpucache[bench]'") from err
+        raise ImportError("--plot needs matplotlib: pip install matplotlib") from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -99,7 +99,7 @@ def resolve(backend: str, device: torch.device) -> str:
         )
     if backend == "dali" and not dali_available():
         raise ImportError(
-            "backend='dali' needs NVIDIA DALI: pip install 'gpucache[dali]' "
-            "(nvidia-dali-cuda120), or use backend='auto'."
+            "backend='dali' needs NVIDIA DALI: pip install nvidia-dali-cuda120 (a clone's "
+            "extra: pip install -e '.[dali]'), or use backend='auto'."
         )
     return backend

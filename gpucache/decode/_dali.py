@@ -32,8 +32,8 @@ try:
     from nvidia.dali.pipeline import Pipeline
 except ImportError as err:  # pragma: no cover - depends on what is installed
     raise ImportError(
-        "backend='dali' needs NVIDIA DALI: pip install nvidia-dali-cuda120 (or "
-        "gpucache[dali]), or use backend='nvjpeg' or 'cpu'."
+        "backend='dali' needs NVIDIA DALI: pip install nvidia-dali-cuda120 (a "
+        "clone's extra: pip install -e '.[dali]'), or use backend='nvjpeg' or 'cpu'."
     ) from err
 
 from . import _dali_graph, normalize_device

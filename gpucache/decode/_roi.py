@@ -9,7 +9,7 @@ orientations, and on real photos):
    compiler and libjpeg-turbo's headers exist), called through ctypes in the calling thread:
    ``jpeg_crop_scanline`` to the box's iMCU columns, ``jpeg_skip_scanlines`` to its first row, and it
    stops after the last. Checked against ``decode_jpeg`` once per process before it is trusted.
-2. ``nvimgcodec``: nvImageCodec's CPU-only backend (``pip install 'gpucache[roi]'``; DALI brings it),
+2. ``nvimgcodec``: nvImageCodec's CPU-only backend (``pip install nvidia-nvimgcodec-cu12``, the ``roi`` extra; DALI brings it),
    a code stream's sub-stream with a region. Used when (1) is missing, and for CMYK.
 
 Both get a 1-pixel margin around the box (chroma upsampling's context; measured necessary). Without
@@ -129,7 +129,8 @@ def notice_once() -> None:
             else "neither gpucache's compiled region decoder (built at install with a C "
             "compiler and libjpeg-turbo headers) nor nvImageCodec is available, so JPEGs are "
             "decoded at full size before cropping (slower, same output); pip install "
-            "'gpucache[roi]' to decode only the crop"
+            "nvidia-nvimgcodec-cu12 (a clone's extra: pip install -e '.[roi]') to decode only "
+            "the crop"
         )
         log.info("gpucache: %s", why)
 

@@ -36,6 +36,8 @@ SCHEMES = {
     "abfs": "azure",
     "abfss": "azure",
 }
+#: Each extra's fsspec client (pyproject.toml's extras pin their floors).
+CLIENTS = {"s3": "s3fs", "gcs": "gcsfs", "azure": "adlfs"}
 MAX_CONNECTIONS = 256  # S3 connections pooled (botocore's default, 10, caps requests in flight)
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 _URL_IN_TEXT = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^\s'\"]*)")
@@ -144,7 +146,8 @@ def filesystem(url: str, storage_options: dict | None):
         extra = SCHEMES.get(proto, "s3")
         raise ImportError(
             f"reading {proto}:// URLs needs fsspec and its client for {proto}, which are not "
-            f"installed ({err}); install them with: pip install 'gpucache[{extra}]'"
+            f"installed ({err}); install them with: pip install {CLIENTS[extra]} (a clone's extra: pip "
+            f"install -e '.[{extra}]')"
         ) from err
     options = dict(storage_options or {})
     options.setdefault("use_listings_cache", False)

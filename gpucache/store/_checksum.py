@@ -5,7 +5,7 @@ the cores. Work is cut into chunks (about ``CHUNK_BYTES`` of data each) handed o
 temporary memory is O(threads x chunk), not O(N). A whole-buffer CRC is assembled from the chunk
 CRCs with ``crc32_combine`` (the GF(2) method of zlib's ``crc32.c``).
 
-With the optional ``isal`` package (``pip install gpucache[crc]``) single-threaded CRCs (the
+With the optional ``isal`` package (``pip install isal``, the ``crc`` extra) single-threaded CRCs (the
 index check of every open, one-thread runs) use ISA-L's, the same CRC-32 about 3.5x faster than
 zlib's (110 MiB: 37 ms against 132 ms, measured 2026-12-01 on the 2-core development machine at
 load 15 and checked equal). It holds the GIL, so the thread pools keep ``zlib.crc32``.
