@@ -5,9 +5,11 @@ descriptor, so the folder cannot be swapped for another (a link repointed, a par
 half-way. The temporary file is created ``O_CREAT | O_EXCL | O_NOFOLLOW`` mode 0600 and from
 then on reached only through its descriptor: written, ``fsync``'ed and given its final mode with
 ``fchmod``. A user who can write to the folder may still rename the temporary name or put a link
-under it; that changes nothing of yours (no call follows the name), and the rename checks, before
-and after, that the name holds the very file that was written: if not, the save fails with a
-``PermissionError`` saying so, instead of publishing their file under your name.
+under it; that changes nothing of yours (no call follows the name), and before the rename the
+save checks that the name holds the very file that was written: if not, it fails with a
+``PermissionError`` saying so, instead of publishing their file under your name. (After the
+rename, whoever can write the folder can replace the store's name like any other; a concurrent
+save of this user does so too, and the last rename wins.)
 """
 
 from __future__ import annotations
@@ -62,9 +64,9 @@ def save_atomic(
                 # still locked: nothing takes it for a dead writer's file
                 if not _holds(folder, name, ours):
                     raise _replaced(tmp, path, folder)
+                # no check after it: a concurrent save's rename may replace it at once, and
+                # the last rename wins (who can write the folder can replace any name in it)
                 os.rename(name, path.name, src_dir_fd=folder, dst_dir_fd=folder)
-                if not _holds(folder, path.name, ours):
-                    raise _replaced(tmp, path, folder)
         except BaseException:
             if _holds(folder, name, ours):  # never another user's file put under the name
                 try:
