@@ -42,14 +42,20 @@ BLOCK = re.compile(r"(?:^<!-- (?P<mark>[^>]*?) -->\n)?^```python\n(?P<code>.*?)^
 
 _DRIVER = r"""
 import json, runpy, sys, traceback
-blocks = json.loads(sys.stdin.read())
-for name, path in blocks:
+blocks = json.loads(open(sys.argv[1]).read())
+for i, (name, path) in enumerate(blocks):
     sys.argv = [path, "imagenet/train"]
     try:
         runpy.run_path(path, run_name="__main__")
     except BaseException:
         print(f"BLOCK FAILED: {name}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(1)
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available():
+        if dist.is_initialized():
+            dist.destroy_process_group()  # as the block's exit would
+        # a destroyed group's keys stay in the job's store: the next block's group gets new ones
+        dist.distributed_c10d._world.group_count = 1000 * (i + 1)
     print(f"ran {name}", flush=True)
 """
 
@@ -176,6 +182,13 @@ def _write(base: Path, i: int, code: str) -> str:
     return str(path)
 
 
+def _driver(base: Path, name: str, todo: list[tuple[str, str]]) -> list[str]:
+    """The driver script and its argument: ``todo``'s (page:line, file) blocks, in one process."""
+    (base / f"{name}.json").write_text(json.dumps(todo))
+    (base / f"{name}.py").write_text(_DRIVER)
+    return [str(base / f"{name}.py"), str(base / f"{name}.json")]
+
+
 def test_every_block_is_runnable_or_marked():
     found = blocks()
     assert len(found) >= 10
@@ -207,8 +220,7 @@ def test_python_blocks_run_as_written(project):
         todo = [(w, p) for w, p in todo if 'load_from_disk("beans")' not in Path(p).read_text()]
     todo = [(w, p) for w, p in todo if _runnable(Path(p).read_text())]
     run = subprocess.run(
-        [sys.executable, "-c", _DRIVER],
-        input=json.dumps(todo),
+        [sys.executable, *_driver(project, "plain", todo)],
         cwd=project,
         env=_env(project),
         capture_output=True,
@@ -222,25 +234,25 @@ def test_python_blocks_run_as_written(project):
 def test_torchrun_blocks_run_on_two_cpu_ranks(project):
     launched = [(where, code) for where, mark, code in blocks() if mark == "needs: torchrun"]
     assert launched, "the manual shows torchrun code"
-    for i, (where, code) in enumerate(launched):
-        path = _write(project, 50 + i, code)
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=2",
-                path,
-                "imagenet/train",
-            ],
-            cwd=project,
-            env={**_env(project), "CUDA_VISIBLE_DEVICES": ""},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert run.returncode == 0, f"{where}\n{run.stderr[-6000:]}"
+    todo = [(where, _write(project, 50 + i, code)) for i, (where, code) in enumerate(launched)]
+    run = subprocess.run(  # one job runs them all, one after another, as the plain blocks run
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            *_driver(project, "torchrun", todo),
+        ],
+        cwd=project,
+        env={**_env(project), "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-6000:]
+    for where, _ in todo:  # every block ran to its end on both ranks
+        assert run.stdout.count(f"ran {where}\n") == 2, (where, run.stdout)
 
 
 def shell_blocks() -> list[tuple[str, list[str]]]:
