@@ -89,21 +89,33 @@ def copies_src(tmp_path_factory) -> Path:
 
 
 # ---------------------------------------------------------------------------------- copies held
-def _measure(
-    kind: str, backing: str, context: str, workers: int, repeat: int, src: Path
-) -> tuple[int, int, int]:
-    """(PSS, data bytes, PSS without libraries) of one fresh child run."""
-    proc = _run(
-        [sys.executable, str(CHILD), kind, backing, context, str(workers), str(repeat), str(src)]
+def _measure(kind: str, backing: str, context: str, workers: int, repeat: int, src: Path):
+    """The fresh child of one run, started; :func:`_measured` reads its result."""
+    args = [sys.executable, str(CHILD), kind, backing, context, str(workers), str(repeat), str(src)]
+    return subprocess.Popen(
+        args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def _measured(child: subprocess.Popen) -> tuple[int, int, int]:
+    """(PSS, data bytes, PSS without libraries) of one child run."""
+    stdout, stderr = child.communicate(timeout=240)
+    proc = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
     assert proc.returncode == 0, _explain(proc)
     pss, data, nolib = map(int, proc.stdout.strip().splitlines()[-1].split())
     return pss, data, nolib
 
 
 def _slope(kind, backing, context, workers, src) -> tuple[float, str]:
-    small = _measure(kind, backing, context, workers, SMALL, src)
-    big = _measure(kind, backing, context, workers, BIG, src)
+    # The two runs at once (two cores: half the wall time). They share no page that is counted:
+    # each builds its own store (a file of its own for the file backing), and library pages,
+    # the only ones both map, are left out of the slope.
+    runs = [_measure(kind, backing, context, workers, r, src) for r in (SMALL, BIG)]
+    try:
+        small, big = (_measured(child) for child in runs)
+    finally:
+        for child in runs:
+            child.kill()  # a failed or timed-out run takes the other with it
     data = big[1] - small[1]
     assert data >= 30e6, f"the two runs differ by only {data / 1e6:.1f} MB of data"
     copies = (big[2] - small[2]) / data
