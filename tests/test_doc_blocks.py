@@ -24,6 +24,7 @@ import io
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -269,23 +270,57 @@ def shell_blocks() -> list[tuple[str, list[str]]]:
     return out
 
 
+_CLI_DRIVER = r"""
+import json, sys, traceback
+from gpucache.cli import main  # what the `gpucache` script runs
+for where, line, argv in json.loads(open(sys.argv[1]).read()):
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    except BaseException:
+        print(traceback.format_exc(), file=sys.stderr)
+        code = 1
+    if code not in (0, None):
+        print(f"LINE FAILED: {where}: {line} (exit {code})", file=sys.stderr, flush=True)
+        sys.exit(1)
+    print(f"ran {where}: {line}", flush=True)
+"""
+
+
+def _words(line: str, cwd: Path) -> list[str]:
+    """The arguments bash gives the command of ``line`` (quotes, braces, globs expanded)."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    assert not [t for t in lexer if set(t) <= set("();<>|&")], f"not one command: {line}"
+    words = line.split(None, 1)[1] if " " in line else ""
+    out = subprocess.run(  # bash alone, no interpreter: printf receives what gpucache would
+        ["bash", "-c", f"printf '%s\\0' {words}"], cwd=cwd, capture_output=True, check=True
+    ).stdout.decode()
+    return out.split("\0")[:-1]
+
+
 def test_gpucache_shell_blocks_run_as_written(project):
+    """Each line's words as bash makes them, run through the `gpucache` script's ``main``; all
+    lines in one process, one after another, as the python blocks run."""
     found = shell_blocks()
     assert found, "the manual shows gpucache commands in shell blocks"
-    env = _env(project)
-    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    todo = []
     for where, lines in found:
         for line in lines:
             if "--hf " in line and not (project / "beans").exists():
                 continue  # needs the datasets package to make the folder
             if not _runnable(line):
                 continue  # needs the S3 server (moto)
-            run = subprocess.run(
-                ["bash", "-c", line],
-                cwd=project,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert run.returncode == 0, f"{where}: {line}\n{run.stderr[-3000:]}"
+            todo.append((where, line, _words(line, project)))
+    (project / "cli.json").write_text(json.dumps(todo))
+    (project / "cli.py").write_text(_CLI_DRIVER)
+    run = subprocess.run(
+        [sys.executable, str(project / "cli.py"), str(project / "cli.json")],
+        cwd=project,
+        env=_env(project),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-6000:]
+    assert run.stdout.count("ran ") == len(todo), run.stdout
