@@ -1,5 +1,6 @@
-"""The command line as a user meets it, run as a subprocess: the help pages, the build's notice
-about skipped files, verify's libjpeg notes, and bench's plan before anything is timed."""
+"""The command line as a user meets it: the help pages (in-process), and run as a subprocess the
+build's notice about skipped files, verify's libjpeg notes, and bench's plan before anything is
+timed (their words go through the logging the script sets up)."""
 
 from __future__ import annotations
 
@@ -53,13 +54,22 @@ def odd_folder(tmp_path_factory) -> Path:
     return root
 
 
-def test_help_lists_every_command_in_plain_text(tmp_path):
-    top = _gpucache("--help", cwd=tmp_path)
-    assert top.returncode == 0, top.stderr
-    assert "`" not in top.stdout  # no reStructuredText markup in a terminal
+def _help(capsys, *args: str) -> str:
+    """What ``gpucache ARGS --help`` prints (in-process: argparse prints and exits 0)."""
+    from gpucache.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([*args, "--help"])
+    assert stop.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_lists_every_command_in_plain_text(capsys):
+    top = _help(capsys)
+    assert "`" not in top  # no reStructuredText markup in a terminal
     for command in ("build", "info", "verify", "bench", "cache"):
-        assert re.search(rf"^\s+{command}\s+\S", top.stdout, re.M), (command, top.stdout)
-    build = _gpucache("build", "--help", cwd=tmp_path).stdout
+        assert re.search(rf"^\s+{command}\s+\S", top, re.M), (command, top)
+    build = _help(capsys, "build")
     for option in ("--on-error", "--hf-split", "--hf-image-column", "--threads", "--output"):
         block = build[build.index(option) :].split("\n  -", 1)[0]  # the option's help entry
         assert len(block.split()) > 3, f"{option} has no help: {block!r}"
