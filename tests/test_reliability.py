@@ -278,9 +278,11 @@ def test_concurrent_saves_to_one_path_all_succeed_and_leave_a_valid_file(jpeg_fo
     with ThreadPoolExecutor(9) as pool:
         r = pool.submit(reader)
         saves = [pool.submit(cache.save, target) for _ in range(60)]
-        for f in saves:
-            f.result()  # none fails (the old shared temp name failed 113 of 300)
-        saved.set()
+        try:
+            for f in saves:
+                f.result()  # none fails (the old shared temp name failed 113 of 300)
+        finally:
+            saved.set()  # a failed save fails the test now, not the reader's wait at the timeout
         r.result(timeout=300)
     assert set(opened) == {len(cache)}
     with mp.get_context("spawn").Pool(3) as pool:
