@@ -114,8 +114,11 @@ def test_bench_prints_its_plan_and_estimate_before_timing(tmp_path):
     )  # synthetic photos kept there
     assert run.returncode == 0, run.stdout
     out = run.stdout
-    plan = re.search(r"^plan: .*$", out, re.M)  # what runs, in numbers (not its wording)
-    assert plan and "pil" in plan[0] and re.findall(r"\d+", plan[0]) == ["1", "1", "1", "8"], out
+    # what runs, in numbers (not its wording): 1 contender, 1 warm-up + 1 measured epoch of 8
+    # images, batch 4, 0 workers
+    plan = re.search(r"^plan: .*$", out, re.M)
+    assert plan and "pil" in plan[0], out
+    assert re.findall(r"\d+", plan[0]) == ["1", "1", "1", "8", "4", "0"], plan[0]
     assert re.search(r"estimated time: about \d+ (s|min)", out)
     assert plan.start() < out.index("estimated time") < out.index("warm-up pil")
 
