@@ -1,5 +1,6 @@
-"""The command line as a user meets it, run as a subprocess: the help pages, the build's notice
-about skipped files, verify's libjpeg notes, and bench's plan before anything is timed."""
+"""The command line as a user meets it: the help pages (in-process), and run as a subprocess the
+build's notice about skipped files, verify's libjpeg notes, and bench's plan before anything is
+timed (their words go through the logging the script sets up)."""
 
 from __future__ import annotations
 
@@ -53,13 +54,22 @@ def odd_folder(tmp_path_factory) -> Path:
     return root
 
 
-def test_help_lists_every_command_in_plain_text(tmp_path):
-    top = _gpucache("--help", cwd=tmp_path)
-    assert top.returncode == 0, top.stderr
-    assert "`" not in top.stdout  # no reStructuredText markup in a terminal
+def _help(capsys, *args: str) -> str:
+    """What ``gpucache ARGS --help`` prints (in-process: argparse prints and exits 0)."""
+    from gpucache.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([*args, "--help"])
+    assert stop.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_lists_every_command_in_plain_text(capsys):
+    top = _help(capsys)
+    assert "`" not in top  # no reStructuredText markup in a terminal
     for command in ("build", "info", "verify", "bench", "cache"):
-        assert re.search(rf"^\s+{command}\s+\S", top.stdout, re.M), (command, top.stdout)
-    build = _gpucache("build", "--help", cwd=tmp_path).stdout
+        assert re.search(rf"^\s+{command}\s+\S", top, re.M), (command, top)
+    build = _help(capsys, "build")
     for option in ("--on-error", "--hf-split", "--hf-image-column", "--threads", "--output"):
         block = build[build.index(option) :].split("\n  -", 1)[0]  # the option's help entry
         assert len(block.split()) > 3, f"{option} has no help: {block!r}"
@@ -104,9 +114,13 @@ def test_bench_prints_its_plan_and_estimate_before_timing(tmp_path):
     )  # synthetic photos kept there
     assert run.returncode == 0, run.stdout
     out = run.stdout
-    assert "plan: 1 contenders (pil), each 1 warm-up + 1 measured epochs of 8 images" in out
+    # what runs, in numbers (not its wording): 1 contender, 1 warm-up + 1 measured epoch of 8
+    # images, batch 4, 0 workers
+    plan = re.search(r"^plan: .*$", out, re.M)
+    assert plan and "pil" in plan[0], out
+    assert re.findall(r"\d+", plan[0]) == ["1", "1", "1", "8", "4", "0"], plan[0]
     assert re.search(r"estimated time: about \d+ (s|min)", out)
-    assert out.index("estimated time") < out.index("warm-up pil")
+    assert plan.start() < out.index("estimated time") < out.index("warm-up pil")
 
 
 def _commands(parser) -> dict[str, object]:

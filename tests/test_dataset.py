@@ -166,24 +166,36 @@ def copies_src(tmp_path_factory) -> Path:
     return make_jpeg_folder(tmp_path_factory.mktemp("ds_copies"), 40, seed=3)
 
 
-def _measure(script: Path, context: str, repeat: int, src: Path) -> tuple[int, int, int]:
+def _measure(script: Path, context: str, repeat: int, src: Path) -> subprocess.Popen:
+    """The fresh child of one run, started; :func:`_measured` reads its result."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, str(script), context, str(repeat), str(src)],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,
     )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    pss, data, nolib, shared = proc.stdout.strip().splitlines()[-1].split()
+
+
+def _measured(child: subprocess.Popen) -> tuple[int, int, int]:
+    """(PSS, data bytes, PSS without libraries) of one child run."""
+    stdout, stderr = child.communicate(timeout=240)
+    assert child.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr[-4000:]}"
+    pss, data, nolib, shared = stdout.strip().splitlines()[-1].split()
     assert shared == "True", "the in-memory store was not moved to shared memory when pickled"
     return int(pss), int(data), int(nolib)
 
 
 def _copies(script, context, src) -> tuple[float, str]:
-    small, big = (_measure(script, context, r, src) for r in (SMALL, BIG))
+    # the two runs at once, as in tests/test_memory.py (no page they share is counted)
+    runs = [_measure(script, context, r, src) for r in (SMALL, BIG)]
+    try:
+        small, big = (_measured(child) for child in runs)
+    finally:
+        for child in runs:
+            child.kill()  # a failed or timed-out run takes the other with it
     data = big[1] - small[1]
     assert data >= 30e6, f"the two runs differ by only {data / 1e6:.1f} MB of data"
     copies = (big[2] - small[2]) / data

@@ -2,15 +2,18 @@
 
 Every data set here has one image per class folder, so a label names its sample and the ranks'
 recorded labels show exactly which samples each rank saw. Launches are few and shared between
-checks (torchrun start-up is slow):
+checks (torchrun start-up is slow), and independent ones run at once (two cores):
 
 1. 3 ranks x 2 workers, 4 epochs, 80 photos: every sample once per epoch across the ranks; the
    loader state saved after 2 batches of the last epoch; summed PSS of the node (small run).
 2. the same with 400 photos, 1 epoch: summed PSS (big run) -> copies held on the node = PSS slope.
+   Runs 1 and 2 at once: the slope counts no page they share (their stores are two files, and
+   library pages are left out).
 3. a rank that fails, 4. a job stopped with SIGTERM (what torchrun and Slurm send): no process,
-   /dev/shm file, lock or temporary file is left behind.
+   /dev/shm file, lock or temporary file is left behind. Each has a node folder of its own, so
+   no job takes over (and removes) what another left.
 5. the next run, 2 ranks, resumes run 1's checkpoint: the rest of that epoch, re-split, and
-   none of what was already consumed; the saved store is reused.
+   none of what was already consumed; the saved store is reused. Runs 3, 4 and 5 at once.
 """
 
 from __future__ import annotations
@@ -68,10 +71,10 @@ def job(tmp_path_factory):
     return {"base": base, "sets": sets, "tmp": tmp}
 
 
-def _env(job) -> dict:
+def _env(tmp: Path) -> dict:
     env = dict(os.environ)
     env.update(
-        TMPDIR=str(job["tmp"]),
+        TMPDIR=str(tmp),
         MALLOC_MMAP_THRESHOLD_="65536",
         MALLOC_TRIM_THRESHOLD_="65536",
         OMP_NUM_THREADS="1",
@@ -100,18 +103,29 @@ def _cmd(nproc: int, data: Path, record: Path, *args: str) -> list[str]:
     ]
 
 
-def _run(job, nproc, data, record, *args, ok=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
+def _start(job, nproc, data, record, *args, tmp: Path | None = None) -> subprocess.Popen:
+    """A torchrun job, started; ``tmp``: its TMPDIR (the node folder's parent), job's by default."""
+    return subprocess.Popen(
         _cmd(nproc, data, record, *args),
-        env=_env(job),
+        env=_env(tmp or job["tmp"]),
         cwd=job["base"],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
     )
+
+
+def _finish(proc: subprocess.Popen, ok=True) -> subprocess.CompletedProcess:
+    stdout, stderr = proc.communicate(timeout=300)
     if ok:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+        assert proc.returncode == 0, stderr[-4000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _kill(*procs: subprocess.Popen) -> None:
+    for proc in procs:  # a job that failed an assertion takes the others with it
+        proc.kill()
+        proc.wait()
 
 
 def _seen(record: Path, nproc: int) -> list[list[list[int]]]:
@@ -126,7 +140,7 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def _assert_nothing_left(job, pids: list[int], shm_before: set[str]) -> None:
+def _assert_nothing_left(tmp: Path, pids: list[int], shm_before: set[str]) -> None:
     deadline = time.monotonic() + 30  # stragglers of a torn-down job (slow on a loaded machine)
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.1)
@@ -137,16 +151,23 @@ def _assert_nothing_left(job, pids: list[int], shm_before: set[str]) -> None:
     ]
     assert not alive, f"processes of the job still alive: {alive}"
     assert not {f for f in _shm() - shm_before if "gpucache" in f}
-    node = job["tmp"] / f"gpucache-{os.getuid()}"
+    node = tmp / f"gpucache-{os.getuid()}"
     leftovers = [f.name for f in node.iterdir() if f.suffix in (".lock", ".tmp")]
     assert not leftovers, f"lock or temporary files left behind: {leftovers}"
 
 
 def test_readme_code_on_three_ranks(job):
     small, big = job["base"] / "run-small", job["base"] / "run-big"
-    run = _run(
-        job, 3, job["sets"][2], small, "--epochs", str(SMALL_EPOCHS), "--save-at", str(SAVE_AT)
-    )
+    jobs = [
+        _start(
+            job, 3, job["sets"][2], small, "--epochs", str(SMALL_EPOCHS), "--save-at", str(SAVE_AT)
+        ),
+        _start(job, 3, job["sets"][10], big, "--epochs", "1"),
+    ]
+    try:
+        run, big_run = (_finish(proc) for proc in jobs)
+    finally:
+        _kill(*jobs)
     for epoch in range(1, SMALL_EPOCHS + 1):  # progress: a line an epoch, from rank 0
         assert re.search(
             rf"^epoch {epoch}/{SMALL_EPOCHS}: rank 0 of 3, \d+ batches, \d+ img/s$",
@@ -160,9 +181,10 @@ def test_readme_code_on_three_ranks(job):
         flat = sum(per_rank, [])
         assert set(flat) == set(range(n)) and len(flat) - n == (-n) % 3  # padding only
     assert _seen(small, 3)[0][0] != _seen(small, 3)[0][1]  # epochs differ
+    for done in (run, big_run):  # one rank of each job built its data set's store
+        assert done.stderr.count("once for the ranks of this node") == 1, done.stderr[-4000:]
     stores = list((job["tmp"] / f"gpucache-{os.getuid()}").glob("*.gpucache"))
-    assert len(stores) == 1  # built once for the node
-    _run(job, 3, job["sets"][10], big, "--epochs", "1")
+    assert len(stores) == 2  # built once for the node, one store a data set
     a, b = (json.loads((d / "pss.json").read_text()) for d in (small, big))
     copies = (b["pss"] - a["pss"]) / (b["data"] - a["data"])
     assert b["data"] - a["data"] > 30e6
@@ -178,33 +200,30 @@ def test_failed_and_stopped_jobs_leave_nothing_and_the_next_run_resumes(job):
     if not state.exists():
         pytest.skip("needs test_readme_code_on_three_ranks's checkpoint")
     shm_before = _shm()
-    failed = job["base"] / "run-fail"
-    proc = _run(job, 2, job["sets"][2], failed, "--fail-rank", "1", ok=False)
-    assert proc.returncode != 0 and "fails on purpose" in proc.stderr
-    _assert_nothing_left(job, _pids(failed), shm_before)
-
-    stopped = job["base"] / "run-term"
-    proc = subprocess.Popen(
-        _cmd(2, job["sets"][2], stopped, "--hang"),
-        env=_env(job),
-        cwd=job["base"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    failed, stopped = job["base"] / "run-fail", job["base"] / "run-term"
+    resumed = job["base"] / "run-resume"  # the next run: 2 ranks, from the 3-rank checkpoint
+    tmps = {failed: job["base"] / "tmp-fail", stopped: job["base"] / "tmp-term"}
+    for tmp in tmps.values():
+        tmp.mkdir()
+    data = job["sets"][2]
+    failing = _start(job, 2, data, failed, "--fail-rank", "1", tmp=tmps[failed])
+    stopping = _start(job, 2, data, stopped, "--hang", tmp=tmps[stopped])
+    resuming = _start(job, 2, data, resumed, "--resume", str(state))
     try:
         deadline = time.monotonic() + 240
         while len(list(stopped.glob("hanging-*"))) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            assert stopping.poll() is None and time.monotonic() < deadline, stopping.stderr.read()
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)  # torchrun passes it to every rank
-        proc.wait(timeout=60)
+        stopping.send_signal(signal.SIGTERM)  # torchrun passes it to every rank
+        stopping.wait(timeout=60)
+        proc = _finish(failing, ok=False)
+        assert proc.returncode != 0 and "fails on purpose" in proc.stderr
+        resumed_run = _finish(resuming)
     finally:
-        proc.kill()
-    _assert_nothing_left(job, _pids(stopped), shm_before)
+        _kill(failing, stopping, resuming)
+    _assert_nothing_left(tmps[failed], _pids(failed), shm_before)
+    _assert_nothing_left(tmps[stopped], _pids(stopped), shm_before)
 
-    resumed = job["base"] / "run-resume"  # the next run: 2 ranks, from the 3-rank checkpoint
-    _run(job, 2, job["sets"][2], resumed, "--resume", str(state))
     last = [s[-1] for s in _seen(job["base"] / "run-small", 3)]
     consumed = {i for s in last for i in s[: SAVE_AT * BATCH]}
     rest = [s[0] for s in _seen(resumed, 2)]
@@ -212,7 +231,8 @@ def test_failed_and_stopped_jobs_leave_nothing_and_the_next_run_resumes(job):
     assert len(consumed) == SAVE_AT * BATCH * 3
     assert set(flat) == set(range(80)) - consumed  # the rest of the epoch, none consumed again
     assert len(flat) - len(set(flat)) == -(80 - len(consumed)) % 2  # padding only
-    _assert_nothing_left(job, _pids(resumed), shm_before)
+    assert "once for the ranks of this node" not in resumed_run.stderr  # the store was reused
+    _assert_nothing_left(job["tmp"], _pids(resumed), shm_before)
 
 
 # ------------------------------------------------------------------ one store per node, no torchrun

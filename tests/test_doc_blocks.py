@@ -24,6 +24,7 @@ import io
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -42,14 +43,20 @@ BLOCK = re.compile(r"(?:^<!-- (?P<mark>[^>]*?) -->\n)?^```python\n(?P<code>.*?)^
 
 _DRIVER = r"""
 import json, runpy, sys, traceback
-blocks = json.loads(sys.stdin.read())
-for name, path in blocks:
+blocks = json.loads(open(sys.argv[1]).read())
+for i, (name, path) in enumerate(blocks):
     sys.argv = [path, "imagenet/train"]
     try:
         runpy.run_path(path, run_name="__main__")
     except BaseException:
         print(f"BLOCK FAILED: {name}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(1)
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available():
+        if dist.is_initialized():
+            dist.destroy_process_group()  # as the block's exit would
+        # a destroyed group's keys stay in the job's store: the next block's group gets new ones
+        dist.distributed_c10d._world.group_count = 1000 * (i + 1)
     print(f"ran {name}", flush=True)
 """
 
@@ -176,6 +183,13 @@ def _write(base: Path, i: int, code: str) -> str:
     return str(path)
 
 
+def _driver(base: Path, name: str, todo: list[tuple[str, str]]) -> list[str]:
+    """The driver script and its argument: ``todo``'s (page:line, file) blocks, in one process."""
+    (base / f"{name}.json").write_text(json.dumps(todo))
+    (base / f"{name}.py").write_text(_DRIVER)
+    return [str(base / f"{name}.py"), str(base / f"{name}.json")]
+
+
 def test_every_block_is_runnable_or_marked():
     found = blocks()
     assert len(found) >= 10
@@ -207,8 +221,7 @@ def test_python_blocks_run_as_written(project):
         todo = [(w, p) for w, p in todo if 'load_from_disk("beans")' not in Path(p).read_text()]
     todo = [(w, p) for w, p in todo if _runnable(Path(p).read_text())]
     run = subprocess.run(
-        [sys.executable, "-c", _DRIVER],
-        input=json.dumps(todo),
+        [sys.executable, *_driver(project, "plain", todo)],
         cwd=project,
         env=_env(project),
         capture_output=True,
@@ -222,25 +235,25 @@ def test_python_blocks_run_as_written(project):
 def test_torchrun_blocks_run_on_two_cpu_ranks(project):
     launched = [(where, code) for where, mark, code in blocks() if mark == "needs: torchrun"]
     assert launched, "the manual shows torchrun code"
-    for i, (where, code) in enumerate(launched):
-        path = _write(project, 50 + i, code)
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=2",
-                path,
-                "imagenet/train",
-            ],
-            cwd=project,
-            env={**_env(project), "CUDA_VISIBLE_DEVICES": ""},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert run.returncode == 0, f"{where}\n{run.stderr[-6000:]}"
+    todo = [(where, _write(project, 50 + i, code)) for i, (where, code) in enumerate(launched)]
+    run = subprocess.run(  # one job runs them all, one after another, as the plain blocks run
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            *_driver(project, "torchrun", todo),
+        ],
+        cwd=project,
+        env={**_env(project), "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-6000:]
+    for where, _ in todo:  # every block ran to its end on both ranks
+        assert run.stdout.count(f"ran {where}\n") == 2, (where, run.stdout)
 
 
 def shell_blocks() -> list[tuple[str, list[str]]]:
@@ -257,23 +270,57 @@ def shell_blocks() -> list[tuple[str, list[str]]]:
     return out
 
 
+_CLI_DRIVER = r"""
+import json, sys, traceback
+from gpucache.cli import main  # what the `gpucache` script runs
+for where, line, argv in json.loads(open(sys.argv[1]).read()):
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    except BaseException:
+        print(traceback.format_exc(), file=sys.stderr)
+        code = 1
+    if code not in (0, None):
+        print(f"LINE FAILED: {where}: {line} (exit {code})", file=sys.stderr, flush=True)
+        sys.exit(1)
+    print(f"ran {where}: {line}", flush=True)
+"""
+
+
+def _words(line: str, cwd: Path) -> list[str]:
+    """The arguments bash gives the command of ``line`` (quotes, braces, globs expanded)."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    assert not [t for t in lexer if set(t) <= set("();<>|&")], f"not one command: {line}"
+    words = line.split(None, 1)[1] if " " in line else ""
+    out = subprocess.run(  # bash alone, no interpreter: printf receives what gpucache would
+        ["bash", "-c", f"printf '%s\\0' {words}"], cwd=cwd, capture_output=True, check=True
+    ).stdout.decode()
+    return out.split("\0")[:-1]
+
+
 def test_gpucache_shell_blocks_run_as_written(project):
+    """Each line's words as bash makes them, run through the `gpucache` script's ``main``; all
+    lines in one process, one after another, as the python blocks run."""
     found = shell_blocks()
     assert found, "the manual shows gpucache commands in shell blocks"
-    env = _env(project)
-    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    todo = []
     for where, lines in found:
         for line in lines:
             if "--hf " in line and not (project / "beans").exists():
                 continue  # needs the datasets package to make the folder
             if not _runnable(line):
                 continue  # needs the S3 server (moto)
-            run = subprocess.run(
-                ["bash", "-c", line],
-                cwd=project,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert run.returncode == 0, f"{where}: {line}\n{run.stderr[-3000:]}"
+            todo.append((where, line, _words(line, project)))
+    (project / "cli.json").write_text(json.dumps(todo))
+    (project / "cli.py").write_text(_CLI_DRIVER)
+    run = subprocess.run(
+        [sys.executable, str(project / "cli.py"), str(project / "cli.json")],
+        cwd=project,
+        env=_env(project),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-6000:]
+    assert run.stdout.count("ran ") == len(todo), run.stdout

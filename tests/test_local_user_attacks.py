@@ -74,14 +74,17 @@ def bucket():
             hers = [_padded(make_jpeg_bytes(16, 16, seed=90 + i), n) for i, n in enumerate(sizes)]
             journal = b"".join(struct.pack("<QI", i, zlib.crc32(b)) for i, b in enumerate(hers))
             server.reset_counts()
-            yield {
-                "server": server,
-                "key": key,
-                "spool": b"".join(hers),
-                "journal": journal,
-                "hers": hers,
-                "theirs": [bytes(known[i]) for i in range(len(known))],
-            }
+            try:
+                yield {
+                    "server": server,
+                    "key": key,
+                    "spool": b"".join(hers),
+                    "journal": journal,
+                    "hers": hers,
+                    "theirs": [bytes(known[i]) for i in range(len(known))],
+                }
+            finally:  # moto keeps its buckets per process, past this server: the next finds none
+                fs.rm("bkt", recursive=True)
     finally:
         server.stop()
         shutil.rmtree(probe, ignore_errors=True)

@@ -89,21 +89,33 @@ def copies_src(tmp_path_factory) -> Path:
 
 
 # ---------------------------------------------------------------------------------- copies held
-def _measure(
-    kind: str, backing: str, context: str, workers: int, repeat: int, src: Path
-) -> tuple[int, int, int]:
-    """(PSS, data bytes, PSS without libraries) of one fresh child run."""
-    proc = _run(
-        [sys.executable, str(CHILD), kind, backing, context, str(workers), str(repeat), str(src)]
+def _measure(kind: str, backing: str, context: str, workers: int, repeat: int, src: Path):
+    """The fresh child of one run, started; :func:`_measured` reads its result."""
+    args = [sys.executable, str(CHILD), kind, backing, context, str(workers), str(repeat), str(src)]
+    return subprocess.Popen(
+        args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def _measured(child: subprocess.Popen) -> tuple[int, int, int]:
+    """(PSS, data bytes, PSS without libraries) of one child run."""
+    stdout, stderr = child.communicate(timeout=240)
+    proc = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
     assert proc.returncode == 0, _explain(proc)
     pss, data, nolib = map(int, proc.stdout.strip().splitlines()[-1].split())
     return pss, data, nolib
 
 
 def _slope(kind, backing, context, workers, src) -> tuple[float, str]:
-    small = _measure(kind, backing, context, workers, SMALL, src)
-    big = _measure(kind, backing, context, workers, BIG, src)
+    # The two runs at once (two cores: half the wall time). They share no page that is counted:
+    # each builds its own store (a file of its own for the file backing), and library pages,
+    # the only ones both map, are left out of the slope.
+    runs = [_measure(kind, backing, context, workers, r, src) for r in (SMALL, BIG)]
+    try:
+        small, big = (_measured(child) for child in runs)
+    finally:
+        for child in runs:
+            child.kill()  # a failed or timed-out run takes the other with it
     data = big[1] - small[1]
     assert data >= 30e6, f"the two runs differ by only {data / 1e6:.1f} MB of data"
     copies = (big[2] - small[2]) / data
@@ -340,24 +352,46 @@ _LEAK_CHILD = textwrap.dedent("""
 """)
 
 
+_LEAK_MODES = ["close-and-gc", "share", "spawn-loader"]
+
+
+@pytest.fixture(scope="module")
+def leak_runs(copies_src, tmp_path_factory):
+    """The three children at once (each its own process, store and descriptors):
+    ``mode -> (CompletedProcess, pid)``."""
+    script = tmp_path_factory.mktemp("leak") / "leak_child.py"
+    script.write_text(_LEAK_CHILD)
+    procs = {
+        mode: subprocess.Popen(
+            [sys.executable, str(script), mode, str(copies_src)],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for mode in _LEAK_MODES
+    }
+    try:
+        out = {}
+        for mode, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=240)
+            done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+            out[mode] = (done, proc.pid)
+        return out
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
-@pytest.mark.parametrize("mode", ["close-and-gc", "share", "spawn-loader"])
-def test_no_shared_memory_left_behind(copies_src, tmp_path, mode):
+@pytest.mark.parametrize("mode", _LEAK_MODES)
+def test_no_shared_memory_left_behind(leak_runs, mode):
     """The shared copy has no name in /dev/shm: only descriptors hold it (tests/test_reliability.py
     kills its owner)."""
-    script = tmp_path / "leak_child.py"
-    script.write_text(_LEAK_CHILD)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), mode, str(copies_src)],
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    stdout, stderr = proc.communicate(timeout=240)
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    assert proc.returncode == 0, _explain(done)
-    got = _lines(stdout)
+    done, pid = leak_runs[mode]
+    assert done.returncode == 0, _explain(done)
+    got = _lines(done.stdout)
     if mode == "close-and-gc":
         assert got["CLOSED_GONE"] == "True", "close() kept the shared-memory descriptor"
         assert got["GC_GONE"] == "True", "garbage collection kept the shared-memory descriptor"
@@ -365,5 +399,5 @@ def test_no_shared_memory_left_behind(copies_src, tmp_path, mode):
         assert got["TARGET"].startswith(str(SHM / "gpucache-")), got
         assert got["TARGET"].endswith("(deleted)"), got
         assert got["LISTED"] == "[]", got
-    left = sorted(SHM.glob(f"gpucache-{proc.pid}-*"))
+    left = sorted(SHM.glob(f"gpucache-{pid}-*"))
     assert not left, f"the child left {left} in /dev/shm"

@@ -19,7 +19,8 @@ from gpucache.testing import make_jpeg_bytes
 from tests.support.hostile import before_marker
 
 REPO = Path(__file__).resolve().parent.parent
-N, STALL, PACE = 40, 4.0, 0.4  # the paced part lasts 25 x 0.4 = 10 s, 2.5 stall timeouts
+N, STALL, PACE = 40, 2.0, 0.2  # the paced part lasts 25 x 0.2 = 5 s, 2.5 stall timeouts
+# (the builder rewrites its lock record at most every 0.5 s: every 2nd or 3rd input here)
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a FIFO")
 
 BUILDER = """

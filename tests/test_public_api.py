@@ -10,11 +10,20 @@ import gpucache
 from gpucache import JpegCache
 from gpucache.testing import make_jpeg_bytes
 
-ERRORS = {"BuildError", "CacheFormatError", "SharedMemoryError", "SampleError", "WorkerError"}
+ERRORS = {
+    "GpucacheError",
+    "BuildError",
+    "CacheFormatError",
+    "ObjectStoreError",
+    "SharedMemoryError",
+    "SampleError",
+    "WorkerError",
+}
 MODULES = {"transforms", "testing"}
 
 
 def test_every_public_name_resolves_and_has_a_docstring():
+    assert ERRORS | MODULES <= set(gpucache.__all__)
     for module in (gpucache, gpucache.transforms):
         for name in module.__all__:
             obj = getattr(module, name)  # AttributeError names what is missing
@@ -24,9 +33,12 @@ def test_every_public_name_resolves_and_has_a_docstring():
                 continue
             if name in MODULES:
                 assert inspect.ismodule(obj) and obj.__name__ == where, where
-            elif name in ERRORS:
-                assert inspect.isclass(obj) and issubclass(obj, Exception), where
+            elif name in ERRORS:  # every public error is a GpucacheError, caught as one
+                assert inspect.isclass(obj) and issubclass(obj, gpucache.GpucacheError), where
             else:  # a class or a function: something a user calls
+                assert not (inspect.isclass(obj) and issubclass(obj, BaseException)), (
+                    f"{where} is an exception missing from ERRORS"
+                )
                 assert (inspect.isclass(obj) or inspect.isfunction(obj)) and callable(obj), where
                 assert obj.__module__.startswith("gpucache"), where  # not a re-export of torch's
             assert inspect.getdoc(obj), f"{where} has no docstring"

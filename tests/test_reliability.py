@@ -131,38 +131,56 @@ _OWNER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not (LINUX and os.path.isdir("/dev/shm")), reason="Linux /dev/shm design")
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-@pytest.mark.parametrize("context", ["spawn", "forkserver"])
-def test_shared_memory_cannot_outlive_a_killed_owner(jpeg_folder, tmp_path, context, sig):
-    script = tmp_path / "owner.py"
+_OWNERS = [(c, sig) for c in ("spawn", "forkserver") for sig in (signal.SIGKILL, signal.SIGTERM)]
+
+
+@pytest.fixture(scope="module")
+def owners_killed(jpeg_folder, tmp_path_factory):
+    """The four owners started at once (each its own process and shared copy), each signalled
+    once it is READY: ``(context, sig) -> (what it printed, its pid, exit code, stderr)``."""
+    script = tmp_path_factory.mktemp("owners") / "owner.py"
     script.write_text(_OWNER)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(jpeg_folder), context],
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    got = {}
+    procs = {
+        case: subprocess.Popen(
+            [sys.executable, str(script), str(jpeg_folder), case[0]],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for case in _OWNERS
+    }
+    out = {}
     try:
-        for line in proc.stdout:
-            key, _, rest = line.strip().partition(" ")
-            got[key] = rest
-            if key == "READY":
-                break
-        assert "READY" in got, proc.stderr.read()
-        # the shared copy is held by a descriptor only: its name is gone while the owner runs
-        assert "/dev/shm/gpucache-" in got["SHM_FD"] and "(deleted)" in got["SHM_FD"], got
-        assert got["LISTED"] == "[]", got
-        proc.send_signal(sig)
-        proc.wait(timeout=30)
+        for (context, sig), proc in procs.items():
+            got = {}
+            assert proc.stdout is not None and proc.stderr is not None
+            for line in proc.stdout:
+                key, _, rest = line.strip().partition(" ")
+                got[key] = rest
+                if key == "READY":
+                    proc.send_signal(sig)
+                    break
+            proc.wait(timeout=30)
+            out[context, sig] = (got, proc.pid, proc.returncode, proc.stderr.read())
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode != 0  # (a SIGTERM handler may turn the signal into an exit code)
-    left = sorted(Path("/dev/shm").glob(f"gpucache-{proc.pid}-*"))
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return out
+
+
+@pytest.mark.skipif(not (LINUX and os.path.isdir("/dev/shm")), reason="Linux /dev/shm design")
+@pytest.mark.parametrize("context, sig", _OWNERS, ids=[f"{c}-{int(s)}" for c, s in _OWNERS])
+def test_shared_memory_cannot_outlive_a_killed_owner(owners_killed, context, sig):
+    got, pid, code, stderr = owners_killed[context, sig]
+    assert "READY" in got, stderr
+    # the shared copy is held by a descriptor only: its name is gone while the owner runs
+    assert "/dev/shm/gpucache-" in got["SHM_FD"] and "(deleted)" in got["SHM_FD"], got
+    assert got["LISTED"] == "[]", got
+    assert code != 0  # (a SIGTERM handler may turn the signal into an exit code)
+    left = sorted(Path("/dev/shm").glob(f"gpucache-{pid}-*"))
     assert not left, f"{left} outlived its owner ({sig.name}, {context})"
 
 
@@ -278,9 +296,11 @@ def test_concurrent_saves_to_one_path_all_succeed_and_leave_a_valid_file(jpeg_fo
     with ThreadPoolExecutor(9) as pool:
         r = pool.submit(reader)
         saves = [pool.submit(cache.save, target) for _ in range(60)]
-        for f in saves:
-            f.result()  # none fails (the old shared temp name failed 113 of 300)
-        saved.set()
+        try:
+            for f in saves:
+                f.result()  # none fails (the old shared temp name failed 113 of 300)
+        finally:
+            saved.set()  # a failed save fails the test now, not the reader's wait at the timeout
         r.result(timeout=300)
     assert set(opened) == {len(cache)}
     with mp.get_context("spawn").Pool(3) as pool:
