@@ -84,7 +84,7 @@ def bucket():
                     "theirs": [bytes(known[i]) for i in range(len(known))],
                 }
             finally:  # moto keeps its buckets per process, past this server: the next finds none
-                fs.rm("bkt", recursive=True)
+                fs.rm("lua", recursive=True)
     finally:
         server.stop()
         shutil.rmtree(probe, ignore_errors=True)
