@@ -91,7 +91,8 @@ def _serve_s3(base: Path):
     os.environ.update(_S3)
     try:
         fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir("my-bucket")
+        if not fs.exists("my-bucket"):  # moto keeps buckets per process, past a server
+            fs.mkdir("my-bucket")
         files = {
             f"my-bucket/{p.relative_to(base).as_posix()}": p.read_bytes()
             for p in sorted((base / "imagenet" / "train").rglob("*.jpg"))

@@ -34,7 +34,7 @@ from gpucache import BuildError, JpegCache, ObjectStoreError  # noqa: E402
 from gpucache.cli import main as cli_main  # noqa: E402
 from gpucache.ingest import _fetch, _remote  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
-from tests.support.s3server import S3Server, Stranger  # noqa: E402
+from tests.support.s3server import Stranger, serving  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET = "gpucache-URL-SECRET-5d1e"
@@ -42,23 +42,15 @@ SECRET = "gpucache-URL-SECRET-5d1e"
 
 @pytest.fixture(scope="module")
 def s3():
-    """The server, its environment set for the module, and ``my-bucket/r/c/{0..5}.jpg``."""
-    import s3fs
-
-    server = S3Server()
-    server.start()
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for k, v in server.env().items():
-                mp.setenv(k, v)
-            fs = s3fs.S3FileSystem(skip_instance_cache=True)
-            if not fs.exists("my-bucket"):  # the manual's blocks use the same name
-                fs.mkdir("my-bucket")
-            objects = {f"my-bucket/r/c/{k}.jpg": make_jpeg_bytes(40, 30, seed=k) for k in range(6)}
-            fs.pipe(objects)
-            yield {"server": server, "fs": fs, "objects": objects}
-    finally:
-        server.stop()
+    """The server, its environment set for the module, and ``my-bucket/r/c/{0..5}.jpg`` (the
+    manual's blocks use the same bucket name)."""
+    images = {f"r/c/{k}.jpg": make_jpeg_bytes(40, 30, seed=k) for k in range(6)}
+    with serving("my-bucket", images) as (server, fs):
+        yield {
+            "server": server,
+            "fs": fs,
+            "objects": {f"my-bucket/{k}": v for k, v in images.items()},
+        }
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from gpucache import JpegCache, ObjectStoreError  # noqa: E402
 from gpucache.ingest import _fetch, _listing, _pages  # noqa: E402
 from gpucache.ingest._remote import filesystem  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
-from tests.support.s3server import S3Server, VirtualFolder  # noqa: E402
+from tests.support.s3server import VirtualFolder, serving  # noqa: E402
 
 BUCKET = "lst"  # moto's buckets are per process: one of this module's own
 FOLD = {  # prefix fold/: 3 classes, one with a nested folder
@@ -48,20 +48,8 @@ IDS = {f"ids/{i:03d}.jpg": make_jpeg_bytes(16, 16, seed=100 + i) for i in range(
 
 @pytest.fixture(scope="module")
 def s3():
-    import s3fs
-
-    server = S3Server()
-    server.start()
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for k, v in server.env().items():
-                mp.setenv(k, v)
-            fs = s3fs.S3FileSystem(skip_instance_cache=True)
-            fs.mkdir("lst")
-            fs.pipe({f"lst/{k}": v for k, v in {**FOLD, **NAMES, **IDS}.items()})
-            yield server
-    finally:
-        server.stop()
+    with serving("lst", {**FOLD, **NAMES, **IDS}) as (server, _):
+        yield server
 
 
 @pytest.fixture

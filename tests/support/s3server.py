@@ -21,9 +21,10 @@ import socket
 import threading
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qs, quote
 
 from moto.moto_server.werkzeug_app import (
@@ -374,6 +375,30 @@ class S3Server(ThreadedMotoServer):
             yield self
         finally:
             self.clear_faults()
+
+
+@contextmanager
+def serving(bucket: str, objects: Mapping[str, bytes]) -> Iterator[tuple[S3Server, Any]]:
+    """A started server with its environment set (undone after), ``bucket`` made and
+    ``objects`` (keys within the bucket) uploaded: ``(server, s3fs filesystem)``; stopped after.
+    A bucket an earlier server of this process made is taken as it is (moto keeps its buckets
+    per process, past its server)."""
+    import pytest
+    import s3fs
+
+    server = S3Server()
+    server.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in server.env().items():
+                mp.setenv(k, v)
+            fs = s3fs.S3FileSystem(skip_instance_cache=True)
+            if not fs.exists(bucket):
+                fs.mkdir(bucket)
+            fs.pipe({f"{bucket}/{k}": v for k, v in objects.items()})
+            yield server, fs
+    finally:
+        server.stop()
 
 
 @dataclass
