@@ -40,17 +40,22 @@ _PEAK_CHILD = textwrap.dedent("""
 """)
 
 
-def _peak(root: Path, mode: str) -> dict:
+def _child(code: str, *args: str, cwd: Path) -> dict:
+    """The JSON line a fresh interpreter running ``code`` with ``args`` prints last."""
     run = subprocess.run(
-        [sys.executable, "-c", _PEAK_CHILD, str(root), mode],
+        [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=root,
+        cwd=cwd,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _peak(root: Path, mode: str) -> dict:
+    return _child(_PEAK_CHILD, str(root), mode, cwd=root)
 
 
 @needs_proc
@@ -121,16 +126,7 @@ def test_reencode_memory_is_bounded_across_threads(tmp_path):
     a[..., 1] = (np.arange(h) // 400 * 25)[:, None]
     Image.fromarray(a).save(tmp_path / "big.png", "PNG")
     del a
-    run = subprocess.run(
-        [sys.executable, "-c", _REENCODE_CHILD, str(tmp_path / "big.png")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = _child(_REENCODE_CHILD, str(tmp_path / "big.png"), cwd=tmp_path)
     pixels = h * w * 4  # as PIL holds RGB
     print(f"re-encode peak: {out['peak'] / pixels:.2f} images of pixels")
     assert out["resized"] == 4 and out["peak"] < 2 * pixels
