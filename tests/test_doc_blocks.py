@@ -221,23 +221,31 @@ def test_python_blocks_run_as_written(project):
     if not (project / "beans").exists():
         todo = [(w, p) for w, p in todo if 'load_from_disk("beans")' not in Path(p).read_text()]
     todo = [(w, p) for w, p in todo if _runnable(Path(p).read_text())]
+    run = _drive(project, [sys.executable, *_driver(project, "plain", todo)])
+    assert run.stdout.count("ran ") == len(todo), run.stdout
+
+
+def _drive(project: Path, argv: list[str], **env: str) -> subprocess.CompletedProcess:
+    """A driver's run in ``project`` with the manual's environment (and ``env``), which must
+    succeed."""
     run = subprocess.run(
-        [sys.executable, *_driver(project, "plain", todo)],
+        argv,
         cwd=project,
-        env=_env(project),
+        env={**_env(project), **env},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-6000:]
-    assert run.stdout.count("ran ") == len(todo), run.stdout
+    return run
 
 
 def test_torchrun_blocks_run_on_two_cpu_ranks(project):
     launched = [(where, code) for where, mark, code in blocks() if mark == "needs: torchrun"]
     assert launched, "the manual shows torchrun code"
     todo = [(where, _write(project, 50 + i, code)) for i, (where, code) in enumerate(launched)]
-    run = subprocess.run(  # one job runs them all, one after another, as the plain blocks run
+    run = _drive(  # one job runs them all, one after another, as the plain blocks run
+        project,
         [
             sys.executable,
             "-m",
@@ -246,13 +254,8 @@ def test_torchrun_blocks_run_on_two_cpu_ranks(project):
             "--nproc_per_node=2",
             *_driver(project, "torchrun", todo),
         ],
-        cwd=project,
-        env={**_env(project), "CUDA_VISIBLE_DEVICES": ""},
-        capture_output=True,
-        text=True,
-        timeout=600,
+        CUDA_VISIBLE_DEVICES="",
     )
-    assert run.returncode == 0, run.stderr[-6000:]
     for where, _ in todo:  # every block ran to its end on both ranks
         assert run.stdout.count(f"ran {where}\n") == 2, (where, run.stdout)
 
@@ -315,13 +318,5 @@ def test_gpucache_shell_blocks_run_as_written(project):
             todo.append((where, line, _words(line, project)))
     (project / "cli.json").write_text(json.dumps(todo))
     (project / "cli.py").write_text(_CLI_DRIVER)
-    run = subprocess.run(
-        [sys.executable, str(project / "cli.py"), str(project / "cli.json")],
-        cwd=project,
-        env=_env(project),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-6000:]
+    run = _drive(project, [sys.executable, str(project / "cli.py"), str(project / "cli.json")])
     assert run.stdout.count("ran ") == len(todo), run.stdout
