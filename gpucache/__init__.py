@@ -7,24 +7,27 @@ from types import ModuleType as _ModuleType  # private: the public surface is __
 
 from . import transforms
 from ._dataset import JpegDataset
-from ._errors import GpucacheError
-from ._version import read_version as _read_version
-from .decode._core import SampleError
-from .decode._workers import WorkerError
-from .ingest._build import (
+from ._errors import (
     BuildError,
+    CacheFormatError,
+    GpucacheError,
+    ObjectStoreError,
+    SampleError,
+    SharedMemoryError,
+    WorkerError,
+)
+from ._version import read_version as _read_version
+from .ingest._build import (
     BuildReport,
     BytesSource,
     FileObjSource,
     FileRangeSource,
     Skipped,
 )
-from .ingest._remote import ObjectStoreError
 from .loader._loader import BatchInfo, GpuCachedLoader
 from .loader._stats import LoaderStats
 from .node import _builders  # noqa: F401 - the from_* builders of JpegCache (see there)
-from .store._format import CacheFormatError, Kind
-from .store._shm import SharedMemoryError
+from .store._format import Kind
 from .store._store import JpegCache
 from .store._targets import with_targets
 

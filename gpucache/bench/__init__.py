@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._common import BenchError, Config, say
+from .._errors import BenchError
+from ._common import Config, say
 from ._contenders import CONTENDERS, GPU_BACKENDS
 
 __all__ = ["add_parser", "run", "main"]
@@ -393,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpucache bench", description=DESCRIPTION)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    from ..store._format import CacheFormatError
+    from .._errors import CacheFormatError
 
     try:
         return run(args)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import BenchError, Config, Source, say
+from .._errors import BenchError
+from ._common import Config, Source, say
 from ._contenders import CONTENDERS, Runner
 from ._memory import measure_memory
 from ._report import copies_cell, fmt

@@ -9,10 +9,6 @@ from dataclasses import dataclass, field
 CROP = 224
 
 
-class BenchError(RuntimeError):
-    """A benchmark check failed: what was timed is not what it should be."""
-
-
 @dataclass
 class Config:
     pipeline: str = "train"

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from torch.utils.data import Dataset
 
-from ._common import CROP, BenchError, Config, Source
+from .._errors import BenchError
+from ._common import CROP, Config, Source
 
 if TYPE_CHECKING:
     from ..store._store import JpegCache

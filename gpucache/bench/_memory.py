@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from ._common import BenchError, Config, Source, progress, say
+from .._errors import BenchError
+from ._common import Config, Source, progress, say
 from ._contenders import CONTENDERS, Runner
 from ._timing import Result, epoch
 

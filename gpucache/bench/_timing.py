@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._common import CROP, BenchError, Config, Source, progress, say
+from .._errors import BenchError
+from ._common import CROP, Config, Source, progress, say
 from ._contenders import CONTENDERS, Runner
 
 

@@ -10,8 +10,7 @@ import time
 import numpy as np
 
 from .. import __version__, bench
-from .._errors import GpucacheError
-from ..ingest._build import BuildError
+from .._errors import BuildError, GpucacheError
 from ..ingest._pipeline import default_threads as read_threads
 from ..ingest._resize import SECTION as RESIZED
 from ..ingest._resize import max_side_of, resized

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .._errors import GpucacheError
+from .._errors import SampleError
 from ..ingest._pixels import eight_bit
 from ..ingest._sniff import JPEG_KINDS, Kind
 from ..store._limits import check_pixels
@@ -125,10 +125,6 @@ class Decoded:
     worker: int = -1  # the worker that made it (-1: the loader's process)
     #: kept, but decoded without the restart interval the store records (its bytes do not match)
     mismatched: list[tuple[int, str]] = field(default_factory=list)
-
-
-class SampleError(GpucacheError, RuntimeError):
-    """A sample could not be decoded; names the index, the file and the reason."""
 
 
 def describe(cache, i: int, err: BaseException) -> str:

@@ -30,8 +30,9 @@ import traceback
 import numpy as np
 import torch
 
-from ..store._oom import OutOfMemory, is_out_of_memory, said
-from ._core import Decoded, SampleError, decode_batch
+from .._errors import OutOfMemory, SampleError, said
+from ..store._oom import is_out_of_memory
+from ._core import Decoded, decode_batch
 
 LEN = struct.Struct("<Q")  # every message: 8-byte little-endian length, then a pickle
 _PR_SET_PDEATHSIG = 1

@@ -40,10 +40,10 @@ from multiprocessing.connection import wait
 import numpy as np
 import torch
 
-from .._errors import GpucacheError
+from .._errors import SampleError, WorkerError
 from ..store._oom import FIX, raise_if_out_of_memory
 from . import _roi
-from ._core import Decoded, SampleError
+from ._core import Decoded
 from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
 
 log = logging.getLogger(__name__)
@@ -53,11 +53,6 @@ _GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and agai
 _REAP = 5.0  # for a worker whose connection ended to be reaped, so its exit code can be named
 _LEAVE = 10.0  # for a get() woken by close() in another thread to leave the pool
 _SLICE_MS = 1000  # the longest a wait for a worker sleeps before it checks for signals
-
-
-class WorkerError(GpucacheError, RuntimeError):
-    """A worker raised, ran out of memory, died or hung; the message names the worker, its pid,
-    the samples and the cause (for out of memory, the fix)."""
 
 
 class _Link:

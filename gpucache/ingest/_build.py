@@ -22,7 +22,7 @@ from typing import overload
 
 import numpy as np
 
-from .._errors import GpucacheError
+from .._errors import BuildError
 from .._progress import tqdm
 from ..store._format import MAGIC
 from ..store._limits import DEFAULT_MAX_PIXELS
@@ -39,7 +39,6 @@ __all__ = [
     "Source",
     "Skipped",
     "BuildReport",
-    "BuildError",
     "scan_folder",
     "check_labels",
     "build",
@@ -49,32 +48,6 @@ log = logging.getLogger(__name__)
 
 #: The extensions torchvision's ImageFolder accepts (same filter, same order of classes/files).
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
-class BuildError(GpucacheError, ValueError):
-    """Raised by ``on_error="raise"``, and by any build that would keep no sample; ``.report``
-    lists every bad file with its reason. ``skip``: how the caller spells the option that leaves
-    bad files out (the command line's ``--on-error skip``)."""
-
-    def __init__(self, report: BuildReport, skip: str = "on_error='skip'"):
-        self.report = report
-        if report.total == 0:
-            msg = (
-                "nothing to build: no input was given (an empty file list, or shards without "
-                "an image member); a store needs at least one image"
-            )
-        elif report.kept == 0:
-            msg = (
-                f"none of the {report.total} files can be used, so the store would be empty "
-                "(a training loop over it would run zero steps); the reasons are below: fix "
-                "the inputs or point at the right files"
-            )
-        else:
-            msg = (
-                f"{len(report.skipped)} of {report.total} files cannot be used (pass "
-                f"{skip} to leave them out)"
-            )
-        super().__init__(f"{msg}:\n{report}" if report.total else msg)
 
 
 class PathList(Sequence[str]):

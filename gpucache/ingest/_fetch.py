@@ -37,10 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .._errors import ObjectStoreError
 from .._owned import open_own
 from .._progress import tqdm
 from ._inputs import FileRangeSource, Refused
-from ._remote import Listing, ObjectStoreError, access_error, bucket_of, describe, error_code
+from ._remote import Listing, access_error, bucket_of, describe, error_code
 
 log = logging.getLogger(__name__)
 

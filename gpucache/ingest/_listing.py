@@ -4,7 +4,7 @@ fetches (``from_folder``, ``from_files``, ``from_csv``, ``from_webdataset``).
 On S3 gpucache asks for each page itself (``_pages``: ``ListObjectsV2``, 1,000 keys a page), so that
 
 - every page is retried like a GET (``_fetch.retrying``); a page that still fails, or that the
-  client cannot parse, stops the build with an :class:`~._remote.ObjectStoreError` naming the
+  client cannot parse, stops the build with an :class:`~gpucache.ObjectStoreError` naming the
   prefix: a listing never leaves a folder out;
 - a listing is bounded: keys come in S3's ascending order and a continuation token never comes
   twice (a server that repeats itself is stopped at its first repeat), and one listing holds at

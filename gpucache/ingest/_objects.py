@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import ObjectStoreError
 from ._build import build
 from ._fetch import Spool
 from ._inputs import Refused
-from ._remote import Listing, ObjectStoreError, filesystem
+from ._remote import Listing, filesystem
 from ._sources import from_webdataset
 
 __all__ = ["fetch", "build_objects", "build_shards", "spool_files"]

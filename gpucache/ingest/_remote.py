@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import GpucacheError
+from .._errors import ObjectStoreError
 from ._build import PathList
 
 log = logging.getLogger(__name__)
@@ -52,19 +52,6 @@ CREDENTIALS_HELP = {
     "azure": "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or "
     "AZURE_STORAGE_CONNECTION_STRING, or storage_options={'account_name': ..., ...}",
 }
-
-
-class ObjectStoreError(GpucacheError, OSError):
-    """Objects in storage cannot be used as listed: a bucket that does not exist or denies
-    access, a listing that fails after its retries, or objects that changed while a build
-    fetched them. ``url`` names the bucket or prefix (never a credential)."""
-
-    def __init__(self, message: str, url: str = "") -> None:
-        super().__init__(message)
-        self.url = url
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 def is_url(x: Any) -> bool:

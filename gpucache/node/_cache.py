@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import _dist
+from .._errors import CacheFormatError
 from ..ingest._fetch import spool_full
 from ..ingest._objects import spool_files
 from ..ingest._remote import Listing as ObjectListing
-from ..store._format import CacheFormatError
 from ._clean import clean
 from ._dir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private
 from ._lock import NodeLock

@@ -26,13 +26,11 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _checksum
-from ._mapped import CacheFormatError
 
 __all__ = [
     "Kind",
     "JPEG_KINDS",
     "SAMPLE_DTYPE",
-    "CacheFormatError",
     "write",
     "pack_strings",
     "check_extra",

@@ -14,8 +14,8 @@ from __future__ import annotations
 import struct
 from typing import TYPE_CHECKING
 
+from .._errors import CacheFormatError
 from ._jpeg import ARITHMETIC_WEIGHT, NO_SCANS, WORK_PER_PIXEL, Scans, jpeg_header
-from ._mapped import CacheFormatError
 
 if TYPE_CHECKING:
     from ._store import JpegCache

@@ -20,11 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._errors import GpucacheError
-
-
-class CacheFormatError(GpucacheError, ValueError):
-    """A file is not a valid gpucache store (bad magic, version, sizes, bounds or checksum)."""
+from .._errors import CacheFormatError
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import errno
 
-from .._errors import GpucacheError
+from .._errors import OutOfMemory
 
 MORE = (
     "more memory (a higher address-space limit, RLIMIT_AS / ulimit -v, or the container's "
@@ -60,29 +60,3 @@ def raise_if_out_of_memory(err: BaseException, what: str, *, fix: str = FIX) -> 
     failed: where ``err`` would otherwise become a sample's reason, or pass unexplained."""
     if is_out_of_memory(err):
         raise OutOfMemory(what, err, fix=fix) from err
-
-
-def said(err: BaseException) -> str:
-    """``Type: first line`` of what the allocator said (torch's messages run to a backtrace)."""
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
-
-
-class OutOfMemory(GpucacheError, MemoryError):
-    """A ``MemoryError`` that says what ran out (``what``), what the allocator said
-    (``detail``) and the fix; raised ``from`` the allocator's error."""
-
-    def __init__(self, what: str, err: BaseException, *, fix: str = FIX) -> None:
-        self.what, self.detail = what, said(err)
-        super().__init__(
-            f"gpucache: out of memory {what} ({self.detail}). This is not a bad "
-            f"sample: the process has too little memory for the work it was given. "
-            f"Fix: {fix}."
-        )
-
-    def __reduce__(
-        self,
-    ) -> tuple[
-        type[MemoryError], tuple[object, ...]
-    ]:  # pickled (multiprocessing) as the MemoryError it is, message kept
-        return MemoryError, self.args

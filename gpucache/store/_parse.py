@@ -22,6 +22,7 @@ from typing import NoReturn, overload
 import numpy as np
 import numpy.typing as npt
 
+from .._errors import CacheFormatError
 from . import _sections
 from ._checksum import crc32_of
 from ._format import (
@@ -39,7 +40,7 @@ from ._format import (
     Kind,
     decode,
 )
-from ._mapped import CacheFormatError, Handle, open_path
+from ._mapped import Handle, open_path
 
 _KINDS = np.array([int(k) for k in Kind], dtype=np.uint8)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._errors import CacheFormatError
 from ._format import Kind, decode, pack_strings
-from ._mapped import CacheFormatError
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from .._errors import GpucacheError
+from .._errors import SharedMemoryError
 from ._mapped import proc_fd_usable
 
 MARGIN_BYTES = 8 << 20  # room left for others (NCCL, torch) beside the store
@@ -31,10 +31,6 @@ _FIXES = (
     "JpegCache.open('train.gpucache')), which workers map read-only; or use "
     "multiprocessing_context='fork' or num_workers=0, which need no shared memory"
 )
-
-
-class SharedMemoryError(GpucacheError, RuntimeError):
-    """Not enough room (or no permission) to place a store in shared memory."""
 
 
 def shm_dir() -> Path:

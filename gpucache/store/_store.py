@@ -23,6 +23,7 @@ from typing import Any, Literal, overload
 import numpy as np
 import torch
 
+from .._errors import CacheFormatError
 from . import _format, _parse, _readonly, _report, _save, _sections, _shm
 from ._format import Kind
 from ._limits import DEFAULT_MAX_PIXELS
@@ -343,7 +344,7 @@ class JpegCache:
             and self._file.path is not None
             and not self._file.handle.intact()
         ):
-            raise _format.CacheFormatError(
+            raise CacheFormatError(
                 f"{self._file.path}: the store file was truncated or rewritten in place while it "
                 "is mapped; reading it now would crash (SIGBUS). Never write into a store file "
                 "that is in use: save() writes a new file and renames it, which is safe."
