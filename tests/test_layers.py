@@ -29,8 +29,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ingest", ("gpucache.ingest",)),
     ("store", ("gpucache.store",)),
     # leaf helpers any layer may use; they import nothing of gpucache's: distributed ranks, the
-    # compiled part's binding, the progress bar, the errors' base, files opened as this user's own,
-    # the version
+    # compiled part's binding, the progress bar, every error raised to users, the usable cores,
+    # files opened as this user's own, the version
     (
         "base",
         (
@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "gpucache._native",
             "gpucache._progress",
             "gpucache._errors",
+            "gpucache._cores",
             "gpucache._owned",
             "gpucache._version",
         ),

@@ -192,7 +192,7 @@ def run(args) -> int:
     """Entry point of ``gpucache bench`` (after argument parsing); returns the exit status."""
     import torch
 
-    from ..decode._workers import usable_cores
+    from .._cores import usable_cores
 
     problem = _invalid(args)
     if problem:

@@ -46,8 +46,8 @@ def machine_info() -> dict:
     import torch
 
     from .. import __version__
+    from .._cores import usable_cores
     from ..decode._jpeg import jpeg_decoder_name
-    from ..decode._workers import usable_cores
 
     model = platform.processor() or platform.machine()
     try:

@@ -180,7 +180,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     _build_cli.add_threads(
         p,
-        "threads reading the inputs (default: two per core of the machine, at most 16: "
+        "threads reading the inputs (default: two per usable core, at most 16: "
         f"{read_threads()} here)",
     )
     _build_cli.add_options(p)
@@ -220,8 +220,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     _build_cli.add_threads(
         p,
-        "threads to check with (default: one per core this process may run on: "
-        f"{check_threads()} here)",
+        f"threads to check with (default: one per usable core: {check_threads()} here)",
     )
     p.add_argument(
         "--decode",

@@ -40,6 +40,7 @@ from multiprocessing.connection import wait
 import numpy as np
 import torch
 
+from .._cores import affinity, usable_cores
 from .._errors import SampleError, WorkerError
 from ..store._oom import FIX, raise_if_out_of_memory
 from . import _roi
@@ -492,22 +493,15 @@ def private_dirty(pid: int) -> int | None:
     return None
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
-
-
 def default_workers() -> int:
     """``num_workers=None``: this rank's share of the cores. Under a launcher with several ranks
     on the node (LOCAL_WORLD_SIZE, Slurm's tasks per node) that all see every core of the machine
     (torchrun binds none), the usable cores divided among them, at least 1; a rank whose cores
     were bound to it (Slurm's per-task binding: fewer usable cores than the machine's) keeps
-    its own."""
+    its own. Cores are :func:`gpucache._cores.usable_cores` (affinity, capped by a CPU quota)."""
     from .._dist import local
 
-    cores, (size, _) = usable_cores(), local()
-    if size > 1 and cores >= (os.cpu_count() or cores):
-        return max(1, cores // size)
-    return cores
+    size, _ = local()
+    if size > 1 and affinity() >= (os.cpu_count() or 1):
+        return max(1, usable_cores() // size)
+    return usable_cores()

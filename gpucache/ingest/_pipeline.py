@@ -16,7 +16,6 @@ then makes read-only in place (no copy).
 from __future__ import annotations
 
 import mmap
-import os
 import queue
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._cores import usable_cores
 from ..store._format import pack_strings
 from ..store._limits import over_budget, over_work
 from ..store._readonly import writable_buffer
@@ -280,4 +280,6 @@ def in_flight(total: int) -> int:
 
 
 def default_threads() -> int:
-    return min(16, 2 * (os.cpu_count() or 1))
+    """``num_threads=None``: two reader threads per usable core (:func:`gpucache._cores.usable_cores`),
+    at most 16; reads block on the disk or network, so a second thread a core keeps it busy."""
+    return min(16, 2 * usable_cores())

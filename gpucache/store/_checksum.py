@@ -13,13 +13,14 @@ load 15 and checked equal). It holds the GIL, so the thread pools keep ``zlib.cr
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
+
+from .._cores import usable_cores
 
 try:
     from isal.isal_zlib import crc32 as _crc32  # same polynomial and result; holds the GIL
@@ -39,7 +40,8 @@ def crc32_of(buf: bytes | memoryview, crc: int = 0) -> int:
 
 
 def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """One thread per usable core (:func:`gpucache._cores.usable_cores`)."""
+    return usable_cores()
 
 
 def _gf2_times(mat: list[int], vec: int) -> int:
