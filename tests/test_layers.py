@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("store", ("gpucache.store",)),
     # leaf helpers any layer may use; they import nothing of gpucache's: distributed ranks, the
     # compiled part's binding, the progress bar, every error raised to users, the usable cores,
-    # files opened as this user's own, the version
+    # the ordered thread map, files opened as this user's own, the version
     (
         "base",
         (
@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "gpucache._progress",
             "gpucache._errors",
             "gpucache._cores",
+            "gpucache._threads",
             "gpucache._owned",
             "gpucache._version",
         ),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._progress import tqdm
+from .._threads import ordered_map
 from ..store import _checksum
 from ..store._format import SAMPLE_CRC
 from ..store._oom import BUILD_FIX, raise_if_out_of_memory
@@ -147,7 +148,7 @@ def check_decodes(
     with _bar(n, "decode", "img", progress) as bar:
         for first, part in zip(
             range(0, n, DECODE_CHUNK),
-            _checksum.ordered_map(one, starts, threads or _checksum.default_threads(), None),
+            ordered_map(one, starts, threads or _checksum.default_threads()),
         ):
             found += part
             bar.update(min(DECODE_CHUNK, n - first))

@@ -24,6 +24,7 @@ import numpy as np
 
 from .._errors import BuildError
 from .._progress import tqdm
+from .._threads import ordered_map
 from ..store._format import MAGIC
 from ..store._limits import DEFAULT_MAX_PIXELS
 from ..store._report import BuildReport, Skipped
@@ -258,7 +259,7 @@ def build(
         )
         errors = dict(refused)
         tick(len(refused), 0)
-        for chunk in _pipeline.ordered(pool, read, _pipeline.chunks(cum, chunk_bytes), window):
+        for chunk in ordered_map(read, _pipeline.chunks(cum, chunk_bytes), pool, window=window):
             out.add(chunk)
             scratch.put(chunk.raw)
             errors.update(chunk.errors)

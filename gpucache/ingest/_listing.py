@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .._threads import ordered_map
 from . import _pages
 from ._build import IMG_EXTENSIONS, PathList
 from ._pages import _Budget, _entries, _folders, _page, _Tokens
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 
 #: Listing requests in flight (one a class folder, or one a run of URLs of a list).
 LIST_THREADS = 32
+_NAME = "gpucache-list"  # the listing threads' name
 #: A folder named by at least this many consecutive URLs of a list is looked up in pages that
 #: start at the names sought; fewer are asked for one by one (a HEAD request each).
 LIST_FOLDER_FROM = 32
@@ -144,10 +146,6 @@ def list_folder(
     folders sorted by path and files by name; the same extensions). Each class folder is listed
     whole (its sub-folders too, a key with ``//`` or any character included), ``LIST_THREADS``
     at a time; a class whose listing fails stops the build."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ._pipeline import ordered
-
     proto = protocol_of(url)
     fs = fs or filesystem(url, storage_options)
     bucket, _, key = strip(url).partition("/")
@@ -174,10 +172,9 @@ def list_folder(
 
     pack = _Packer()
     counts = np.zeros(len(classes), dtype=np.int64)
-    with ThreadPoolExecutor(LIST_THREADS, thread_name_prefix="gpucache-list") as pool:
-        for label, names in enumerate(ordered(pool, one_class, classes, 2 * LIST_THREADS)):
-            pack.add(f"{base}{prefix}{classes[label]}/", names)
-            counts[label] = len(names)
+    for label, names in enumerate(ordered_map(one_class, classes, LIST_THREADS, name=_NAME)):
+        pack.add(f"{base}{prefix}{classes[label]}/", names)
+        counts[label] = len(names)
     empty = [c for c, k in zip(classes, counts) if k == 0]
     if len(empty) == len(classes):
         raise FileNotFoundError(
@@ -240,10 +237,6 @@ def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = No
     sought when there are at least ``LIST_FOLDER_FROM`` of them (S3), else each with a HEAD
     request; ``LIST_THREADS`` requests at once. A URL with no object is kept as missing (a bad
     sample with that reason, never a hole)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ._pipeline import ordered
-
     urls = [os.fspath(u) for u in urls]
     protos = {protocol_of(u) for u in urls}
     if len(protos) > 1:
@@ -278,9 +271,8 @@ def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = No
         return folder, run, array("q", [int(info["size"])]), array("Q", [_tag_hash(tag_of(info))])
 
     pack = _Packer()
-    with ThreadPoolExecutor(LIST_THREADS, thread_name_prefix="gpucache-list") as pool:
-        for folder, run, sizes, tags in ordered(pool, look_up, tasks(), 2 * LIST_THREADS):
-            pack.add(folder, _Names.of([u[len(folder) :] for u in run], sizes, tags))
+    for folder, run, sizes, tags in ordered_map(look_up, tasks(), LIST_THREADS, name=_NAME):
+        pack.add(folder, _Names.of([u[len(folder) :] for u in run], sizes, tags))
     listing = pack.listing(
         proto, relist=lambda: list_urls(urls, storage_options, fs=fs), where=where, fs=fs
     )

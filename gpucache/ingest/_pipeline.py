@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import mmap
 import queue
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .._cores import usable_cores
+from .._threads import ordered_map
 from ..store._format import pack_strings
 from ..store._limits import over_budget, over_work
 from ..store._readonly import writable_buffer
@@ -34,17 +34,6 @@ from ._sniff import SAMPLE_DTYPE, SniffError, sniff
 SIZE_CHUNK = 1024  # inputs sized per task
 READ_CHUNK = 256  # at most this many inputs read per task...
 MIN_CHUNK_BYTES = 16 << 10  # ...and about this many bytes or more (or one larger input)
-
-
-def ordered(pool: Executor, fn: Callable, tasks: Iterable, window: int) -> Iterator:
-    """``fn(task)`` for each task, results in task order, with at most ``window`` in flight."""
-    pending: deque = deque()
-    for task in tasks:
-        pending.append(pool.submit(fn, task))
-        if len(pending) >= window:
-            yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
 
 
 def size_all(
@@ -67,7 +56,7 @@ def size_all(
                 errs.append((a + k, f"cannot stat: {getattr(err, 'strerror', None) or err}"))
         return a, sizes, errs
 
-    for a, sizes, errs in ordered(pool, task, range(0, n, SIZE_CHUNK), window):
+    for a, sizes, errs in ordered_map(task, range(0, n, SIZE_CHUNK), pool, window=window):
         cum[a + 1 : a + 1 + len(sizes)] = sizes
         errors.update(errs)
         tick(0, 0)
@@ -124,8 +113,10 @@ class Scratch:
             buf = np.frombuffer(m, dtype=np.uint8)
         return buf
 
-    def put(self, buf: np.ndarray) -> None:
-        if buf.base is not None and len(buf) <= 4 * self.size:  # an oversized one is let go
+    def put(self, buf: np.ndarray | None) -> None:
+        if (
+            buf is not None and buf.base is not None and len(buf) <= 4 * self.size
+        ):  # an oversized one is let go
             self._free.put(buf)
 
 

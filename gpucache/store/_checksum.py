@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
 
 import numpy as np
 
 from .._cores import usable_cores
+from .._threads import ordered_map
 
 try:
     from isal.isal_zlib import crc32 as _crc32  # same polynomial and result; holds the GIL
@@ -28,9 +27,6 @@ except ImportError:  # optional: zlib's is the reference
     _crc32 = zlib.crc32
 
 CHUNK_BYTES = 16 << 20
-
-_T = TypeVar("_T")
-_R = TypeVar("_R")
 
 
 def crc32_of(buf: bytes | memoryview, crc: int = 0) -> int:
@@ -74,30 +70,6 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return _gf2_times(_zeros_operator(len2), crc1) ^ crc2 if len2 > 0 else crc1
 
 
-def ordered_map(
-    fn: Callable[[_T], _R],
-    items: Iterator[_T],
-    threads: int,
-    on_done: Callable[[_R], object] | None,
-) -> Iterator[_R]:
-    """``fn`` over ``items`` on ``threads`` threads, in order, at most 2 x threads in flight."""
-    with ThreadPoolExecutor(threads) as pool:
-        pending = []
-        for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) >= 2 * threads:
-                yield _finish(pending.pop(0), on_done)
-        while pending:
-            yield _finish(pending.pop(0), on_done)
-
-
-def _finish(future: Future[_R], on_done: Callable[[_R], object] | None) -> _R:
-    result = future.result()
-    if on_done is not None:
-        on_done(result)
-    return result
-
-
 def crc32(
     buf: np.ndarray | memoryview,
     *,
@@ -122,9 +94,9 @@ def crc32(
 
     full = _zeros_operator(CHUNK_BYTES)
     crc = 0
-    for part_crc, length in ordered_map(
-        one, iter(range(0, n, CHUNK_BYTES)), threads, on_bytes and (lambda r: on_bytes(r[1]))
-    ):
+    for part_crc, length in ordered_map(one, range(0, n, CHUNK_BYTES), threads):
+        if on_bytes:
+            on_bytes(length)
         op = full if length == CHUNK_BYTES else _zeros_operator(length)
         crc = _gf2_times(op, crc) ^ part_crc
     return crc
@@ -161,6 +133,7 @@ def sample_crcs(
         out[first:stop] = [zlib.crc32(mv[a:b]) for a, b in zip(ends, ends[1:])]
         return stop - first
 
-    for _ in ordered_map(one, chunks(bounds), threads or default_threads(), on_samples):
-        pass
+    for count in ordered_map(one, chunks(bounds), threads or default_threads()):
+        if on_samples:
+            on_samples(count)
     return out
