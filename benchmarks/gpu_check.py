@@ -73,10 +73,11 @@ from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode import dali_available, normalize_device  # noqa: E402
 from gpucache.decode._base import GPU_IN_FLIGHT  # noqa: E402
-from gpucache.decode._batched import default_decoder, orient, torchvision_decoder  # noqa: E402
+from gpucache.decode._batched import default_decoder, torchvision_decoder  # noqa: E402
 from gpucache.decode._core import decode_batch, quiet_torchvision_deprecation  # noqa: E402
 from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
+from gpucache.transforms._orientation import orient  # noqa: E402
 from tests.support.emulated_cuda import EmulatedCuda  # noqa: E402
 
 TOLERANCE = 3.0  # mean absolute difference in levels, decoder IDCT/upsampling differences

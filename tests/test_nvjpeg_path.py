@@ -9,12 +9,13 @@ import torch
 
 from gpucache import GpuCachedLoader, JpegCache, SampleError
 from gpucache import transforms as T
-from gpucache.decode._batched import default_decoder, make_decoder, orient, torchvision_decoder
+from gpucache.decode._batched import default_decoder, make_decoder, torchvision_decoder
 from gpucache.decode._core import decode_batch
 from gpucache.decode._nvjpeg import NvjpegBackend
 from gpucache.decode._streams import HostStreams
 from gpucache.ingest._sniff import Kind
 from gpucache.testing import make_jpeg_bytes
+from gpucache.transforms._orientation import orient
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,8 @@ on the CPU too, so both run the same code). For any other decoder (TorchCodec's 
 the CPU and on CUDA, a custom one may or may not) it is *measured* once by decoding a tiny JPEG
 tagged "rotate 90" (:func:`applies_exif`); the nvjpeg backend runs that probe under its own
 allocation stream, never on the caller's current stream. For a decoder that does not apply it,
-:func:`orient` applies the tag afterwards, the same transform the CPU decode applies.
+:func:`gpucache.transforms._orientation.orient` applies the tag afterwards, the same transform (and
+table) the CPU decode and the DALI graph apply.
 """
 
 from __future__ import annotations
@@ -21,28 +22,6 @@ from typing import Literal, cast
 import torch
 
 from . import normalize_device
-
-#: EXIF Orientation (1-8) -> (transpose H and W first, then flip H, then flip W), which takes the
-#: stored pixels to the displayed image (TIFF 6.0 / EXIF 2.3 definitions of the tag's values).
-_ORIENT = {
-    1: (False, False, False),
-    2: (False, False, True),
-    3: (False, True, True),
-    4: (False, True, False),
-    5: (True, False, False),
-    6: (True, False, True),
-    7: (True, True, True),
-    8: (True, True, False),
-}
-
-
-def orient(img: torch.Tensor, orientation: int) -> torch.Tensor:
-    """The CHW image as displayed under EXIF ``orientation`` (values outside 1-8 mean 1)."""
-    transpose, flip_h, flip_w = _ORIENT.get(int(orientation), _ORIENT[1])
-    if transpose:
-        img = img.transpose(-1, -2)
-    dims = [d for d, on in ((-2, flip_h), (-1, flip_w)) if on]
-    return img.flip(dims) if dims else img
 
 
 @dataclass(frozen=True)

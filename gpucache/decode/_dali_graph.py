@@ -11,8 +11,8 @@ Two choices keep DALI out of decisions the other backends make differently:
 
 - **Orientation is the store's.** The decoder runs with ``adjust_orientation=False`` and the
   orientation recorded at build (``samples["orientation"]``, the rule libjpeg-turbo's decoders
-  follow, read by :mod:`gpucache.ingest._sniff`) is applied in the graph, with the table the nvjpeg
-  backend uses (:data:`gpucache.decode._batched._ORIENT`). nvImageCodec reads EXIF by rules of its
+  follow, read by :mod:`gpucache.ingest._sniff`) is applied in the graph, with the table every
+  backend uses (:data:`gpucache.transforms._orientation.ORIENT`). nvImageCodec reads EXIF by rules of its
   own (it takes an Exif APP1 after an XMP one, and ignores one without the ``Exif\\0\\0`` prefix
   or with a 65535-entry IFD, where libjpeg-turbo does the opposite), which on square images turned
   pictures silently.
@@ -35,7 +35,7 @@ import numpy as np
 from nvidia.dali import fn, types
 from nvidia.dali.pipeline import Pipeline, pipeline_def
 
-from ._batched import _ORIENT
+from ..transforms._orientation import steps_of
 
 #: The row fed per sample (int32): crop1 on the stored pixels, the orientation's three steps, then
 #: the plan's resize, crop2 and flip (see gpucache.transforms).
@@ -55,7 +55,6 @@ ROW = (
     "width2",
     "mirror",
 )
-_STEPS = np.array([_ORIENT.get(o, _ORIENT[1]) for o in range(9)], dtype=np.int32)
 _PIXELS: dict[str, Any] = dict(axis_names="HW", normalized_anchor=False, normalized_shape=False)
 
 
@@ -67,16 +66,15 @@ def rows(plans: np.ndarray, orientation: np.ndarray, height: np.ndarray, width: 
     orienting, so it is moved there: un-flipped, then un-transposed (``_roi.coded_box``,
     vectorized). Orientations outside 1-8 mean 1, as everywhere in gpucache."""
     plans = np.asarray(plans, dtype=np.int64)
-    o = np.asarray(orientation, dtype=np.int64)
-    steps = _STEPS[np.where((o >= 1) & (o <= 8), o, 1)]
-    transpose, flip_v, flip_h = steps[:, 0] == 1, steps[:, 1] == 1, steps[:, 2] == 1
+    steps = steps_of(orientation)
+    transpose, flip_v, flip_h = steps[:, 0], steps[:, 1], steps[:, 2]
     top, left, h, w = plans[:, 0], plans[:, 1], plans[:, 2], plans[:, 3]
     top = np.where(flip_v, np.asarray(height) - top - h, top)
     left = np.where(flip_h, np.asarray(width) - left - w, left)
     box = np.where(
         transpose[:, None], np.stack([left, top, w, h], 1), np.stack([top, left, h, w], 1)
     )
-    out = np.concatenate([box, steps, plans[:, 4:11]], axis=1)
+    out = np.concatenate([box, steps.astype(np.int64), plans[:, 4:11]], axis=1)
     return np.ascontiguousarray(out, dtype=np.int32)
 
 

@@ -50,10 +50,11 @@ import torch
 
 from ..ingest._sniff import Kind
 from ..transforms._chunks import BUDGET_BYTES, Scratch
+from ..transforms._orientation import orient, steps
 from ..transforms._resample import resample
 from . import normalize_device
 from ._base import Backend
-from ._batched import BatchDecoder, applies_exif, default_decoder, orient
+from ._batched import BatchDecoder, applies_exif, default_decoder
 from ._core import Decoded, apply_plan, check_size, failure, no_autocast, out_size
 from ._fallback import Part, Result, decode_on_cpu, join, split, stage_times
 from ._nvjpeg_faults import allocator_failure, raise_if_broken, raise_if_out_of_memory
@@ -311,7 +312,7 @@ class NvjpegBackend(Backend):
                 continue
             o = 1 if self.applies_exif or not 1 <= orientation[i] <= 8 else int(orientation[i])
             try:  # the displayed size, from the shape alone (orienting is a copy on CUDA)
-                check_size(self.cache, i, img.transpose(-1, -2) if o >= 5 else img)
+                check_size(self.cache, i, img.transpose(-1, -2) if steps(o)[0] else img)
             except ValueError as err:
                 results.append((p, failure(self.cache, i, err, self.on_error)))
                 continue

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .. import _native
-from ._batched import orient as orient  # the one EXIF transform (shared with _roi_rst, nvjpeg)
+from ..transforms._orientation import coded_box, orient, steps  # the one EXIF table
 from ._jpeg import decode_jpeg
 
 try:
@@ -45,18 +45,6 @@ log = logging.getLogger(__name__)
 ENABLED = True
 #: gpucache's compiled libjpeg-turbo region decoder is preferred when True and built.
 USE_C = True
-
-# orientation -> (transpose, flip width, flip height), applied in that order to the coded image
-_OPS = {
-    1: (False, False, False),
-    2: (False, True, False),
-    3: (False, True, True),
-    4: (False, False, True),
-    5: (True, False, False),
-    6: (True, True, False),
-    7: (True, True, True),
-    8: (True, False, True),
-}
 
 _state: dict[str, object] = {}  # per process: the compiled library, its self-check, the notice
 _lock = threading.Lock()
@@ -133,18 +121,6 @@ def notice_once() -> None:
             "the crop"
         )
         log.info("gpucache: %s", why)
-
-
-def coded_box(
-    top: int, left: int, h: int, w: int, orientation: int, height: int, width: int
-) -> tuple[int, int, int, int]:
-    """Map a box on the oriented ``height`` x ``width`` image to the coded (stored) image."""
-    transpose, flip_w, flip_h = _OPS.get(orientation, _OPS[1])
-    if flip_h:
-        top = height - top - h
-    if flip_w:
-        left = width - left - w
-    return (left, top, w, h) if transpose else (top, left, h, w)
 
 
 class ScaleRefused(ValueError):
@@ -260,7 +236,7 @@ def decode_crop(
     only), the box decoded at 1/``denom`` scale (about ``h / denom`` x ``w / denom``; raises
     :class:`ScaleRefused` for sampling factors it does not scale)."""
     t, l, hh, ww = coded_box(top, left, h, w, orientation, height, width)
-    ch, cw = (width, height) if _OPS.get(orientation, _OPS[1])[0] else (height, width)
+    ch, cw = (width, height) if steps(orientation)[0] else (height, width)
     if denom > 1:
         t, l, hh, ww, ch, cw = scaled_box(t, l, hh, ww, ch, cw, denom)
         return orient(region(data, t, l, hh, ww, height=ch, width=cw, denom=denom), orientation)

@@ -23,6 +23,7 @@ from .._native import MISSING, transcode, transcoder_available  # noqa: F401 - t
 from ..ingest._restart import (
     SECTION,
 )  # the store's optional section: int32 restart interval per sample
+from ..transforms._orientation import coded_box, orient, steps
 from . import _roi
 
 
@@ -184,9 +185,9 @@ def decode_crop(
     """The box (top, left, h, w) of the oriented image, from a restart-marker JPEG's segments
     (decoded with ``region``, from :func:`._roi.region_decoder`); ``denom`` > 1 (compiled
     decoder only) as in :func:`._roi.decode_crop`."""
-    t, l, hh, ww = _roi.coded_box(top, left, h, w, orientation, height, width)
+    t, l, hh, ww = coded_box(top, left, h, w, orientation, height, width)
     if denom > 1:
-        transpose = _roi._OPS.get(orientation, _roi._OPS[1])[0]
+        transpose = steps(orientation)[0]
         ch, cw = (width, height) if transpose else (height, width)
         t, l, hh, ww = _roi.scaled_box(t, l, hh, ww, ch, cw, denom)[:4]
     if region is _roi._c_region:  # all of it in one C call: no Python per segment or row
@@ -210,7 +211,7 @@ def decode_crop(
         )
         if ret == 0:
             _roi.note_warning(warned.value, err.value)
-            return _roi.orient(torch.from_numpy(out).permute(2, 0, 1), orientation)
+            return orient(torch.from_numpy(out).permute(2, 0, 1), orientation)
         if ret == 1:
             raise ValueError(f"segment decode failed: {err.value.decode(errors='replace')}")
         if ret == 3:
@@ -232,7 +233,7 @@ def decode_crop(
         )
     sub, y0, x0, sub_h, sub_w = segment_jpeg(data, lay, t, l, hh, ww)
     box = region(sub, t - y0, l - x0, hh, ww, height=sub_h, width=sub_w)
-    return _roi.orient(box, orientation)
+    return orient(box, orientation)
 
 
 def intervals(cache) -> np.ndarray | None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 
-from ._roi import _OPS  # EXIF orientation -> (transpose, flip width, flip height)
+from ..transforms._orientation import steps
 
 #: scaled pixels per output pixel (each way) the box must keep to decode at 1/2, 1/4 or 1/8
 SCALE_MARGIN = 2.0
@@ -116,7 +116,7 @@ def fast_plan(
     if min(t2, l2) < 0 or t2 + h2 > rh or l2 + w2 > rw:
         return plan, 1
     d = reduced_scale(round(h2 * h1 / rh), round(w2 * w1 / rw), h2, w2) if scalable else 1
-    _, flip_w, flip_h = _OPS.get(orientation, _OPS[1])
+    _, flip_h, flip_w = steps(orientation)
     while True:
         if d == 1 and (t2, l2, h2, w2) == (0, 0, rh, rw):
             return plan, 1  # decoded as it is, exactly

@@ -46,19 +46,7 @@ import numpy as np
 import torch
 
 from ._chunks import BUDGET_BYTES, Chunk, Scratch, plan_chunks
-
-#: EXIF Orientation (1-8) -> (transpose, flip rows, flip columns), applied in that order to the
-#: stored pixels to give the displayed image (the same table as the decoders' ``orient``).
-ORIENT = {
-    1: (False, False, False),
-    2: (False, False, True),
-    3: (False, True, True),
-    4: (False, True, False),
-    5: (True, False, False),
-    6: (True, False, True),
-    7: (True, True, True),
-    8: (True, True, False),
-}
+from ._orientation import steps_of
 
 
 def _taps_host(
@@ -119,9 +107,8 @@ def _gather_parts(
     Returns (8, N) int64: row0, row_step, h1 - 1, col0, col_step, w1 - 1, base, channel stride."""
     hs, ws = shapes[:, 0], shapes[:, 1]
     sc, sr, sx = strides[:, 0], strides[:, 1], strides[:, 2]
-    table = np.array([ORIENT.get(int(o), ORIENT[1]) for o in range(9)], dtype=bool)
-    o = np.where((orient >= 1) & (orient <= 8), orient, 1)
-    transpose, flip_r, flip_c = table[o, 0], table[o, 1], table[o, 2]
+    table = steps_of(orient)
+    transpose, flip_r, flip_c = table[:, 0], table[:, 1], table[:, 2]
     hd = np.where(transpose, ws, hs)  # displayed size
     wd = np.where(transpose, hs, ws)
     t1, l1, h1, w1 = plans[:, 0], plans[:, 1], plans[:, 2], plans[:, 3]
