@@ -26,7 +26,6 @@ from typing import Any, Literal, TypeVar, cast
 import numpy as np
 import torch
 
-from ..store._targets import map_boxes, map_points
 from . import _tvcompat
 from ._augment import (
     ColorJitter,
@@ -38,6 +37,7 @@ from ._augment import (
     batch_generator,
     seeded_global_rng,
 )
+from ._boxes import map_boxes, map_points
 from ._device import DeviceConstants
 
 PLAN_FIELDS = (
