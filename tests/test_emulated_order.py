@@ -6,7 +6,6 @@ helper that each make the real nvjpeg backend fail."""
 import contextlib
 import re
 import threading
-import warnings
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from gpucache import JpegCache
 from gpucache import transforms as T
 from gpucache.decode import _streams
 from gpucache.decode._batched import torchvision_decoder
+from gpucache.decode._jpeg import quiet_torchvision_deprecation
 from gpucache.decode._nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes
 from tests.support.emulated_cuda import EmulatedCuda, StreamOrderError
@@ -272,13 +272,8 @@ def decode_jpeg(*args, **kwargs):
     """torchvision's, looked up at the call (EmulatedCuda patches it inside its block)."""
     import torchvision.io
 
-    with warnings.catch_warnings():  # torchvision >= 0.29 points to TorchCodec on every call
-        warnings.filterwarnings(
-            "ignore",
-            category=DeprecationWarning,
-            message=r".*image decoding and encoding capabilities",
-        )
-        return torchvision.io.decode_jpeg(*args, **kwargs)
+    quiet_torchvision_deprecation()  # torchvision >= 0.29 points to TorchCodec on every call
+    return torchvision.io.decode_jpeg(*args, **kwargs)
 
 
 def test_decoder_outputs_come_from_a_private_stream(jpeg):

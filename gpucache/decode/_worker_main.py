@@ -33,6 +33,7 @@ import torch
 from .._errors import OutOfMemory, SampleError, said
 from ..store._oom import is_out_of_memory
 from ._core import Decoded, decode_batch
+from ._jpeg import quiet_torchvision_deprecation
 
 LEN = struct.Struct("<Q")  # every message: 8-byte little-endian length, then a pickle
 _PR_SET_PDEATHSIG = 1
@@ -160,8 +161,6 @@ def _report(sock: socket.socket, msg: dict) -> None:
 
 
 def _setup(seed: int) -> None:
-    import warnings
-
     torch.set_num_threads(1)
     try:
         import cv2
@@ -169,7 +168,7 @@ def _setup(seed: int) -> None:
         cv2.setNumThreads(0)
     except ImportError:
         pass
-    warnings.filterwarnings("ignore", message=r".*image decoding and encoding capabilities")
+    quiet_torchvision_deprecation()
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
