@@ -139,13 +139,17 @@ def _check_tiny(opened: JpegCache) -> None:
     assert opened[0].tobytes()[:2] == b"\xff\xd8"
 
 
-def test_golden_v1_file_still_opens():
-    """Version 1 files (no section directory) keep opening; the README walks through v2."""
-    golden = DATA / "tiny-v1.gpucache"
-    assert struct.unpack_from("<8sII", golden.read_bytes()) == (b"GPUCACHE", 1, 256)
-    opened = JpegCache.open(golden)
-    _check_tiny(opened)
-    assert dict(opened.extra) == {}
+def test_a_version_1_file_is_refused_with_the_fix(tmp_path):
+    """Version 1 (no section directory) was a development format, never released: a file of it
+    gets a clear error naming the version this gpucache reads and the fix."""
+    v1 = bytearray((DATA / "tiny-v2.gpucache").read_bytes())
+    struct.pack_into("<I", v1, 8, 1)
+    (tmp_path / "old.gpucache").write_bytes(v1)
+    with pytest.raises(
+        CacheFormatError,
+        match=r"format version 1 .* reads version 2.*never released.*gpucache build",
+    ):
+        JpegCache.open(tmp_path / "old.gpucache")
 
 
 def test_golden_v2_file_without_checksums_or_report_still_opens():

@@ -1,4 +1,4 @@
-"""Writing the single-file store format (version 2; version 1 files still open).
+"""Writing the single-file store format (version 2).
 ``docs/reference/format.md`` specifies it; ``_parse`` reads and validates it; ``_save`` saves a file.
 
 Layout: a 256-byte little-endian header; six index sections (offsets, labels, samples, classes,
@@ -69,10 +69,9 @@ VERSION = 2
 HEADER_SIZE = 256
 CORE = ("offsets", "labels", "samples", "classes", "paths", "metadata", "data")
 # magic, version, header size, n_samples, n_classes, file size, 7 x (offset, length),
-# data crc32, index crc32 -- the v1 header, then the header crc32 (v1) or, in v2:
-HEAD_V1 = struct.Struct("<8sIIQQQ" + "QQ" * len(CORE) + "II")
-# v2 continues with: directory offset, directory entries, directory crc32; then the header crc32
-HEAD_V2 = struct.Struct(HEAD_V1.format + "QQI")
+# data crc32, index crc32, directory offset, directory entries, directory crc32; then the header
+# crc32
+HEAD_V2 = struct.Struct("<8sIIQQQ" + "QQ" * len(CORE) + "II" + "QQI")
 CRC = struct.Struct("<I")
 # a directory entry: name, numpy dtype string, offset, length, rows, cols (0: 1-D), crc32, zero
 ENTRY = struct.Struct("<32s8sQQQQII")

@@ -29,7 +29,6 @@ from ._format import (
     CORE,
     CRC,
     ENTRY,
-    HEAD_V1,
     HEAD_V2,
     HEADER_SIZE,
     KINDS,
@@ -65,16 +64,21 @@ class Parsed:
                 "pass a file written by JpegCache.save() or `gpucache build`",
             )
         (self.version,) = struct.unpack_from("<I", head, 8)
-        if self.version not in (1, 2):
+        if self.version != VERSION:
             self._fail(
-                f"format version {self.version} is not supported by this gpucache (reads "
-                f"versions 1 to {VERSION})",
+                f"format version {self.version} is not supported by this gpucache (it reads "
+                f"version {VERSION}"
+                + (
+                    "; version 1 was a development format, never released"
+                    if self.version == 1
+                    else ""
+                )
+                + ")",
                 "rebuild it with this version's `gpucache build`",
             )
-        layout = HEAD_V1 if self.version == 1 else HEAD_V2
-        fields = layout.unpack_from(head)
-        (crc,) = CRC.unpack_from(head, layout.size)
-        if zlib.crc32(head[: layout.size]) != crc:
+        fields = HEAD_V2.unpack_from(head)
+        (crc,) = CRC.unpack_from(head, HEAD_V2.size)
+        if zlib.crc32(head[: HEAD_V2.size]) != crc:
             self._fail("header checksum mismatch (the header is corrupt)")
         _, _, hsize, n, n_classes, file_size = fields[:6]
         self.data_crc, index_crc = fields[20:22]
@@ -85,7 +89,7 @@ class Parsed:
                 f"truncated or extended: the header says {file_size} bytes, the file has {size}"
             )
         spans = dict(zip(CORE, zip(fields[6:20:2], fields[7:20:2])))
-        directory = (0, 0) if self.version == 1 else (fields[22], ENTRY.size * fields[23])
+        directory = (fields[22], ENTRY.size * fields[23])
         self._check_bounds({**spans, "directory": directory}, size)
         expected = {"offsets": 8 * (n + 1), "labels": 8 * n, "samples": SAMPLE_DTYPE.itemsize * n}
         for name, length in expected.items():
@@ -100,16 +104,14 @@ class Parsed:
             crc = crc if trusted else self._crc(start, length, crc)
         if not trusted and crc != index_crc:
             self._fail("index checksum mismatch (offsets, labels or names are corrupt)")
-        extra_spans = {}
-        if self.version == 2:
-            start, length = directory
-            if self._crc(start, length) != fields[24]:
-                self._fail("section directory checksum mismatch (the directory is corrupt)")
-            extra_spans = self._directory(start, fields[23])
-            self._check_bounds(
-                {**spans, "directory": directory, **{k: v[:2] for k, v in extra_spans.items()}},
-                size,
-            )
+        start, length = directory
+        if self._crc(start, length) != fields[24]:
+            self._fail("section directory checksum mismatch (the directory is corrupt)")
+        extra_spans = self._directory(start, fields[23])
+        self._check_bounds(
+            {**spans, "directory": directory, **{k: v[:2] for k, v in extra_spans.items()}},
+            size,
+        )
         self._views(spans, n, n_classes)
         self.extra = MappingProxyType({k: self._extra(k, *v) for k, v in extra_spans.items()})
         why = _sections.problem(self.extra, n, values=not trusted)
