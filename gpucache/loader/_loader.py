@@ -84,7 +84,9 @@ class GpuCachedLoader:
             main process.
         prefetch_factor: Batches each worker works on ahead (GPU backends: batches in flight,
             at least 3).
-        persistent_workers: Always on (workers live until ``close()``); False warns.
+        persistent_workers: Accepted for ``DataLoader`` compatibility and ignored: workers are
+            always persistent (started on the first iteration, reused every epoch, stopped by
+            ``close()``). False warns that it has no effect.
         multiprocessing_context: ``"fork"``, ``"spawn"`` or ``"forkserver"``; None: the
             platform's default. Workers attach to the same store pages under each.
         worker_init_fn: Called as ``fn(worker_id)`` in each worker after seeding it.
