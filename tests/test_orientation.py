@@ -1,4 +1,4 @@
-"""The one EXIF orientation table: PIL's reading of the tag, and the box mapping that goes with it."""
+"""The one EXIF orientation table: PIL's reading of the tag, and the box mapping with it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one ordered thread map: results in order, bounded work in flight, errors where they belong."""
+"""The one ordered thread map: results in order, bounded work in flight, errors in place."""
 
 from __future__ import annotations
 

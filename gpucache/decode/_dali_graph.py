@@ -12,8 +12,8 @@ Two choices keep DALI out of decisions the other backends make differently:
 - **Orientation is the store's.** The decoder runs with ``adjust_orientation=False`` and the
   orientation recorded at build (``samples["orientation"]``, the rule libjpeg-turbo's decoders
   follow, read by :mod:`gpucache.ingest._sniff`) is applied in the graph, with the table every
-  backend uses (:data:`gpucache.transforms._orientation.ORIENT`). nvImageCodec reads EXIF by rules of its
-  own (it takes an Exif APP1 after an XMP one, and ignores one without the ``Exif\\0\\0`` prefix
+  backend uses (:data:`gpucache.transforms._orientation.ORIENT`). nvImageCodec reads EXIF by
+  rules of its own (it takes an Exif APP1 after an XMP one, and ignores one without the ``Exif\\0\\0`` prefix
   or with a 65535-entry IFD, where libjpeg-turbo does the opposite), which on square images turned
   pictures silently.
 - **The whole image is decoded, then sliced.** The region decode of ``decoders.image_slice``

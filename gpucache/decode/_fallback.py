@@ -56,8 +56,9 @@ def decode_on_cpu(
 ) -> list[Result]:
     """Decode and transform ``indices[positions]`` on the CPU, one result per position.
 
-    Raises :class:`~gpucache.SampleError` for a bad sample when ``on_error="raise"``. ``decode_batch``
-    checks the pixel budget itself, so no path into this fallback decodes a sample it refuses."""
+    Raises :class:`~gpucache.SampleError` for a bad sample when ``on_error="raise"``.
+    ``decode_batch`` checks the pixel budget itself, so no path into this fallback decodes a
+    sample it refuses."""
     out: list[Result] = []
     for p in positions:
         d = decode_batch(

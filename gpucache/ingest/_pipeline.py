@@ -271,6 +271,6 @@ def in_flight(total: int) -> int:
 
 
 def default_threads() -> int:
-    """``num_threads=None``: two reader threads per usable core (:func:`gpucache._cores.usable_cores`),
-    at most 16; reads block on the disk or network, so a second thread a core keeps it busy."""
+    """``num_threads=None``: two reader threads per usable core (``_cores.usable_cores``), at
+    most 16; reads block on the disk or network, so a second thread a core keeps it busy."""
     return min(16, 2 * usable_cores())
