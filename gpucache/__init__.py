@@ -19,7 +19,7 @@ from .ingest._build import (
     FileRangeSource,
     Skipped,
 )
-from .ingest._remote import ObjectStoreError
+from .ingest.storage._client import ObjectStoreError
 from .loader._loader import BatchInfo, GpuCachedLoader
 from .loader._stats import LoaderStats
 from .node import _builders  # noqa: F401 - the from_* builders of JpegCache (see there)

@@ -25,7 +25,7 @@ import numpy as np
 from .._progress import tqdm
 from ._build import BytesSource, FileObjSource, FileRangeSource, Source, build, check_labels
 from ._inputs import Refused
-from ._remote import is_url, read_text
+from .storage._client import is_url, read_text
 
 if TYPE_CHECKING:
     from ..store._store import JpegCache

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..store import _store
 from ..store._limits import DEFAULT_MAX_PIXELS
-from . import _remote
-from ._remote import any_url, csv_lists_urls
+from . import _storage
+from ._storage import any_url, csv_lists_urls
 
 if TYPE_CHECKING:
     from ..store._store import JpegCache
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 def _options(args: dict[str, Any]) -> dict[str, Any]:
-    """The build options among a builder's arguments (``locals()``), for ``_remote`` (which
+    """The build options among a builder's arguments (``locals()``), for ``_storage`` (which
     takes the object-storage ones by name)."""
     return {k: args[k] for k in _store.BUILD_OPTIONS}
 
@@ -51,7 +51,7 @@ def from_folder(
 ) -> JpegCache:
     """``JpegCache.from_folder`` (see its docstring)."""
     if any_url(root):  # a prefix in storage (s3://bucket/train/)
-        return _remote.from_folder(
+        return _storage.from_folder(
             cls,
             os.fspath(root),
             storage_options=storage_options,
@@ -120,7 +120,7 @@ def from_files(
 ) -> JpegCache:
     """``JpegCache.from_files`` (see its docstring)."""
     if any_url(paths):  # object URLs
-        return _remote.from_files(
+        return _storage.from_files(
             cls,
             paths,
             labels,
@@ -191,7 +191,7 @@ def from_csv(
     """``JpegCache.from_csv`` (see its docstring): the CSV read once, the files it lists built
     (once per node with ``cache_dir`` or several ranks, keyed on those files)."""
     if csv_lists_urls(path):  # a CSV in storage, or one listing object URLs
-        return _remote.from_csv(
+        return _storage.from_csv(
             cls,
             path,
             classes=classes,
@@ -260,7 +260,7 @@ def from_webdataset(
     """``JpegCache.from_webdataset`` (see its docstring): built once per node with ``cache_dir``
     or several ranks, keyed on the shard files."""
     if any_url(shards):  # shards in storage, brace patterns expanded
-        return _remote.from_webdataset(
+        return _storage.from_webdataset(
             cls,
             shards,
             classes=classes,

@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import _dist
-from ..ingest._fetch import spool_full
-from ..ingest._objects import spool_files
-from ..ingest._remote import Listing as ObjectListing
+from ..ingest.storage._client import Listing as ObjectListing
+from ..ingest.storage._fetch import spool_full
+from ..ingest.storage._objects import spool_files
 from ..store._format import CacheFormatError
 from ._clean import clean
 from ._dir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private

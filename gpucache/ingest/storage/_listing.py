@@ -1,10 +1,10 @@
-"""Listings of objects in storage, paged and bounded: the :class:`~._remote.Listing` a build
+"""Listings of objects in storage, paged and bounded: the :class:`~._client.Listing` a build
 fetches (``from_folder``, ``from_files``, ``from_csv``, ``from_webdataset``).
 
 On S3 gpucache asks for each page itself (``_pages``: ``ListObjectsV2``, 1,000 keys a page), so that
 
 - every page is retried like a GET (``_fetch.retrying``); a page that still fails, or that the
-  client cannot parse, stops the build with an :class:`~._remote.ObjectStoreError` naming the
+  client cannot parse, stops the build with an :class:`~._client.ObjectStoreError` naming the
   prefix: a listing never leaves a folder out;
 - a listing is bounded: keys come in S3's ascending order and a continuation token never comes
   twice (a server that repeats itself is stopped at its first repeat), and one listing holds at
@@ -30,11 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from .._build import IMG_EXTENSIONS, PathList
+from .._patterns import expand_braces
 from . import _pages
-from ._build import IMG_EXTENSIONS, PathList
-from ._pages import _Budget, _entries, _folders, _page, _Tokens
-from ._patterns import expand_braces
-from ._remote import (
+from ._client import (
     Listing,
     _call,
     _tag_hash,
@@ -45,6 +44,7 @@ from ._remote import (
     strip,
     tag_of,
 )
+from ._pages import _Budget, _entries, _folders, _page, _Tokens
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class _Names:
 
 
 class _Packer:
-    """Objects appended prefix by prefix into a :class:`~._remote.Listing`."""
+    """Objects appended prefix by prefix into a :class:`~._client.Listing`."""
 
     def __init__(self) -> None:
         self.prefixes: list[str] = []
@@ -146,7 +146,7 @@ def list_folder(
     at a time; a class whose listing fails stops the build."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ._pipeline import ordered
+    from .._pipeline import ordered
 
     proto = protocol_of(url)
     fs = fs or filesystem(url, storage_options)
@@ -242,7 +242,7 @@ def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = No
     sample with that reason, never a hole)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ._pipeline import ordered
+    from .._pipeline import ordered
 
     urls = [os.fspath(u) for u in urls]
     protos = {protocol_of(u) for u in urls}

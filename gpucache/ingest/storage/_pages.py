@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ._remote import ObjectStoreError, _call, _tag_hash, redact, tag_of
+from ._client import ObjectStoreError, _call, _tag_hash, redact, tag_of
 
 PAGE_KEYS = 1000  # keys asked for a page (S3's most)
 #: Bounds of one listing (all its prefixes together): beyond them the build stops.

@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..ingest._remote import is_url, redact
+from ..ingest.storage._client import is_url, redact
 
 if TYPE_CHECKING:
-    from ..ingest._remote import Listing
+    from ..ingest.storage._client import Listing
     from ..store._store import JpegCache
 
 Scan = Callable[[], "tuple[Listing, tuple[Any, ...]]"]
@@ -101,7 +101,7 @@ def from_folder(
     **opts: Any,
 ) -> JpegCache:
     """``JpegCache.from_folder`` of a prefix in ImageFolder layout (``s3://b/train/``)."""
-    from ..ingest._listing import list_folder
+    from ..ingest.storage._listing import list_folder
 
     options = tuple(opts[k] for k in _OPTIONS)
 
@@ -127,7 +127,7 @@ def from_files(
 ) -> JpegCache:
     """``JpegCache.from_files`` of object URLs (and ``from_csv`` of a list of them)."""
     from ..ingest._build import check_labels
-    from ..ingest._listing import list_urls
+    from ..ingest.storage._listing import list_urls
 
     urls = _all_urls(urls, "the list")
     labels_arr, names = check_labels(len(urls), labels, classes)
@@ -174,8 +174,8 @@ def from_csv(
 ) -> JpegCache:
     """``JpegCache.from_csv`` of a CSV listing object URLs (the CSV itself local or in storage;
     its relative rows are taken against its own folder), read once per node."""
-    from ..ingest._listing import list_urls
     from ..ingest._sources import read_csv
+    from ..ingest.storage._listing import list_urls
 
     options = tuple(opts[k] for k in _OPTIONS)
     where = os.fspath(path)
@@ -210,8 +210,8 @@ def from_webdataset(
 ) -> JpegCache:
     """``JpegCache.from_webdataset`` of shards in storage; brace patterns as WebDataset writes
     them (``train-{000..003}.tar``) and globs (``*.tar``) are expanded against the bucket."""
-    from ..ingest._listing import list_shards
-    from ..ingest._objects import build_shards
+    from ..ingest.storage._listing import list_shards
+    from ..ingest.storage._objects import build_shards
 
     patterns = _all_urls([shards] if isinstance(shards, str) else list(shards), "shards")
     options = (classes, metadata_ext, *(opts[k] for k in _OPTIONS))
@@ -252,7 +252,7 @@ def _objects_maker(
 ) -> Callable[[Listing, Sequence[Any], Callable[..., None] | None, Path], JpegCache]:
     """The build step of a listing of objects: the scan's extra is (labels, classes[, metadata],
     ...)."""
-    from ..ingest._objects import build_objects
+    from ..ingest.storage._objects import build_objects
 
     def make(
         listing: Listing,

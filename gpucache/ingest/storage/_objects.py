@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from ._build import build
+from .._build import build
+from .._inputs import Refused
+from .._sources import from_webdataset
+from ._client import Listing, ObjectStoreError, filesystem
 from ._fetch import Spool
-from ._inputs import Refused
-from ._remote import Listing, ObjectStoreError, filesystem
-from ._sources import from_webdataset
 
 __all__ = ["fetch", "build_objects", "build_shards", "spool_files"]
 
