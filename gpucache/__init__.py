@@ -22,10 +22,9 @@ from .ingest._build import (
 from .ingest.storage._client import ObjectStoreError
 from .loader._loader import BatchInfo, GpuCachedLoader
 from .loader._stats import LoaderStats
-from .node import _builders  # noqa: F401 - the from_* builders of JpegCache (see there)
+from .node._jpegcache import JpegCache
 from .store._format import CacheFormatError, Kind
 from .store._shm import SharedMemoryError
-from .store._store import JpegCache
 from .store._targets import with_targets
 
 __version__ = _read_version()  # pyproject.toml's version, from the installed metadata

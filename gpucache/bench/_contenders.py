@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 from ._common import CROP, BenchError, Config, Source
 
 if TYPE_CHECKING:
-    from ..store._store import JpegCache
+    from ..node._jpegcache import JpegCache
 
 GPU_BACKENDS = ("nvjpeg", "dali")
 
@@ -220,7 +220,7 @@ class Runner:
             self.data, self.data_bytes = ds, sum(len(b) for b in ds.items)
             self.expected = np.bincount(ds.targets, minlength=ncls)
         else:
-            from ..store._store import JpegCache
+            from ..node._jpegcache import JpegCache
 
             if c.backing == "memory":
                 self.cache = JpegCache.from_files(
