@@ -51,10 +51,14 @@ CHILD = r"""
 import gc, json, sys, time
 kind, n, named = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 try:
-    from gpucache.ingest._listing import list_folder, list_urls
-except ImportError:  # a checkout from before _listing
-    from gpucache.ingest._remote import list_folder, list_urls
-from gpucache.ingest._remote import filesystem
+    from gpucache.ingest.storage._client import filesystem
+    from gpucache.ingest.storage._listing import list_folder, list_urls
+except ImportError:  # a checkout from before gpucache/ingest/storage/
+    from gpucache.ingest._remote import filesystem
+    try:
+        from gpucache.ingest._listing import list_folder, list_urls
+    except ImportError:  # a checkout from before _listing
+        from gpucache.ingest._remote import list_folder, list_urls
 
 def status(key):
     with open("/proc/self/status") as f:

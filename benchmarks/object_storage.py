@@ -135,10 +135,10 @@ MEMORY = r"""
 import gc, json, sys
 from pathlib import Path
 import numpy as np
-from gpucache.ingest._fetch import Spool
+from gpucache.ingest.storage._fetch import Spool
 from array import array
-from gpucache.ingest._listing import _Names, _Packer
-from gpucache.ingest._remote import _tag_hash
+from gpucache.ingest.storage._listing import _Names, _Packer
+from gpucache.ingest.storage._client import _tag_hash
 
 def rss():
     with open("/proc/self/status") as f:

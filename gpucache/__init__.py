@@ -26,9 +26,8 @@ from .ingest._build import (
 )
 from .loader._loader import BatchInfo, GpuCachedLoader
 from .loader._stats import LoaderStats
-from .node import _builders  # noqa: F401 - the from_* builders of JpegCache (see there)
+from .node._jpegcache import JpegCache
 from .store._format import Kind
-from .store._store import JpegCache
 from .store._targets import with_targets
 
 __version__ = _read_version()  # pyproject.toml's version, from the installed metadata

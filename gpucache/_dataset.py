@@ -21,7 +21,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from .decode._core import check_size, decode_sample
-from .store._store import JpegCache
+from .store._store import Store
 from .store._targets import dense_targets, ragged_targets
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class JpegDataset(Dataset[tuple[Any, ...]]):
 
     def __init__(
         self,
-        cache: JpegCache,
+        cache: Store,
         *,
         output: Literal["tensor", "numpy", "pil"] = "tensor",
         bgr: bool = False,
@@ -51,7 +51,7 @@ class JpegDataset(Dataset[tuple[Any, ...]]):
         target_transform: Callable[[Any], Any] | None = None,
         return_info: bool = False,
     ) -> None:
-        if not isinstance(cache, JpegCache):
+        if not isinstance(cache, Store):
             raise TypeError(
                 f"cache must be a gpucache.JpegCache, got {type(cache).__name__}; "
                 "build one with JpegCache.from_folder(root) or JpegCache.open(path)."

@@ -17,6 +17,7 @@ import pytest
 from gpucache import BuildError, JpegCache
 from gpucache.cli import main as cli_main
 from gpucache.ingest._build import build
+from gpucache.ingest._options import BuildOptions
 from gpucache.testing import make_jpeg_bytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,9 +89,7 @@ def test_file_that_changes_size_after_listing_is_refused(tmp_path):
         np.zeros(2, np.int64),
         ["x"],
         None,
-        on_error="skip",
-        num_threads=1,
-        progress=False,
+        BuildOptions(num_threads=1, progress=False),
         on_progress=grow,
     )
     [bad] = cache.report.skipped

@@ -17,6 +17,7 @@ from PIL import Image
 from gpucache import JpegCache
 from gpucache.decode import _roi_rst
 from gpucache.ingest._build import BytesSource, build
+from gpucache.ingest._options import BuildOptions
 from gpucache.testing import make_jpeg_bytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,6 +98,7 @@ _REENCODE_CHILD = textwrap.dedent("""
     from gpucache import JpegCache
     from gpucache.ingest import _resize
     from gpucache.ingest._build import BytesSource, build
+    from gpucache.ingest._options import BuildOptions
     from gpucache.testing._memory import reset_peak_rss, status_bytes
 
     png = open(sys.argv[1], "rb").read()
@@ -105,8 +107,8 @@ _REENCODE_CHILD = textwrap.dedent("""
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)
     before = reset_peak_rss()
-    cache = build(JpegCache, inputs, np.zeros(4, np.int64), ["a"], None, on_error="raise",
-                  num_threads=4, progress=False, max_side=256)
+    cache = build(JpegCache, inputs, np.zeros(4, np.int64), ["a"], None,
+                  BuildOptions(on_error="raise", num_threads=4, progress=False, max_side=256))
     print(json.dumps({"peak": status_bytes("VmHWM") - before,
                       "resized": int(_resize.resized(cache).sum())}))
 """)
@@ -142,9 +144,7 @@ def test_progress_is_reported_in_order_and_can_stop_the_build():
         np.zeros(len(inputs), np.int64),
         ["a"],
         None,
-        on_error="skip",
-        num_threads=2,
-        progress=False,
+        BuildOptions(on_error="skip", num_threads=2, progress=False),
         on_progress=lambda *a: calls.append(a),
     )
     total = sum(len(blobs[k % 8]) for k in range(3000)) + 1
@@ -163,8 +163,6 @@ def test_progress_is_reported_in_order_and_can_stop_the_build():
             np.zeros(len(inputs), np.int64),
             ["a"],
             None,
-            on_error="skip",
-            num_threads=2,
-            progress=False,
+            BuildOptions(on_error="skip", num_threads=2, progress=False),
             on_progress=stop,
         )

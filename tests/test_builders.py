@@ -1,53 +1,94 @@
-"""Every builder takes the same keyword-only build options, documented once (from_folder), and
-from_csv / from_webdataset build once per cache folder as from_folder / from_files do."""
+"""Every builder takes every build option (``BuildOptions``'s fields) as a documented keyword-only
+argument with the option's default and hands it on in one ``BuildOptions``; the options that
+change the store key the node cache; from_csv / from_webdataset build once per cache folder as
+from_folder / from_files do."""
 
 from __future__ import annotations
 
 import inspect
 import io
 import tarfile
+from dataclasses import fields
 
 import pytest
 
 from gpucache import JpegCache
+from gpucache.ingest._options import BuildOptions
 from gpucache.node import _builders
-from gpucache.store._store import BUILD_OPTIONS, OBJECT_STORE_OPTIONS
 from gpucache.testing import make_jpeg_bytes
 
 BUILDERS = ("from_folder", "from_files", "from_csv", "from_webdataset", "from_hf")
-OPTIONS = BUILD_OPTIONS + OBJECT_STORE_OPTIONS
+OBJECT_STORE = {"storage_options", "requests_in_flight"}  # paths and URLs only: not from_hf
+#: a valid value other than the default, for each option
+CHANGED = dict(
+    on_error="raise",
+    num_threads=3,
+    progress=False,
+    max_pixels=None,
+    cache_dir="/nonexistent/cache",
+    cache_max_bytes=1 << 30,
+    restart_markers=True,
+    max_side=512,
+    jpeg_quality=80,
+    storage_options={"anon": True},
+    requests_in_flight=4,
+)
 
 
-def _options(name: str) -> dict:
-    params = inspect.signature(getattr(JpegCache, name)).parameters
-    assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), name
-    return {k: (p.kind, p.default) for k, p in params.items() if k in OPTIONS}
+def _taken(name: str) -> list[str]:
+    return [f.name for f in fields(BuildOptions) if name != "from_hf" or f.name not in OBJECT_STORE]
 
 
-def test_every_builder_takes_the_same_keyword_only_build_options():
-    want = _options("from_folder")
-    assert set(want) == set(OPTIONS)
-    assert all(kind is inspect.Parameter.KEYWORD_ONLY for kind, _ in want.values())
+def test_every_option_is_a_documented_keyword_of_every_builder():
+    assert set(CHANGED) == set(BuildOptions.names())
     for name in BUILDERS:
-        got = _options(name)
-        if name == "from_hf":  # a Hugging Face dataset, not paths or URLs
-            assert set(want) - set(got) == set(OBJECT_STORE_OPTIONS), got
-            want = {k: v for k, v in want.items() if k in BUILD_OPTIONS}
-        assert got == want, name
+        method = getattr(JpegCache, name)
+        params = inspect.signature(method).parameters
+        assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), name
+        for f in fields(BuildOptions):
+            if f.name not in _taken(name):
+                assert f.name not in params, (name, f.name)
+                continue
+            p = params[f.name]
+            assert p.kind is p.KEYWORD_ONLY, (name, f.name)
+            assert p.default == f.default and p.annotation == f.type, (name, f.name)
+        # the options come last, in the object's order, after the source's own arguments
+        assert list(params)[-len(_taken(name)) :] == _taken(name), name
     doc = JpegCache.from_folder.__doc__
-    for name in OPTIONS:
-        assert name in doc, name
+    assert doc is not None
+    for option in BuildOptions.names():
+        assert f"``{option}``" in doc, option
+    for name in BUILDERS[1:]:
+        assert "from_folder" in (getattr(JpegCache, name).__doc__ or ""), name
 
 
-def test_each_builder_is_implemented_with_its_classmethods_signature():
-    # the classmethods hand their arguments on by name: the node layer's builders must take
-    # the same parameters, in the same order, with the same defaults
-    for name in BUILDERS:
-        public = inspect.signature(getattr(JpegCache, name)).parameters
-        impl = inspect.signature(getattr(_builders, name)).parameters
-        shape = [(k, p.kind, p.default) for k, p in impl.items()]
-        assert shape[0][0] == "cls", name
-        assert shape[1:] == [(k, p.kind, p.default) for k, p in public.items()], name
+@pytest.mark.parametrize("name", BUILDERS)
+def test_each_builder_hands_every_option_on_in_one_object(name, monkeypatch):
+    got = []
+    monkeypatch.setattr(_builders, name, lambda cls, *args: got.append((cls, args)))
+    given = {k: v for k, v in CHANGED.items() if k in _taken(name)}
+    getattr(JpegCache, name)(["a.jpg"] if name == "from_files" else "src", **given)
+    [(cls, args)] = got
+    assert cls is JpegCache and args[-1] == BuildOptions(**given)
+
+
+def test_the_options_that_change_the_store_are_the_keyed_ones():
+    # the node cache's key holds these (and the source, labels and classes), no others: the
+    # store is reused across thread counts, progress bars, cache caps and storage clients
+    keyed = [f.name for f in fields(BuildOptions) if f.metadata.get("keyed")]
+    assert keyed == ["on_error", "max_pixels", "restart_markers", "max_side", "jpeg_quality"]
+    assert BuildOptions(**CHANGED).keyed() == ("raise", None, True, 512, 80)
+    assert "anon" not in repr(BuildOptions(**CHANGED))  # storage options may hold credentials
+
+
+def test_on_error_is_checked_once_in_the_words_of_the_caller(tmp_path, capsys):
+    from gpucache.cli import main
+
+    with pytest.raises(ValueError, match=r"on_error must be .* pass on_error='skip'"):
+        JpegCache.from_files([tmp_path / "a.jpg"], on_error="ignore")  # type: ignore[arg-type]
+    with pytest.raises(SystemExit):
+        main(["build", str(tmp_path), "-o", str(tmp_path / "s"), "--on-error", "ignore"])
+    assert "pass --on-error skip" in capsys.readouterr().err
 
 
 def _files(tmp_path, n=4):

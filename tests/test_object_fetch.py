@@ -32,7 +32,7 @@ pytest.importorskip("s3fs")
 
 from gpucache import BuildError, JpegCache, ObjectStoreError  # noqa: E402
 from gpucache.cli import main as cli_main  # noqa: E402
-from gpucache.ingest import _fetch, _remote  # noqa: E402
+from gpucache.ingest.storage import _client, _fetch  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
 from tests.support.s3server import Stranger, serving  # noqa: E402
 
@@ -172,7 +172,7 @@ def test_a_url_with_a_password_is_refused_before_any_request(s3, tmp_path, caplo
 
 
 def test_only_a_user_or_password_is_taken_out_of_a_url():
-    redact = _remote.redact
+    redact = _client.redact
     assert redact(f"s3://KEY:{SECRET}@b/a.jpg") == "s3://b/a.jpg"
     assert redact(f"s3://KEY:{SECRET}/x+y@b/a.jpg") == "s3://b/a.jpg"
     assert redact("gs://KEY@b/a.jpg") == "gs://b/a.jpg"
@@ -182,9 +182,9 @@ def test_only_a_user_or_password_is_taken_out_of_a_url():
         "abfs://data@account.dfs.core.windows.net/train/",  # Azure's container@account
         "az://data@127.0.0.1:10000/train/",
     ):
-        assert redact(kept) == kept and _remote.is_url(kept)
+        assert redact(kept) == kept and _client.is_url(kept)
     with pytest.raises(ValueError, match="user name or password"):
-        _remote.is_url(f"az://user:{SECRET}@account.blob.core.windows.net/data/")
+        _client.is_url(f"az://user:{SECRET}@account.blob.core.windows.net/data/")
 
 
 # ------------------------------------------------------------------------- missing objects

@@ -25,8 +25,8 @@ pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
 
 from gpucache import JpegCache, ObjectStoreError  # noqa: E402
-from gpucache.ingest import _fetch, _listing, _pages  # noqa: E402
-from gpucache.ingest._remote import filesystem  # noqa: E402
+from gpucache.ingest.storage import _fetch, _listing, _pages  # noqa: E402
+from gpucache.ingest.storage._client import filesystem  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
 from tests.support.s3server import VirtualFolder, serving  # noqa: E402
 

@@ -35,7 +35,7 @@ pytest.importorskip("s3fs")
 
 from gpucache import BuildError, JpegCache, ObjectStoreError  # noqa: E402
 from gpucache.cli import main as cli_main  # noqa: E402
-from gpucache.ingest import _fetch  # noqa: E402
+from gpucache.ingest.storage import _fetch  # noqa: E402
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
 

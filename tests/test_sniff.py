@@ -15,6 +15,7 @@ from PIL import Image
 from gpucache import JpegCache
 from gpucache.decode._core import decode_jpeg, decode_pil, decode_sample
 from gpucache.ingest._build import BytesSource, FileObjSource, FileRangeSource, build
+from gpucache.ingest._options import BuildOptions
 from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, sniff
 from gpucache.store._limits import check_pixels
 from gpucache.testing import make_jpeg_bytes
@@ -136,14 +137,15 @@ def test_max_pixels_at_build(tmp_path):
         None,
     )
     kw = dict(on_error="skip", num_threads=1, progress=False)
-    assert len(build(JpegCache, *args, **kw)) == 1
-    assert len(build(JpegCache, *args, **kw, max_pixels=30000 * 30000)) == 2
-    cache = build(JpegCache, *args, **kw, max_pixels=None)
+    assert len(build(JpegCache, *args, BuildOptions(**kw))) == 1
+    assert len(build(JpegCache, *args, BuildOptions(**kw, max_pixels=30000 * 30000))) == 2
+    cache = build(JpegCache, *args, BuildOptions(**kw, max_pixels=None))
     assert len(cache) == 2
     with pytest.raises(ValueError, match="30000x30000"):  # the decode-side guard
         check_pixels(cache, 1)
     with pytest.raises(Exception, match="max_pixels=1,000"):
-        build(JpegCache, *args, on_error="raise", num_threads=1, progress=False, max_pixels=1000)
+        opts = BuildOptions(on_error="raise", num_threads=1, progress=False, max_pixels=1000)
+        build(JpegCache, *args, opts)
 
 
 def test_decode_guard_reads_the_bytes_not_only_the_record():
@@ -155,10 +157,7 @@ def test_decode_guard_reads_the_bytes_not_only_the_record():
         np.zeros(1, np.int64),
         ["a"],
         None,
-        on_error="skip",
-        num_threads=1,
-        progress=False,
-        max_pixels=None,
+        BuildOptions(on_error="skip", num_threads=1, progress=False, max_pixels=None),
     )
     samples = cache.samples.copy()
     samples["height"], samples["width"] = 16, 16
@@ -226,9 +225,7 @@ def test_decode_guard_counts_the_scans_of_the_stored_bytes():
         np.zeros(1, np.int64),
         ["a"],
         None,
-        on_error="raise",
-        num_threads=1,
-        progress=False,
+        BuildOptions(on_error="raise", num_threads=1, progress=False),
     )
     hostile = np.frombuffer(extra_scans(plain, 5000), np.uint8)
     uncounted = JpegCache(
@@ -275,9 +272,7 @@ def test_sources_go_straight_into_the_buffer(tmp_path):
         np.arange(6),
         list("abcdef"),
         None,
-        on_error="skip",
-        num_threads=3,
-        progress=False,
+        BuildOptions(on_error="skip", num_threads=3, progress=False),
     )
     assert list(cache.paths) == [str(tmp_path / "a.jpg"), "mem", "fileobj", "s.tar/x/b.jpg"]
     assert [bytes(cache[i]) for i in range(4)] == [a, a, b, b]
@@ -292,7 +287,5 @@ def test_sources_go_straight_into_the_buffer(tmp_path):
             np.zeros(1, np.int64),
             ["a"],
             None,
-            on_error="skip",
-            num_threads=1,
-            progress=False,
+            BuildOptions(on_error="skip", num_threads=1, progress=False),
         )

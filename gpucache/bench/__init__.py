@@ -261,7 +261,7 @@ EXPLAIN_BATCHES = 300
 def explain(args, cfg: Config) -> int:
     """``gpucache bench SRC --explain``: the loader alone on the user's data; its stats report."""
     from ..loader._loader import GpuCachedLoader
-    from ..store._store import JpegCache
+    from ..node._jpegcache import JpegCache
     from ._contenders import gc_transform
     from ._data import synthetic_folder
 

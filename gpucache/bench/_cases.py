@@ -168,7 +168,7 @@ def _evict(files: list[Path]) -> bool:
 
 def case_scaling_size(source, args, tmp) -> dict:
     """Store build, save and open time for data sets of about each size, on disk."""
-    from ..store._store import JpegCache
+    from ..node._jpegcache import JpegCache
 
     rows = []
     for mb in args.sizes_mb:

@@ -31,7 +31,7 @@ from .._errors import BenchError
 from ._common import CROP, Config, Source
 
 if TYPE_CHECKING:
-    from ..store._store import JpegCache
+    from ..node._jpegcache import JpegCache
 
 GPU_BACKENDS = ("nvjpeg", "dali")
 
@@ -221,7 +221,7 @@ class Runner:
             self.data, self.data_bytes = ds, sum(len(b) for b in ds.items)
             self.expected = np.bincount(ds.targets, minlength=ncls)
         else:
-            from ..store._store import JpegCache
+            from ..node._jpegcache import JpegCache
 
             if c.backing == "memory":
                 self.cache = JpegCache.from_files(

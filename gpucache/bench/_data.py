@@ -19,7 +19,7 @@ def synthetic_folder(n: int, seed: int) -> Path:
 
 def _export_store(store: Path, tmp: Path) -> Path:
     """Write a saved store's images back out as an ImageFolder (for the file-reading peers)."""
-    from ..store._store import JpegCache
+    from ..node._jpegcache import JpegCache
 
     cache = JpegCache.open(store)
     root = tmp / "exported"
@@ -58,7 +58,7 @@ def prepare_source(args, tmp: Path, need_store: bool) -> Source:
     src = Source(str(root), samples, classes, info=info)
     info.update(images=len(samples), classes=len(classes), bytes=src.nbytes)
     if need_store and store is None:
-        from ..store._store import JpegCache
+        from ..node._jpegcache import JpegCache
 
         t0 = time.perf_counter()
         cache = JpegCache.from_files(paths, labels, classes=classes, progress=False)

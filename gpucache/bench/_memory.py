@@ -157,7 +157,7 @@ def _probe_sources(
     for name, samples in (("small", picked), ("large", picked * repeat)):
         s = Source(source.root, samples, source.classes)
         if need_store:
-            from ..store._store import JpegCache
+            from ..node._jpegcache import JpegCache
 
             cache = JpegCache.from_files(
                 [p for p, _ in samples],

@@ -11,14 +11,17 @@ import numpy as np
 
 from .. import __version__, bench
 from .._errors import BuildError, GpucacheError
+from ..ingest._options import spell_on_error
 from ..ingest._pipeline import default_threads as read_threads
 from ..ingest._resize import SECTION as RESIZED
 from ..ingest._resize import max_side_of, resized
 from ..ingest._sniff import Kind
+from ..node._jpegcache import JpegCache
 from ..store._checksum import default_threads as check_threads
-from ..store._store import JpegCache, classes_text
+from ..store._store import classes_text
 from . import _build as _build_cli
 from . import _cache as _cache_cli
+from ._build import ON_ERROR_FLAG
 
 DESCRIPTION = (
     "gpucache build | info | verify | bench | cache: pack images into one store file, "
@@ -38,7 +41,7 @@ def _build(args) -> int:
             )
             return 2
     except BuildError as err:  # in the command line's words
-        print(BuildError(err.report, skip="--on-error skip"), file=sys.stderr)
+        print(BuildError(err.report, skip=spell_on_error("skip", ON_ERROR_FLAG)), file=sys.stderr)
         return 1
     except (ValueError, RuntimeError, MemoryError, ImportError) as err:  # no transcoder, no
         # client for a URL's scheme (each says the fix)
@@ -172,9 +175,10 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-o", "--output", required=True, help="store file to write")
     p.add_argument(
-        "--on-error",
-        choices=("skip", "raise"),
+        ON_ERROR_FLAG,
+        type=_build_cli.on_error,
         default="skip",
+        metavar="{skip,raise}",
         help="a corrupt, truncated or non-image file: skip it and list it in the "
         "build report (default), or stop the build with an error naming it",
     )

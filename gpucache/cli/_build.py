@@ -10,7 +10,19 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..ingest._options import check_on_error
 from ..store._limits import DEFAULT_MAX_PIXELS
+
+ON_ERROR_FLAG = "--on-error"  # on_error= in Python
+
+
+def on_error(text: str) -> str:
+    """``--on-error``: ``skip`` or ``raise``, checked as the builders check ``on_error=``, in the
+    command line's words."""
+    try:
+        return check_on_error(text, ON_ERROR_FLAG)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def max_pixels(text: str) -> int | None:

@@ -26,10 +26,10 @@ from .._errors import BuildError
 from .._progress import tqdm
 from .._threads import ordered_map
 from ..store._format import MAGIC
-from ..store._limits import DEFAULT_MAX_PIXELS
 from ..store._report import BuildReport, Skipped
 from . import _pipeline
 from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Source, name_of
+from ._options import BuildOptions
 from ._sniff import Kind
 
 __all__ = [
@@ -186,18 +186,12 @@ def build(
     labels: np.ndarray,
     classes: list[str],
     metadata: Sequence[str] | None,
+    options: BuildOptions,
     *,
-    on_error: str,
-    num_threads: int | None,
-    progress: bool,
-    max_pixels: int | None = DEFAULT_MAX_PIXELS,
-    restart_markers: bool = False,
-    max_side: int | None = None,
-    jpeg_quality: int | None = None,
     on_progress: Callable[[int, int, int], None] | None = None,
     extra: dict | None = None,
 ):
-    """Pack ``inputs`` (paths or :class:`Source` objects) into ``cls(...)``.
+    """Pack ``inputs`` (paths or :class:`Source` objects) into ``cls(...)``, as ``options`` say.
 
     Every input is sized (capped under ``max_pixels``, see ``_limits.too_big``) and sniffed
     (headers only); one whose header claims more than ``max_pixels`` pixels (None: no bound) is
@@ -210,19 +204,21 @@ def build(
     ``extra``: optional sections to store as they are (one row per input if per-sample)."""
     from ._restart import rewriters
 
-    if on_error not in ("skip", "raise"):
-        raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}.")
-    if max_pixels is not None and max_pixels < 1:
-        raise ValueError(
-            f"max_pixels must be a positive number of pixels or None (no bound), "
-            f"got {max_pixels!r}."
-        )
+    max_pixels = options.max_pixels
     n = len(inputs)
-    steps = rewriters(restart_markers=restart_markers, max_side=max_side, jpeg_quality=jpeg_quality)
-    threads = num_threads or _pipeline.default_threads()
+    steps = rewriters(
+        restart_markers=options.restart_markers,
+        max_side=options.max_side,
+        jpeg_quality=options.jpeg_quality,
+    )
+    threads = options.num_threads or _pipeline.default_threads()
     window = 2 * threads
     bar = tqdm(
-        total=n, desc="gpucache build", unit="file", disable=not progress or None, leave=False
+        total=n,
+        desc="gpucache build",
+        unit="file",
+        disable=not options.progress or None,
+        leave=False,
     )
     done = [0, 0]
 
@@ -273,7 +269,7 @@ def build(
         counts={Kind(v).name: int(c) for v, c in enumerate(kinds) if c},
         skipped=[Skipped(i, name_of(inputs[i]), errors[i]) for i in sorted(errors)],
     )
-    if errors and on_error == "raise" or k == 0:
+    if errors and options.on_error == "raise" or k == 0:
         raise BuildError(report)
     if errors:
         log.warning(

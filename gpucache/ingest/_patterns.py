@@ -1,7 +1,7 @@
 """Shard patterns as WebDataset writes them: brace ranges and alternatives
 (``train-{000..003}.tar``, ``{train,val}-000.tar``) and shell globs (``train-*.tar``), for local
-paths here and for URLs in object storage (``_remote.list_shards`` matches globs against the
-bucket's listing)."""
+paths here and for URLs in object storage (``storage._listing.list_shards`` matches globs against
+the bucket's listing)."""
 
 from __future__ import annotations
 

@@ -87,6 +87,7 @@ def restart_store(cache, *, num_threads: int | None = None, progress: bool = Fal
     raises ``BuildError``."""
     from ..store._limits import pixel_budget
     from ._build import build
+    from ._options import BuildOptions
 
     out = build(
         type(cache),
@@ -94,11 +95,13 @@ def restart_store(cache, *, num_threads: int | None = None, progress: bool = Fal
         np.asarray(cache.labels),
         cache.classes,
         cache.metadata,
-        on_error="raise",
-        num_threads=num_threads,
-        progress=progress,
-        max_pixels=pixel_budget(cache),
-        restart_markers=True,
+        BuildOptions(
+            on_error="raise",
+            num_threads=num_threads,
+            progress=progress,
+            max_pixels=pixel_budget(cache),
+            restart_markers=True,
+        ),
         extra=dict(cache.extra),
     )
     out.report, out.max_pixels = cache.report, cache.max_pixels

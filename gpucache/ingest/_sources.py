@@ -18,17 +18,15 @@ import re
 import tarfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .._progress import tqdm
 from ._build import BytesSource, FileObjSource, FileRangeSource, Source, build, check_labels
 from ._inputs import Refused
-from ._remote import is_url, read_text
-
-if TYPE_CHECKING:
-    from ..store._store import JpegCache
+from ._options import BuildOptions
+from .storage._client import is_url, read_text
 
 log = logging.getLogger(__name__)
 
@@ -71,21 +69,6 @@ def _labels_from_column(
             "classes= naming every label, or use integer labels."
         )
     return np.array([index[v] if v else -1 for v in values], dtype=np.int64), names
-
-
-def from_csv(
-    cls,
-    path: str | os.PathLike,
-    *,
-    classes: Sequence[str] | None = None,
-    delimiter: str = ",",
-    header: bool | None = None,
-    **build_kw,
-):
-    """The files a CSV lists (see :func:`read_csv`), built into a store."""
-    return build(
-        cls, *read_csv(path, classes=classes, delimiter=delimiter, header=header), **build_kw
-    )
 
 
 def read_csv(
@@ -306,12 +289,12 @@ def _shard_samples(
 def from_webdataset(
     cls,
     shards: str | os.PathLike | Iterable[str | os.PathLike],
+    options: BuildOptions,
     *,
     classes: Sequence[str] | None = None,
     metadata_ext: str | None = None,
-    progress: bool = True,
     locate: Callable[[int], tuple[str | os.PathLike, int, int] | Refused] | None = None,
-    **build_kw,
+    on_progress: Callable[[int, int, int], None] | None = None,
 ):
     """Samples of WebDataset tar shards, read straight out of the tars (no extraction).
 
@@ -334,7 +317,7 @@ def from_webdataset(
             shards,
             desc="gpucache scan shards",
             unit="shard",
-            disable=not progress or None,
+            disable=not options.progress or None,
             leave=False,
         )
     ):
@@ -370,8 +353,8 @@ def from_webdataset(
         labels_arr,
         names,
         meta if metadata_ext else None,
-        progress=progress,
-        **build_kw,
+        options,
+        on_progress=on_progress,
     )
 
 
@@ -395,13 +378,12 @@ class _HFImage:
 def from_hf(
     cls,
     dataset,
+    options: BuildOptions,
     *,
     image_column: str = "image",
     label_column: str | None = "label",
     classes: Sequence[str] | None = None,
-    progress: bool = True,
-    **build_kw,
-) -> JpegCache:
+):
     """A Hugging Face ``datasets.Dataset`` with an ``Image`` feature; the encoded bytes are taken
     as they are stored (``Image(decode=False)``: no decode, no re-encode). Labels from
     ``label_column`` (a ``ClassLabel`` gives the class names) or -1 without one."""
@@ -426,7 +408,7 @@ def from_hf(
         range(0, n, chunk),
         desc="gpucache scan dataset",
         unit="chunk",
-        disable=not progress or None,
+        disable=not options.progress or None,
         leave=False,
     ):
         col = table[start : start + chunk].column(image_column)
@@ -453,10 +435,19 @@ def from_hf(
     else:
         labels = None
     labels_arr, names = check_labels(n, labels, classes)
-    return build(cls, inputs, labels_arr, names, None, progress=progress, **build_kw)
+    return build(cls, inputs, labels_arr, names, None, options)
 
 
-def from_files(cls, items: Sequence, labels, metadata, *, classes, **build_kw):
+def from_files(
+    cls,
+    items: Sequence,
+    labels,
+    metadata,
+    options: BuildOptions,
+    *,
+    classes: Sequence[str] | None,
+    on_progress: Callable[[int, int, int], None] | None = None,
+):
     """``from_files`` with paths, bytes-like or file-like items (mixed freely)."""
     labels_arr, names = check_labels(len(items), labels, classes)
     if metadata is not None and len(metadata) != len(items):
@@ -470,5 +461,6 @@ def from_files(cls, items: Sequence, labels, metadata, *, classes, **build_kw):
         labels_arr,
         names,
         None if metadata is None else [str(m) for m in metadata],
-        **build_kw,
+        options,
+        on_progress=on_progress,
     )

@@ -18,7 +18,7 @@ from ..decode._base import GPU_IN_FLIGHT, Backend
 from ..decode._core import TIMED, Decoded, stage_clock
 from ..decode._core import stage_range as _range
 from ..decode._workers import default_workers
-from ..store._store import JpegCache
+from ..store._store import Store
 from ..store._targets import dense_targets, kept_rows, ragged_targets
 from ..transforms import Transform, as_compose, batch_generator
 from ..transforms._device import to_device
@@ -115,7 +115,7 @@ class GpuCachedLoader:
 
     def __init__(
         self,
-        cache: JpegCache,
+        cache: Store,
         *,
         # order and sharding
         batch_size: int,
@@ -146,7 +146,7 @@ class GpuCachedLoader:
         pin_memory: bool | None = None,
         return_metadata: bool = False,
     ) -> None:
-        if not isinstance(cache, JpegCache):
+        if not isinstance(cache, Store):
             raise TypeError(
                 f"cache must be a gpucache.JpegCache, got {type(cache).__name__}; "
                 "build one with JpegCache.from_folder(root) or JpegCache.open(path)."
@@ -508,7 +508,7 @@ class GpuCachedLoader:
 
 
 def _ragged(
-    cache: JpegCache, indices: np.ndarray, move: Callable[[torch.Tensor], torch.Tensor]
+    cache: Store, indices: np.ndarray, move: Callable[[torch.Tensor], torch.Tensor]
 ) -> list[torch.Tensor] | None:
     """The batch's ragged targets, moved in one copy and split on the device (views)."""
     rows = ragged_targets(cache, indices)

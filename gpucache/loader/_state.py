@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..store._store import JpegCache
+    from ..store._store import Store
     from ._sampling import Sampling
 
 VERSION = 3
@@ -45,7 +45,7 @@ def _digest(*arrays: np.ndarray) -> str:
     return "blake2b:" + h.hexdigest()
 
 
-def store_fingerprint(cache: JpegCache) -> str:
+def store_fingerprint(cache: Store) -> str:
     """Sample count, offsets and labels of ``cache``: the same for any backing and process."""
     return _digest(
         np.array([len(cache)], dtype="<i8"),

@@ -33,19 +33,22 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import _dist
 from .._errors import CacheFormatError
-from ..ingest._fetch import spool_full
-from ..ingest._objects import spool_files
-from ..ingest._remote import Listing as ObjectListing
+from ..ingest.storage._client import Listing as ObjectListing
+from ..ingest.storage._fetch import spool_full
+from ..ingest.storage._objects import spool_files
+from ..store._store import Store
 from ._clean import clean
 from ._dir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private
 from ._lock import NodeLock
 
 if TYPE_CHECKING:
-    from ..store._store import JpegCache
+    from ..ingest._options import BuildOptions
+
+S = TypeVar("S", bound=Store)  # the store class built and opened (the public JpegCache)
 
 log = logging.getLogger(__name__)
 
@@ -96,16 +99,16 @@ def listing_key(
 
 
 def built_once(
-    cls: type[JpegCache],
+    cls: type[S],
     scan: Callable[[], Listing],
-    build: Callable[..., JpegCache],
+    build: Callable[..., S],
     request: Sequence[Any],
     *,
     cache_dir: str | os.PathLike[str] | None,
     max_bytes: int | None = None,
     stall_timeout: float | None = None,
     remote: bool = False,
-) -> JpegCache:
+) -> S:
     """``build(inputs, extra, on_progress)`` once per node, or open the saved store of an unchanged
     listing; in memory for one process without ``cache_dir``. ``request`` names what ``scan()``
     lists without touching the file system (a root, or the paths, plus the options).
@@ -190,6 +193,30 @@ def built_once(
         return cache
 
 
+def built_for(
+    cls: type[S],
+    scan: Callable[[], Listing],
+    build: Callable[..., S],
+    request: Sequence[Any],
+    options: BuildOptions,
+    *,
+    remote: bool = False,
+) -> S:
+    """:func:`built_once` in the cache folder ``options`` name (with its size cap), the store
+    held to their ``max_pixels``."""
+    cache = built_once(
+        cls,
+        scan,
+        build,
+        request,
+        cache_dir=options.cache_dir,
+        max_bytes=options.cache_max_bytes,
+        remote=remote,
+    )
+    cache.max_pixels = options.max_pixels
+    return cache
+
+
 def _source(request: Sequence[Any]) -> str:
     first = request[0]
     if isinstance(first, (str, os.PathLike)):
@@ -249,7 +276,7 @@ def _started() -> float:
         return created
 
 
-def _open(cls: type[JpegCache], store: Path) -> JpegCache | None:
+def _open(cls: type[S], store: Path) -> S | None:
     """The saved store mapped and held (shared flock, so it counts as in use), or None."""
     fd, why = open_own(store)
     if fd is None:

@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 _KEY = "[0-9a-f]{32}"
 _STORE = re.compile(rf"({_KEY})\.gpucache")
 _RECORD = re.compile(rf"({_KEY})\.(info|lock|scan|scan\.lock)")
-_SPOOL = re.compile(rf"({_KEY})\.(fetch|fetched)")  # objects fetched for a build (ingest._fetch)
+_SPOOL = re.compile(
+    rf"({_KEY})\.(fetch|fetched)"
+)  # objects fetched for a build (ingest.storage._fetch)
 _TEMP = re.compile(rf"\.({_KEY})\.(gpucache|info|scan)\.[a-z0-9_]{{8}}\.tmp")  # mkstemp's names
 # the JSON fields each record holds (node/_cache.py writes .info and .scan, node/_lock.py locks)
 _FIELDS = {

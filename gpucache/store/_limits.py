@@ -18,7 +18,7 @@ from .._errors import CacheFormatError
 from ._jpeg import ARITHMETIC_WEIGHT, NO_SCANS, WORK_PER_PIXEL, Scans, jpeg_header
 
 if TYPE_CHECKING:
-    from ._store import JpegCache
+    from ._store import Store
 
 #: PIL's ``Image.MAX_IMAGE_PIXELS`` (about 89.5 Mpx, 268 MB as RGB): the bound people already know.
 DEFAULT_MAX_PIXELS = 89_478_485
@@ -50,7 +50,7 @@ def too_big(nbytes: int, max_pixels: int | None) -> str | None:
     )
 
 
-def pixel_budget(cache: JpegCache) -> int | None:
+def pixel_budget(cache: Store) -> int | None:
     """The store's bound on decoded pixels per sample (None = unbounded)."""
     return getattr(cache, "max_pixels", DEFAULT_MAX_PIXELS)
 
@@ -88,7 +88,7 @@ def over_work(scans: int, work: int, limit: int | None) -> str | None:
     )
 
 
-def check_pixels(cache: JpegCache, i: int) -> None:
+def check_pixels(cache: Store, i: int) -> None:
     """Raise ``ValueError`` if sample ``i`` would cost a decoder more than the store allows: more
     pixels than its budget, or a JPEG whose scans cost more (``_jpeg.read_scans``: too many, a
     repeat, or over :func:`work_budget`);
@@ -112,7 +112,7 @@ def check_pixels(cache: JpegCache, i: int) -> None:
         _check_record(cache, i, stated[0], stated[1])
 
 
-def _check_record(cache: JpegCache, i: int, height: int, width: int) -> None:
+def _check_record(cache: Store, i: int, height: int, width: int) -> None:
     """Sample ``i``'s record against the size its bytes state (as stored: EXIF turns it)."""
     rec = cache.samples[i]
     if int(rec["orientation"]) >= 5:

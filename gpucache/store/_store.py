@@ -1,4 +1,8 @@
-"""JpegCache: encoded images packed once into one read-only buffer.
+"""The store: encoded images packed once into one read-only buffer.
+
+``Store`` is the store itself; the public class, ``JpegCache`` (``gpucache.node._jpegcache``), is
+a ``Store`` with the builders (``from_folder`` and the other ``from_*``), which orchestrate the
+layers above this one (sources, the build once per node). This layer imports none of them.
 
 A store is a handful of numpy arrays: one uint8 buffer of every file's bytes, int64 offsets (N+1),
 int64 labels, a per-sample record (kind, components, orientation, precision, height, width), class
@@ -18,7 +22,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal, overload
+from typing import Any, TypeVar, overload
 
 import numpy as np
 import torch
@@ -29,44 +33,7 @@ from ._format import Kind
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
 
-#: The builders behind ``JpegCache.from_folder`` and the other ``from_*`` classmethods, by name.
-#: They orchestrate the layers above the store (scan, build once per node, sources), so they live
-#: in ``gpucache.node._builders``, which fills this table when imported (``import gpucache`` does,
-#: before any of its modules runs); the classmethods stay thin entry points into it.
-BUILDERS: dict[str, Callable[..., JpegCache]] = {}
-
-
-#: The build options every ``from_*`` builder takes by keyword, with the same defaults (documented
-#: once, in ``from_folder``; ``tests/test_builders.py`` holds the builders, the node layer's
-#: implementations and the CLI to them).
-BUILD_OPTIONS = (
-    "on_error",
-    "num_threads",
-    "progress",
-    "max_pixels",
-    "cache_dir",
-    "cache_max_bytes",
-    "restart_markers",
-    "max_side",
-    "jpeg_quality",
-)
-#: and those the builders of paths or URLs take too (all but ``from_hf``)
-OBJECT_STORE_OPTIONS = ("storage_options", "requests_in_flight")
-
-
-def _arguments(given: dict[str, Any]) -> dict[str, Any]:
-    """A classmethod's arguments (its ``locals()`` on entry), for its builder: the same names."""
-    return {k: v for k, v in given.items() if k != "__class__"}
-
-
-def _builder(name: str) -> Callable[..., JpegCache]:
-    try:
-        return BUILDERS[name]
-    except KeyError:  # gpucache/__init__.py always imports gpucache.node._builders first
-        raise RuntimeError(
-            f"JpegCache.{name} has no builder: gpucache.node._builders was not "
-            "imported (import gpucache)"
-        ) from None
+S = TypeVar("S", bound="Store")  # a store class: the public JpegCache, or Store itself
 
 
 class _Strings(Sequence[str]):
@@ -93,15 +60,12 @@ class _Strings(Sequence[str]):
         return f"<{len(self)} strings>"
 
 
-class JpegCache:
-    """A store: the encoded images of a data set held once, in one packed read-only buffer.
-
-    The class of a store is named ``JpegCache``; ``GpuCachedLoader`` takes one as its first
-    argument, ``cache``. Build with :meth:`from_folder` or :meth:`from_files`, or map a saved
-    store with :meth:`open`.
-    ``cache[i]`` is a zero-copy read-only uint8 view of sample ``i``'s encoded bytes.
-    ``cache.report`` is the build's report (what was kept, what was skipped and why); it is saved
-    in the store file, so :meth:`open` gives it back (None for a store saved without one).
+class Store:
+    """The packed buffer behind the public ``JpegCache`` (``gpucache.node._jpegcache``), which
+    adds the builders (``from_folder`` and the other ``from_*``): they orchestrate the layers
+    above this one. Everything a store is and does once made is here, so the layers below the
+    node layer (loader, decode, ingest) take, check (``isinstance(x, Store)``) and make
+    (``cls(...)``, ``type(cache)(...)``) stores without knowing of the builders.
     """
 
     def __init__(
@@ -149,159 +113,21 @@ class JpegCache:
         self.report = report
         self.max_pixels = max_pixels
         self._file = _file
-        self._shm_finalizer: weakref.finalize[[Path], JpegCache] | None = None
+        self._shm_finalizer: weakref.finalize[[Path], Store] | None = None
         self._tensor: torch.Tensor | None = None
 
-    # ------------------------------------------------------------------ building and opening
-    @classmethod
-    def from_folder(
-        cls,
-        root: str | os.PathLike[str],
-        *,
-        on_error: Literal["skip", "raise"] = "skip",
-        num_threads: int | None = None,
-        progress: bool = True,
-        max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_max_bytes: int | None = None,
-        restart_markers: bool = False,
-        max_side: int | None = None,
-        jpeg_quality: int | None = None,
-        storage_options: dict[str, Any] | None = None,
-        requests_in_flight: int | None = None,
-    ) -> JpegCache:
-        """Pack an ImageFolder tree (``root/<class>/<image>``); labels as torchvision assigns.
-        ``on_error``: a file that cannot be used is left out and listed in ``cache.report``
-        (``"skip"``) or stops the build (``"raise"``: ``BuildError``); ``num_threads``: threads
-        reading and checking files (None: the usable cores); ``progress``: a progress bar.
-        ``max_pixels``: images whose header claims more pixels are refused (None: no bound).
-        Several ranks or ``cache_dir``: built once per node and mapped (docs/guides/multi-gpu.md);
-        ``cache_max_bytes``: then the least recently used stores there are removed to fit.
-        ``restart_markers``: JPEGs transcoded losslessly so crops decode faster
-        (docs/guides/backends.md).
-        ``max_side``: images with a longer side re-encoded once to it; ``jpeg_quality``: their
-        quality, and every other image re-encoded at it where that is smaller (lossy, opt-in;
-        docs/guides/stores.md).
-        ``root`` may be a URL of a prefix in object storage (``s3://bucket/train/``, ``gs://``,
-        ``az://``; the ``s3``/``gcs``/``azure`` extra): fetched once per node into the node cache
-        (``cache_dir`` or its default folder), resumed if a build was killed.
-        ``storage_options``: passed to the fsspec client (credentials otherwise from the
-        environment, config files or instance role); ``requests_in_flight``: requests at once
-        (default 32) (docs/guides/object-storage.md)."""
-        return _builder("from_folder")(**_arguments(locals()))
-
-    @classmethod
-    def from_files(
-        cls,
-        paths: Sequence[str | os.PathLike[str]],
-        labels: Sequence[int] | np.ndarray | None = None,
-        metadata: Sequence[str] | None = None,
-        *,
-        classes: Sequence[str] | None = None,
-        on_error: Literal["skip", "raise"] = "skip",
-        num_threads: int | None = None,
-        progress: bool = True,
-        max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_max_bytes: int | None = None,
-        restart_markers: bool = False,
-        max_side: int | None = None,
-        jpeg_quality: int | None = None,
-        storage_options: dict[str, Any] | None = None,
-        requests_in_flight: int | None = None,
-    ) -> JpegCache:
-        """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
-        ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder. Object
-        URLs (``s3://bucket/a.jpg``, all items) are fetched once per node as in from_folder."""
-        return _builder("from_files")(**_arguments(locals()))
-
-    @classmethod
-    def from_csv(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        classes: Sequence[str] | None = None,
-        delimiter: str = ",",
-        header: bool | None = None,
-        on_error: Literal["skip", "raise"] = "skip",
-        num_threads: int | None = None,
-        progress: bool = True,
-        max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_max_bytes: int | None = None,
-        restart_markers: bool = False,
-        max_side: int | None = None,
-        jpeg_quality: int | None = None,
-        storage_options: dict[str, Any] | None = None,
-        requests_in_flight: int | None = None,
-    ) -> JpegCache:
-        """Pack the files a CSV lists as ``path,label[,metadata]`` (paths relative to the CSV;
-        labels ints or class names; ``header=None`` skips a first row labelled ``label``/``class``).
-        The build options (``on_error`` to ``jpeg_quality``) as in from_folder; with
-        ``cache_dir`` the store is keyed on the listed files. Rows may be object URLs, and the
-        CSV itself may be in storage (relative rows then name objects beside it)."""
-        return _builder("from_csv")(**_arguments(locals()))
-
-    @classmethod
-    def from_webdataset(
-        cls,
-        shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-        *,
-        classes: Sequence[str] | None = None,
-        metadata_ext: str | None = None,
-        on_error: Literal["skip", "raise"] = "skip",
-        num_threads: int | None = None,
-        progress: bool = True,
-        max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_max_bytes: int | None = None,
-        restart_markers: bool = False,
-        max_side: int | None = None,
-        jpeg_quality: int | None = None,
-        storage_options: dict[str, Any] | None = None,
-        requests_in_flight: int | None = None,
-    ) -> JpegCache:
-        """Pack WebDataset tar shards (images and ``.cls`` labels), read in place from the tars;
-        the build options as in from_folder (with ``cache_dir`` keyed on the shard files).
-        Paths and URLs take WebDataset's brace patterns (``shards/train-{000..099}.tar``) and
-        globs (``shards/train-*.tar``); a pattern that matches nothing is a
-        ``FileNotFoundError`` naming it. Shards in storage are fetched once per node."""
-        return _builder("from_webdataset")(**_arguments(locals()))
-
-    @classmethod
-    def from_hf(
-        cls,
-        dataset: Any,  # a datasets.Dataset (datasets ships no types)
-        *,
-        image_column: str = "image",
-        label_column: str | None = "label",
-        classes: Sequence[str] | None = None,
-        on_error: Literal["skip", "raise"] = "skip",
-        num_threads: int | None = None,
-        progress: bool = True,
-        max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_max_bytes: int | None = None,
-        restart_markers: bool = False,
-        max_side: int | None = None,
-        jpeg_quality: int | None = None,
-    ) -> JpegCache:
-        """Pack a Hugging Face ``datasets.Dataset``'s ``Image`` column, bytes taken as stored;
-        the build options as in from_folder (``cache_dir`` is refused: a dataset object has no
-        files to key a saved store on; save the store and open it instead)."""
-        return _builder("from_hf")(**_arguments(locals()))
-
+    # ------------------------------------------------------------------ opening
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], *, max_pixels: int | None = DEFAULT_MAX_PIXELS
-    ) -> JpegCache:
+        cls: type[S], path: str | os.PathLike[str], *, max_pixels: int | None = DEFAULT_MAX_PIXELS
+    ) -> S:
         """Map a saved store read-only. Validates header, sizes and offsets; reads no image data.
 
         ``max_pixels``: samples whose header claims more decoded pixels are refused at decode."""
         return cls._from_parsed(_parse.open_mapped(Path(path)), max_pixels)
 
     @classmethod
-    def _from_parsed(cls, parsed: _parse.Parsed, max_pixels: int | None) -> JpegCache:
+    def _from_parsed(cls: type[S], parsed: _parse.Parsed, max_pixels: int | None) -> S:
         return cls(
             data=parsed.data,
             offsets=parsed.offsets,
@@ -316,7 +142,7 @@ class JpegCache:
             _file=parsed,
         )
 
-    def _replace(self, **changes: Any) -> JpegCache:
+    def _replace(self: S, **changes: Any) -> S:
         """A new in-memory store with some arrays replaced (``data``, ``offsets``, ``samples``,
         ``labels``, ``extra``...): for code that derives a store from this one (e.g. transcoding).
         ``extra`` replaces the optional sections as a whole; pass ``{**cache.extra, name: a}``."""
@@ -433,7 +259,7 @@ class JpegCache:
             else "memory"
         )
         return (
-            f"JpegCache({len(self)} samples, {classes_text(self._classes)}, "
+            f"{type(self).__name__}({len(self)} samples, {classes_text(self._classes)}, "
             f"{self.nbytes / 2**20:,.1f} MiB in {where})"
         )
 
@@ -485,7 +311,7 @@ class JpegCache:
         """True when workers of any start method can attach to this store's pages."""
         return self._file is not None and self._file.handle.fd is not None
 
-    def share(self) -> JpegCache:
+    def share(self: S) -> S:
         """Move an in-memory store into shared memory (once; checks the room first). Idempotent.
 
         On Linux the shared copy has no name: only this store's descriptor (and the workers that
@@ -530,13 +356,13 @@ class JpegCache:
         if self._shm_finalizer is not None:
             self._shm_finalizer()
 
-    def __enter__(self) -> JpegCache:
+    def __enter__(self: S) -> S:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __reduce__(self) -> tuple[Callable[..., JpegCache], tuple[Handle, int | None]]:
+    def __reduce__(self) -> tuple[Callable[..., Store], tuple[type[Store], Handle, int | None]]:
         if self._file is None:
             raise TypeError(
                 "an in-memory JpegCache cannot be pickled: that would copy every image into each "
@@ -544,7 +370,7 @@ class JpegCache:
                 "(cache.save(path)) and pass JpegCache.open(path); GpuCachedLoader does the "
                 "former by itself for spawn/forkserver workers."
             )
-        return (_reopen, (self._file.handle, self.max_pixels))
+        return (_reopen, (type(self), self._file.handle, self.max_pixels))
 
 
 def classes_text(classes: Sequence[str]) -> str:
@@ -559,7 +385,7 @@ def _user_sections(extra: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v for k, v in extra.items() if not k.startswith(_format.RESERVED)}
 
 
-def _reopen(handle: Handle, max_pixels: int | None) -> JpegCache:
+def _reopen(cls: type[S], handle: Handle, max_pixels: int | None) -> S:
     """In a worker: the very file the pickling process had open and validated (see ``_mapped``),
-    so only its O(1) checks run again here."""
-    return JpegCache._from_parsed(_parse.Parsed(handle, trusted=handle.trusted), max_pixels)
+    so only its O(1) checks run again here; a store of the class that was pickled."""
+    return cls._from_parsed(_parse.Parsed(handle, trusted=handle.trusted), max_pixels)

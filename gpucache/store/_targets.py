@@ -17,18 +17,18 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from ._store import JpegCache
+    from ._store import S, Store
 
 DENSE, RAGGED, OFFSETS = "targets", "targets_ragged", "targets_ragged.offsets"
 
 
 def with_targets(
-    cache: JpegCache,
+    cache: S,
     *,
     targets: npt.ArrayLike | None = None,
     ragged: Sequence[npt.ArrayLike] | None = None,
     per_input: bool = False,
-) -> JpegCache:
+) -> S:
     """A new in-memory store: ``cache`` with float targets and/or ragged per-sample arrays.
 
     ``targets``: (N, C) numbers (multi-hot rows, regression values). ``ragged``: N arrays of
@@ -84,12 +84,12 @@ def with_targets(
     return cache._replace(extra=extra)
 
 
-def dense_targets(cache: JpegCache) -> np.ndarray | None:
+def dense_targets(cache: Store) -> np.ndarray | None:
     """The store's (N, C) float32 targets, or None."""
     return cache.extra.get(DENSE)
 
 
-def ragged_targets(cache: JpegCache, indices: npt.ArrayLike) -> list[np.ndarray] | None:
+def ragged_targets(cache: Store, indices: npt.ArrayLike) -> list[np.ndarray] | None:
     """Each listed sample's (K_i, C) ragged array (read-only views), or None without any."""
     values, offsets = cache.extra.get(RAGGED), cache.extra.get(OFFSETS)
     if values is None or offsets is None:

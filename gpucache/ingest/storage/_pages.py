@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .._errors import ObjectStoreError
-from ._remote import _call, _tag_hash, redact, tag_of
+from ..._errors import ObjectStoreError
+from ._client import _call, _tag_hash, redact, tag_of
 
 PAGE_KEYS = 1000  # keys asked for a page (S3's most)
 #: Bounds of one listing (all its prefixes together): beyond them the build stops.

@@ -1,4 +1,4 @@
-"""Listings of objects in storage, paged and bounded: the :class:`~._remote.Listing` a build
+"""Listings of objects in storage, paged and bounded: the :class:`~._client.Listing` a build
 fetches (``from_folder``, ``from_files``, ``from_csv``, ``from_webdataset``).
 
 On S3 gpucache asks for each page itself (``_pages``: ``ListObjectsV2``, 1,000 keys a page), so that
@@ -30,12 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from .._threads import ordered_map
+from ..._threads import ordered_map
+from .._build import IMG_EXTENSIONS, PathList
+from .._patterns import expand_braces
 from . import _pages
-from ._build import IMG_EXTENSIONS, PathList
-from ._pages import _Budget, _entries, _folders, _page, _Tokens
-from ._patterns import expand_braces
-from ._remote import (
+from ._client import (
     Listing,
     _call,
     _tag_hash,
@@ -46,6 +45,7 @@ from ._remote import (
     strip,
     tag_of,
 )
+from ._pages import _Budget, _entries, _folders, _page, _Tokens
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class _Names:
 
 
 class _Packer:
-    """Objects appended prefix by prefix into a :class:`~._remote.Listing`."""
+    """Objects appended prefix by prefix into a :class:`~._client.Listing`."""
 
     def __init__(self) -> None:
         self.prefixes: list[str] = []

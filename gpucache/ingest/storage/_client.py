@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ObjectStoreError
-from ._build import PathList
+from ..._errors import ObjectStoreError
+from .._build import PathList
 
 log = logging.getLogger(__name__)
 

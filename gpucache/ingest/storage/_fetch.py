@@ -1,4 +1,4 @@
-"""Fetch the objects of a :class:`~._remote.Listing` once, into a spool file that survives a kill.
+"""Fetch the objects of a :class:`~._client.Listing` once, into a spool file that survives a kill.
 
 The spool is one file the size of all the objects (``<key>.fetch`` in the node cache folder,
 space reserved up front), each object at a fixed offset; objects over ``PART`` bytes are fetched
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .._errors import ObjectStoreError
-from .._owned import open_own
-from .._progress import tqdm
-from ._inputs import FileRangeSource, Refused
-from ._remote import Listing, access_error, bucket_of, describe, error_code
+from ..._errors import ObjectStoreError
+from ..._owned import open_own
+from ..._progress import tqdm
+from .._inputs import FileRangeSource, Refused
+from ._client import Listing, access_error, bucket_of, describe, error_code
 
 log = logging.getLogger(__name__)
 

@@ -15,18 +15,17 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..ingest._remote import is_url, redact
+from ..ingest.storage._client import is_url, redact
+from ..store._store import Store
+from ._cache import built_for
 
 if TYPE_CHECKING:
-    from ..ingest._remote import Listing
-    from ..store._store import JpegCache
+    from ..ingest._options import BuildOptions
+    from ..ingest.storage._client import Listing
 
-Scan = Callable[[], "tuple[Listing, tuple[Any, ...]]"]
-Make = Callable[["Listing", Sequence[Any], "Callable[..., None] | None", Path], "JpegCache"]
-
-_OPTIONS = ("on_error", "max_pixels", "restart_markers", "max_side", "jpeg_quality")
+S = TypeVar("S", bound=Store)
 
 
 def any_url(items: Any) -> bool:
@@ -59,75 +58,30 @@ def _all_urls(items: Sequence[Any], what: str) -> list[str]:
     return out
 
 
-def _kw(opts: dict[str, Any]) -> dict[str, Any]:
-    """The build options ``ingest._build.build`` takes, from a builder's arguments."""
-    return {
-        k: opts[k]
-        for k in (
-            "on_error",
-            "num_threads",
-            "max_pixels",
-            "restart_markers",
-            "max_side",
-            "jpeg_quality",
-        )
-    }
-
-
-def _built(
-    cls: type[JpegCache], scan: Scan, make: Make, request: Sequence[Any], opts: dict[str, Any]
-) -> JpegCache:
-    from ._cache import built_once
-
-    cache = built_once(
-        cls,
-        scan,
-        make,
-        request,
-        cache_dir=opts["cache_dir"],
-        max_bytes=opts["cache_max_bytes"],
-        remote=True,
-    )
-    cache.max_pixels = opts["max_pixels"]
-    return cache
-
-
-def from_folder(
-    cls: type[JpegCache],
-    root: str,
-    *,
-    storage_options: dict[str, Any] | None,
-    requests_in_flight: int | None,
-    **opts: Any,
-) -> JpegCache:
+def from_folder(cls: type[S], root: str, options: BuildOptions) -> S:
     """``JpegCache.from_folder`` of a prefix in ImageFolder layout (``s3://b/train/``)."""
-    from ..ingest._listing import list_folder
-
-    options = tuple(opts[k] for k in _OPTIONS)
+    from ..ingest.storage._listing import list_folder
 
     def scan() -> tuple[Listing, tuple[Any, ...]]:
-        listing, labels, classes = list_folder(root, storage_options)
-        return listing, (labels, classes, *options)
+        listing, labels, classes = list_folder(root, options.storage_options)
+        return listing, (labels, classes, *options.keyed())
 
-    make = _objects_maker(cls, storage_options, requests_in_flight, opts, metadata=False)
-
-    return _built(cls, scan, make, (redact(root.rstrip("/") + "/"), *options), opts)
+    make = _objects_maker(cls, options, metadata=False)
+    request = (redact(root.rstrip("/") + "/"), *options.keyed())
+    return built_for(cls, scan, make, request, options, remote=True)
 
 
 def from_files(
-    cls: type[JpegCache],
+    cls: type[S],
     urls: Sequence[Any],
     labels: Any,
     metadata: Sequence[str] | None,
-    *,
     classes: Sequence[str] | None,
-    storage_options: dict[str, Any] | None,
-    requests_in_flight: int | None,
-    **opts: Any,
-) -> JpegCache:
-    """``JpegCache.from_files`` of object URLs (and ``from_csv`` of a list of them)."""
+    options: BuildOptions,
+) -> S:
+    """``JpegCache.from_files`` of object URLs."""
     from ..ingest._build import check_labels
-    from ..ingest._listing import list_urls
+    from ..ingest.storage._listing import list_urls
 
     urls = _all_urls(urls, "the list")
     labels_arr, names = check_labels(len(urls), labels, classes)
@@ -137,14 +91,14 @@ def from_files(
             "give one string per item (or metadata=None)."
         )
     meta = None if metadata is None else [str(m) for m in metadata]
-    options = tuple(opts[k] for k in _OPTIONS)
 
     def scan() -> tuple[Listing, tuple[Any, ...]]:
-        return list_urls(urls, storage_options), (labels_arr, names, meta, *options)
+        listing = list_urls(urls, options.storage_options)
+        return listing, (labels_arr, names, meta, *options.keyed())
 
-    make = _objects_maker(cls, storage_options, requests_in_flight, opts, metadata=True)
-
-    return _built(cls, scan, make, ([redact(u) for u in urls], *options), opts)
+    make = _objects_maker(cls, options, metadata=True)
+    request = ([redact(u) for u in urls], *options.keyed())
+    return built_for(cls, scan, make, request, options, remote=True)
 
 
 def csv_lists_urls(path: str | os.PathLike[str]) -> bool:
@@ -162,22 +116,18 @@ def csv_lists_urls(path: str | os.PathLike[str]) -> bool:
 
 
 def from_csv(
-    cls: type[JpegCache],
+    cls: type[S],
     path: str | os.PathLike[str],
-    *,
     classes: Sequence[str] | None,
     delimiter: str,
     header: bool | None,
-    storage_options: dict[str, Any] | None,
-    requests_in_flight: int | None,
-    **opts: Any,
-) -> JpegCache:
+    options: BuildOptions,
+) -> S:
     """``JpegCache.from_csv`` of a CSV listing object URLs (the CSV itself local or in storage;
     its relative rows are taken against its own folder), read once per node."""
-    from ..ingest._listing import list_urls
     from ..ingest._sources import read_csv
+    from ..ingest.storage._listing import list_urls
 
-    options = tuple(opts[k] for k in _OPTIONS)
     where = os.fspath(path)
 
     def scan() -> tuple[Listing, tuple[Any, ...]]:
@@ -186,92 +136,78 @@ def from_csv(
             classes=classes,
             delimiter=delimiter,
             header=header,
-            storage_options=storage_options,
+            storage_options=options.storage_options,
         )
-        listing = list_urls(_all_urls(files, f"the CSV {redact(where)}"), storage_options)
-        return listing, (labels, names, meta, *options)
+        urls = _all_urls(files, f"the CSV {redact(where)}")
+        return list_urls(urls, options.storage_options), (labels, names, meta, *options.keyed())
 
-    make = _objects_maker(cls, storage_options, requests_in_flight, opts, metadata=True)
-
+    make = _objects_maker(cls, options, metadata=True)
     local = where if is_url(where) else os.path.abspath(where)
-    request = (redact(local), classes, delimiter, header, *options)
-    return _built(cls, scan, make, request, opts)
+    request = (redact(local), classes, delimiter, header, *options.keyed())
+    return built_for(cls, scan, make, request, options, remote=True)
 
 
 def from_webdataset(
-    cls: type[JpegCache],
+    cls: type[S],
     shards: Any,
-    *,
     classes: Sequence[str] | None,
     metadata_ext: str | None,
-    storage_options: dict[str, Any] | None,
-    requests_in_flight: int | None,
-    **opts: Any,
-) -> JpegCache:
+    options: BuildOptions,
+) -> S:
     """``JpegCache.from_webdataset`` of shards in storage; brace patterns as WebDataset writes
     them (``train-{000..003}.tar``) and globs (``*.tar``) are expanded against the bucket."""
-    from ..ingest._listing import list_shards
-    from ..ingest._objects import build_shards
+    from ..ingest.storage._listing import list_shards
+    from ..ingest.storage._objects import build_shards
 
     patterns = _all_urls([shards] if isinstance(shards, str) else list(shards), "shards")
-    options = (classes, metadata_ext, *(opts[k] for k in _OPTIONS))
+    extra = (classes, metadata_ext, *options.keyed())
 
     def scan() -> tuple[Listing, tuple[Any, ...]]:
-        return list_shards(patterns, storage_options), options
+        return list_shards(patterns, options.storage_options), extra
 
     def make(
         listing: Listing,
         extra: Sequence[Any],
         on_progress: Callable[..., None] | None,
         base: Path,
-    ) -> JpegCache:
-        store: JpegCache = build_shards(
+    ) -> S:
+        store: S = build_shards(
             cls,
             listing,
-            base=base,
-            storage_options=storage_options,
-            requests=requests_in_flight,
-            progress=opts["progress"],
-            on_progress=on_progress,
+            options,
             classes=classes,
             metadata_ext=metadata_ext,
-            **_kw(opts),
+            base=base,
+            on_progress=on_progress,
         )
         return store
 
-    return _built(cls, scan, make, ([redact(p) for p in patterns], *options), opts)
+    request = ([redact(p) for p in patterns], *extra)
+    return built_for(cls, scan, make, request, options, remote=True)
 
 
 def _objects_maker(
-    cls: type[JpegCache],
-    storage_options: dict[str, Any] | None,
-    requests_in_flight: int | None,
-    opts: dict[str, Any],
-    *,
-    metadata: bool,
-) -> Callable[[Listing, Sequence[Any], Callable[..., None] | None, Path], JpegCache]:
+    cls: type[S], options: BuildOptions, *, metadata: bool
+) -> Callable[[Listing, Sequence[Any], Callable[..., None] | None, Path], S]:
     """The build step of a listing of objects: the scan's extra is (labels, classes[, metadata],
     ...)."""
-    from ..ingest._objects import build_objects
+    from ..ingest.storage._objects import build_objects
 
     def make(
         listing: Listing,
         extra: Sequence[Any],
         on_progress: Callable[..., None] | None,
         base: Path,
-    ) -> JpegCache:
-        store: JpegCache = build_objects(
+    ) -> S:
+        store: S = build_objects(
             cls,
             listing,
             extra[0],
             extra[1],
             extra[2] if metadata else None,
+            options,
             base=base,
-            storage_options=storage_options,
-            requests=requests_in_flight,
-            progress=opts["progress"],
             on_progress=on_progress,
-            **_kw(opts),
         )
         return store
 

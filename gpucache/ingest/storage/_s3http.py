@@ -9,7 +9,7 @@ sends the request again to the endpoint it resolves for that region itself). ``S
 makes the async client do the same: aiobotocore's aiohttp session with
 ``allow_redirects=False`` on every request, handed to the client as ``AioConfig``'s
 ``http_session_cls`` (the client's configuration for its HTTP session) by
-``_remote.filesystem``; a redirected GET is then a final error of that object (``HTTP 307``,
+``_client.filesystem``; a redirected GET is then a final error of that object (``HTTP 307``,
 with the address it pointed at), never bytes from another endpoint.
 """
 

@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ObjectStoreError
-from ._build import build
+from ..._errors import ObjectStoreError
+from .._build import build
+from .._inputs import Refused
+from .._options import BuildOptions
+from .._sources import from_webdataset
+from ._client import Listing, filesystem
 from ._fetch import Spool
-from ._inputs import Refused
-from ._remote import Listing, filesystem
-from ._sources import from_webdataset
 
 __all__ = ["fetch", "build_objects", "build_shards", "spool_files"]
 
@@ -65,16 +66,21 @@ def check_unchanged(listing: Listing, spool: Spool | None = None) -> None:
 def fetch(
     listing: Listing,
     base: Path,
-    *,
-    storage_options: dict | None,
-    requests: int | None,
-    progress: bool,
+    options: BuildOptions,
     on_progress: Callable[..., None] | None,
 ) -> Spool:
     """Every object of ``listing`` in the spool at ``base`` (resumed if a build left one),
-    checked against a second listing."""
-    fs = listing.fs or filesystem(listing.protocol + "://", storage_options)
-    spool = Spool(base, listing, fs, requests=requests, progress=progress, on_progress=on_progress)
+    checked against a second listing; ``options``: the client's ``storage_options``, the
+    ``requests_in_flight`` and the progress bar."""
+    fs = listing.fs or filesystem(listing.protocol + "://", options.storage_options)
+    spool = Spool(
+        base,
+        listing,
+        fs,
+        requests=options.requests_in_flight,
+        progress=options.progress,
+        on_progress=on_progress,
+    )
     spool.fetch()
     check_unchanged(listing, spool)
     return spool
@@ -86,55 +92,28 @@ def build_objects(
     labels: np.ndarray,
     classes: list[str],
     metadata: Sequence[str] | None,
+    options: BuildOptions,
     *,
     base: Path,
-    storage_options: dict | None,
-    requests: int | None,
-    progress: bool,
     on_progress: Callable[..., None] | None,
-    **build_kw: Any,
 ) -> Any:
     """A store of one sample an object (``from_folder``, ``from_files``, ``from_csv``)."""
-    spool = fetch(
-        listing,
-        base,
-        storage_options=storage_options,
-        requests=requests,
-        progress=progress,
-        on_progress=on_progress,
-    )
-    return build(
-        cls,
-        spool.inputs(),
-        labels,
-        classes,
-        metadata,
-        progress=progress,
-        on_progress=on_progress,
-        **build_kw,
-    )
+    spool = fetch(listing, base, options, on_progress)
+    return build(cls, spool.inputs(), labels, classes, metadata, options, on_progress=on_progress)
 
 
 def build_shards(
     cls: Any,
     listing: Listing,
+    options: BuildOptions,
     *,
+    classes: Sequence[str] | None,
+    metadata_ext: str | None,
     base: Path,
-    storage_options: dict | None,
-    requests: int | None,
-    progress: bool,
     on_progress: Callable[..., None] | None,
-    **build_kw: Any,
 ) -> Any:
     """A store of the samples of WebDataset shards in storage, read out of the spool."""
-    spool = fetch(
-        listing,
-        base,
-        storage_options=storage_options,
-        requests=requests,
-        progress=progress,
-        on_progress=on_progress,
-    )
+    spool = fetch(listing, base, options, on_progress)
 
     def locate(k: int) -> tuple[str | os.PathLike[str], int, int] | Refused:
         src = spool.source(k)
@@ -143,8 +122,9 @@ def build_shards(
     return from_webdataset(
         cls,
         list(listing.urls),
+        options,
+        classes=classes,
+        metadata_ext=metadata_ext,
         locate=locate,
-        progress=progress,
         on_progress=on_progress,
-        **build_kw,
     )
