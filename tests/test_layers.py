@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("store", ("gpucache.store",)),
     # leaf helpers any layer may use; they import nothing of gpucache's: distributed ranks, the
     # compiled part's binding, the progress bar, the errors' base, files opened as this user's own,
-    # the version
+    # the version, a plan's columns
     (
         "base",
         (
@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "gpucache._errors",
             "gpucache._owned",
             "gpucache._version",
+            "gpucache._plan",
         ),
     ),
 ]

@@ -20,6 +20,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from .._plan import OUT_SIZE, PLAN_WIDTH
+
 if TYPE_CHECKING:
     from ._store import JpegCache
 
@@ -119,8 +121,10 @@ def kept_rows(submitted: np.ndarray, kept: np.ndarray) -> np.ndarray:
 
 def _plan(plan: Plan) -> list[float]:
     p = plan.tolist() if hasattr(plan, "tolist") else list(plan)
-    if len(p) != 11:
-        raise ValueError(f"a plan has 11 numbers (see gpucache.transforms.PLAN_FIELDS), got {p}")
+    if len(p) != PLAN_WIDTH:
+        raise ValueError(
+            f"a plan has {PLAN_WIDTH} numbers (see gpucache.transforms.PLAN_FIELDS), got {p}"
+        )
     return [float(v) for v in p]
 
 
@@ -148,7 +152,7 @@ def map_boxes(boxes: _Coords, plan: Plan, *, clip: bool = True) -> _Coords:
     x0, x1 = xp.minimum(lo[..., 0], hi[..., 0]), xp.maximum(lo[..., 0], hi[..., 0])
     out: _Coords = xp.stack([x0, lo[..., 1], x1, hi[..., 1]], -1)
     if clip:
-        h2, w2 = _plan(plan)[8:10]
+        h2, w2 = _plan(plan)[OUT_SIZE]
         limits = [w2, h2, w2, h2]
         for k in range(4):
             out[..., k] = out[..., k].clip(0, limits[k])
