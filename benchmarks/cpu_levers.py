@@ -24,6 +24,7 @@ import io
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -76,11 +77,8 @@ def main() -> None:
 
     def no_c(run):
         def wrapped():
-            _roi.USE_C = False
-            try:
+            with mock.patch.object(_roi, "_c_ok", lambda: False):  # the nvImageCodec route
                 run()
-            finally:
-                _roi.USE_C = True
 
         return wrapped
 

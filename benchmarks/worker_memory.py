@@ -17,8 +17,9 @@ apart agree: a worker that has just run out of tasks may still be handing memory
 after every batch of epochs 2-4 (busy). At rest after epochs 4 and 10 it is split by mapping
 (``/proc/PID/smaps``). The configurations switch the worker pool's memory measures off and on
 one at a time: the decoder's self-check in the parent before the fork
-(``_workers.CHECK_BEFORE_FORK``), malloc_trim when a worker runs out of tasks
-(``_worker_main.TRIM_WHEN_IDLE``), ``gc.freeze()`` before the fork (``_workers.FREEZE_AT_FORK``);
+(``_workers._check_decoder``), malloc_trim when a worker runs out of tasks
+(``_worker_main._malloc_trim``), ``gc.freeze()`` before the fork (``_workers._freeze``), each
+switched off by patching that function;
 two more run a full ``gc.collect()`` in each worker's ``worker_init_fn`` with and without them.
 Every batch is checked: uint8 (n, 3, 224, 224), n labels, every sample once an epoch.
 
@@ -55,7 +56,8 @@ from benchmarks._record import run_info, write_json  # noqa: E402
 SHARED = REPO.parent / "shared" / "data" / "hymenoptera"
 MIB = 2**20
 
-# name -> (CHECK_BEFORE_FORK, TRIM_WHEN_IDLE, FREEZE_AT_FORK, gc.collect() in worker_init_fn,
+# name -> (decoder check before the fork, malloc_trim when idle, gc.freeze() at the fork,
+# gc.collect() in worker_init_fn,
 # glibc's mmap threshold pinned by mallopt in worker_init_fn: bytes, 0 to leave it dynamic)
 CONFIGS = {
     "none": (False, False, False, False, 0),
@@ -161,16 +163,37 @@ def _record_start(wid: int) -> None:
     (base / f"start-{wid}.json").write_text(json.dumps(rec))
 
 
+def _off(*_: object) -> None:
+    """A pool step switched off: it does nothing (and finds no malloc_trim)."""
+    return None
+
+
+def _no_thaw() -> bool:
+    return False
+
+
+def _switch(*, check: bool = True, trim: bool = True, freeze: bool = True) -> None:
+    """Switch the worker pool's memory measures off by patching the functions that take them
+    (in this benchmark's own process; fork workers inherit the patches)."""
+    import gpucache.decode._worker_main as wm
+    import gpucache.decode._workers as wk
+
+    if not check:
+        wk._check_decoder = _off
+    if not trim:
+        wm._malloc_trim = _off
+    if not freeze:
+        wk._freeze = _no_thaw
+
+
 def _photos_child(config: str, data: str, epochs: int) -> dict:
     import torch
 
-    import gpucache.decode._worker_main as wm
-    import gpucache.decode._workers as wk
     from gpucache import GpuCachedLoader, JpegCache
     from gpucache import transforms as T
 
     check, trim, freeze, collect, mmap_threshold = CONFIGS[config]
-    wk.CHECK_BEFORE_FORK, wm.TRIM_WHEN_IDLE, wk.FREEZE_AT_FORK = check, trim, freeze
+    _switch(check=check, trim=trim, freeze=freeze)
     record = Path(tempfile.mkdtemp(prefix="wm-"))
     os.environ["WM_RECORD"], os.environ["WM_GC"] = str(record), "1" if collect else "0"
     os.environ["WM_MMAP"] = str(mmap_threshold)
@@ -300,13 +323,12 @@ def _rank(data: str, record: str, freeze: bool, scenario: str, epochs: int) -> N
     import psutil
     import torch.distributed as dist
 
-    import gpucache.decode._workers as wk
     from gpucache import GpuCachedLoader, JpegCache
     from gpucache import transforms as T
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    wk.FREEZE_AT_FORK = freeze
+    _switch(freeze=freeze)
     cache = JpegCache.from_folder(data, progress=False)  # built once for the node
     if scenario == "program froze":
         gc.freeze()

@@ -39,8 +39,9 @@ ROUTES = [
 
 @pytest.fixture(params=ROUTES)
 def use_c(request, monkeypatch):
-    """Each region decoder in turn, chosen by the module's own switch."""
-    monkeypatch.setattr(_roi, "USE_C", request.param)
+    """Each region decoder in turn: without the compiled one, nvImageCodec's is chosen."""
+    if not request.param:
+        monkeypatch.setattr(_roi, "_c_ok", lambda: False)
     return request.param
 
 
@@ -265,10 +266,7 @@ def test_restart_segments_decode_bit_exact(cache, name, use_c):
         got = _roi_rst.decode_crop(
             restart,
             k,
-            t,
-            l,
-            bh,
-            bw,
+            (t, l, bh, bw),
             orientation=CASES[name].get("orientation", 1),
             height=h,
             width=w,

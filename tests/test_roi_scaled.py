@@ -65,10 +65,7 @@ def test_scaled_crops_equal_the_crop_of_the_scaled_image(kw):
             got = _roi_rst.decode_crop(
                 arr,
                 k,
-                t * d,
-                l * d,
-                bh * d,
-                bw * d,
+                (t * d, l * d, bh * d, bw * d),
                 orientation=1,
                 height=203,
                 width=301,

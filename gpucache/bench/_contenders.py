@@ -141,8 +141,14 @@ def gc_transform(pipeline: str) -> list:
     return [T.Resize(256), T.CenterCrop(CROP)]
 
 
+def _no_region(components: int) -> None:
+    """No region decoder for any JPEG: every sample decoded in full, then cropped."""
+    return None
+
+
 class NoRoi:
-    """worker_init_fn that switches ROI decode off in the worker, then runs ``inner``."""
+    """worker_init_fn that takes ROI decode away in the worker (its region decoder chooser
+    patched to find none), then runs ``inner``."""
 
     def __init__(self, inner=None):
         self.inner = inner
@@ -150,7 +156,7 @@ class NoRoi:
     def __call__(self, worker_id: int) -> None:
         from ..decode import _roi
 
-        _roi.ENABLED = False
+        _roi.region_decoder = _no_region
         if self.inner is not None:
             self.inner(worker_id)
 

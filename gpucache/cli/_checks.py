@@ -105,10 +105,10 @@ def _decode_noting(cache, i: int, k: int):
             kw = dict(orientation=int(rec["orientation"]), height=height, width=width)
             if k:
                 img = _roi_rst.decode_crop(
-                    cache[i], k, 0, 0, height, width, region=_roi._c_region, **kw
+                    cache[i], k, (0, 0, height, width), region=_roi._c_region, **kw
                 )
             else:
-                img = _roi.decode_crop(cache[i], 0, 0, height, width, region=_roi._c_region, **kw)
+                img = _roi.decode_crop(cache[i], (0, 0, height, width), region=_roi._c_region, **kw)
             return img, _roi.take_warning()
         if k:
             _roi_rst.check_interval(cache[i], k)

@@ -15,12 +15,14 @@ import io
 import os
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .._errors import SampleError
+from .._plan import AFTER_BOX1, BOX1, Col
 from ..ingest._pixels import eight_bit
 from ..ingest._sniff import JPEG_KINDS, Kind
 from ..store._limits import check_pixels
@@ -162,94 +164,72 @@ def failure(cache, i: int, err: Exception, on_error: str) -> str:
 
 def out_size(plans: np.ndarray) -> tuple[int, int]:
     """Output (height, width) of a fixed-size batch's plans: the shape of an empty batch."""
-    return (int(plans[0, 8]), int(plans[0, 9])) if len(plans) else (0, 0)
+    return (int(plans[0, Col.HEIGHT2]), int(plans[0, Col.WIDTH2])) if len(plans) else (0, 0)
+
+
+class _Sample(NamedTuple):
+    """What decoding one sample needs of its store record (read once a batch, as Python ints)."""
+
+    i: int  # store index
+    kind: int
+    components: int
+    precision: int
+    orientation: int
+    height: int
+    width: int
+    restart: int  # restart interval in MCUs (0: none)
 
 
 def _decode_box(
     cache,
-    i: int,
+    s: _Sample,
     plan: list[int],
-    kind: int,
-    components: int,
-    precision: int,
-    orientation: int,
-    height: int,
-    width: int,
-    restart: int,
     regions: dict,
     denom: int,
     mismatched: list[tuple[int, str]],
 ) -> tuple[torch.Tensor, bool, int]:
-    """Sample ``i`` cropped to the plan's first crop box; True if only the box was decoded; the
-    DCT scale denominator it was decoded at. A sample whose bytes do not match its restart
-    interval (``restart``) is decoded without it and noted in ``mismatched``.
+    """Sample ``s.i`` cropped to the plan's first crop box; True if only the box was decoded;
+    the DCT scale denominator it was decoded at. A sample whose bytes do not match its restart
+    interval (``s.restart``) is decoded without it and noted in ``mismatched``.
 
     With ``denom`` > 1 (``exact=False``, :func:`._scaled.fast_plan`) the box is decoded at
     1/``denom`` DCT scale (compiled decoder only), so the result is smaller than the box."""
-    t1, l1, h1, w1 = plan[:4]
-    region = regions.get(components)
+    i, height, width = s.i, s.height, s.width
+    t1, l1, h1, w1 = plan[BOX1]
+    box = (t1, l1, h1, w1)
+    region = regions.get(s.components)
     if (
         region is not None
-        and kind in _ROI_KINDS
-        and precision == 8
+        and s.kind in _ROI_KINDS
+        and s.precision == 8
         and 0 <= t1
         and 0 <= l1
         and t1 + h1 <= height
         and l1 + w1 <= width
     ):
         denom = denom if region is _roi._c_region else 1
+        kw = dict(orientation=s.orientation, height=height, width=width, region=region)
         whole = (h1, w1) == (height, width)
         if whole and denom == 1:  # no crop: whole, but through the compiled decoder,
             if region is not _roi._c_region:  # which reports libjpeg's warnings per sample
-                return _decode_full(cache, i, kind), False, 1
-            return (
-                _roi.decode_crop(
-                    cache[i],
-                    0,
-                    0,
-                    height,
-                    width,
-                    orientation=orientation,
-                    height=height,
-                    width=width,
-                    region=region,
-                ),
-                False,
-                1,
-            )
-        kw = dict(orientation=orientation, height=height, width=width, region=region)
+                return _decode_full(cache, i, s.kind), False, 1
+            return _roi.decode_crop(cache[i], (0, 0, height, width), **kw), False, 1
         try:
             x = None
-            if restart:
+            if s.restart:
                 try:
-                    x = _roi_rst.decode_crop(cache[i], restart, t1, l1, h1, w1, denom=denom, **kw)
+                    x = _roi_rst.decode_crop(cache[i], s.restart, box, denom=denom, **kw)
                 except _roi_rst.IntervalMismatch as err:  # decoded as a plain store would
-                    mismatched.append(
-                        (
-                            i,
-                            f"sample {i} ({cache.paths[i]}): {_roi_rst.mismatch_reason(restart, err)}",
-                        )
-                    )
+                    why = _roi_rst.mismatch_reason(s.restart, err)
+                    mismatched.append((i, f"sample {i} ({cache.paths[i]}): {why}"))
             if x is None:
-                x = _roi.decode_crop(cache[i], t1, l1, h1, w1, denom=denom, **kw)
+                x = _roi.decode_crop(cache[i], box, denom=denom, **kw)
         except _roi.ScaleRefused:  # sampling factors it does not scale: the exact path
-            return _decode_box(
-                cache,
-                i,
-                plan,
-                kind,
-                components,
-                precision,
-                orientation,
-                height,
-                width,
-                0 if mismatched and mismatched[-1][0] == i else restart,
-                regions,
-                1,
-                mismatched,
-            )
+            if mismatched and mismatched[-1][0] == i:
+                s = s._replace(restart=0)
+            return _decode_box(cache, s, plan, regions, 1, mismatched)
         return x, not whole, denom
-    img = check_size(cache, i, _decode_full(cache, i, kind))
+    img = check_size(cache, i, _decode_full(cache, i, s.kind))
     return img[:, t1 : t1 + h1, l1 : l1 + w1], False, 1
 
 
@@ -284,9 +264,9 @@ def decode_batch(
     regions = {c: _roi.region_decoder(c) for c in (1, 3, 4)}  # by component count
     if regions[3] is None:
         _roi.notice_once()
-    rows = zip(
+    samples = map(
+        _Sample,
         indices.tolist(),
-        np.asarray(plans).tolist(),
         rec["kind"].tolist(),
         rec["components"].tolist(),
         rec["precision"].tolist(),
@@ -295,17 +275,18 @@ def decode_batch(
         rec["width"].tolist(),
         restart,
     )
-    for i, plan, kind, components, precision, orientation, height, width, k in rows:
+    for s, plan in zip(samples, np.asarray(plans).tolist()):
+        i, kind = s.i, s.kind
         denom = 1
         if not exact:  # the scale only where the compiled decoder takes the sample
             plan, denom = fast_plan(
                 plan,
-                height,
-                width,
-                orientation=orientation,
-                scalable=regions.get(components) is _roi._c_region
+                s.height,
+                s.width,
+                orientation=s.orientation,
+                scalable=regions.get(s.components) is _roi._c_region
                 and kind in _ROI_KINDS
-                and precision == 8,
+                and s.precision == 8,
             )
         t0 = clock()
         if TIMED:
@@ -316,21 +297,7 @@ def decode_batch(
             check_pixels(cache, i)
             _roi.take_warning()
             with stage_range("gpucache.decode", profiled):
-                x, used_roi, scale = _decode_box(
-                    cache,
-                    i,
-                    plan,
-                    kind,
-                    components,
-                    precision,
-                    orientation,
-                    height,
-                    width,
-                    k,
-                    regions,
-                    denom,
-                    mismatched,
-                )
+                x, used_roi, scale = _decode_box(cache, s, plan, regions, denom, mismatched)
             t2 = clock()
             route = (
                 "fallback"
@@ -351,7 +318,7 @@ def decode_batch(
                     failed.append((i, f"{warned[-1][1]}; left out (on_error='skip_warned')"))
                     continue
             with stage_range("gpucache.resize", profiled):
-                images.append(finish_plan(x, *plan[4:]))
+                images.append(finish_plan(x, *plan[AFTER_BOX1]))
             resized += clock() - t2
             kept.append(i)
             roi += used_roi

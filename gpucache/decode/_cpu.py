@@ -13,40 +13,16 @@ import numpy as np
 from ..store._oom import raise_if_out_of_memory
 from ._base import Backend
 from ._core import Decoded, decode_batch
+from ._options import DecodeOptions
 from ._workers import WorkerPool
 
 
 class CpuBackend(Backend):
     name = "cpu"
 
-    def __init__(
-        self,
-        cache,
-        *,
-        num_workers: int,
-        context: str | None,
-        seed: int,
-        worker_init_fn,
-        on_error: str,
-        timeout: float | None,
-        pin_memory: bool,
-        exact: bool = True,
-    ):
-        self.cache, self.on_error, self.pin_memory = cache, on_error, pin_memory
-        self.exact = exact  # False: reduced-size (DCT-scaled) decode where a plan allows it
-        self.pool = None
-        if num_workers > 0:
-            self.pool = WorkerPool(
-                cache,
-                num_workers=num_workers,
-                context=context,
-                seed=seed,
-                worker_init_fn=worker_init_fn,
-                on_error=on_error,
-                timeout=timeout,
-                pin_memory=pin_memory,
-                exact=exact,
-            )
+    def __init__(self, cache, options: DecodeOptions):
+        self.cache, self.options = cache, options
+        self.pool = WorkerPool(cache, options) if options.num_workers > 0 else None
         self._inline: deque[tuple[np.ndarray, np.ndarray, bool]] = deque()
 
     def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
@@ -60,13 +36,14 @@ class CpuBackend(Backend):
             return self.pool.get()
         indices, plans, stack = self._inline.popleft()
         try:
+            opts = self.options
             out = decode_batch(
-                self.cache, indices, plans, on_error=self.on_error, stack=stack, exact=self.exact
+                self.cache, indices, plans, on_error=opts.on_error, stack=stack, exact=opts.exact
             )
         except RuntimeError as err:  # the batch's own (the stack); a sample's is OutOfMemory
             raise_if_out_of_memory(err, f"while decoding a batch of {len(indices)} samples")
             raise
-        if self.pin_memory and hasattr(out.images, "pin_memory"):
+        if self.options.pin_memory and hasattr(out.images, "pin_memory"):
             out.images = out.images.pin_memory()
         return out
 

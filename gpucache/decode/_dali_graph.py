@@ -35,6 +35,7 @@ import numpy as np
 from nvidia.dali import fn, types
 from nvidia.dali.pipeline import Pipeline, pipeline_def
 
+from .._plan import AFTER_BOX1, Col
 from ..transforms._orientation import steps_of
 
 #: The row fed per sample (int32): crop1 on the stored pixels, the orientation's three steps, then
@@ -68,13 +69,13 @@ def rows(plans: np.ndarray, orientation: np.ndarray, height: np.ndarray, width: 
     plans = np.asarray(plans, dtype=np.int64)
     steps = steps_of(orientation)
     transpose, flip_v, flip_h = steps[:, 0], steps[:, 1], steps[:, 2]
-    top, left, h, w = plans[:, 0], plans[:, 1], plans[:, 2], plans[:, 3]
+    top, left, h, w = (plans[:, c] for c in (Col.TOP1, Col.LEFT1, Col.HEIGHT1, Col.WIDTH1))
     top = np.where(flip_v, np.asarray(height) - top - h, top)
     left = np.where(flip_h, np.asarray(width) - left - w, left)
     box = np.where(
         transpose[:, None], np.stack([left, top, w, h], 1), np.stack([top, left, h, w], 1)
     )
-    out = np.concatenate([box, steps.astype(np.int64), plans[:, 4:11]], axis=1)
+    out = np.concatenate([box, steps.astype(np.int64), plans[:, AFTER_BOX1]], axis=1)
     return np.ascontiguousarray(out, dtype=np.int32)
 
 

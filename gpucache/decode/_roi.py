@@ -15,7 +15,8 @@ orientations, and on real photos):
 Both get a 1-pixel margin around the box (chroma upsampling's context; measured necessary). Without
 either, every sample is fully decoded, and a one-time log line says so. The box is given on the
 oriented image; it is mapped to the coded image here, and the region is oriented afterwards.
-``ENABLED`` (all ROI decode) and ``USE_C`` (route 1) are the switches; tests turn them off.
+:func:`region_decoder` is the one place the route is chosen (tests and benchmarks patch it, or
+:func:`_c_ok`, to take another).
 """
 
 from __future__ import annotations
@@ -41,10 +42,6 @@ except Exception:  # pragma: no cover - depends on what is installed
 
 log = logging.getLogger(__name__)
 
-#: ROI decode is used when True and a region decoder is there; set False to force full decodes.
-ENABLED = True
-#: gpucache's compiled libjpeg-turbo region decoder is preferred when True and built.
-USE_C = True
 
 _state: dict[str, object] = {}  # per process: the compiled library, its self-check, the notice
 _lock = threading.Lock()
@@ -93,10 +90,9 @@ def _c_ok() -> bool:
 
 
 def region_decoder(components: int) -> Region | None:
-    """The function that decodes a region of a JPEG with ``components`` channels, or None."""
-    if not ENABLED:
-        return None
-    if USE_C and components in (1, 3) and _c_ok():
+    """The function that decodes a region of a JPEG with ``components`` channels, or None:
+    gpucache's compiled decoder when it was built (and passed its check), else nvImageCodec's."""
+    if components in (1, 3) and _c_ok():
         return _c_region
     return _nv_region if _nvimgcodec is not None else None
 
@@ -111,16 +107,13 @@ def notice_once() -> None:
     """Log, once per process, that crops are fully decoded because ROI decode is unavailable."""
     if route() is None and not _state.get("noticed"):
         _state["noticed"] = True
-        why = (
-            "ROI decode is switched off (gpucache.decode._roi.ENABLED = False)"
-            if not ENABLED
-            else "neither gpucache's compiled region decoder (built at install with a C "
+        log.info(
+            "gpucache: neither gpucache's compiled region decoder (built at install with a C "
             "compiler and libjpeg-turbo headers) nor nvImageCodec is available, so JPEGs are "
             "decoded at full size before cropping (slower, same output); pip install "
             "nvidia-nvimgcodec-cu12 (a clone's extra: pip install -e '.[roi]') to decode only "
             "the crop"
         )
-        log.info("gpucache: %s", why)
 
 
 class ScaleRefused(ValueError):
@@ -220,10 +213,7 @@ def scaled_box(
 
 def decode_crop(
     data: np.ndarray | bytes,
-    top: int,
-    left: int,
-    h: int,
-    w: int,
+    box: tuple[int, int, int, int],
     *,
     orientation: int,
     height: int,
@@ -231,11 +221,11 @@ def decode_crop(
     region: Region,
     denom: int = 1,
 ) -> torch.Tensor:
-    """The box (top, left, h, w) of the oriented image, decoded with ``region`` from the JPEG
+    """The ``box`` (top, left, h, w) of the oriented image, decoded with ``region`` from the JPEG
     ``data`` alone (``region`` from :func:`region_decoder`); with ``denom`` > 1 (compiled decoder
     only), the box decoded at 1/``denom`` scale (about ``h / denom`` x ``w / denom``; raises
     :class:`ScaleRefused` for sampling factors it does not scale)."""
-    t, l, hh, ww = coded_box(top, left, h, w, orientation, height, width)
+    t, l, hh, ww = coded_box(*box, orientation, height, width)
     ch, cw = (width, height) if steps(orientation)[0] else (height, width)
     if denom > 1:
         t, l, hh, ww, ch, cw = scaled_box(t, l, hh, ww, ch, cw, denom)

@@ -171,10 +171,7 @@ def segment_jpeg(
 def decode_crop(
     data: np.ndarray,
     k: int,
-    top: int,
-    left: int,
-    h: int,
-    w: int,
+    box: tuple[int, int, int, int],
     *,
     orientation: int,
     height: int,
@@ -182,10 +179,10 @@ def decode_crop(
     region: _roi.Region,
     denom: int = 1,
 ) -> torch.Tensor:
-    """The box (top, left, h, w) of the oriented image, from a restart-marker JPEG's segments
+    """The ``box`` (top, left, h, w) of the oriented image, from a restart-marker JPEG's segments
     (decoded with ``region``, from :func:`._roi.region_decoder`); ``denom`` > 1 (compiled
     decoder only) as in :func:`._roi.decode_crop`."""
-    t, l, hh, ww = coded_box(top, left, h, w, orientation, height, width)
+    t, l, hh, ww = coded_box(*box, orientation, height, width)
     if denom > 1:
         transpose = steps(orientation)[0]
         ch, cw = (width, height) if transpose else (height, width)
@@ -221,10 +218,7 @@ def decode_crop(
     if denom > 1:  # the plain region decoder scales it
         return _roi.decode_crop(
             data,
-            top,
-            left,
-            h,
-            w,
+            box,
             orientation=orientation,
             height=height,
             width=width,
@@ -232,8 +226,8 @@ def decode_crop(
             denom=denom,
         )
     sub, y0, x0, sub_h, sub_w = segment_jpeg(data, lay, t, l, hh, ww)
-    box = region(sub, t - y0, l - x0, hh, ww, height=sub_h, width=sub_w)
-    return orient(box, orientation)
+    part = region(sub, t - y0, l - x0, hh, ww, height=sub_h, width=sub_w)
+    return orient(part, orientation)
 
 
 def intervals(cache) -> np.ndarray | None:

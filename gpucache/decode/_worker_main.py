@@ -34,6 +34,7 @@ from .._errors import OutOfMemory, SampleError, said
 from ..store._oom import is_out_of_memory
 from ._core import Decoded, decode_batch
 from ._jpeg import quiet_torchvision_deprecation
+from ._options import DecodeOptions
 
 LEN = struct.Struct("<Q")  # every message: 8-byte little-endian length, then a pickle
 _PR_SET_PDEATHSIG = 1
@@ -52,13 +53,10 @@ def worker_main(
     wid: int,
     sock: socket.socket,
     cache,
-    seed: int,
-    worker_init_fn,
-    on_error: str,
+    options: DecodeOptions,
     parent_pid: int,
     start_method: str,
     pdeathsig: bool,
-    exact: bool = True,
 ) -> None:
     if start_method == "fork":
         for end in list(PARENT_ENDS.values()):
@@ -74,10 +72,10 @@ def worker_main(
     ).start()
     where = "while starting"
     try:
-        _setup(seed)
-        if worker_init_fn is not None:
+        _setup(options.worker_seed(wid))
+        if options.worker_init_fn is not None:
             where = "in worker_init_fn"
-            worker_init_fn(wid)
+            options.worker_init_fn(wid)
     except BaseException as err:  # noqa: BLE001 - reported to the parent with its traceback
         _send(
             sock,
@@ -97,7 +95,7 @@ def worker_main(
         if item is None:  # the reader could not allocate a task it received
             _report(sock, _no_memory(None, "while receiving a task", "MemoryError"))
             os._exit(1)
-        _serve(sock, cache, *item, on_error=on_error, exact=exact)
+        _serve(sock, cache, *item, options=options)
         if trim is not None and tasks.empty():
             trim(0)  # idle: give the freed decode buffers back (see _malloc_trim)
 
@@ -110,8 +108,7 @@ def _serve(
     plans,
     stack: bool,
     *,
-    on_error: str,
-    exact: bool,
+    options: DecodeOptions,
 ) -> None:
     """Decode one task and send its result, or report why not. Everything the result needs is
     allocated before its first byte is sent, so a failure is reported in place of the result.
@@ -120,7 +117,9 @@ def _serve(
     out = head = data = report = None
     where = "while decoding"
     try:
-        out = decode_batch(cache, indices, plans, on_error=on_error, stack=stack, exact=exact)
+        out = decode_batch(
+            cache, indices, plans, on_error=options.on_error, stack=stack, exact=options.exact
+        )
         where = "while copying its result for sending"
         head, data = _result(task, out)
     except BaseException as err:  # noqa: BLE001 - everything is reported to the parent
@@ -174,13 +173,9 @@ def _setup(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-#: Return freed heap memory to the system whenever the worker runs out of tasks (glibc only;
-#: set False only to measure a worker without it).
-TRIM_WHEN_IDLE = True
-
-
 def _malloc_trim():
-    """glibc's ``malloc_trim``, or None (another C library, or ``TRIM_WHEN_IDLE`` off).
+    """glibc's ``malloc_trim``, or None (another C library; ``benchmarks/worker_memory.py``
+    patches this function to measure a worker without it).
 
     glibc keeps the memory of freed blocks for the next allocations: after a batch, the
     decoded images, the resized crops and the batch buffer (9.2 MiB for 64 x 3 x 224 x 224)
@@ -190,7 +185,7 @@ def _malloc_trim():
     back (~2 ms after a batch of 64). It runs only when no task is waiting: a worker that
     always has one waiting never trims and pays nothing; one that ran out of tasks was ahead of
     the training loop, and the pages its next batch faults in again cost time it had spare."""
-    if not (TRIM_WHEN_IDLE and sys.platform.startswith("linux")):
+    if not sys.platform.startswith("linux"):
         return None
     try:
         return ctypes.CDLL(None).malloc_trim

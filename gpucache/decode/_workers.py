@@ -45,6 +45,7 @@ from .._errors import SampleError, WorkerError
 from ..store._oom import FIX, raise_if_out_of_memory
 from . import _roi
 from ._core import Decoded
+from ._options import DecodeOptions
 from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
 
 log = logging.getLogger(__name__)
@@ -85,25 +86,13 @@ class _Link:
 class WorkerPool:
     """``num_workers`` persistent decode processes fed round-robin."""
 
-    def __init__(
-        self,
-        cache,
-        *,
-        num_workers: int,
-        context: str | None,
-        seed: int,
-        worker_init_fn,
-        on_error: str,
-        timeout: float | None,
-        pin_memory: bool,
-        exact: bool = True,
-    ):
-        ctx = mp.get_context(context)
+    def __init__(self, cache, options: DecodeOptions):
+        ctx = mp.get_context(options.context)
+        num_workers, timeout, pin_memory = options.num_workers, options.timeout, options.pin_memory
         self.method = ctx.get_start_method()
         self.cache, self.timeout, self.pin_memory = cache, timeout, pin_memory
         if self.method != "fork" and not cache.is_shared:
             cache.share()  # spawn/forkserver attach to shared pages; room checked first
-        seeds = np.random.SeedSequence(seed).spawn(num_workers)
         armed = threading.current_thread() is threading.main_thread()
         self._wake = socket.socketpair()  # close() from another thread wakes a waiting get()
         for end in self._wake:
@@ -120,18 +109,7 @@ class WorkerPool:
                     target=worker_main,
                     name=f"gpucache-worker-{wid}",
                     daemon=True,
-                    args=(
-                        wid,
-                        theirs,
-                        cache,
-                        int(seeds[wid].generate_state(1)[0]),
-                        worker_init_fn,
-                        on_error,
-                        os.getpid(),
-                        self.method,
-                        armed,
-                        exact,
-                    ),
+                    args=(wid, theirs, cache, options, os.getpid(), self.method, armed),
                 )
                 try:
                     p.start()
@@ -421,11 +399,6 @@ class WorkerPool:
         self._finalizer()
 
 
-# What _prepare_fork does (set False only to measure a worker without it)
-CHECK_BEFORE_FORK = True  # the compiled decoder's self-check
-FREEZE_AT_FORK = True  # gc.freeze()
-
-
 def _prepare_fork() -> bool:
     """Ready this process to fork workers; returns whether to unfreeze the collector after.
 
@@ -436,11 +409,19 @@ def _prepare_fork() -> bool:
     write to the objects it inherited and copy the pages that hold them (43 MiB a worker with
     torch imported; docs/guides/memory.md). The parent unfreezes them as soon as the workers
     are started, unless it had frozen objects itself before (then they all stay frozen: a
-    program that calls ``gc.freeze()`` keeps its choice)."""
-    if CHECK_BEFORE_FORK:
-        _roi.region_decoder(3)
-    if not FREEZE_AT_FORK:
-        return False
+    program that calls ``gc.freeze()`` keeps its choice). ``benchmarks/worker_memory.py``
+    measures a worker without each step by patching :func:`_check_decoder` or :func:`_freeze`."""
+    _check_decoder()
+    return _freeze()
+
+
+def _check_decoder() -> None:
+    """The compiled decoder's self-check, done once here for every worker to inherit."""
+    _roi.region_decoder(3)
+
+
+def _freeze() -> bool:
+    """``gc.freeze()``; whether the parent unfreezes after the fork (see :func:`_prepare_fork`)."""
     thaw = gc.get_freeze_count() == 0
     gc.freeze()
     return thaw

@@ -17,6 +17,7 @@ from .. import decode as _decode
 from ..decode._base import GPU_IN_FLIGHT, Backend
 from ..decode._core import TIMED, Decoded, stage_clock
 from ..decode._core import stage_range as _range
+from ..decode._options import DecodeOptions
 from ..decode._workers import default_workers
 from ..store._store import Store
 from ..store._targets import dense_targets, kept_rows, ragged_targets
@@ -334,6 +335,21 @@ class GpuCachedLoader:
         )
 
     # ------------------------------------------------------------------ iteration
+    @property
+    def decode_options(self) -> DecodeOptions:
+        """The decode options the backend gets (built anew: ``load_state_dict`` may change the
+        seed, and backends are made again after it)."""
+        return DecodeOptions(
+            on_error=self.on_error,
+            exact=self.exact,
+            seed=self.seed,
+            num_workers=self.num_workers,
+            context=self.multiprocessing_context,
+            worker_init_fn=self.worker_init_fn,
+            timeout=self.timeout,
+            pin_memory=self.pin_memory,
+        )
+
     def _get_backend(self) -> Backend:
         if self._backend is None:
             self._backend = _make_backend(self)
@@ -527,20 +543,10 @@ def _check_int(name: str, value: object, low: int, fix: str) -> None:
 
 def _make_backend(loader: GpuCachedLoader) -> Backend:
     name = loader.backend_name
-    common: dict[str, Any] = dict(seed=loader.seed, on_error=loader.on_error)
     if name == "cpu":
         from ..decode._cpu import CpuBackend
 
-        return CpuBackend(
-            loader.cache,
-            num_workers=loader.num_workers,
-            context=loader.multiprocessing_context,
-            worker_init_fn=loader.worker_init_fn,
-            timeout=loader.timeout,
-            pin_memory=loader.pin_memory,
-            exact=loader.exact,
-            **common,
-        )
+        return CpuBackend(loader.cache, loader.decode_options)
     if name == "nvjpeg":
         from ..decode._nvjpeg import NvjpegBackend
 
@@ -554,5 +560,6 @@ def _make_backend(loader: GpuCachedLoader) -> Backend:
         num_threads=max(1, loader.num_workers),
         prefetch=max(2, loader.prefetch_factor),
         hw_decoder_load=loader.hw_decoder_load,
-        **common,
+        seed=loader.seed,
+        on_error=loader.on_error,
     )

@@ -26,6 +26,8 @@ from typing import Any, Literal, TypeVar, cast
 import numpy as np
 import torch
 
+from .._plan import PLAN_FIELDS as PLAN_FIELDS  # the plan's columns by name
+from .._plan import PLAN_WIDTH, Col
 from . import _tvcompat
 from ._augment import (
     ColorJitter,
@@ -40,21 +42,6 @@ from ._augment import (
 from ._boxes import map_boxes, map_points
 from ._device import DeviceConstants
 
-PLAN_FIELDS = (
-    "top1",
-    "left1",
-    "height1",
-    "width1",
-    "rh",
-    "rw",
-    "top2",
-    "left2",
-    "height2",
-    "width2",
-    "flip",
-)
-PLAN_WIDTH = len(PLAN_FIELDS)
-
 #: A batch's labels through Compose.apply: a tensor from the loader, None from a plain call.
 _Labels = TypeVar("_Labels", torch.Tensor, None)
 
@@ -62,8 +49,9 @@ _Labels = TypeVar("_Labels", torch.Tensor, None)
 def identity_plans(heights: np.ndarray, widths: np.ndarray) -> np.ndarray:
     n = len(heights)
     p = np.zeros((n, PLAN_WIDTH), dtype=np.int64)
-    p[:, 2], p[:, 3], p[:, 4], p[:, 5] = heights, widths, heights, widths
-    p[:, 8], p[:, 9] = heights, widths
+    p[:, Col.HEIGHT1], p[:, Col.WIDTH1] = heights, widths
+    p[:, Col.RH], p[:, Col.RW] = heights, widths
+    p[:, Col.HEIGHT2], p[:, Col.WIDTH2] = heights, widths
     return p
 
 
@@ -91,36 +79,45 @@ class Geometric(Transform):
     geometric = True
 
     def plan(self, p: np.ndarray, rng: np.random.Generator) -> None:
-        """Update the plans ``p`` (n x 11, in place) for samples whose current size is p[:, 8:10]."""
+        """Update the plans ``p`` (n x 11, in place) for samples whose current size is their
+        (height2, width2)."""
         raise NotImplementedError
 
 
 def _crop(p: np.ndarray, k: int, top: int, left: int, h: int, w: int) -> None:
     """Crop sample k's current output (the crop2 box) to (top, left, h, w) of it."""
-    if p[k, 10]:  # already flipped: the crop is taken from the mirrored image
-        left = int(p[k, 9]) - left - w
-    no_resize = p[k, 4] == p[k, 2] and p[k, 5] == p[k, 3]
-    no_crop2 = p[k, 6] == 0 and p[k, 7] == 0 and p[k, 8] == p[k, 4] and p[k, 9] == p[k, 5]
-    inside = 0 <= top and 0 <= left and top + h <= p[k, 8] and left + w <= p[k, 9]
+    row = p[k]
+    if row[Col.FLIP]:  # already flipped: the crop is taken from the mirrored image
+        left = int(row[Col.WIDTH2]) - left - w
+    no_resize = row[Col.RH] == row[Col.HEIGHT1] and row[Col.RW] == row[Col.WIDTH1]
+    no_crop2 = (
+        row[Col.TOP2] == 0
+        and row[Col.LEFT2] == 0
+        and row[Col.HEIGHT2] == row[Col.RH]
+        and row[Col.WIDTH2] == row[Col.RW]
+    )
+    inside = 0 <= top and 0 <= left and top + h <= row[Col.HEIGHT2] and left + w <= row[Col.WIDTH2]
     if no_resize and no_crop2 and inside:
         # no resize and no crop2 yet: fold into crop1, so the decoder can crop before resizing
-        p[k, 0] += top
-        p[k, 1] += left
-        p[k, 2], p[k, 3], p[k, 4], p[k, 5] = h, w, h, w
-        p[k, 8], p[k, 9] = h, w
+        row[Col.TOP1] += top
+        row[Col.LEFT1] += left
+        row[Col.HEIGHT1], row[Col.WIDTH1], row[Col.RH], row[Col.RW] = h, w, h, w
+        row[Col.HEIGHT2], row[Col.WIDTH2] = h, w
         return
-    p[k, 6] += top
-    p[k, 7] += left
-    p[k, 8], p[k, 9] = h, w
+    row[Col.TOP2] += top
+    row[Col.LEFT2] += left
+    row[Col.HEIGHT2], row[Col.WIDTH2] = h, w
 
 
 def _resize(p: np.ndarray, k: int, h: int, w: int) -> None:
-    if (p[k, 6], p[k, 7], p[k, 8], p[k, 9]) != (0, 0, p[k, 4], p[k, 5]):
+    row = p[k]
+    crop2 = (row[Col.TOP2], row[Col.LEFT2], row[Col.HEIGHT2], row[Col.WIDTH2])
+    if crop2 != (0, 0, row[Col.RH], row[Col.RW]):
         raise ValueError(
             "a resize after a crop of a resized image is not supported; put Resize "
             "before CenterCrop (as in Resize(256) + CenterCrop(224))."
         )
-    p[k, 4], p[k, 5], p[k, 8], p[k, 9] = h, w, h, w
+    row[Col.RH], row[Col.RW], row[Col.HEIGHT2], row[Col.WIDTH2] = h, w, h, w
 
 
 class RandomResizedCrop(Geometric):
@@ -163,7 +160,7 @@ class RandomResizedCrop(Geometric):
 
     def plan(self, p: np.ndarray, rng: np.random.Generator) -> None:
         for k in range(len(p)):
-            _crop(p, k, *self.box(int(p[k, 8]), int(p[k, 9]), rng))
+            _crop(p, k, *self.box(int(p[k, Col.HEIGHT2]), int(p[k, Col.WIDTH2]), rng))
             _resize(p, k, *self.size)
 
 
@@ -185,7 +182,7 @@ class Resize(Geometric):
 
     def plan(self, p: np.ndarray, rng: np.random.Generator) -> None:
         for k in range(len(p)):
-            _resize(p, k, *self.out_size(int(p[k, 8]), int(p[k, 9])))
+            _resize(p, k, *self.out_size(int(p[k, Col.HEIGHT2]), int(p[k, Col.WIDTH2])))
 
 
 class CenterCrop(Geometric):
@@ -197,7 +194,7 @@ class CenterCrop(Geometric):
     def plan(self, p: np.ndarray, rng: np.random.Generator) -> None:
         ch, cw = self.size
         for k in range(len(p)):
-            h, w = int(p[k, 8]), int(p[k, 9])
+            h, w = int(p[k, Col.HEIGHT2]), int(p[k, Col.WIDTH2])
             _crop(p, k, int(round((h - ch) / 2.0)), int(round((w - cw) / 2.0)), ch, cw)
 
 
@@ -206,7 +203,7 @@ class RandomHorizontalFlip(Geometric):
         self.p = p
 
     def plan(self, plans: np.ndarray, rng: np.random.Generator) -> None:
-        plans[:, 10] ^= rng.random(len(plans)) < self.p
+        plans[:, Col.FLIP] ^= rng.random(len(plans)) < self.p
 
 
 class ToDtype(Transform):

@@ -15,6 +15,8 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from .._plan import OUT_SIZE, PLAN_WIDTH
+
 __all__ = ["map_points", "map_boxes"]
 
 #: Coordinates in and out: numpy or torch, the same kind out as in.
@@ -25,13 +27,16 @@ Plan = np.ndarray | torch.Tensor | Sequence[float]
 
 def _plan(plan: Plan) -> list[float]:
     p = plan.tolist() if hasattr(plan, "tolist") else list(plan)
-    if len(p) != 11:
-        raise ValueError(f"a plan has 11 numbers (see gpucache.transforms.PLAN_FIELDS), got {p}")
+    if len(p) != PLAN_WIDTH:
+        raise ValueError(
+            f"a plan has {PLAN_WIDTH} numbers (see gpucache.transforms.PLAN_FIELDS), got {p}"
+        )
     return [float(v) for v in p]
 
 
 def map_points(points: _Coords, plan: Plan) -> _Coords:
     """Map (K, 2) ``x, y`` points of the decoded image into the output image of ``plan``."""
+    # unpacked in the order of gpucache._plan.Col
     t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = _plan(plan)
     xp = torch if isinstance(points, torch.Tensor) else np
     pts = points.double() if isinstance(points, torch.Tensor) else points.astype(np.float64)
@@ -54,7 +59,7 @@ def map_boxes(boxes: _Coords, plan: Plan, *, clip: bool = True) -> _Coords:
     x0, x1 = xp.minimum(lo[..., 0], hi[..., 0]), xp.maximum(lo[..., 0], hi[..., 0])
     out: _Coords = xp.stack([x0, lo[..., 1], x1, hi[..., 1]], -1)
     if clip:
-        h2, w2 = _plan(plan)[8:10]
+        h2, w2 = _plan(plan)[OUT_SIZE]
         limits = [w2, h2, w2, h2]
         for k in range(4):
             out[..., k] = out[..., k].clip(0, limits[k])

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._plan import Col
+
 #: Device memory the batched transforms hold at once, every buffer of the stage counted (joined
 #: images, padded crops, filter matrices, products, taps, addresses and the batch's uint8 output):
 #: 256 MiB. Where a batch's output alone passes half of it, its chunks still get half.
@@ -83,11 +85,10 @@ def plan_chunks(
     each: boxes sorted by area (stable), cut greedily where the padding or the memory bound
     would be passed (module doc)."""
     n = len(plans)
-    oh, ow = int(plans[0, 8]), int(plans[0, 9])
-    h1, w1 = plans[:, 2].astype(np.int64), plans[:, 3].astype(np.int64)
-    support = np.maximum(
-        np.maximum(h1 / np.maximum(plans[:, 4], 1), w1 / np.maximum(plans[:, 5], 1)), 1.0
-    )
+    oh, ow = int(plans[0, Col.HEIGHT2]), int(plans[0, Col.WIDTH2])
+    h1, w1 = plans[:, Col.HEIGHT1].astype(np.int64), plans[:, Col.WIDTH1].astype(np.int64)
+    rh, rw = np.maximum(plans[:, Col.RH], 1), np.maximum(plans[:, Col.RW], 1)
+    support = np.maximum(np.maximum(h1 / rh, w1 / rw), 1.0)
     taps = (np.ceil(2 * support) + 1).astype(np.int64)
     useful = flops(1, h1, w1, oh, ow)
     fixed = batch_bytes(n, int(h1.max()), int(w1.max()), oh, ow)

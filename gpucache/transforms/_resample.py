@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._plan import PLAN_WIDTH, Col
 from ._chunks import BUDGET_BYTES, Chunk, Scratch, plan_chunks
 from ._orientation import steps_of
 
@@ -111,7 +112,7 @@ def _gather_parts(
     transpose, flip_r, flip_c = table[:, 0], table[:, 1], table[:, 2]
     hd = np.where(transpose, ws, hs)  # displayed size
     wd = np.where(transpose, hs, ws)
-    t1, l1, h1, w1 = plans[:, 0], plans[:, 1], plans[:, 2], plans[:, 3]
+    t1, l1, h1, w1 = (plans[:, c] for c in (Col.TOP1, Col.LEFT1, Col.HEIGHT1, Col.WIDTH1))
     s_row = np.where(transpose, sx, sr)  # a displayed row is a stored column when transposed
     s_col = np.where(transpose, sr, sx)
     row0 = np.where(flip_r, hd - 1 - t1, t1) * s_row
@@ -192,14 +193,14 @@ def resample(
     (:func:`~gpucache.transforms._chunks.plan_chunks` cuts the batch to fit it and to bound the
     padding). ``scratch``: where the intermediates live (a fresh allocation each otherwise).
     Device-agnostic: the same function runs on CPU tensors in CI."""
-    plans = np.asarray(plans, dtype=np.int64).reshape(-1, 11)
+    plans = np.asarray(plans, dtype=np.int64).reshape(-1, PLAN_WIDTH)
     n = len(images)
     if n != len(plans):
         raise ValueError(f"resample: {n} images but {len(plans)} plans; give one plan an image.")
     if n == 0:
         raise ValueError("resample: an empty batch has no device; handle it before calling.")
-    oh, ow = int(plans[0, 8]), int(plans[0, 9])
-    if not (np.all(plans[:, 8] == oh) and np.all(plans[:, 9] == ow)):
+    oh, ow = int(plans[0, Col.HEIGHT2]), int(plans[0, Col.WIDTH2])
+    if not (np.all(plans[:, Col.HEIGHT2] == oh) and np.all(plans[:, Col.WIDTH2] == ow)):
         raise ValueError(
             "resample: the plans give several output sizes; a batch tensor needs "
             "one (use the per-image path for variable sizes)."
@@ -282,12 +283,14 @@ def host_plan(
     bases = ends - sizes - np.repeat(ends[starts] - sizes[starts], counts)  # joined per chunk
     parts = _gather_parts(shapes, strides, plans, orient, bases)
     # both axes' filters in one set of rows a chunk: its n heights, then its n widths
-    o = max(int(plans[0, 8]), int(plans[0, 9]))
-    hy = _taps_host(plans[:, 2], plans[:, 4], plans[:, 6], o, np.zeros(n, dtype=bool))
-    hx = _taps_host(plans[:, 3], plans[:, 5], plans[:, 7], o, plans[:, 10].astype(bool))
+    o = max(int(plans[0, Col.HEIGHT2]), int(plans[0, Col.WIDTH2]))
+    h1, w1 = plans[:, Col.HEIGHT1], plans[:, Col.WIDTH1]
+    hy = _taps_host(h1, plans[:, Col.RH], plans[:, Col.TOP2], o, np.zeros(n, dtype=bool))
+    flips = plans[:, Col.FLIP].astype(bool)
+    hx = _taps_host(w1, plans[:, Col.RW], plans[:, Col.LEFT2], o, flips)
     laid = np.concatenate([np.r_[a : a + m, n + a : n + a + m] for a, m in zip(starts, counts)])
     first, offset, inv = (np.concatenate([y, x])[laid] for y, x in zip(hy[:3], hx[:3]))
-    last = (np.concatenate([plans[:, 2], plans[:, 3]]).astype(np.float32) - 1)[laid]
+    last = (np.concatenate([h1, w1]).astype(np.float32) - 1)[laid]
     support = np.maximum(hy[3], hx[3])
     taps = np.ceil(2 * np.maximum.reduceat(support, starts)).astype(np.int64) + 1
     views = _view_sizes(parts, starts)

@@ -1,0 +1,43 @@
+"""The decode options: what the loader decides once and every layer below it reads.
+
+One frozen object travels whole from the loader to the backend, the worker pool and each worker
+process (pickled once a worker, under every start method), so no function between them takes
+the settings one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How batches are decoded, and by what workers (``GpuCachedLoader``'s arguments).
+
+    Attributes:
+        on_error: ``"skip"``, ``"raise"`` or ``"skip_warned"`` (:data:`._core.ON_ERROR`).
+        exact: True decodes every JPEG in full before its plan; False lets a JPEG decode at a
+            reduced DCT scale where its plan shrinks it enough (:mod:`._scaled`).
+        seed: The loader's seed; each worker's own comes from it (:meth:`worker_seed`).
+        num_workers: Worker processes of the cpu backend (0: decode in the loader's process).
+        context: The workers' start method (None: the platform's default).
+        worker_init_fn: Called as ``fn(worker_id)`` in each worker after seeding it.
+        timeout: Seconds to wait for a batch (None: as long as the workers live).
+        pin_memory: Receive batches into pinned memory.
+    """
+
+    on_error: str = "skip"
+    exact: bool = True
+    seed: int = 0
+    num_workers: int = 0
+    context: str | None = None
+    worker_init_fn: Callable[[int], None] | None = None
+    timeout: float | None = None
+    pin_memory: bool = False
+
+    def worker_seed(self, wid: int) -> int:
+        """Worker ``wid``'s seed: ``SeedSequence(seed).spawn(num_workers)[wid]``'s first word."""
+        return int(np.random.SeedSequence(self.seed).spawn(wid + 1)[wid].generate_state(1)[0])
