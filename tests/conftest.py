@@ -10,6 +10,83 @@ import pytest
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder
 from tests.support import localuser
 
+WORKERS = 2  # pytest-xdist workers for the whole suite: the machine's two cores
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """The whole suite (``pytest`` with no paths: the README's test command) on :data:`WORKERS`
+    pytest-xdist workers, each taking whole files (a file's module fixtures are made once), in
+    collection order. Most of the suite's time is spent in child processes (interpreters that
+    import torch, torchrun jobs) that a single pytest process mostly waits for. Left alone: runs
+    of given paths (``pytest tests/test_store.py``: one process, as before), an explicit ``-n`` or
+    ``--dist``, ``--pdb``, ``-p no:xdist`` or no pytest-xdist installed, and the workers
+    themselves."""
+    opt = config.option
+    if (
+        getattr(opt, "numprocesses", 0) is None  # None: xdist is there and no -n was given
+        and opt.dist == "no"
+        and not opt.usepdb
+        and not hasattr(config, "workerinput")
+        and config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    ):
+        opt.numprocesses, opt.dist, opt.loadscopereorder = WORKERS, "loadfile", False
+
+
+# The files whose tests take longest (most of their time in child processes), slowest first:
+# the xdist workers take whole files in collection order, so these start first and the many
+# short files fill in behind them instead of one long file running alone at the end. Measured
+# with ``pytest --durations`` on the 2-core development machine (2026-12-06).
+SLOWEST_FIRST = (
+    "test_memory.py",
+    "test_distributed.py",
+    "test_reliability.py",
+    "test_workers.py",
+    "test_object_storage.py",
+    "test_object_listing.py",
+    "test_gpu_check.py",
+    "test_lightning.py",
+    "test_doc_blocks.py",
+    "test_dataset.py",
+    "test_store.py",
+    "test_packaging.py",
+    "test_pipelines.py",
+    "test_object_fetch.py",
+    "test_node_scan.py",
+    "test_node_progress.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of :data:`SLOWEST_FIRST` first, in that order; within a file, its own order."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def _utf8(value):
+    """``value`` (a report as plain data) with every string UTF-8 encodable: a path that is not
+    UTF-8 (a surrogate-escaped name, as the non-UTF-8 name tests log) written with a backslash
+    escape."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_utf8(k): _utf8(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_utf8(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_utf8(v) for v in value)
+    return value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_report_to_serializable(config, report):
+    """A test's report, as an xdist worker sends it to the controller (execnet sends UTF-8
+    strings only; a captured log that names a non-UTF-8 file would end the run)."""
+    outcome = yield
+    data = outcome.get_result()
+    if data is not None:
+        outcome.force_result(_utf8(data))
+
 
 @pytest.fixture(scope="session")
 def second_user():
