@@ -131,7 +131,7 @@ def from_csv(
     where = os.fspath(path)
 
     def scan() -> tuple[Listing, tuple[Any, ...]]:
-        files, labels, names, meta = read_csv(
+        files, labels, names, meta, _ = read_csv(
             where,
             classes=classes,
             delimiter=delimiter,
