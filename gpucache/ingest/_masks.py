@@ -9,12 +9,13 @@ orientation, if any, is not applied). Colour masks (``RGB``, ``RGBA``, ``LA``), 
 a conversion would have to guess a colour-to-id table. JPEG masks are refused too: a lossy
 encoding changes the values along every class boundary.
 
-A PNG is kept byte for byte, as on disk: PNG is what segmentation data sets ship, and PIL's
-lossless re-encodings (``optimize=True`` or ``compress_level=9``) made generated ISIC-like,
-VOC-like and 16-bit masks no smaller than the files given or saved 1-3 % at ~10x the build time
-(``benchmarks``-free measurement in docs/guides/segmentation.md). A mask in another lossless
-format PIL reads (BMP, TIFF, GIF, PPM/PGM) is re-encoded once as PNG with the same values, so
-the decoders only ever meet PNG.
+A PNG is kept byte for byte, as on disk. Re-encoding it losslessly at zlib level 9 saved 11-30 %
+of the mask bytes of generated ISIC-like, VOC-like and 16-bit masks saved the usual way (PIL's
+default level): 0.2-1.2 KiB a mask, under 1 % of a store whose images weigh 100 KiB or more each,
+for 2-5 ms more build time a mask (``benchmarks/mask_png_size.py``, 2026-12-06, 2 cores,
+``benchmarks/results/mask-png-size.txt``); not worth it, and the bytes stay those of the file.
+A mask in another lossless format PIL reads (BMP, TIFF, GIF, PPM/PGM) is re-encoded once as PNG
+with the same values, so the decoders only ever meet PNG.
 """
 
 from __future__ import annotations
