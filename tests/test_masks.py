@@ -269,6 +269,37 @@ def test_from_hf_takes_a_mask_column(tmp_path):
     assert cache.masks.counts() == {"P": 3}
 
 
+def _tar(path: Path, members: dict[str, bytes]) -> Path:
+    import tarfile
+
+    with tarfile.open(path, "w") as tf:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_from_webdataset_takes_a_png_mask_member_beside_the_jpg(tmp_path):
+    members, want = {}, []
+    for i in range(3):
+        values = _values(20, 30, i)
+        members[f"s{i}.jpg"] = make_jpeg_bytes(30, 20, seed=i)
+        members[f"s{i}.png"] = _png(values, "P")
+        members[f"s{i}.cls"] = str(i).encode()
+        want.append(values)
+    members["s3.jpg"] = make_jpeg_bytes(30, 20, seed=3)  # no mask member: reported
+    shard = _tar(tmp_path / "train-000.tar", members)
+    cache = JpegCache.from_webdataset(shard, mask_ext="png", progress=False)
+    assert len(cache) == 3 and cache.labels.tolist() == [0, 1, 2]
+    assert all(k == 1 for k in cache.kinds())  # the jpg is the image, never the png
+    for i, values in enumerate(want):
+        np.testing.assert_array_equal(decode_mask(cache.masks[i]), values)
+    [skipped] = cache.report.skipped
+    assert skipped.path.endswith("s3.jpg") and "s3.png" in skipped.reason
+    assert "no mask member" in skipped.reason
+
+
 def test_masks_in_object_storage_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="local files and bytes for now"):
         JpegCache.from_files(["s3://bucket/a.jpg"], masks=["s3://bucket/a.png"])
@@ -404,3 +435,23 @@ def test_cli_builds_shows_and_verifies_masks(tmp_path, capsys):
     _write_with(tmp_path / "wrong.gpucache", cache, **{INFO: info})
     assert main(["verify", str(tmp_path / "wrong.gpucache")]) == 1
     assert "0 of 3 masks decode" in capsys.readouterr().out
+
+
+def test_a_mask_follows_its_image_resized_at_build_by_nearest_neighbour(tmp_path):
+    values = _pair(tmp_path, "big.jpg", 60, 80, tmp_path / "big.png", "P", seed=3)
+    _pair(tmp_path, "small.jpg", 20, 30, tmp_path / "small.png", seed=4)
+    cache = JpegCache.from_files(
+        [tmp_path / "big.jpg", tmp_path / "small.jpg"],
+        masks=[tmp_path / "big.png", tmp_path / "small.png"],
+        max_side=40,
+        progress=False,
+    )
+    assert (cache.samples["height"].tolist(), cache.samples["width"].tolist()) == (
+        [30, 20],
+        [40, 30],
+    )
+    big = decode_mask(cache.masks[0])
+    assert big.shape == (30, 40) and cache.masks.kind(0) is MaskKind.P
+    assert set(np.unique(big)) <= set(np.unique(values))  # values kept, never blended
+    np.testing.assert_array_equal(big, values[1::2, 1::2])  # a 2x nearest neighbour
+    assert cache.masks[1].tobytes() == (tmp_path / "small.png").read_bytes()  # not re-encoded

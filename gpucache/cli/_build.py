@@ -113,7 +113,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="segmentation masks stored with the images: with a folder, the folder of the "
         "masks (the images then unlabeled, paired by relative path and stem, "
         "docs/guides/segmentation.md); with --csv, the column of mask paths (its header name "
-        "or 0-based index); with --hf, the dataset's mask column",
+        "or 0-based index); with --webdataset, the mask member's extension (png beside jpg); "
+        "with --hf, the dataset's mask column",
     )
     p.add_argument(
         "--hf-label-column",
@@ -147,12 +148,9 @@ def store_from_args(args, cls):
             column = int(column)
         return cls.from_csv(args.csv, delimiter=args.delimiter, mask_column=column, **kw, **remote)
     if args.webdataset:
-        if masks is not None:
-            raise ValueError(
-                "--masks takes a mask folder (with a folder), a CSV column (with --csv) or a "
-                "dataset column (with --hf); WebDataset shards with masks are not supported yet"
-            )
-        return cls.from_webdataset(args.webdataset, metadata_ext=args.metadata_ext, **kw, **remote)
+        return cls.from_webdataset(
+            args.webdataset, metadata_ext=args.metadata_ext, mask_ext=masks, **kw, **remote
+        )
     if args.hf:
         import datasets
 

@@ -15,7 +15,8 @@ default level): 0.2-1.2 KiB a mask, under 1 % of a store whose images weigh 100 
 for 2-5 ms more build time a mask (``benchmarks/mask_png_size.py``, 2026-12-06, 2 cores,
 ``benchmarks/results/mask-png-size.txt``); not worth it, and the bytes stay those of the file.
 A mask in another lossless format PIL reads (BMP, TIFF, GIF, PPM/PGM) is re-encoded once as PNG
-with the same values, so the decoders only ever meet PNG.
+with the same values, so the decoders only ever meet PNG. The mask of an image that ``max_side``
+re-encodes smaller is resized with it, by nearest neighbour (values kept), and stored as PNG.
 """
 
 from __future__ import annotations
@@ -81,6 +82,13 @@ def _as_png(im: Image.Image) -> bytes:
     out = io.BytesIO()
     im.save(out, format="PNG")
     return out.getvalue()
+
+
+def resize_mask(data: bytes, height: int, width: int) -> bytes:
+    """A mask resized to ``height`` x ``width`` by nearest neighbour (values kept, never blended),
+    as PNG: for an image the build re-encoded smaller (``max_side``)."""
+    with Image.open(io.BytesIO(data)) as im:
+        return _as_png(im.resize((width, height), Image.Resampling.NEAREST))
 
 
 def decode_mask(data: bytes | memoryview | np.ndarray) -> np.ndarray:

@@ -32,7 +32,7 @@ from ..store._masks import INFO as MASK_INFO
 from ..store._masks import OFFSETS as MASK_OFFSETS
 from ..store._readonly import writable_buffer
 from ._inputs import name_of, read_into, size_of
-from ._masks import check_mask
+from ._masks import check_mask, resize_mask
 from ._sniff import SAMPLE_DTYPE, SniffError, sniff
 
 SIZE_CHUNK = 1024  # inputs sized per task
@@ -175,8 +175,7 @@ def read_chunk(
             except SniffError as err:
                 out.errors.append((i, f"mask {name_of(masks[i])}: {err}"))
                 continue
-            out.masks.append(mask)
-            out.mask_recs.append((int(kind), info.height, info.width))
+            shown = (info.height, info.width)
         pos += size
         if rewriters:
             data = slot
@@ -186,6 +185,11 @@ def read_chunk(
                     out.columns[name].append(v)
             pieces.append(data)
             size = len(data)
+        if masks is not None:  # a mask follows its image's re-encode to a smaller size (max_side)
+            if (info.height, info.width) != shown:
+                mask = resize_mask(mask, info.height, info.width)
+            out.masks.append(mask)
+            out.mask_recs.append((int(kind), info.height, info.width))
         out.kept.append(i)
         out.lens.append(size)
         out.recs.append(

@@ -210,9 +210,13 @@ class _Range(io.RawIOBase):
 
 
 def _shard_samples(
-    shard: str, metadata_ext: str | None, at: tuple[str | os.PathLike, int, int] | None = None
+    shard: str,
+    metadata_ext: str | None,
+    at: tuple[str | os.PathLike, int, int] | None = None,
+    mask_ext: str | None = None,
 ):
-    """(build input or None, label text or None, metadata text or None, key) per sample.
+    """(build input or None, label text or None, metadata text or None, key, mask input or
+    None) per sample; ``mask_ext``: the extension of the mask member (never taken for the image).
 
     The input is the image member as a ``FileRangeSource``, or a ``Refused`` one when its header
     claims more bytes than the shard holds. A shard that cannot be opened as a plain tar, or that
@@ -233,7 +237,13 @@ def _shard_samples(
     except OSError as err:
         if held is not None:
             held.close()
-        yield Refused(shard, f"cannot open the shard: {err.strerror or err}"), None, None, shard
+        yield (
+            Refused(shard, f"cannot open the shard: {err.strerror or err}"),
+            None,
+            None,
+            shard,
+            None,
+        )
         return
     except tarfile.TarError as err:
         if held is not None:
@@ -247,6 +257,7 @@ def _shard_samples(
             None,
             None,
             shard,
+            None,
         )
         return
     samples: dict[str, dict[str, Any]] = {}
@@ -259,7 +270,9 @@ def _shard_samples(
                     continue
                 key, ext = _split_key(m.name)
                 s = samples.setdefault(key, {})
-                if ext.rpartition(".")[2] in WDS_IMAGE_EXTS:  # "jpg", or "left.jpg" (webdataset)
+                if mask_ext is not None and ext == mask_ext:
+                    s["mask"] = m
+                elif ext.rpartition(".")[2] in WDS_IMAGE_EXTS:  # "jpg", or "left.jpg"
                     s.setdefault("images", {}).setdefault(ext.rpartition(".")[2], m)
                 elif ext == "cls" or ext == metadata_ext:
                     member = tf.extractfile(m)
@@ -308,7 +321,13 @@ def _shard_samples(
                 f"{size - m.offset_data:,} bytes after its start (a "
                 "truncated shard, or a header that lies)",
             )
-        yield item, s.get("cls"), s.get(metadata_ext) if metadata_ext else None, key
+        yield (
+            item,
+            s.get("cls"),
+            s.get(metadata_ext) if metadata_ext else None,
+            key,
+            _mask_member(s.get("mask"), shard, key, mask_ext, path, base, size),
+        )
     if damage is not None:
         yield (
             Refused(
@@ -319,7 +338,19 @@ def _shard_samples(
             None,
             None,
             shard,
+            None,
         )
+
+
+def _mask_member(m, shard: str, key: str, mask_ext: str | None, path, base: int, size: int):
+    """A sample's mask member as a build input: in place in the shard, or why there is none."""
+    if mask_ext is None:
+        return None
+    if m is None:
+        return Refused(f"{shard}/{key}.{mask_ext}", "the sample has no mask member")
+    if m.offset_data + m.size > size:
+        return Refused(f"{shard}/{m.name}", "its tar header claims more bytes than the shard holds")
+    return FileRangeSource(f"{shard}/{m.name}", path, base + m.offset_data, m.size)
 
 
 def from_webdataset(
@@ -331,12 +362,14 @@ def from_webdataset(
     metadata_ext: str | None = None,
     locate: Callable[[int], tuple[str | os.PathLike, int, int] | Refused] | None = None,
     on_progress: Callable[[int, int, int], None] | None = None,
+    mask_ext: str | None = None,
 ):
     """Samples of WebDataset tar shards, read straight out of the tars (no extraction).
 
     A sample is the members sharing a key (``dir/key.ext``); its image is the first member with an
     image extension (``WDS_IMAGE_EXTS`` order), its label the integer in ``key.cls`` (-1 if none),
-    its metadata the text of ``key.<metadata_ext>`` (e.g. ``"json"``). ``locate(k)``: where shard
+    its metadata the text of ``key.<metadata_ext>`` (e.g. ``"json"``), its mask (``mask_ext``,
+    e.g. ``"png"`` beside a ``jpg``, or ``"seg.png"``) the member ``key.<mask_ext>``. ``locate(k)``: where shard
     ``k``'s bytes are, ``(path, offset, size)``, or why it has none (shards fetched from
     storage, named by their URLs)."""
     shards = (
@@ -345,6 +378,7 @@ def from_webdataset(
         else [os.fspath(s) for s in shards]
     )
     inputs: list[Source | Refused] = []
+    masks: list[Source | Refused] = []
     labels: list[int] = []
     meta: list[str] = []
     missing: list[str] = []
@@ -360,10 +394,13 @@ def from_webdataset(
         at = None if locate is None else locate(k)
         if isinstance(at, Refused):
             inputs.append(at)
+            masks.append(at)
             labels.append(-1)
             meta.append("")
             continue
-        for item, cls_text, meta_text, key in _shard_samples(shard, metadata_ext, at):
+        for item, cls_text, meta_text, key, mask in _shard_samples(
+            shard, metadata_ext, at, mask_ext
+        ):
             if item is None:
                 missing.append(f"{shard}/{key}")
                 continue
@@ -374,6 +411,7 @@ def from_webdataset(
                     f"{shard}/{key}.cls holds {cls_text!r}, not an integer class index."
                 ) from err
             inputs.append(item)
+            masks.append(mask if mask is not None else Refused(item.name, "no mask"))
             meta.append(meta_text or "")
     if missing:
         log.warning(
@@ -391,6 +429,7 @@ def from_webdataset(
         meta if metadata_ext else None,
         options,
         on_progress=on_progress,
+        masks=masks if mask_ext is not None else None,
     )
 
 

@@ -240,11 +240,14 @@ def from_webdataset(
     shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     classes: Sequence[str] | None,
     metadata_ext: str | None,
+    mask_ext: str | None,
     options: BuildOptions,
 ) -> S:
     """``JpegCache.from_webdataset`` (see its docstring): built once per node with ``cache_dir``
-    or several ranks, keyed on the shard files."""
+    or several ranks, keyed on the shard files (the masks are members of them)."""
     if any_url(shards):  # shards in storage, brace patterns expanded
+        if mask_ext is not None:
+            _no_urls_with_masks(remote=True)
         return _storage.from_webdataset(cls, shards, classes, metadata_ext, options)
     from ..ingest import _sources
     from ..ingest._patterns import expand_local
@@ -255,6 +258,8 @@ def from_webdataset(
         else [os.fspath(s) for s in shards]
     )
     extra = (classes, metadata_ext, *options.keyed())
+    if mask_ext is not None:  # after the options: a store without masks keeps its key
+        extra = (*extra, "masks", mask_ext)
     return built_for(
         cls,
         lambda: (listed, extra),
@@ -265,6 +270,7 @@ def from_webdataset(
             classes=classes,
             metadata_ext=metadata_ext,
             on_progress=on_progress,
+            mask_ext=mask_ext,
         ),
         ([os.path.abspath(s) for s in listed], *extra),
         options,

@@ -152,6 +152,7 @@ class JpegCache(Store):
         *,
         classes: Sequence[str] | None = None,
         metadata_ext: str | None = None,
+        mask_ext: str | None = None,
         on_error: Literal["skip", "raise"] = "skip",
         num_threads: int | None = None,
         progress: bool = True,
@@ -168,9 +169,12 @@ class JpegCache(Store):
         the build options as in from_folder (with ``cache_dir`` keyed on the shard files).
         Paths and URLs take WebDataset's brace patterns (``shards/train-{000..099}.tar``) and
         globs (``shards/train-*.tar``); a pattern that matches nothing is a
-        ``FileNotFoundError`` naming it. Shards in storage are fetched once per node."""
+        ``FileNotFoundError`` naming it. Shards in storage are fetched once per node.
+        ``mask_ext``: the member extension of each sample's segmentation mask (``"png"`` beside
+        a ``jpg``, or ``"seg.png"``), read in place like the image; masks as in from_files
+        (local shards only)."""
         return _builders.from_webdataset(
-            cls, shards, classes, metadata_ext, BuildOptions.of(locals())
+            cls, shards, classes, metadata_ext, mask_ext, BuildOptions.of(locals())
         )
 
     @classmethod
