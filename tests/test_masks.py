@@ -300,9 +300,65 @@ def test_from_webdataset_takes_a_png_mask_member_beside_the_jpg(tmp_path):
     assert "no mask member" in skipped.reason
 
 
-def test_masks_in_object_storage_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match="local files and bytes for now"):
-        JpegCache.from_files(["s3://bucket/a.jpg"], masks=["s3://bucket/a.png"])
+def test_masks_of_a_folder_in_object_storage_are_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="from_folder with masks .* not supported yet"):
+        JpegCache.from_folder("s3://bucket/images/", masks="s3://bucket/masks/")
+    (tmp_path / "a.jpg").write_bytes(make_jpeg_bytes(20, 20))
+    with pytest.raises(ValueError, match="local images with masks in storage"):
+        JpegCache.from_files([tmp_path / "a.jpg"], masks=["s3://bucket/a.png"])
+
+
+@pytest.fixture(scope="module")
+def s3_masks(tmp_path_factory):
+    """An S3 server on 127.0.0.1 (moto's) holding images, their masks, a CSV and a shard, in a
+    bucket of its own (moto's buckets outlive a server within the process)."""
+    pytest.importorskip("moto.server")
+    s3fs = pytest.importorskip("s3fs")
+    from tests.support.s3server import S3Server
+
+    base = tmp_path_factory.mktemp("s3masks")
+    server = S3Server()
+    server.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in server.env("masks-test-secret").items():
+                mp.setenv(k, v)
+            fs = s3fs.S3FileSystem(skip_instance_cache=True)
+            fs.mkdir("segbkt")
+            uploads, want, rows, members = {}, [], ["path,label,mask"], {}
+            for i in range(3):
+                values = _values(20, 30, i)
+                image, mask = make_jpeg_bytes(30, 20, seed=i), _png(values, "P")
+                uploads[f"segbkt/img/{i}.jpg"] = image
+                uploads[f"segbkt/lbl/{i}.png"] = mask
+                members[f"{i}.jpg"], members[f"{i}.png"] = image, mask
+                rows.append(f"img/{i}.jpg,{i},lbl/{i}.png")
+                want.append(values)
+            uploads["segbkt/list.csv"] = ("\n".join(rows) + "\n").encode()
+            uploads["segbkt/shards/s-000.tar"] = _tar(base / "s.tar", members).read_bytes()
+            fs.pipe(uploads)
+            yield want
+    finally:
+        server.stop()
+
+
+def test_masks_in_object_storage_come_with_their_images(s3_masks, tmp_path):
+    urls = [f"s3://segbkt/img/{i}.jpg" for i in range(3)]
+    masks = [f"s3://segbkt/lbl/{i}.png" for i in range(2)] + ["s3://segbkt/lbl/missing.png"]
+    kw = dict(cache_dir=tmp_path, progress=False)
+    listed = JpegCache.from_files(urls, masks=masks, **kw)
+    assert list(listed.paths) == urls[:2]
+    [skipped] = listed.report.skipped
+    assert "missing.png" in skipped.reason and "no such object" in skipped.reason
+    from_csv = JpegCache.from_csv("s3://segbkt/list.csv", mask_column="mask", **kw)
+    shards = JpegCache.from_webdataset("s3://segbkt/shards/s-{000..000}.tar", mask_ext="png", **kw)
+    for cache, n in ((listed, 2), (from_csv, 3), (shards, 3)):
+        assert len(cache) == n and cache.masks.counts() == {"P": n}
+        for i in range(n):
+            np.testing.assert_array_equal(decode_mask(cache.masks[i]), s3_masks[i])
+    assert from_csv.labels.tolist() == [0, 1, 2]
+    plain = JpegCache.from_files(urls, **kw)  # the same images without masks: another store
+    assert plain.masks is None and plain.path != listed.path
 
 
 def test_the_node_cache_key_holds_the_masks(tmp_path):

@@ -91,13 +91,15 @@ def _folder_with_masks(
     return built_for(cls, scan, make, request, options)
 
 
-def _no_urls_with_masks(*where: Any, remote: bool = False) -> None:
-    """A ``ValueError`` if images or masks are in object storage (``remote``: known to be)."""
-    if remote or any(any_url(w) for w in where if w is not None):
+def _no_urls_with_masks(*where: Any) -> None:
+    """A ``ValueError`` if local images have masks in object storage, or a folder in storage
+    is given masks (neither is supported: object URLs, listed or in a CSV, and shards are)."""
+    if any(any_url(w) for w in where if w is not None):
         raise ValueError(
-            "masks= works with local files and bytes for now, not with objects in storage: "
-            "fetch the images and masks to a local folder (e.g. `aws s3 sync`) and build from "
-            "there."
+            "masks in object storage go with images in object storage, given as URLs "
+            "(from_files, from_csv) or shards (from_webdataset); from_folder with masks and "
+            "local images with masks in storage are not supported yet: list the URLs of both "
+            "for from_files or a CSV, or fetch both to a local folder."
         )
 
 
@@ -160,10 +162,10 @@ def from_files(
     options: BuildOptions,
 ) -> S:
     """``JpegCache.from_files`` (see its docstring)."""
+    if any_url(paths):  # object URLs (and their masks': all URLs, checked there)
+        return _storage.from_files(cls, paths, labels, metadata, classes, options, masks)
     if masks is not None:
-        _no_urls_with_masks(paths, masks)
-    if any_url(paths):  # object URLs
-        return _storage.from_files(cls, paths, labels, metadata, classes, options)
+        _no_urls_with_masks(masks)
     from ..ingest import _sources
 
     extra = (labels, metadata, classes, *options.keyed())
@@ -200,9 +202,7 @@ def from_csv(
     """``JpegCache.from_csv`` (see its docstring): the CSV read once, the files it lists built
     (once per node with ``cache_dir`` or several ranks, keyed on those files and masks)."""
     if csv_lists_urls(path):  # a CSV in storage, or one listing object URLs
-        if mask_column is not None:
-            _no_urls_with_masks(remote=True)
-        return _storage.from_csv(cls, path, classes, delimiter, header, options)
+        return _storage.from_csv(cls, path, classes, delimiter, header, options, mask_column)
     from ..ingest._build import build
     from ..ingest._sources import read_csv
 
@@ -246,9 +246,7 @@ def from_webdataset(
     """``JpegCache.from_webdataset`` (see its docstring): built once per node with ``cache_dir``
     or several ranks, keyed on the shard files (the masks are members of them)."""
     if any_url(shards):  # shards in storage, brace patterns expanded
-        if mask_ext is not None:
-            _no_urls_with_masks(remote=True)
-        return _storage.from_webdataset(cls, shards, classes, metadata_ext, options)
+        return _storage.from_webdataset(cls, shards, classes, metadata_ext, options, mask_ext)
     from ..ingest import _sources
     from ..ingest._patterns import expand_local
 

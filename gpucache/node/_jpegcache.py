@@ -77,7 +77,8 @@ class JpegCache(Store):
         ``masks``: the folder of the images' segmentation masks (ISIC, Pascal VOC, ADE20K and
         Cityscapes layouts): ``root`` is then read as a flat or nested folder of images without
         class labels, each paired with the mask of the same relative folder and stem under
-        ``masks`` by the rule docs/guides/segmentation.md states (local folders only)."""
+        ``masks`` by the rule docs/guides/segmentation.md states (local folders only: a prefix
+        in storage with masks is refused)."""
         return _builders.from_folder(cls, root, masks, BuildOptions.of(locals()))
 
     @classmethod
@@ -107,7 +108,8 @@ class JpegCache(Store):
         ``masks``: one segmentation mask per item (paths, bytes or file objects; PNG, 8-bit,
         palette or 16-bit, the image's size after EXIF orientation), stored with the images
         (``cache.masks``); an image whose mask is missing or unusable is a bad input
-        (``on_error``; docs/guides/segmentation.md). Local files and bytes only."""
+        (``on_error``; docs/guides/segmentation.md). Object URLs of masks go with object URLs
+        of images, fetched with them."""
         return _builders.from_files(
             cls, paths, labels, metadata, classes, masks, BuildOptions.of(locals())
         )
@@ -140,7 +142,7 @@ class JpegCache(Store):
         CSV itself may be in storage (relative rows then name objects beside it).
         ``mask_column``: a column of segmentation mask paths (named in a header row, or its
         0-based index), taken out before the row is read as above; masks as in from_files
-        (local files only)."""
+        (URLs in a CSV of URLs, as the images)."""
         return _builders.from_csv(
             cls, path, classes, delimiter, header, mask_column, BuildOptions.of(locals())
         )
@@ -172,7 +174,7 @@ class JpegCache(Store):
         ``FileNotFoundError`` naming it. Shards in storage are fetched once per node.
         ``mask_ext``: the member extension of each sample's segmentation mask (``"png"`` beside
         a ``jpg``, or ``"seg.png"``), read in place like the image; masks as in from_files
-        (local shards only)."""
+        (shards in storage too)."""
         return _builders.from_webdataset(
             cls, shards, classes, metadata_ext, mask_ext, BuildOptions.of(locals())
         )
