@@ -376,6 +376,16 @@ def test_the_node_cache_key_holds_the_masks(tmp_path):
     np.testing.assert_array_equal(decode_mask(rebuilt.masks[0]), changed)
 
 
+def test_from_folder_with_masks_is_built_once_and_rebuilt_when_a_mask_changes(tmp_path):
+    images, masks, want = _build_layout(tmp_path, "ade20k")
+    kw = dict(masks=masks, cache_dir=tmp_path / "node", progress=False)
+    first = JpegCache.from_folder(images, **kw)
+    assert JpegCache.from_folder(images, **kw).path == first.path
+    target = masks / "training" / "ADE_train_00000001.png"
+    target.write_bytes(_png(_values(36, 30, 7), "L"))
+    assert JpegCache.from_folder(images, **kw).path != first.path
+
+
 # ------------------------------------------------------------------ one copy, read-only
 
 

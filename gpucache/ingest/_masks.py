@@ -22,12 +22,12 @@ re-encodes smaller is resized with it, by nearest neighbour (values kept), and s
 from __future__ import annotations
 
 import io
-import warnings
 
 import numpy as np
 from PIL import Image
 
 from ..store._masks import MaskKind
+from ..store._oom import BUILD_FIX, raise_if_out_of_memory
 from ._sniff import SniffError
 
 #: The PIL modes a mask may have, and what each is stored as.
@@ -41,34 +41,31 @@ def check_mask(data: bytes | memoryview, height: int, width: int) -> tuple[bytes
     if len(data) == 0:
         raise SniffError("the mask is empty (0 bytes)")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # PIL's warnings on odd chunks: the reason is ours
-            im = Image.open(io.BytesIO(data))
-            fmt, mode, size = im.format, im.mode, im.size
-            if fmt == "JPEG" or fmt == "MPO":
-                raise SniffError(
-                    "the mask is a JPEG, whose lossy coding changes the values along every "
-                    "class boundary; save masks as PNG"
-                )
-            if size != (width, height):
-                raise SniffError(
-                    f"the mask is {size[1]}x{size[0]} (height x width), its image "
-                    f"{height}x{width} after EXIF orientation; a mask must have its image's "
-                    "displayed size"
-                )
-            kind = MODES.get(mode) or (MaskKind.I16 if mode in _BIG_ENDIAN_16 else None)
-            if kind is None:
-                raise SniffError(
-                    f"the mask's mode is {mode!r}; a mask holds class ids in one channel: "
-                    "8-bit 'L', palette 'P' (the index is the id) or 16-bit 'I;16'. Convert a "
-                    "colour mask to ids first (e.g. a colour -> id lookup saved as 'L' or 'P')"
-                )
-            im.load()  # every pixel decoded: a truncated or corrupt mask is refused here
+        im = Image.open(io.BytesIO(data))
+        fmt, mode, size = im.format, im.mode, im.size
+        if fmt == "JPEG" or fmt == "MPO":
+            raise SniffError(
+                "the mask is a JPEG, whose lossy coding changes the values along every class "
+                "boundary; save masks as PNG"
+            )
+        if size != (width, height):
+            raise SniffError(
+                f"the mask is {size[1]}x{size[0]} (height x width), its image {height}x{width} "
+                "after EXIF orientation; a mask must have its image's displayed size"
+            )
+        kind = MODES.get(mode) or (MaskKind.I16 if mode in _BIG_ENDIAN_16 else None)
+        if kind is None:
+            raise SniffError(
+                f"the mask's mode is {mode!r}; a mask holds class ids in one channel: 8-bit "
+                "'L', palette 'P' (the index is the id) or 16-bit 'I;16'. Convert a colour mask "
+                "to ids first (e.g. a colour -> id lookup saved as 'L' or 'P')"
+            )
+        im.load()  # every pixel decoded: a truncated or corrupt mask is refused here
     except SniffError:
         raise
-    except MemoryError:  # the machine's problem, not a bad mask
-        raise
-    except Exception as err:  # PIL raises many kinds for bad bytes; each is this mask's reason
+    except Exception as err:  # PIL raises many types for bad bytes; each is this mask's reason
+        # the machine's problem, not a bad mask
+        raise_if_out_of_memory(err, "checking a mask at build", fix=BUILD_FIX)
         raise SniffError(f"the mask is not an image PIL can read ({err})") from err
     if fmt == "PNG" and mode != "I;16B":
         return bytes(data), kind
