@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
+
 from ..store._store import Store
 from . import _storage
 from ._cache import built_for
@@ -132,9 +134,9 @@ class MaskKey:
                 h.update(line.encode("utf-8", "surrogateescape") + b"\n")
             elif isinstance(m, Refused):
                 h.update(f"{m.name}\0missing\n".encode("utf-8", "surrogateescape"))
-            elif isinstance(m, (bytes, bytearray, memoryview)):
+            elif isinstance(m, (bytes, bytearray, memoryview, np.ndarray)):
                 h.update(b"bytes\0")
-                h.update(memoryview(m).cast("B"))
+                h.update(np.frombuffer(m, np.uint8).tobytes())  # a copy, for the key only
                 h.update(b"\n")
             else:
                 raise ValueError(
