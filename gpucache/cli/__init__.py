@@ -81,6 +81,12 @@ def _info(args) -> int:
             f"{int(cache.gpu_decodable().sum())}"
         )
     print(f"metadata: {'yes' if cache.metadata is not None else 'no'}")
+    masks = cache.masks
+    if masks is None:
+        print("masks: none")
+    else:
+        held = ", ".join(f"{k}: {v}" for k, v in masks.counts().items())
+        print(f"masks: {len(masks)} ({held}), {masks.nbytes / 2**20:,.1f} MiB")
     if cache.report is None:
         print("build report: none stored")
     else:
@@ -124,6 +130,10 @@ def _verify(args) -> int:
             print(f"{args.file}: {w}", file=sys.stderr)
         if warned:
             decoded += f" ({len(warned)} with corrupt data that libjpeg decoded anyway)"
+        if cache.masks is not None:
+            bad_masks = verify.check_masks(cache, threads=args.num_threads)
+            problems += bad_masks
+            decoded += f"; {len(cache) - len(bad_masks)} of {len(cache)} masks decode"
     for p in sorted(problems, key=lambda p: -1 if p.index is None else p.index):
         print(f"{args.file}: {p}", file=sys.stderr)
     print(f"{args.file}: {checked}{decoded} ({time.perf_counter() - t0:.1f} s)")

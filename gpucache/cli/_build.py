@@ -107,6 +107,16 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "environment, not here: a command line is visible to every user of the machine",
     )
     p.add_argument(
+        "--masks",
+        default=None,
+        metavar="WHERE",
+        help="segmentation masks stored with the images: with a folder, the folder of the "
+        "masks (the images then unlabeled, paired by relative path and stem, "
+        "docs/guides/segmentation.md); with --csv, the column of mask paths (its header name "
+        "or 0-based index); with --webdataset, the mask member's extension (png beside jpg); "
+        "with --hf, the dataset's mask column",
+    )
+    p.add_argument(
         "--hf-label-column",
         default="label",
         metavar="COLUMN",
@@ -131,10 +141,16 @@ def store_from_args(args, cls):
         remote.update(
             storage_options=dict(args.storage_option) or None, requests_in_flight=args.requests
         )
+    masks = getattr(args, "masks", None)
     if args.csv:
-        return cls.from_csv(args.csv, delimiter=args.delimiter, **kw, **remote)
+        column: str | int | None = masks
+        if isinstance(column, str) and column.isdigit():
+            column = int(column)
+        return cls.from_csv(args.csv, delimiter=args.delimiter, mask_column=column, **kw, **remote)
     if args.webdataset:
-        return cls.from_webdataset(args.webdataset, metadata_ext=args.metadata_ext, **kw, **remote)
+        return cls.from_webdataset(
+            args.webdataset, metadata_ext=args.metadata_ext, mask_ext=masks, **kw, **remote
+        )
     if args.hf:
         import datasets
 
@@ -146,9 +162,16 @@ def store_from_args(args, cls):
             ds = ds[args.hf_split]
         label = None if args.hf_label_column.lower() == "none" else args.hf_label_column
         return cls.from_hf(
-            ds, image_column=args.hf_image_column, label_column=label, **kw, **cache_dir
+            ds,
+            image_column=args.hf_image_column,
+            label_column=label,
+            mask_column=masks,
+            **kw,
+            **cache_dir,
         )
     if args.src is None:
         return None
     src = args.src if "://" in args.src else Path(args.src)  # a URL keeps its "//"
+    if masks is not None:
+        return cls.from_folder(src, masks=masks, **kw, **remote)
     return cls.from_folder(src, **kw, **remote)

@@ -153,3 +153,42 @@ def check_decodes(
             found += part
             bar.update(min(DECODE_CHUNK, n - first))
     return found
+
+
+def check_masks(cache, *, threads: int | None = None, progress: bool = True) -> list[Problem]:
+    """Problems found by decoding every mask in full: each must decode to the kind, height and
+    width its record (``masks.info``) states. The mask bytes' section CRC is checked at open."""
+    from ..ingest._masks import decode_mask
+    from ..store._masks import MaskKind
+
+    masks = cache.masks
+    n = len(masks)
+    paths = cache.paths
+
+    def one(first: int) -> list[Problem]:
+        found = []
+        for i in range(first, min(first + DECODE_CHUNK, n)):
+            kind, h, w = MaskKind(int(masks.kinds[i])), int(masks.heights[i]), int(masks.widths[i])
+            try:
+                got = decode_mask(masks[i])
+                if got.shape != (h, w) or got.dtype != kind.dtype:
+                    raise ValueError(
+                        f"decodes to {got.dtype} {got.shape}, its record says {kind.name} "
+                        f"({kind.dtype}) ({h}, {w})"
+                    )
+            except Exception as err:  # report every mask, keep going
+                raise_if_out_of_memory(err, f"verifying mask {i} ({paths[i]})", fix=BUILD_FIX)
+                found.append(Problem(i, paths[i], f"mask: {type(err).__name__}: {err}"))
+        return found
+
+    found: list[Problem] = []
+    with _bar(n, "masks", "mask", progress) as bar:
+        for first, part in zip(
+            range(0, n, DECODE_CHUNK),
+            ordered_map(
+                one, iter(range(0, n, DECODE_CHUNK)), threads or _checksum.default_threads()
+            ),
+        ):
+            found += part
+            bar.update(min(DECODE_CHUNK, n - first))
+    return found

@@ -190,6 +190,7 @@ def build(
     *,
     on_progress: Callable[[int, int, int], None] | None = None,
     extra: dict | None = None,
+    masks: Sequence[Input | None] | None = None,
 ):
     """Pack ``inputs`` (paths or :class:`Source` objects) into ``cls(...)``, as ``options`` say.
 
@@ -201,11 +202,16 @@ def build(
     ``jpeg_quality``: the quality of those re-encodes, and every other image re-encoded at it
     where that saves bytes (``_resize``); ``restart_markers``: JPEGs are transcoded with restart
     markers (``_restart``). ``on_progress(done, total, bytes_read)`` is called after each chunk.
-    ``extra``: optional sections to store as they are (one row per input if per-sample)."""
+    ``extra``: optional sections to store as they are (one row per input if per-sample).
+    ``masks``: one mask input (path or :class:`Source`) per input, read and checked with its
+    image (``_masks.check_mask``); an image whose mask is missing or unusable is a bad input,
+    its reason naming the mask."""
     from ._restart import rewriters
 
     max_pixels = options.max_pixels
     n = len(inputs)
+    if masks is not None and len(masks) != n:
+        raise ValueError(f"masks has {len(masks)} entries for {n} images; give one mask per image.")
     steps = rewriters(
         restart_markers=options.restart_markers,
         max_side=options.max_side,
@@ -240,7 +246,7 @@ def build(
             )
         reserve = total if not steps else min(2 * total + 4096 * n, max(total, _memory()))
         columns = {k: dt for rw in steps for k, dt in rw.columns.items()}
-        out = _pipeline.Assembler(n, reserve, columns, labels, metadata)
+        out = _pipeline.Assembler(n, reserve, columns, labels, metadata, masks is not None)
         chunk_bytes = max(_pipeline.MIN_CHUNK_BYTES, _pipeline.in_flight(total) // window)
         scratch = _pipeline.Scratch(chunk_bytes)
         read = partial(
@@ -252,6 +258,7 @@ def build(
             max_pixels=max_pixels,
             rewriters=steps,
             scratch=scratch,
+            masks=masks,
         )
         errors = dict(refused)
         tick(len(refused), 0)
@@ -286,6 +293,7 @@ def build(
         assert out.meta_ends is not None  # made for the metadata
         meta = out.strings(out.meta_ends, lambda i: str(metadata[i]))
     sections = {**(extra or {}), **{name: col[:k] for name, col in out.columns.items()}}
+    sections.update(out.mask_sections())
     for rw in steps:
         sections.update(rw.sections(out.columns, k))
     return cls(

@@ -27,8 +27,12 @@ from .._cores import usable_cores
 from .._threads import ordered_map
 from ..store._format import pack_strings
 from ..store._limits import over_budget, over_work
+from ..store._masks import DATA as MASK_DATA
+from ..store._masks import INFO as MASK_INFO
+from ..store._masks import OFFSETS as MASK_OFFSETS
 from ..store._readonly import writable_buffer
 from ._inputs import name_of, read_into, size_of
+from ._masks import check_mask, resize_mask
 from ._sniff import SAMPLE_DTYPE, SniffError, sniff
 
 SIZE_CHUNK = 1024  # inputs sized per task
@@ -88,6 +92,8 @@ class Chunk:
     meta_lens: np.ndarray | None = None
     columns: dict[str, list] = field(default_factory=dict)
     errors: list[tuple[int, str]] = field(default_factory=list)
+    masks: list[bytes] = field(default_factory=list)  # with masks: each kept sample's mask
+    mask_recs: list[tuple[int, int, int]] = field(default_factory=list)  # kind, height, width
     nbytes: int = 0  # input bytes consumed
     raw: np.ndarray | None = None  # the scratch buffer ``data`` lies in, to give back
 
@@ -130,6 +136,7 @@ def read_chunk(
     max_pixels: int | None,
     rewriters: list,
     scratch: Scratch,
+    masks=None,
 ) -> Chunk:
     a, b = span
     raw = scratch.get(int(cum[b] - cum[a]))
@@ -162,6 +169,13 @@ def read_chunk(
         if why is not None:
             out.errors.append((i, why))
             continue
+        if masks is not None:
+            try:
+                mask, kind = read_mask(masks[i], info.height, info.width, max_pixels)
+            except SniffError as err:
+                out.errors.append((i, f"mask {name_of(masks[i])}: {err}"))
+                continue
+            shown = (info.height, info.width)
         pos += size
         if rewriters:
             data = slot
@@ -171,6 +185,11 @@ def read_chunk(
                     out.columns[name].append(v)
             pieces.append(data)
             size = len(data)
+        if masks is not None:  # a mask follows its image's re-encode to a smaller size (max_side)
+            if (info.height, info.width) != shown:
+                mask = resize_mask(mask, info.height, info.width)
+            out.masks.append(mask)
+            out.mask_recs.append((int(kind), info.height, info.width))
         out.kept.append(i)
         out.lens.append(size)
         out.recs.append(
@@ -189,6 +208,21 @@ def read_chunk(
     if metadata is not None:
         out.meta_lens = _lengths([str(metadata[i]) for i in out.kept])
     return out
+
+
+def read_mask(x, height: int, width: int, max_pixels: int | None):
+    """Mask input ``x`` (a path or a source) read and checked against its image's displayed
+    ``height`` x ``width``: ``(bytes to store, kind)``, or a :class:`SniffError` with the reason."""
+    if x is None:
+        raise SniffError("no mask was given for this image")
+    try:
+        buf = bytearray(size_of(x, max_pixels))
+        read_into(x, memoryview(buf))
+    except FileNotFoundError:
+        raise SniffError("the mask file does not exist") from None
+    except OSError as err:
+        raise SniffError(f"cannot read the mask: {err.strerror or err}") from err
+    return check_mask(memoryview(buf), height, width)
 
 
 def _lengths(strings: list[str]) -> np.ndarray:
@@ -212,6 +246,7 @@ class Assembler:
         columns: dict[str, tuple[str, int]],
         labels: np.ndarray,
         metadata,
+        masks: bool = False,
     ) -> None:
         self.data = writable_buffer(reserve)
         self.cursor = self.count = 0
@@ -229,6 +264,14 @@ class Assembler:
             k: _buffer(n * max(w, 1), dt).reshape((n, w) if w else (n,))
             for k, (dt, w) in columns.items()
         }
+        # masks: their bytes (grown by half when full: their sizes are known only once read and
+        # checked; untouched reserved pages cost nothing), offsets and (kind, height, width)
+        self.masks = writable_buffer(max(1 << 20, reserve // 4)) if masks else None
+        self.mask_cursor = 0
+        self.mask_offsets = _buffer(n + 1, "<i8") if masks else None
+        self.mask_info = _buffer(3 * n, "<u4").reshape(n, 3) if masks else None
+        if self.mask_offsets is not None:
+            self.mask_offsets[0] = 0
 
     def add(self, c: Chunk) -> None:
         k, m, end = self.count, len(c.kept), self.cursor + len(c.data)
@@ -249,7 +292,39 @@ class Assembler:
                 self.meta_ends[k + 1 : k + 1 + m] = self.meta_ends[k] + np.cumsum(c.meta_lens)
             for name, values in c.columns.items():
                 self.columns[name][k : k + m] = values
+            if self.masks is not None:
+                self._add_masks(k, c)
         self.count, self.cursor = k + m, end
+
+    def _add_masks(self, k: int, c: Chunk) -> None:
+        assert self.masks is not None and self.mask_offsets is not None  # made with masks
+        assert self.mask_info is not None
+        m = len(c.masks)
+        end = self.mask_cursor + sum(len(b) for b in c.masks)
+        if end > len(self.masks):
+            grown = writable_buffer(max(end, len(self.masks) + len(self.masks) // 2))
+            grown[: self.mask_cursor] = self.masks[: self.mask_cursor]
+            self.masks = grown
+        at = self.mask_cursor
+        for b in c.masks:
+            self.masks[at : at + len(b)] = np.frombuffer(b, np.uint8)
+            at += len(b)
+        self.mask_offsets[k + 1 : k + 1 + m] = self.mask_cursor + np.cumsum(
+            [len(b) for b in c.masks]
+        )
+        self.mask_info[k : k + m] = c.mask_recs
+        self.mask_cursor = end
+
+    def mask_sections(self) -> dict[str, np.ndarray]:
+        """The store's mask sections (``store._masks``) of the kept samples; {} without masks."""
+        if self.masks is None or self.mask_offsets is None or self.mask_info is None:
+            return {}
+        k = self.count
+        return {
+            MASK_DATA: self.masks[: self.mask_cursor],
+            MASK_OFFSETS: self.mask_offsets[: k + 1],
+            MASK_INFO: self.mask_info[:k],
+        }
 
     def strings(
         self, ends: np.ndarray, texts: Callable[[int], str]

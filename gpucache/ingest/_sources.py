@@ -34,19 +34,21 @@ log = logging.getLogger(__name__)
 WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
 
 
-def as_input(x: Any, i: int):
-    """One ``from_files`` item as a build input: a path, bytes-like, file-like or ``Source``."""
+def as_input(x: Any, i: int, what: str = "item"):
+    """One ``from_files`` item (``what``: ``"item"``, or ``"mask"`` for an entry of ``masks=``)
+    as a build input: a path, bytes-like, file-like or ``Source``."""
+    named = "" if what == "item" else f"{what} "
     if isinstance(x, (str, os.PathLike)):
         return os.fspath(x)
     if isinstance(x, (bytes, bytearray, memoryview, np.ndarray)):
-        return BytesSource(f"<bytes #{i}>", x)
+        return BytesSource(f"<{named}bytes #{i}>", x)
     if isinstance(x, Source):
         return x
     if hasattr(x, "readinto") and hasattr(x, "seek") and hasattr(x, "tell"):
         name = getattr(x, "name", None)
-        return FileObjSource(name if isinstance(name, str) else f"<file object #{i}>", x)
+        return FileObjSource(name if isinstance(name, str) else f"<{named}file object #{i}>", x)
     raise TypeError(
-        f"item {i} of from_files is a {type(x).__name__}; give paths (str or "
+        f"{what} {i} of from_files is a {type(x).__name__}; give paths (str or "
         "os.PathLike), bytes-like objects (bytes, bytearray, memoryview, uint8 array) "
         "or seekable binary file objects (open(path, 'rb'), io.BytesIO)."
     )
@@ -78,13 +80,16 @@ def read_csv(
     delimiter: str = ",",
     header: bool | None = None,
     storage_options: dict | None = None,
+    mask_column: str | int | None = None,
 ):
-    """``(files, labels, classes, metadata)`` of a CSV's rows ``path,label[,metadata]``; relative
-    paths are taken against the CSV's folder (a CSV in storage: against its URL's folder), URLs
-    (``s3://...``) as they are.
+    """``(files, labels, classes, metadata, masks)`` of a CSV's rows ``path,label[,metadata]``;
+    relative paths are taken against the CSV's folder (a CSV in storage: against its URL's
+    folder), URLs (``s3://...``) as they are.
 
     Labels are ints (empty = unlabeled) or class names (mapped to ``classes``, or to the sorted
-    names found). ``header=None`` skips a first row whose label cell is ``label``/``class``."""
+    names found). ``header=None`` skips a first row whose label cell is ``label``/``class``.
+    ``mask_column``: the column of mask paths (its name in the header row, or its 0-based
+    index), taken out of each row before the rest is read as above; ``masks`` is None without."""
     if isinstance(path, str) and is_url(path):
         text = read_text(path, storage_options)
         rows = [
@@ -100,6 +105,9 @@ def read_csv(
             rows = [
                 r for r in csv.reader(f, delimiter=delimiter) if r and any(c.strip() for c in r)
             ]
+    mask_cells = None
+    if mask_column is not None:
+        rows, mask_cells, header = _take_column(rows, mask_column, header, path)
     if rows and (
         header
         or header is None
@@ -107,6 +115,7 @@ def read_csv(
         and rows[0][1].strip().lower() in ("label", "class", "target", "y")
     ):
         rows = rows[1:]
+        mask_cells = None if mask_cells is None else mask_cells[1:]
     for k, r in enumerate(rows):
         if len(r) > 3:
             raise ValueError(
@@ -117,7 +126,34 @@ def read_csv(
     labels, names = _labels_from_column([r[1] if len(r) > 1 else "" for r in rows], classes)
     labels, names = check_labels(len(files), labels, names)
     meta = [r[2] if len(r) > 2 else "" for r in rows] if any(len(r) > 2 for r in rows) else None
-    return files, labels, names, meta
+    masks = (
+        None if mask_cells is None else [_row_path(c.strip(), path, url_base) for c in mask_cells]
+    )
+    return files, labels, names, meta, masks
+
+
+def _take_column(
+    rows: list[list[str]], column: str | int, header: bool | None, path
+) -> tuple[list[list[str]], list[str], bool | None]:
+    """``rows`` less the mask column, the mask cells (header row excluded) and what is left of
+    the header: a column named by the header row takes that row out (``header=False``)."""
+    if isinstance(column, str):
+        names = [c.strip() for c in rows[0]] if rows else []
+        if header is False or column not in names:
+            raise ValueError(
+                f"{path}: mask_column={column!r} names a column of the header row, and the "
+                f"first row is {names[:6]}; add a header row naming the columns, or pass the "
+                "column's 0-based index."
+            )
+        at, rows, header = names.index(column), rows[1:], False
+    else:
+        at = int(column)
+    short = next((k for k, r in enumerate(rows) if len(r) <= at), None)
+    if short is not None:
+        raise ValueError(
+            f"{path}: row {short + 1} has {len(rows[short])} columns, no mask column {at}."
+        )
+    return [r[:at] + r[at + 1 :] for r in rows], [r[at] for r in rows], header
 
 
 def _row_path(cell: str, csv_path, url_base: str | None) -> str:
@@ -174,9 +210,13 @@ class _Range(io.RawIOBase):
 
 
 def _shard_samples(
-    shard: str, metadata_ext: str | None, at: tuple[str | os.PathLike, int, int] | None = None
+    shard: str,
+    metadata_ext: str | None,
+    at: tuple[str | os.PathLike, int, int] | None = None,
+    mask_ext: str | None = None,
 ):
-    """(build input or None, label text or None, metadata text or None, key) per sample.
+    """(build input or None, label text or None, metadata text or None, key, mask input or
+    None) per sample; ``mask_ext``: the extension of the mask member (never taken for the image).
 
     The input is the image member as a ``FileRangeSource``, or a ``Refused`` one when its header
     claims more bytes than the shard holds. A shard that cannot be opened as a plain tar, or that
@@ -197,7 +237,13 @@ def _shard_samples(
     except OSError as err:
         if held is not None:
             held.close()
-        yield Refused(shard, f"cannot open the shard: {err.strerror or err}"), None, None, shard
+        yield (
+            Refused(shard, f"cannot open the shard: {err.strerror or err}"),
+            None,
+            None,
+            shard,
+            None,
+        )
         return
     except tarfile.TarError as err:
         if held is not None:
@@ -211,6 +257,7 @@ def _shard_samples(
             None,
             None,
             shard,
+            None,
         )
         return
     samples: dict[str, dict[str, Any]] = {}
@@ -223,7 +270,9 @@ def _shard_samples(
                     continue
                 key, ext = _split_key(m.name)
                 s = samples.setdefault(key, {})
-                if ext.rpartition(".")[2] in WDS_IMAGE_EXTS:  # "jpg", or "left.jpg" (webdataset)
+                if mask_ext is not None and ext == mask_ext:
+                    s["mask"] = m
+                elif ext.rpartition(".")[2] in WDS_IMAGE_EXTS:  # "jpg", or "left.jpg"
                     s.setdefault("images", {}).setdefault(ext.rpartition(".")[2], m)
                 elif ext == "cls" or ext == metadata_ext:
                     member = tf.extractfile(m)
@@ -272,7 +321,13 @@ def _shard_samples(
                 f"{size - m.offset_data:,} bytes after its start (a "
                 "truncated shard, or a header that lies)",
             )
-        yield item, s.get("cls"), s.get(metadata_ext) if metadata_ext else None, key
+        yield (
+            item,
+            s.get("cls"),
+            s.get(metadata_ext) if metadata_ext else None,
+            key,
+            _mask_member(s.get("mask"), shard, key, mask_ext, path, base, size),
+        )
     if damage is not None:
         yield (
             Refused(
@@ -283,7 +338,19 @@ def _shard_samples(
             None,
             None,
             shard,
+            None,
         )
+
+
+def _mask_member(m, shard: str, key: str, mask_ext: str | None, path, base: int, size: int):
+    """A sample's mask member as a build input: in place in the shard, or why there is none."""
+    if mask_ext is None:
+        return None
+    if m is None:
+        return Refused(f"{shard}/{key}.{mask_ext}", "the sample has no mask member")
+    if m.offset_data + m.size > size:
+        return Refused(f"{shard}/{m.name}", "its tar header claims more bytes than the shard holds")
+    return FileRangeSource(f"{shard}/{m.name}", path, base + m.offset_data, m.size)
 
 
 def from_webdataset(
@@ -295,12 +362,14 @@ def from_webdataset(
     metadata_ext: str | None = None,
     locate: Callable[[int], tuple[str | os.PathLike, int, int] | Refused] | None = None,
     on_progress: Callable[[int, int, int], None] | None = None,
+    mask_ext: str | None = None,
 ):
     """Samples of WebDataset tar shards, read straight out of the tars (no extraction).
 
     A sample is the members sharing a key (``dir/key.ext``); its image is the first member with an
     image extension (``WDS_IMAGE_EXTS`` order), its label the integer in ``key.cls`` (-1 if none),
-    its metadata the text of ``key.<metadata_ext>`` (e.g. ``"json"``). ``locate(k)``: where shard
+    its metadata the text of ``key.<metadata_ext>`` (e.g. ``"json"``), its mask (``mask_ext``,
+    e.g. ``"png"`` beside a ``jpg``, or ``"seg.png"``) the member ``key.<mask_ext>``. ``locate(k)``: where shard
     ``k``'s bytes are, ``(path, offset, size)``, or why it has none (shards fetched from
     storage, named by their URLs)."""
     shards = (
@@ -309,6 +378,7 @@ def from_webdataset(
         else [os.fspath(s) for s in shards]
     )
     inputs: list[Source | Refused] = []
+    masks: list[Source | Refused] = []
     labels: list[int] = []
     meta: list[str] = []
     missing: list[str] = []
@@ -324,10 +394,13 @@ def from_webdataset(
         at = None if locate is None else locate(k)
         if isinstance(at, Refused):
             inputs.append(at)
+            masks.append(at)
             labels.append(-1)
             meta.append("")
             continue
-        for item, cls_text, meta_text, key in _shard_samples(shard, metadata_ext, at):
+        for item, cls_text, meta_text, key, mask in _shard_samples(
+            shard, metadata_ext, at, mask_ext
+        ):
             if item is None:
                 missing.append(f"{shard}/{key}")
                 continue
@@ -338,6 +411,7 @@ def from_webdataset(
                     f"{shard}/{key}.cls holds {cls_text!r}, not an integer class index."
                 ) from err
             inputs.append(item)
+            masks.append(mask if mask is not None else Refused(item.name, "no mask"))
             meta.append(meta_text or "")
     if missing:
         log.warning(
@@ -355,6 +429,7 @@ def from_webdataset(
         meta if metadata_ext else None,
         options,
         on_progress=on_progress,
+        masks=masks if mask_ext is not None else None,
     )
 
 
@@ -383,27 +458,34 @@ def from_hf(
     image_column: str = "image",
     label_column: str | None = "label",
     classes: Sequence[str] | None = None,
+    mask_column: str | None = None,
 ):
     """A Hugging Face ``datasets.Dataset`` with an ``Image`` feature; the encoded bytes are taken
     as they are stored (``Image(decode=False)``: no decode, no re-encode). Labels from
-    ``label_column`` (a ``ClassLabel`` gives the class names) or -1 without one."""
+    ``label_column`` (a ``ClassLabel`` gives the class names) or -1 without one; masks from
+    ``mask_column``, another ``Image`` column, taken the same way."""
     import pyarrow.compute as pc
     from datasets import ClassLabel, Image
 
-    if image_column not in dataset.features:
-        raise ValueError(
-            f"the dataset has no column {image_column!r} (columns: "
-            f"{list(dataset.features)}); pass image_column=."
-        )
-    if not isinstance(dataset.features[image_column], Image):
-        raise ValueError(
-            f"column {image_column!r} is a {dataset.features[image_column]!r}, not a "
-            "datasets.Image feature."
-        )
-    ds = dataset.cast_column(image_column, Image(decode=False))
+    ds = dataset
+    for column, what in ((image_column, "image_column"), (mask_column, "mask_column")):
+        if column is None:
+            continue
+        if column not in dataset.features:
+            raise ValueError(
+                f"the dataset has no column {column!r} (columns: "
+                f"{list(dataset.features)}); pass {what}=."
+            )
+        if not isinstance(dataset.features[column], Image):
+            raise ValueError(
+                f"column {column!r} is a {dataset.features[column]!r}, not a "
+                "datasets.Image feature."
+            )
+        ds = ds.cast_column(column, Image(decode=False))
     table = ds.with_format("arrow")
     n, chunk = len(ds), 4096
     inputs: list = []
+    masks: list | None = None if mask_column is None else []
     for start in tqdm(
         range(0, n, chunk),
         desc="gpucache scan dataset",
@@ -411,17 +493,11 @@ def from_hf(
         disable=not options.progress or None,
         leave=False,
     ):
-        col = table[start : start + chunk].column(image_column)
-        data = pc.struct_field(col, "bytes")
-        sizes = pc.binary_length(data).fill_null(-1).to_numpy()
-        paths = pc.struct_field(col, "path").to_pylist()
-        for k, (size, p) in enumerate(zip(sizes.tolist(), paths)):
-            i = start + k
-            name = f"hf[{i}]" + (f" {p}" if p else "")
-            if size >= 0:
-                inputs.append(_HFImage(table, i, image_column, size, name))
-            else:  # no bytes stored: the file it points to (a missing one is reported)
-                inputs.append(p if p else BytesSource(name, b""))
+        part = table[start : start + chunk]
+        inputs.extend(_hf_inputs(pc, part, table, image_column, start, ""))
+        if masks is not None:
+            assert mask_column is not None  # masks is a list only with a mask column
+            masks.extend(_hf_inputs(pc, part, table, mask_column, start, "mask "))
     if label_column is not None and label_column in ds.features:
         labels = np.asarray(ds.with_format("numpy")[label_column], dtype=np.int64)
         feature = ds.features[label_column]
@@ -435,7 +511,24 @@ def from_hf(
     else:
         labels = None
     labels_arr, names = check_labels(n, labels, classes)
-    return build(cls, inputs, labels_arr, names, None, options)
+    return build(cls, inputs, labels_arr, names, None, options, masks=masks)
+
+
+def _hf_inputs(pc, part, table, column: str, start: int, what: str) -> list:
+    """The build inputs of ``column``'s cells in ``part`` (rows from ``start``) of ``table``:
+    the stored bytes, or the file a cell points to (a missing one is reported)."""
+    col = part.column(column)
+    sizes = pc.binary_length(pc.struct_field(col, "bytes")).fill_null(-1).to_numpy()
+    paths = pc.struct_field(col, "path").to_pylist()
+    out: list = []
+    for k, (size, p) in enumerate(zip(sizes.tolist(), paths)):
+        i = start + k
+        name = f"hf[{i}] {what}".rstrip() + (f" {p}" if p else "")
+        if size >= 0:
+            out.append(_HFImage(table, i, column, size, name))
+        else:
+            out.append(p if p else BytesSource(name, b""))
+    return out
 
 
 def from_files(
@@ -447,9 +540,16 @@ def from_files(
     *,
     classes: Sequence[str] | None,
     on_progress: Callable[[int, int, int], None] | None = None,
+    masks: Sequence | None = None,
 ):
-    """``from_files`` with paths, bytes-like or file-like items (mixed freely)."""
+    """``from_files`` with paths, bytes-like or file-like items (mixed freely); ``masks``: one
+    mask per item, of the same kinds."""
     labels_arr, names = check_labels(len(items), labels, classes)
+    if masks is not None and len(masks) != len(items):
+        raise ValueError(
+            f"masks has {len(masks)} entries for {len(items)} items; give one mask per item "
+            "(or masks=None)."
+        )
     if metadata is not None and len(metadata) != len(items):
         raise ValueError(
             f"metadata has {len(metadata)} entries for {len(items)} items; "
@@ -463,4 +563,5 @@ def from_files(
         None if metadata is None else [str(m) for m in metadata],
         options,
         on_progress=on_progress,
+        masks=None if masks is None else [as_input(m, i, "mask") for i, m in enumerate(masks)],
     )

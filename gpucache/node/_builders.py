@@ -11,10 +11,13 @@ and what decides the store's content: labels, classes, the source's own options 
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
 
 from ..store._store import Store
 from . import _storage
@@ -28,8 +31,15 @@ if TYPE_CHECKING:
 S = TypeVar("S", bound=Store)
 
 
-def from_folder(cls: type[S], root: str | os.PathLike[str], options: BuildOptions) -> S:
+def from_folder(
+    cls: type[S],
+    root: str | os.PathLike[str],
+    masks: str | os.PathLike[str] | None,
+    options: BuildOptions,
+) -> S:
     """``JpegCache.from_folder`` (see its docstring)."""
+    if masks is not None:
+        return _folder_with_masks(cls, root, masks, options)
     if any_url(root):  # a prefix in storage (s3://bucket/train/)
         return _storage.from_folder(cls, os.fspath(root), options)
     from ..ingest._build import build, scan_folder
@@ -49,27 +59,135 @@ def from_folder(cls: type[S], root: str | os.PathLike[str], options: BuildOption
     )
 
 
+def _folder_with_masks(
+    cls: type[S],
+    root: str | os.PathLike[str],
+    masks: str | os.PathLike[str],
+    options: BuildOptions,
+) -> S:
+    """``from_folder(root, masks=MASK_ROOT)``: every image under ``root``, unlabeled, with its
+    mask under ``masks`` (``ingest._pairs``)."""
+    _no_urls_with_masks(root, masks)
+    from ..ingest._build import build, check_labels
+    from ..ingest._pairs import pair_folder
+
+    def scan() -> Listing:
+        images, found = pair_folder(Path(root), Path(masks))
+        return images, (MaskKey(found), *options.keyed())
+
+    def make(images: Sequence[str], extra: Sequence[Any], on_progress: Any) -> S:
+        labels, classes = check_labels(len(images), None, None)
+        store: S = build(
+            cls,
+            images,
+            labels,
+            classes,
+            None,
+            options,
+            on_progress=on_progress,
+            masks=extra[0].masks,
+        )
+        return store
+
+    request = (os.path.abspath(root), "masks", os.path.abspath(masks), *options.keyed())
+    return built_for(cls, scan, make, request, options)
+
+
+def _no_urls_with_masks(*where: Any) -> None:
+    """A ``ValueError`` if local images have masks in object storage, or a folder in storage
+    is given masks (neither is supported: object URLs, listed or in a CSV, and shards are)."""
+    if any(any_url(w) for w in where if w is not None):
+        raise ValueError(
+            "masks in object storage go with images in object storage, given as URLs "
+            "(from_files, from_csv) or shards (from_webdataset); from_folder with masks and "
+            "local images with masks in storage are not supported yet: list the URLs of both "
+            "for from_files or a CSV, or fetch both to a local folder."
+        )
+
+
+class MaskKey:
+    """The masks' identity in a node cache key (``_cache._hash`` takes ``tobytes()``): each mask
+    file's resolved path, size and mtime (or that it is missing), bytes by their content; its
+    ``repr`` names the masks alone, for the request key, which touches no file."""
+
+    def __init__(self, masks: Sequence[Any], *, files: bool = True) -> None:
+        self.masks, self._files = masks, files
+
+    def tobytes(self) -> bytes:
+        """The key's bytes (``files=False``: of the mask names alone, no file touched)."""
+        from ..ingest._inputs import Refused
+
+        if not self._files:
+            return repr(self).encode("utf-8", "surrogateescape")
+        h = hashlib.blake2b(b"masks", digest_size=16)
+        real: dict[str, str] = {}
+        for m in self.masks:
+            if isinstance(m, (str, os.PathLike)):
+                head, tail = os.path.split(os.fspath(m))
+                if head not in real:
+                    real[head] = os.path.realpath(head or ".")
+                try:
+                    st = os.stat(m)
+                    line = f"{os.path.join(real[head], tail)}\0{st.st_size}\0{st.st_mtime_ns}"
+                except OSError:
+                    line = f"{os.path.join(real[head], tail)}\0missing"
+                h.update(line.encode("utf-8", "surrogateescape") + b"\n")
+            elif isinstance(m, Refused):
+                h.update(f"{m.name}\0missing\n".encode("utf-8", "surrogateescape"))
+            elif isinstance(m, (bytes, bytearray, memoryview, np.ndarray)):
+                h.update(b"bytes\0")
+                h.update(np.frombuffer(m, np.uint8).tobytes())  # a copy, for the key only
+                h.update(b"\n")
+            else:
+                raise ValueError(
+                    f"cache_dir= keys the saved store on the masks too, and a "
+                    f"{type(m).__name__} mask cannot be keyed: give mask paths or bytes, or "
+                    "build without cache_dir and save the store yourself (cache.save(path))."
+                )
+        return h.digest()
+
+    def __repr__(self) -> str:
+        names = [
+            os.fspath(m) if isinstance(m, (str, os.PathLike)) else type(m).__name__
+            for m in self.masks
+        ]
+        return f"MaskKey({names!r})"
+
+
 def from_files(
     cls: type[S],
     paths: Sequence[Any],
     labels: Any,
     metadata: Sequence[str] | None,
     classes: Sequence[str] | None,
+    masks: Sequence[Any] | None,
     options: BuildOptions,
 ) -> S:
     """``JpegCache.from_files`` (see its docstring)."""
-    if any_url(paths):  # object URLs
-        return _storage.from_files(cls, paths, labels, metadata, classes, options)
+    if any_url(paths):  # object URLs (and their masks': all URLs, checked there)
+        return _storage.from_files(cls, paths, labels, metadata, classes, options, masks)
+    if masks is not None:
+        _no_urls_with_masks(masks)
     from ..ingest import _sources
 
     extra = (labels, metadata, classes, *options.keyed())
+    request = (paths, *extra)
+    if masks is not None:  # after the options: a store without masks keeps its key
+        extra, request = (*extra, MaskKey(masks)), (*request, MaskKey(masks, files=False))
     return built_for(
         cls,
         lambda: (paths, extra),
         lambda paths, _, on_progress: _sources.from_files(
-            cls, paths, labels, metadata, options, classes=classes, on_progress=on_progress
+            cls,
+            paths,
+            labels,
+            metadata,
+            options,
+            classes=classes,
+            on_progress=on_progress,
+            masks=masks,
         ),
-        (paths, *extra),
+        request,
         options,
     )
 
@@ -80,30 +198,43 @@ def from_csv(
     classes: Sequence[str] | None,
     delimiter: str,
     header: bool | None,
+    mask_column: str | int | None,
     options: BuildOptions,
 ) -> S:
     """``JpegCache.from_csv`` (see its docstring): the CSV read once, the files it lists built
-    (once per node with ``cache_dir`` or several ranks, keyed on those files)."""
+    (once per node with ``cache_dir`` or several ranks, keyed on those files and masks)."""
     if csv_lists_urls(path):  # a CSV in storage, or one listing object URLs
-        return _storage.from_csv(cls, path, classes, delimiter, header, options)
+        return _storage.from_csv(cls, path, classes, delimiter, header, options, mask_column)
     from ..ingest._build import build
     from ..ingest._sources import read_csv
 
     def scan() -> Listing:
-        files, labels, names, meta = read_csv(
-            path, classes=classes, delimiter=delimiter, header=header
+        files, labels, names, meta, masks = read_csv(
+            path, classes=classes, delimiter=delimiter, header=header, mask_column=mask_column
         )
-        return files, (labels, names, meta, *options.keyed())
+        if masks is None:
+            return files, (labels, names, meta, *options.keyed())
+        _no_urls_with_masks(*masks)
+        return files, (labels, names, meta, *options.keyed(), MaskKey(masks))
 
-    return built_for(
-        cls,
-        scan,
-        lambda files, extra, on_progress: build(
-            cls, files, extra[0], extra[1], extra[2], options, on_progress=on_progress
-        ),
-        (os.path.abspath(path), classes, delimiter, header, *options.keyed()),
-        options,
-    )
+    def make(files: Sequence[str], extra: Sequence[Any], on_progress: Any) -> S:
+        masks = extra[-1].masks if isinstance(extra[-1], MaskKey) else None
+        store: S = build(
+            cls,
+            files,
+            extra[0],
+            extra[1],
+            extra[2],
+            options,
+            on_progress=on_progress,
+            masks=masks,
+        )
+        return store
+
+    request: tuple[Any, ...] = (os.path.abspath(path), classes, delimiter, header, *options.keyed())
+    if mask_column is not None:  # after the options: a store without masks keeps its key
+        request = (*request, "masks", mask_column)
+    return built_for(cls, scan, make, request, options)
 
 
 def from_webdataset(
@@ -111,12 +242,13 @@ def from_webdataset(
     shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     classes: Sequence[str] | None,
     metadata_ext: str | None,
+    mask_ext: str | None,
     options: BuildOptions,
 ) -> S:
     """``JpegCache.from_webdataset`` (see its docstring): built once per node with ``cache_dir``
-    or several ranks, keyed on the shard files."""
+    or several ranks, keyed on the shard files (the masks are members of them)."""
     if any_url(shards):  # shards in storage, brace patterns expanded
-        return _storage.from_webdataset(cls, shards, classes, metadata_ext, options)
+        return _storage.from_webdataset(cls, shards, classes, metadata_ext, options, mask_ext)
     from ..ingest import _sources
     from ..ingest._patterns import expand_local
 
@@ -126,6 +258,8 @@ def from_webdataset(
         else [os.fspath(s) for s in shards]
     )
     extra = (classes, metadata_ext, *options.keyed())
+    if mask_ext is not None:  # after the options: a store without masks keeps its key
+        extra = (*extra, "masks", mask_ext)
     return built_for(
         cls,
         lambda: (listed, extra),
@@ -136,6 +270,7 @@ def from_webdataset(
             classes=classes,
             metadata_ext=metadata_ext,
             on_progress=on_progress,
+            mask_ext=mask_ext,
         ),
         ([os.path.abspath(s) for s in listed], *extra),
         options,
@@ -148,6 +283,7 @@ def from_hf(
     image_column: str,
     label_column: str | None,
     classes: Sequence[str] | None,
+    mask_column: str | None,
     options: BuildOptions,
 ) -> S:
     """``JpegCache.from_hf`` (see its docstring)."""
@@ -166,6 +302,7 @@ def from_hf(
         image_column=image_column,
         label_column=label_column,
         classes=classes,
+        mask_column=mask_column,
     )
     store.max_pixels = options.max_pixels
     return store

@@ -43,6 +43,7 @@ class JpegCache(Store):
         cls,
         root: str | os.PathLike[str],
         *,
+        masks: str | os.PathLike[str] | None = None,
         on_error: Literal["skip", "raise"] = "skip",
         num_threads: int | None = None,
         progress: bool = True,
@@ -72,8 +73,13 @@ class JpegCache(Store):
         (``cache_dir`` or its default folder), resumed if a build was killed.
         ``storage_options``: passed to the fsspec client (credentials otherwise from the
         environment, config files or instance role); ``requests_in_flight``: requests at once
-        (default 32) (docs/guides/object-storage.md)."""
-        return _builders.from_folder(cls, root, BuildOptions.of(locals()))
+        (default 32) (docs/guides/object-storage.md).
+        ``masks``: the folder of the images' segmentation masks (ISIC, Pascal VOC, ADE20K and
+        Cityscapes layouts): ``root`` is then read as a flat or nested folder of images without
+        class labels, each paired with the mask of the same relative folder and stem under
+        ``masks`` by the rule docs/guides/segmentation.md states (local folders only: a prefix
+        in storage with masks is refused)."""
+        return _builders.from_folder(cls, root, masks, BuildOptions.of(locals()))
 
     @classmethod
     def from_files(
@@ -83,6 +89,7 @@ class JpegCache(Store):
         metadata: Sequence[str] | None = None,
         *,
         classes: Sequence[str] | None = None,
+        masks: Sequence[str | os.PathLike[str] | bytes | Any] | None = None,
         on_error: Literal["skip", "raise"] = "skip",
         num_threads: int | None = None,
         progress: bool = True,
@@ -97,9 +104,14 @@ class JpegCache(Store):
     ) -> JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
         ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder. Object
-        URLs (``s3://bucket/a.jpg``, all items) are fetched once per node as in from_folder."""
+        URLs (``s3://bucket/a.jpg``, all items) are fetched once per node as in from_folder.
+        ``masks``: one segmentation mask per item (paths, bytes or file objects; PNG, 8-bit,
+        palette or 16-bit, the image's size after EXIF orientation), stored with the images
+        (``cache.masks``); an image whose mask is missing or unusable is a bad input
+        (``on_error``; docs/guides/segmentation.md). Object URLs of masks go with object URLs
+        of images, fetched with them."""
         return _builders.from_files(
-            cls, paths, labels, metadata, classes, BuildOptions.of(locals())
+            cls, paths, labels, metadata, classes, masks, BuildOptions.of(locals())
         )
 
     @classmethod
@@ -110,6 +122,7 @@ class JpegCache(Store):
         classes: Sequence[str] | None = None,
         delimiter: str = ",",
         header: bool | None = None,
+        mask_column: str | int | None = None,
         on_error: Literal["skip", "raise"] = "skip",
         num_threads: int | None = None,
         progress: bool = True,
@@ -126,8 +139,13 @@ class JpegCache(Store):
         labels ints or class names; ``header=None`` skips a first row labelled ``label``/``class``).
         The build options (``on_error`` to ``jpeg_quality``) as in from_folder; with
         ``cache_dir`` the store is keyed on the listed files. Rows may be object URLs, and the
-        CSV itself may be in storage (relative rows then name objects beside it)."""
-        return _builders.from_csv(cls, path, classes, delimiter, header, BuildOptions.of(locals()))
+        CSV itself may be in storage (relative rows then name objects beside it).
+        ``mask_column``: a column of segmentation mask paths (named in a header row, or its
+        0-based index), taken out before the row is read as above; masks as in from_files
+        (URLs in a CSV of URLs, as the images)."""
+        return _builders.from_csv(
+            cls, path, classes, delimiter, header, mask_column, BuildOptions.of(locals())
+        )
 
     @classmethod
     def from_webdataset(
@@ -136,6 +154,7 @@ class JpegCache(Store):
         *,
         classes: Sequence[str] | None = None,
         metadata_ext: str | None = None,
+        mask_ext: str | None = None,
         on_error: Literal["skip", "raise"] = "skip",
         num_threads: int | None = None,
         progress: bool = True,
@@ -152,9 +171,12 @@ class JpegCache(Store):
         the build options as in from_folder (with ``cache_dir`` keyed on the shard files).
         Paths and URLs take WebDataset's brace patterns (``shards/train-{000..099}.tar``) and
         globs (``shards/train-*.tar``); a pattern that matches nothing is a
-        ``FileNotFoundError`` naming it. Shards in storage are fetched once per node."""
+        ``FileNotFoundError`` naming it. Shards in storage are fetched once per node.
+        ``mask_ext``: the member extension of each sample's segmentation mask (``"png"`` beside
+        a ``jpg``, or ``"seg.png"``), read in place like the image; masks as in from_files
+        (shards in storage too)."""
         return _builders.from_webdataset(
-            cls, shards, classes, metadata_ext, BuildOptions.of(locals())
+            cls, shards, classes, metadata_ext, mask_ext, BuildOptions.of(locals())
         )
 
     @classmethod
@@ -165,6 +187,7 @@ class JpegCache(Store):
         image_column: str = "image",
         label_column: str | None = "label",
         classes: Sequence[str] | None = None,
+        mask_column: str | None = None,
         on_error: Literal["skip", "raise"] = "skip",
         num_threads: int | None = None,
         progress: bool = True,
@@ -177,7 +200,15 @@ class JpegCache(Store):
     ) -> JpegCache:
         """Pack a Hugging Face ``datasets.Dataset``'s ``Image`` column, bytes taken as stored;
         the build options as in from_folder (``cache_dir`` is refused: a dataset object has no
-        files to key a saved store on; save the store and open it instead)."""
+        files to key a saved store on; save the store and open it instead).
+        ``mask_column``: another ``Image`` column holding each row's segmentation mask,
+        taken as stored; masks as in from_files."""
         return _builders.from_hf(
-            cls, dataset, image_column, label_column, classes, BuildOptions.of(locals())
+            cls,
+            dataset,
+            image_column,
+            label_column,
+            classes,
+            mask_column,
+            BuildOptions.of(locals()),
         )

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..ingest.storage._client import Listing
 
 S = TypeVar("S", bound=Store)
+MASKS_AT = "masks at"  # in a scan's extra: the listing's objects from the next value on are masks
 
 
 def any_url(items: Any) -> bool:
@@ -78,8 +79,9 @@ def from_files(
     metadata: Sequence[str] | None,
     classes: Sequence[str] | None,
     options: BuildOptions,
+    masks: Sequence[Any] | None = None,
 ) -> S:
-    """``JpegCache.from_files`` of object URLs."""
+    """``JpegCache.from_files`` of object URLs (``masks``: their masks' URLs)."""
     from ..ingest._build import check_labels
     from ..ingest.storage._listing import list_urls
 
@@ -91,14 +93,32 @@ def from_files(
             "give one string per item (or metadata=None)."
         )
     meta = None if metadata is None else [str(m) for m in metadata]
+    mask_urls = _mask_urls(masks, len(urls))
 
     def scan() -> tuple[Listing, tuple[Any, ...]]:
-        listing = list_urls(urls, options.storage_options)
-        return listing, (labels_arr, names, meta, *options.keyed())
+        listing = list_urls([*urls, *mask_urls], options.storage_options)
+        return listing, (labels_arr, names, meta, *options.keyed(), *_masks_at(masks, urls))
 
     make = _objects_maker(cls, options, metadata=True)
     request = ([redact(u) for u in urls], *options.keyed())
+    if masks is not None:  # after the options: a store without masks keeps its key
+        request = (*request, "masks", [redact(u) for u in mask_urls])
     return built_for(cls, scan, make, request, options, remote=True)
+
+
+def _mask_urls(masks: Sequence[Any] | None, n: int) -> list[str]:
+    """The masks' URLs (none without masks), one per image, all URLs."""
+    if masks is None:
+        return []
+    if len(masks) != n:
+        raise ValueError(f"masks has {len(masks)} entries for {n} items; give one mask per item.")
+    return _all_urls(masks, "the masks")
+
+
+def _masks_at(masks: Sequence[Any] | None, urls: Sequence[str]) -> tuple[Any, ...]:
+    """What the scan's extra ends with when the listing's second half is masks: the marker and
+    where they start (``_objects_maker`` reads it)."""
+    return () if masks is None else (MASKS_AT, len(urls))
 
 
 def csv_lists_urls(path: str | os.PathLike[str]) -> bool:
@@ -122,6 +142,7 @@ def from_csv(
     delimiter: str,
     header: bool | None,
     options: BuildOptions,
+    mask_column: str | int | None = None,
 ) -> S:
     """``JpegCache.from_csv`` of a CSV listing object URLs (the CSV itself local or in storage;
     its relative rows are taken against its own folder), read once per node."""
@@ -131,19 +152,24 @@ def from_csv(
     where = os.fspath(path)
 
     def scan() -> tuple[Listing, tuple[Any, ...]]:
-        files, labels, names, meta = read_csv(
+        files, labels, names, meta, masks = read_csv(
             where,
             classes=classes,
             delimiter=delimiter,
             header=header,
             storage_options=options.storage_options,
+            mask_column=mask_column,
         )
         urls = _all_urls(files, f"the CSV {redact(where)}")
-        return list_urls(urls, options.storage_options), (labels, names, meta, *options.keyed())
+        mask_urls = _mask_urls(masks, len(urls))
+        extra = (labels, names, meta, *options.keyed(), *_masks_at(masks, urls))
+        return list_urls([*urls, *mask_urls], options.storage_options), extra
 
     make = _objects_maker(cls, options, metadata=True)
     local = where if is_url(where) else os.path.abspath(where)
-    request = (redact(local), classes, delimiter, header, *options.keyed())
+    request: tuple[Any, ...] = (redact(local), classes, delimiter, header, *options.keyed())
+    if mask_column is not None:  # after the options: a store without masks keeps its key
+        request = (*request, "masks", mask_column)
     return built_for(cls, scan, make, request, options, remote=True)
 
 
@@ -153,14 +179,18 @@ def from_webdataset(
     classes: Sequence[str] | None,
     metadata_ext: str | None,
     options: BuildOptions,
+    mask_ext: str | None = None,
 ) -> S:
-    """``JpegCache.from_webdataset`` of shards in storage; brace patterns as WebDataset writes
+    """``JpegCache.from_webdataset`` of shards in storage (``mask_ext``: the masks' member
+    extension, fetched with the shards); brace patterns as WebDataset writes
     them (``train-{000..003}.tar``) and globs (``*.tar``) are expanded against the bucket."""
     from ..ingest.storage._listing import list_shards
     from ..ingest.storage._objects import build_shards
 
     patterns = _all_urls([shards] if isinstance(shards, str) else list(shards), "shards")
     extra = (classes, metadata_ext, *options.keyed())
+    if mask_ext is not None:  # after the options: a store without masks keeps its key
+        extra = (*extra, "masks", mask_ext)
 
     def scan() -> tuple[Listing, tuple[Any, ...]]:
         return list_shards(patterns, options.storage_options), extra
@@ -179,6 +209,7 @@ def from_webdataset(
             metadata_ext=metadata_ext,
             base=base,
             on_progress=on_progress,
+            mask_ext=mask_ext,
         )
         return store
 
@@ -208,6 +239,7 @@ def _objects_maker(
             options,
             base=base,
             on_progress=on_progress,
+            masks_at=extra[-1] if isinstance(extra[-2], str) and extra[-2] == MASKS_AT else None,
         )
         return store
 

@@ -114,7 +114,7 @@ class Parsed:
         )
         self._views(spans, n, n_classes)
         self.extra = MappingProxyType({k: self._extra(k, *v) for k, v in extra_spans.items()})
-        why = _sections.problem(self.extra, n, values=not trusted)
+        why = _sections.problem(self.extra, n, values=not trusted, samples=self.samples)
         if why is not None:
             self._fail(why)
 

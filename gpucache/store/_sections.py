@@ -22,7 +22,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import _masks
 from ._format import SAMPLE_CRC
+from ._masks import DATA as MASK_DATA
+from ._masks import INFO as MASK_INFO
+from ._masks import OFFSETS as MASK_OFFSETS
 from ._targets import DENSE, OFFSETS, RAGGED
 
 N, N1, ANY = "N", "N+1", None  # shape entries: rows per sample, offsets (N + 1), any length
@@ -43,6 +47,9 @@ SPECS = {
     RAGGED: Spec("<f4", (ANY, ANY), "ragged target rows"),
     OFFSETS: Spec("<i8", (N1,), "first ragged row of each sample, then the row count"),
     SAMPLE_CRC: Spec("<u4", (N,), "CRC-32 per sample"),
+    MASK_DATA: Spec("|u1", (ANY,), "encoded mask bytes (PNG) of every sample, end to end"),
+    MASK_OFFSETS: Spec("<i8", (N1,), "first mask byte of each sample, then the byte count"),
+    MASK_INFO: Spec("<u4", (N, 3), "mask kind, height, width per sample"),
     "report.totals": Spec("<i8", (2,), "files given, samples kept"),
     "report.kinds": Spec("<i8", (ANY, 2), "kind, count"),
     "report.skipped": Spec("<i8", (ANY,), "input index of each skipped file"),
@@ -53,6 +60,7 @@ SPECS = {
 GROUPS = (
     ("resized", "resized.args"),
     (RAGGED, OFFSETS),
+    _masks.SECTIONS,
     ("report.totals", "report.kinds", "report.skipped", "report.offsets", "report.text"),
 )
 
@@ -89,10 +97,17 @@ def _fits(arr: np.ndarray, spec: Spec, n: int) -> bool:
     return all(d is ANY or got == want.get(d, d) for got, d in zip(arr.shape, spec.shape))
 
 
-def problem(sections: Mapping[str, np.ndarray], n: int, *, values: bool = True) -> str | None:
+def problem(
+    sections: Mapping[str, np.ndarray],
+    n: int,
+    *,
+    values: bool = True,
+    samples: np.ndarray | None = None,
+) -> str | None:
     """What is wrong with ``sections`` (name -> array) of a store of ``n`` samples, or None.
 
-    ``values=False``: type, shape and group checks only (O(1)), for a trusted reopen."""
+    ``values=False``: type, shape and group checks only (O(1)), for a trusted reopen.
+    ``samples``: the store's per-sample records, whose sizes the masks must have."""
     for group in GROUPS:
         have = [k for k in group if k in sections]
         if have and len(have) != len(group):
@@ -123,6 +138,9 @@ def problem(sections: Mapping[str, np.ndarray], n: int, *, values: bool = True) 
     args = sections.get("resized.args")
     if args is not None and not (args[0] >= 0 and 1 <= args[1] <= 100):
         return f"section 'resized.args' holds {args.tolist()}, not [max_side >= 0, quality 1-100]"
+    why = _masks.problem(sections, samples)
+    if why is not None:
+        return why
     offsets = sections.get(OFFSETS)
     if offsets is not None:
         rows = len(sections[RAGGED])

@@ -32,6 +32,7 @@ from . import _format, _parse, _readonly, _report, _save, _sections, _shm
 from ._format import Kind
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
+from ._masks import Masks, masks_of
 
 S = TypeVar("S", bound="Store")  # a store class: the public JpegCache, or Store itself
 
@@ -85,7 +86,7 @@ class Store:
     ) -> None:
         extra = {k: _format.check_extra(k, v) for k, v in (extra or {}).items()}
         if _file is None:  # in memory: read-only pages, so no view can write into the store
-            why = _sections.problem(extra, len(labels))
+            why = _sections.problem(extra, len(labels), samples=samples)
             if why is not None:  # a save would write a store that does not open
                 raise ValueError(
                     f"{why}; give it the type and shape docs/reference/format.md "
@@ -221,6 +222,13 @@ class Store:
         """Named optional sections of the store (docs/reference/format.md), as read-only arrays;
         gpucache's own sections (``sample.*``, ``report.*``) are not listed."""
         return MappingProxyType(self._extra)
+
+    @property
+    def masks(self) -> Masks | None:
+        """The samples' segmentation masks (``masks[i]``: sample ``i``'s encoded mask bytes, a
+        read-only view; ``kinds``, ``heights``, ``widths`` per sample), or None for a store
+        built without ``masks=`` (docs/guides/segmentation.md)."""
+        return masks_of(self._extra, self._check_intact)
 
     @property
     def samples(self) -> np.ndarray:

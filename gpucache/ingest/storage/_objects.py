@@ -96,10 +96,40 @@ def build_objects(
     *,
     base: Path,
     on_progress: Callable[..., None] | None,
+    masks_at: int | None = None,
 ) -> Any:
-    """A store of one sample an object (``from_folder``, ``from_files``, ``from_csv``)."""
+    """A store of one sample an object (``from_folder``, ``from_files``, ``from_csv``);
+    ``masks_at``: the listing's objects from there on are the masks of the ones before it, in
+    order (one fetch, one check that nothing changed, for both)."""
     spool = fetch(listing, base, options, on_progress)
-    return build(cls, spool.inputs(), labels, classes, metadata, options, on_progress=on_progress)
+    inputs: Sequence[Any] = spool.inputs()
+    if masks_at is None:
+        return build(cls, inputs, labels, classes, metadata, options, on_progress=on_progress)
+    return build(
+        cls,
+        _Part(inputs, 0, masks_at),
+        labels,
+        classes,
+        metadata,
+        options,
+        on_progress=on_progress,
+        masks=_Part(inputs, masks_at, len(inputs) - masks_at),
+    )
+
+
+class _Part(Sequence[Any]):
+    """``count`` items of ``seq`` from ``start``, made on access (no list of the inputs)."""
+
+    def __init__(self, seq: Sequence[Any], start: int, count: int) -> None:
+        self._seq, self._start, self._count = seq, start, count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):  # ints only: what the build indexes
+        if not -self._count <= i < self._count:
+            raise IndexError(i)
+        return self._seq[self._start + i % self._count]
 
 
 def build_shards(
@@ -111,6 +141,7 @@ def build_shards(
     metadata_ext: str | None,
     base: Path,
     on_progress: Callable[..., None] | None,
+    mask_ext: str | None = None,
 ) -> Any:
     """A store of the samples of WebDataset shards in storage, read out of the spool."""
     spool = fetch(listing, base, options, on_progress)
@@ -127,4 +158,5 @@ def build_shards(
         metadata_ext=metadata_ext,
         locate=locate,
         on_progress=on_progress,
+        mask_ext=mask_ext,
     )
