@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..store._oom import OutOfMemory, is_out_of_memory, said
-from ._core import Decoded, SampleError, decode_batch
+from ._core import Decoded, SampleError, decode_task
 from ._options import DecodeOptions
 
 LEN = struct.Struct("<Q")  # every message: 8-byte little-endian length, then a pickle
@@ -105,6 +105,7 @@ def _serve(
     indices,
     plans,
     stack: bool,
+    key: tuple[int, ...],
     *,
     options: DecodeOptions,
 ) -> None:
@@ -115,9 +116,7 @@ def _serve(
     out = head = data = report = None
     where = "while decoding"
     try:
-        out = decode_batch(
-            cache, indices, plans, on_error=options.on_error, stack=stack, exact=options.exact
-        )
+        out = decode_task(cache, indices, plans, stack, key, options)
         where = "while copying its result for sending"
         head, data = _result(task, out)
     except BaseException as err:  # noqa: BLE001 - everything is reported to the parent
@@ -249,13 +248,16 @@ def _send_bytes(sock: socket.socket, payload: bytes, data: memoryview | None = N
 
 
 def _result(task: int, out: Decoded) -> tuple[bytes, memoryview]:
-    """The header and the one raw buffer of a decoded batch (a stacked batch is sent as it is;
-    a list is copied once into one buffer, image after image, each CHW). The copy counts as
-    collate time, and as time the worker was busy."""
+    """The header and the one raw buffer of a decoded batch (a stacked batch is sent as it is,
+    uint8 or the dtype its steps made, its bytes as they lie; a list is copied once into one
+    buffer, image after image, each CHW). The copy counts as collate time, and as time the
+    worker was busy."""
     started = time.perf_counter()
     imgs = out.images
+    dtype = "uint8"
     if isinstance(imgs, torch.Tensor):
-        shapes, flat = [tuple(imgs.shape)], imgs.contiguous().reshape(-1)
+        shapes, flat = [tuple(imgs.shape)], imgs.contiguous().reshape(-1).view(torch.uint8)
+        dtype = str(imgs.dtype).removeprefix("torch.")
     else:
         shapes = [tuple(t.shape) for t in imgs]
         flat = torch.empty(sum(t.numel() for t in imgs), dtype=torch.uint8)
@@ -279,6 +281,8 @@ def _result(task: int, out: Decoded) -> tuple[bytes, memoryview]:
             "routes": out.routes,
             "busy": out.busy + took,
             "nbytes": flat.numel(),
+            "dtype": dtype,
+            "rng_state": out.rng_state,
         }
     )
     # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)

@@ -178,14 +178,17 @@ class WorkerPool:
         return out
 
     # ------------------------------------------------------------------ feeding and reading
-    def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
-        """Queue a task for the next worker; never blocks (unsent bytes wait in a buffer)."""
+    def submit(
+        self, indices: np.ndarray, plans: np.ndarray, stack: bool, key: tuple[int, ...] = ()
+    ) -> None:
+        """Queue a task for the next worker; never blocks (unsent bytes wait in a buffer).
+        ``key`` seeds the batch steps the workers run (``DecodeOptions.steps``)."""
         with self._using():
             w = self._next
             self._next = (w + 1) % len(self._links)
             self._task += 1
             link = self._links[w]
-            link.out.append(memoryview(frame((self._task, indices, plans, stack))))
+            link.out.append(memoryview(frame((self._task, indices, plans, stack, key))))
             link.flush()
             self._pending.append((w, self._task, indices))
 
@@ -252,8 +255,8 @@ class WorkerPool:
             self._recv(link, bytes_into=into, indices=indices, deadline=deadline)
         shapes = msg["shapes"]
         images: torch.Tensor | list[torch.Tensor]
-        if msg["stacked"]:
-            images = buf.view(shapes[0])
+        if msg["stacked"]:  # a float batch's bytes, viewed as its dtype (no copy)
+            images = buf.view(getattr(torch, msg.get("dtype", "uint8"))).view(shapes[0])
         else:
             sizes = [int(np.prod(s)) for s in shapes]
             images = [t.view(s) for t, s in zip(buf.split(sizes), shapes)]
@@ -268,6 +271,7 @@ class WorkerPool:
             routes=msg["routes"],
             busy=msg["busy"],
             worker=w,
+            rng_state=msg.get("rng_state"),
         )
 
     def _header(self, link: _Link, indices, deadline) -> memoryview:
