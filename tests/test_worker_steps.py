@@ -148,3 +148,33 @@ def test_the_readme_pipeline_on_the_cpu_is_decode_bound(photos):
     s = loader.stats
     assert s.bottleneck == "decode", str(s)
     assert s.seconds["steps"] > 0 and s.seconds["transform"] < s.seconds["decode"] / 10, str(s)
+
+
+def _refused(*args: object) -> int:
+    raise PermissionError(1, "memfd_create refused (a sandbox)")
+
+
+def _too_big(fd: int, size: int) -> None:
+    raise OSError(27, "File too large")  # EFBIG: a file-size rlimit below the batch
+
+
+@pytest.mark.parametrize("how", ["memory files", "socket", "memfd refused", "file-size rlimit"])
+def test_batches_come_back_whole_by_memory_file_or_socket(photos, monkeypatch, how):
+    """A worker sends a stacked batch as a memory file where it can (``decode/_shared.py``),
+    through the socket otherwise; the batches are the same either way, uint8 and float."""
+    from gpucache.decode import _shared
+
+    if how == "socket":
+        monkeypatch.setattr(_shared, "available", lambda: False)
+    elif how == "memfd refused":  # fork workers inherit the patch
+        monkeypatch.setattr(_shared.os, "memfd_create", _refused)
+    elif how == "file-size rlimit":
+        monkeypatch.setattr(_shared.os, "ftruncate", _too_big)
+    for transform in (README[:2], README, MIXED):
+        got = _batches(photos, transform, 2)
+        want = _batches(photos, transform, 0)
+        assert len(got) == len(want)
+        for (x, y), (x0, y0) in zip(got, want):
+            assert torch.equal(x, x0) and torch.equal(y, y0), how
+            if transform is not MIXED:  # (RandomGrayscale expands its channels: no writes)
+                x.add_(1)  # the batch is the caller's to change

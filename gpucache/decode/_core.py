@@ -14,7 +14,7 @@ import contextlib
 import io
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -253,6 +253,7 @@ def decode_batch(
     exact: bool = True,
     steps: Sequence[Any] = (),
     key: Sequence[int] = (),
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> Decoded:
     """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise).
 
@@ -271,6 +272,9 @@ def decode_batch(
     soon as it is resized, straight into the batch's output (:func:`fused_steps`; one pass to
     float, the same values as on the batch).
 
+    ``alloc(shape, dtype)`` makes the stacked batch's tensor (``torch.empty`` by default; a cpu
+    worker's puts it in a memory file it can send whole, :mod:`._shared`).
+
     The result carries the seconds each stage took (``Decoded.times``): ``read`` touches one byte
     a page of the sample's bytes, so that a store read from disk is seen there and not in decode.
     """
@@ -281,6 +285,7 @@ def decode_batch(
     mismatched: list[tuple[int, str]] = []
     read = decoded = resized = stepped = 0.0
     fused = tuple(steps[: fused_steps(steps)]) if stack else ()
+    empty = alloc or _torch_empty
     buf: torch.Tensor | None = None  # the batch's output, when the fused steps fill it
     route_s = dict.fromkeys(ROUTES, 0.0)
     route_n = dict.fromkeys(ROUTES, 0)
@@ -360,7 +365,7 @@ def decode_batch(
                 with stage_range("gpucache.steps", profiled):
                     y = images.pop()
                     if buf is None:  # the steps keep the shape (NCHW); the dtype is the last's
-                        buf = torch.empty((len(indices), *y.shape), dtype=fused[-1].dtype)
+                        buf = empty((len(indices), *y.shape), fused[-1].dtype)
                     k = len(kept) - 1
                     elementwise_into(fused, y[None], buf[k : k + 1])
                 stepped += clock() - t4
@@ -368,11 +373,15 @@ def decode_batch(
     out: torch.Tensor | list[torch.Tensor] = images
     if stack:
         with stage_range("gpucache.collate", profiled):
-            empty = torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8)
+            empty_batch = torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8)
             if fused:
-                out = buf[: len(kept)] if buf is not None else _run_each(fused, empty)
+                out = buf[: len(kept)] if buf is not None else _run_each(fused, empty_batch)
             else:
-                out = torch.stack(images) if images else empty
+                out = (
+                    torch.stack(images, out=empty((len(images), *images[0].shape), torch.uint8))
+                    if images
+                    else empty_batch
+                )
     t4 = clock()
     rng_state = None
     if steps:
@@ -412,9 +421,10 @@ def decode_task(
     stack: bool,
     key: tuple[int, ...],
     options: DecodeOptions,
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> Decoded:
     """One task of the cpu backend (a worker's, or its inline decode): :func:`decode_batch` with
-    the loader's decode options and the batch's ``key``."""
+    the loader's decode options, the batch's ``key`` and where its batch tensor goes."""
     return decode_batch(
         cache,
         indices,
@@ -424,6 +434,7 @@ def decode_task(
         exact=options.exact,
         steps=options.steps,
         key=key,
+        alloc=alloc,
     )
 
 
@@ -432,6 +443,10 @@ def fused_steps(steps: Sequence[Any]) -> int:
     rest run on the batch): :func:`gpucache.transforms.elementwise_prefix`.
     ``benchmarks/float_pipeline.py`` patches it to 0 to time the two-pass way."""
     return elementwise_prefix(steps)
+
+
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
 
 
 def _run_each(steps: Sequence[Any], x: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ class DecodeOptions:
     timeout: float | None = None
     pin_memory: bool = False
     steps: tuple[Any, ...] = ()
+    share_batches: bool = False  # the pool's: workers send batches as memory files (._shared)
 
     def worker_seed(self, wid: int) -> int:
         """Worker ``wid``'s seed: ``SeedSequence(seed).spawn(num_workers)[wid]``'s first word."""
