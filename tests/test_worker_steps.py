@@ -18,8 +18,8 @@ from gpucache import transforms as T
 from gpucache.decode import _core
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-#: the largest difference allowed between one pass and two (float32 rounding of the same
-#: fused multiply-add; in practice they are equal)
+#: the largest difference allowed between one pass and two: the one pass multiplies, then adds,
+#: where Normalize on a batch fuses them (one float32 rounding: 2.4e-7 at ImageNet's constants)
 ONE_PASS_TOLERANCE = 1e-6
 
 
@@ -66,10 +66,14 @@ def test_same_seed_same_float_batches_for_any_worker_count(photos, transform):
     with _in_the_loop():
         runs["loop"] = _batches(photos, transform, 2)
     assert runs[0][0][0].dtype == torch.float32
-    for name, run in runs.items():
-        assert len(run) == len(runs[0]), name
+    for name, run in runs.items():  # the same for any worker count; with every step in the
+        assert len(run) == len(runs[0]), name  # loop's process, within one float32 rounding
         for (x, y), (x0, y0) in zip(run, runs[0]):
-            assert torch.equal(x, x0) and torch.equal(y, y0), name
+            if name == "loop":
+                assert float((x - x0).abs().max()) <= ONE_PASS_TOLERANCE, name
+                assert torch.allclose(y, y0, atol=ONE_PASS_TOLERANCE), name
+            else:
+                assert torch.equal(x, x0) and torch.equal(y, y0), name
 
 
 def test_only_per_sample_steps_go_to_the_workers(photos):

@@ -17,6 +17,8 @@ memory file is a file: ``ftruncate`` fails with ``EFBIG``), batches go through t
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import mmap
 import os
@@ -58,6 +60,7 @@ class Allocator:
             os.close(fd)
             raise
         self._fds[flat.data_ptr()] = fd
+        _populate(flat)
         return flat[:nbytes].view(dtype).view(shape)
 
     def take(self, t: torch.Tensor) -> int | None:
@@ -81,6 +84,29 @@ def attach(fd: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> 
     finally:
         os.close(fd)
     return flat[:nbytes].view(dtype).view(shape)
+
+
+#: ``madvise`` advice (Linux 5.14): fault in every page of a range, writable, in one call
+_MADV_POPULATE_WRITE = 23
+
+
+def _populate(flat: torch.Tensor) -> None:
+    """Fault in every page of a fresh buffer in one call instead of one trap a page as it is
+    written (a float32 batch of 64 at 224 x 224 is 9,400 pages); nothing where the kernel has
+    no such advice."""
+    libc = _libc()
+    if libc is not None:
+        libc.madvise(flat.data_ptr(), flat.numel(), _MADV_POPULATE_WRITE)
+
+
+@functools.cache
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def _map(fd: int, size: int) -> torch.Tensor:
