@@ -113,6 +113,15 @@ def test_big_batches_never_deadlock(big_cache, batch_size, prefetch):
     assert seen == [batch_size] * 2
 
 
+@pytest.fixture
+def through_the_socket(monkeypatch):
+    """Batches sent on the socket, as without memory files (gpucache/decode/_shared.py: not
+    Linux, or into pinned memory): a worker that sends a large one blocks until it is read."""
+    from gpucache.decode import _shared
+
+    monkeypatch.setattr(_shared, "available", lambda: False)
+
+
 def _blocked_mid_send(cache, *, timeout):
     """A loader whose single worker is blocked sending a 768 KB result nobody reads yet (a socket
     takes ~220 KB: the worker cannot finish sending it before the parent reads)."""
@@ -134,7 +143,7 @@ def _blocked_mid_send(cache, *, timeout):
 
 
 @pytest.mark.timeout(60)
-def test_stopped_worker_is_an_error_within_the_timeout(cache):
+def test_stopped_worker_is_an_error_within_the_timeout(cache, through_the_socket):
     loader, it = _blocked_mid_send(cache, timeout=2)
     pid = loader.worker_pids[0]
     os.kill(pid, signal.SIGSTOP)
@@ -154,7 +163,7 @@ def test_stopped_worker_is_an_error_within_the_timeout(cache):
 
 
 @pytest.mark.timeout(60)
-def test_worker_killed_mid_send_names_worker_pid_and_samples(cache):
+def test_worker_killed_mid_send_names_worker_pid_and_samples(cache, through_the_socket):
     loader, it = _blocked_mid_send(cache, timeout=20)
     pid = loader.worker_pids[0]
     os.kill(pid, signal.SIGKILL)
@@ -168,7 +177,7 @@ def test_worker_killed_mid_send_names_worker_pid_and_samples(cache):
 
 
 @pytest.mark.timeout(60)
-def test_close_mid_epoch_stops_four_workers_blocked_sending(cache):
+def test_close_mid_epoch_stops_four_workers_blocked_sending(cache, through_the_socket):
     loader = GpuCachedLoader(
         cache,
         batch_size=500,

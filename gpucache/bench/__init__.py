@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -56,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("train", "val"),
         default="train",
         help="train: random-resized-crop 224 + flip; val: resize 256 + center crop 224",
+    )
+    p.add_argument(
+        "--normalize",
+        action="store_true",
+        help="end the pipeline in Normalize (ImageNet mean and std; torchvision's ToDtype + "
+        "Normalize in the DataLoader's workers), as the README's example: float32 batches",
     )
     p.add_argument(
         "--backend",
@@ -206,6 +213,7 @@ def run(args) -> int:
         return 2
     cfg = Config(
         pipeline=args.pipeline,
+        normalize=args.normalize,
         batch_size=args.batch_size,
         epochs=args.epochs,
         workers=usable_cores() if args.workers is None else args.workers,
@@ -280,10 +288,11 @@ def explain(args, cfg: Config) -> int:
         backend=backend,
         shuffle=cfg.pipeline == "train",
         seed=cfg.seed,
-        transform=gc_transform(cfg.pipeline),
+        transform=gc_transform(cfg.pipeline, cfg.normalize),
     )
     print(
-        f"gpucache bench --explain: {len(cache)} images, {cfg.pipeline} pipeline, "
+        f"gpucache bench --explain: {len(cache)} images, {cfg.pipeline} pipeline"
+        f"{' + Normalize (float32)' if cfg.normalize else ''}, "
         f"backend {loader.backend_name}, {loader.num_workers} workers, batch {cfg.batch_size}, "
         f"{cfg.epochs} epochs of at most {EXPLAIN_BATCHES} batches, step {args.step_ms:g} ms",
         flush=True,
@@ -369,6 +378,7 @@ def _run(args, names: list[str], cfg: Config) -> int:
             elif case == "scaling-size":
                 report["scaling_size"] = _cases.case_scaling_size(source, args, tmp)
     report["wall_s"] = time.perf_counter() - t_start
+    report["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
     print(f"\ntotal wall time {report['wall_s']:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))

@@ -7,11 +7,14 @@ import sys
 from dataclasses import dataclass, field
 
 CROP = 224
+#: ImageNet's per-channel mean and std: the Normalize of the README's pipeline (``--normalize``)
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 @dataclass
 class Config:
     pipeline: str = "train"
+    normalize: bool = False  # end in Normalize: float32 batches (``--normalize``)
     workers: int = 2
     batch_size: int = 64
     epochs: int = 3

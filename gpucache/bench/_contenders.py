@@ -28,7 +28,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from .._errors import BenchError
-from ._common import CROP, Config, Source
+from ._common import CROP, MEAN, STD, Config, Source
 
 if TYPE_CHECKING:
     from ..node._jpegcache import JpegCache
@@ -121,24 +121,32 @@ CONTENDERS = {
 }
 
 
-def tv_transform(pipeline: str, *, pil: bool):
-    """The torchvision v2 transforms of the DataLoader contenders (uint8 out)."""
+def tv_transform(pipeline: str, *, pil: bool, normalize: bool = False):
+    """The torchvision v2 transforms of the DataLoader contenders (uint8 out; with
+    ``normalize``, float32 out of ToDtype + Normalize, run in the DataLoader's workers)."""
+    import torch
     from torchvision.transforms import v2
 
     if pipeline == "train":
         ops = [v2.RandomResizedCrop(CROP, antialias=True), v2.RandomHorizontalFlip()]
     else:
         ops = [v2.Resize(256, antialias=True), v2.CenterCrop(CROP)]
-    return v2.Compose(ops + ([v2.PILToTensor()] if pil else []))
+    ops += [v2.PILToTensor()] if pil else []
+    if normalize:
+        ops += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]
+    return v2.Compose(ops)
 
 
-def gc_transform(pipeline: str) -> list:
-    """The same pipeline in gpucache's transforms (uint8 out, no Normalize)."""
+def gc_transform(pipeline: str, normalize: bool = False) -> list:
+    """The same pipeline in gpucache's transforms (uint8 out; with ``normalize``, float32 out
+    of Normalize, as the README's example ends)."""
     from .. import transforms as T
 
     if pipeline == "train":
-        return [T.RandomResizedCrop(CROP), T.RandomHorizontalFlip()]
-    return [T.Resize(256), T.CenterCrop(CROP)]
+        ops = [T.RandomResizedCrop(CROP), T.RandomHorizontalFlip()]
+    else:
+        ops = [T.Resize(256), T.CenterCrop(CROP)]
+    return ops + ([T.Normalize(MEAN, STD)] if normalize else [])
 
 
 def _no_region(components: int) -> None:
@@ -216,14 +224,16 @@ class Runner:
         if c.kind == "pil":
             from torchvision.datasets import ImageFolder
 
-            ds = ImageFolder(src.root, transform=tv_transform(self.cfg.pipeline, pil=True))
+            tv = tv_transform(self.cfg.pipeline, pil=True, normalize=self.cfg.normalize)
+            ds = ImageFolder(src.root, transform=tv)
             if [s[0] for s in ds.samples] != [s[0] for s in src.samples]:  # a probe's repeats
                 ds.samples = ds.imgs = [(p, int(y)) for p, y in src.samples]
                 ds.targets = [int(y) for _, y in src.samples]
             self.data, self.data_bytes = ds, src.nbytes
             self.expected = np.bincount(ds.targets, minlength=ncls)
         elif c.kind == "bytes":
-            ds = ListOfBytes(src.samples, tv_transform(self.cfg.pipeline, pil=False))
+            tv = tv_transform(self.cfg.pipeline, pil=False, normalize=self.cfg.normalize)
+            ds = ListOfBytes(src.samples, tv)
             self.data, self.data_bytes = ds, sum(len(b) for b in ds.items)
             self.expected = np.bincount(ds.targets, minlength=ncls)
         else:
@@ -288,7 +298,7 @@ class Runner:
                 batch_size=bs,
                 shuffle=shuffle,
                 seed=self.cfg.seed,
-                transform=gc_transform(self.cfg.pipeline),
+                transform=gc_transform(self.cfg.pipeline, self.cfg.normalize),
                 device=self.device,
                 backend=self.c.backend,
                 num_workers=w,

@@ -77,6 +77,7 @@ def machine_info() -> dict:
         "jpeg_decoder": jpeg_decoder_name(),
         "default_start_method": mp.get_start_method(allow_none=True) or "default",
         "cuda": torch.cuda.is_available(),
+        "load_average": [round(v, 2) for v in os.getloadavg()],  # at the start: 1, 5, 15 min
     }
     if info["cuda"]:
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -146,7 +147,7 @@ def header(source: Source, cfg: Config, machine: dict) -> str:
     i = source.info
     return (
         f"{i['images']} images ({i['bytes'] / 2**20:,.1f} MiB, {i['classes']} classes) from "
-        f"{i['src']}\npipeline {cfg.pipeline}, batch {cfg.batch_size}, {cfg.workers} workers, "
+        f"{i['src']}\npipeline {cfg.pipeline}{' + Normalize (float32)' if cfg.normalize else ''}, batch {cfg.batch_size}, {cfg.workers} workers, "
         f"{cfg.epochs} epochs after a warm-up; {machine['cpu']}, {machine['usable_cores']} "
         f"cores, torch {machine['versions']['torch']}, decoder {machine['jpeg_decoder']}, "
         f"commit {machine['commit'] or 'unknown'}"

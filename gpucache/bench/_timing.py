@@ -1,6 +1,7 @@
 """Timing: a warm-up epoch each (time to first batch), then interleaved measured epochs.
 
-Every batch is checked (uint8 ``(n, 3, 224, 224)`` with ``n`` labels, on the contender's device)
+Every batch is checked (uint8 ``(n, 3, 224, 224)``, float32 with ``--normalize``, with ``n``
+labels, on the contender's device)
 and every epoch's label counts must equal the data set's, so what is timed is what it should be.
 """
 
@@ -49,13 +50,15 @@ def _error(err: Exception) -> str:
 
 
 def check_batch(r: Runner, images, labels) -> int:
-    """The batch's size; BenchError unless it is uint8 (n, 3, 224, 224) on r's device."""
+    """The batch's size; BenchError unless it is uint8 (float32 with ``--normalize``)
+    (n, 3, 224, 224) on r's device."""
     import torch
 
     n = len(labels)
+    dtype = torch.float32 if r.cfg.normalize else torch.uint8
     if (
         not isinstance(images, torch.Tensor)
-        or images.dtype != torch.uint8
+        or images.dtype != dtype
         or tuple(images.shape) != (n, 3, CROP, CROP)
         or not 0 < n <= r.batch_size
         or images.device.type != r.device
@@ -66,7 +69,7 @@ def check_batch(r: Runner, images, labels) -> int:
         )
         raise BenchError(
             f"{r.c.name}: a batch of {n} labels came with images {got}; "
-            f"expected uint8 ({n}, 3, {CROP}, {CROP}) on {r.device}"
+            f"expected {str(dtype).removeprefix('torch.')} ({n}, 3, {CROP}, {CROP}) on {r.device}"
         )
     return n
 

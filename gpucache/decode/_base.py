@@ -26,8 +26,12 @@ class Backend(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
-        """Queue one batch; ``stack`` asks for one (N, 3, H, W) tensor instead of a list."""
+    def submit(
+        self, indices: np.ndarray, plans: np.ndarray, stack: bool, key: tuple[int, ...] = ()
+    ) -> None:
+        """Queue one batch; ``stack`` asks for one (N, 3, H, W) tensor instead of a list.
+        ``key`` is the batch's (seed, epoch, batch[, rank]), for a backend that runs batch
+        steps (the cpu backend's ``DecodeOptions.steps``); the others ignore it."""
 
     @abstractmethod
     def get(self) -> Decoded:

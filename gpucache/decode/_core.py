@@ -14,8 +14,9 @@ import contextlib
 import io
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from ..ingest._pixels import eight_bit
 from ..ingest._sniff import JPEG_KINDS, Kind
 from ..store._limits import check_pixels
 from ..store._oom import raise_if_out_of_memory
+from ..transforms import apply_steps, batch_generator, elementwise_into, elementwise_prefix
 from . import _roi, _roi_rst
 from ._jpeg import (  # noqa: F401 - the full JPEG decode, shared with the region decoder's check
     TV_DEPRECATION,
@@ -34,6 +36,7 @@ from ._jpeg import (  # noqa: F401 - the full JPEG decode, shared with the regio
     jpeg_decoder_name,
     quiet_torchvision_deprecation,
 )
+from ._options import DecodeOptions
 from ._scaled import fast_plan
 
 _ROI_KINDS = (Kind.JPEG, Kind.JPEG_PROGRESSIVE)  # not arithmetic-coded
@@ -127,6 +130,9 @@ class Decoded:
     worker: int = -1  # the worker that made it (-1: the loader's process)
     #: kept, but decoded without the restart interval the store records (its bytes do not match)
     mismatched: list[tuple[int, str]] = field(default_factory=list)
+    #: the batch generator's state after the batch steps run with the decode (``steps=``), for
+    #: the steps that follow in the loop's process; None when none ran
+    rng_state: bytes | None = None
 
 
 def describe(cache, i: int, err: BaseException) -> str:
@@ -234,7 +240,16 @@ def _decode_box(
 
 
 def decode_batch(
-    cache, indices: np.ndarray, plans: np.ndarray, *, on_error: str, stack: bool, exact: bool = True
+    cache,
+    indices: np.ndarray,
+    plans: np.ndarray,
+    *,
+    on_error: str,
+    stack: bool,
+    exact: bool = True,
+    steps: Sequence[Any] = (),
+    key: Sequence[int] = (),
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> Decoded:
     """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise).
 
@@ -245,6 +260,17 @@ def decode_batch(
     cuts a crop that follows a resize before it (:func:`._scaled.fast_plan`); neither is
     bit-exact: within the tolerance docs/guides/backends.md states.
 
+    ``steps`` are batch steps that act on each sample alone (:func:`gpucache.transforms.
+    per_sample_prefix`), run here on the batch as the loop's process would, drawing from the
+    generator of the batch's ``key`` (:func:`gpucache.transforms.batch_generator`); the
+    generator's state after them comes back in ``Decoded.rng_state``, for the steps that follow.
+    The leading ones that map each pixel alone (ToDtype, Normalize) run on each stacked sample as
+    soon as it is resized, straight into the batch's output (:func:`fused_steps`; one pass to
+    float, the same values as on the batch).
+
+    ``alloc(shape, dtype)`` makes the stacked batch's tensor (``torch.empty`` by default; a cpu
+    worker's puts it in a memory file it can send whole, :mod:`._shared`).
+
     The result carries the seconds each stage took (``Decoded.times``): ``read`` touches one byte
     a page of the sample's bytes, so that a store read from disk is seen there and not in decode.
     """
@@ -253,7 +279,10 @@ def decode_batch(
     started = clock()
     images, kept, failed, warned, roi = [], [], [], [], 0
     mismatched: list[tuple[int, str]] = []
-    read = decoded = resized = 0.0
+    read = decoded = resized = stepped = 0.0
+    fused = tuple(steps[: fused_steps(steps)]) if stack else ()
+    empty = alloc or _torch_empty
+    buf: torch.Tensor | None = None  # the batch's output, when the fused steps fill it
     route_s = dict.fromkeys(ROUTES, 0.0)
     route_n = dict.fromkeys(ROUTES, 0)
     data, offsets = cache._data, cache._offsets
@@ -326,17 +355,45 @@ def decode_batch(
             # the machine's problem, not the sample's: never skipped
             raise_if_out_of_memory(err, f"while decoding sample {i} ({cache.paths[i]})")
             failed.append((i, failure(cache, i, err, on_error)))
+        else:
+            if fused:  # into the batch's output while the sample is in the cache
+                t4 = clock()
+                with stage_range("gpucache.steps", profiled):
+                    y = images.pop()
+                    if buf is None:  # the steps keep the shape (NCHW); the dtype is the last's
+                        buf = empty((len(indices), *y.shape), fused[-1].dtype)
+                    k = len(kept) - 1
+                    elementwise_into(fused, y[None], buf[k : k + 1])
+                stepped += clock() - t4
     t3 = clock()
     out: torch.Tensor | list[torch.Tensor] = images
     if stack:
         with stage_range("gpucache.collate", profiled):
-            out = (
-                torch.stack(images)
-                if images
-                else torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8)
-            )
+            empty_batch = torch.empty((0, 3, *out_size(plans)), dtype=torch.uint8)
+            if fused:
+                out = buf[: len(kept)] if buf is not None else _run_each(fused, empty_batch)
+            else:
+                out = (
+                    torch.stack(images, out=empty((len(images), *images[0].shape), torch.uint8))
+                    if images
+                    else empty_batch
+                )
+    t4 = clock()
+    rng_state = None
+    if steps:
+        with stage_range("gpucache.steps", profiled):
+            generator = batch_generator(*key)
+            rest = [("pixel", t) for t in steps[len(fused) :]]
+            out = apply_steps(rest, out, None, generator)[0]
+            rng_state = generator.get_state().numpy().tobytes()
     end = clock()
-    times = {"read": read, "decode": decoded, "resize": resized, "collate": end - t3}
+    times = {
+        "read": read,
+        "decode": decoded,
+        "resize": resized,
+        "collate": t4 - t3,
+        "steps": stepped + end - t4,
+    }
     times.update(route_s)
     return Decoded(
         out,
@@ -349,7 +406,49 @@ def decode_batch(
         routes=route_n,
         busy=end - started,
         mismatched=mismatched,
+        rng_state=rng_state,
     )
+
+
+def decode_task(
+    cache,
+    indices: np.ndarray,
+    plans: np.ndarray,
+    stack: bool,
+    key: tuple[int, ...],
+    options: DecodeOptions,
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+) -> Decoded:
+    """One task of the cpu backend (a worker's, or its inline decode): :func:`decode_batch` with
+    the loader's decode options, the batch's ``key`` and where its batch tensor goes."""
+    return decode_batch(
+        cache,
+        indices,
+        plans,
+        on_error=options.on_error,
+        stack=stack,
+        exact=options.exact,
+        steps=options.steps,
+        key=key,
+        alloc=alloc,
+    )
+
+
+def fused_steps(steps: Sequence[Any]) -> int:
+    """How many leading ``steps`` :func:`decode_batch` runs on each sample as it is resized (the
+    rest run on the batch): :func:`gpucache.transforms.elementwise_prefix`.
+    ``benchmarks/float_pipeline.py`` patches it to 0 to time the two-pass way."""
+    return elementwise_prefix(steps)
+
+
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def _run_each(steps: Sequence[Any], x: torch.Tensor) -> torch.Tensor:
+    for t in steps:
+        x = t(x)
+    return x
 
 
 #: Per-stage timings on (``GPUCACHE_TIMINGS=0`` in the environment turns them off, in the

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..store._oom import raise_if_out_of_memory
 from ._base import Backend
-from ._core import Decoded, decode_batch
+from ._core import Decoded, decode_task
 from ._options import DecodeOptions
 from ._workers import WorkerPool
 
@@ -23,23 +23,22 @@ class CpuBackend(Backend):
     def __init__(self, cache, options: DecodeOptions):
         self.cache, self.options = cache, options
         self.pool = WorkerPool(cache, options) if options.num_workers > 0 else None
-        self._inline: deque[tuple[np.ndarray, np.ndarray, bool]] = deque()
+        self._inline: deque[tuple[np.ndarray, np.ndarray, bool, tuple[int, ...]]] = deque()
 
-    def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
+    def submit(
+        self, indices: np.ndarray, plans: np.ndarray, stack: bool, key: tuple[int, ...] = ()
+    ) -> None:
         if self.pool is not None:
-            self.pool.submit(indices, plans, stack)
+            self.pool.submit(indices, plans, stack, key)
         else:  # decoded lazily in get(), so an abandoned epoch costs nothing
-            self._inline.append((indices, plans, stack))
+            self._inline.append((indices, plans, stack, key))
 
     def get(self) -> Decoded:
         if self.pool is not None:
             return self.pool.get()
-        indices, plans, stack = self._inline.popleft()
+        indices, plans, stack, key = self._inline.popleft()
         try:
-            opts = self.options
-            out = decode_batch(
-                self.cache, indices, plans, on_error=opts.on_error, stack=stack, exact=opts.exact
-            )
+            out = decode_task(self.cache, indices, plans, stack, key, self.options)
         except RuntimeError as err:  # the batch's own (the stack); a sample's is OutOfMemory
             raise_if_out_of_memory(err, f"while decoding a batch of {len(indices)} samples")
             raise

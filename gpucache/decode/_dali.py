@@ -155,7 +155,9 @@ class DaliBackend(Backend):
                 in_flight += 1
 
     # ------------------------------------------------------------------ Backend
-    def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
+    def submit(
+        self, indices: np.ndarray, plans: np.ndarray, stack: bool, key: tuple[int, ...] = ()
+    ) -> None:
         if self._closed:
             raise RuntimeError("this DaliBackend is closed; make a new one (or a new loader).")
         indices = np.asarray(indices, dtype=np.int64)

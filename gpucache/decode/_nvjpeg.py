@@ -363,7 +363,9 @@ class NvjpegBackend(Backend):
         return parts
 
     # ------------------------------------------------------------------ Backend
-    def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
+    def submit(
+        self, indices: np.ndarray, plans: np.ndarray, stack: bool, key: tuple[int, ...] = ()
+    ) -> None:
         if self._closed:
             raise RuntimeError("this NvjpegBackend is closed; make a new one (or a new loader).")
         indices, plans = np.asarray(indices, dtype=np.int64), np.asarray(plans)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,9 @@ class DecodeOptions:
         worker_init_fn: Called as ``fn(worker_id)`` in each worker after seeding it.
         timeout: Seconds to wait for a batch (None: as long as the workers live).
         pin_memory: Receive batches into pinned memory.
+        steps: The first batch steps, those that act on each sample alone
+            (:func:`gpucache.transforms.per_sample_prefix`), run by the cpu backend with the
+            decode when the batch ends on the CPU; the loop's process runs the rest.
     """
 
     on_error: str = "skip"
@@ -37,6 +41,8 @@ class DecodeOptions:
     worker_init_fn: Callable[[int], None] | None = None
     timeout: float | None = None
     pin_memory: bool = False
+    steps: tuple[Any, ...] = ()
+    share_batches: bool = False  # the pool's: workers send batches as memory files (._shared)
 
     def worker_seed(self, wid: int) -> int:
         """Worker ``wid``'s seed: ``SeedSequence(seed).spawn(num_workers)[wid]``'s first word."""

@@ -32,7 +32,8 @@ import torch
 
 from .._errors import OutOfMemory, SampleError, said
 from ..store._oom import is_out_of_memory
-from ._core import Decoded, decode_batch
+from . import _shared
+from ._core import Decoded, decode_task
 from ._jpeg import quiet_torchvision_deprecation
 from ._options import DecodeOptions
 
@@ -90,12 +91,13 @@ def worker_main(
         os._exit(1)
     _send(sock, {"kind": "ready"})
     trim = _malloc_trim()
+    alloc = _shared.Allocator() if options.share_batches else None
     while True:
         item = tasks.get()
         if item is None:  # the reader could not allocate a task it received
             _report(sock, _no_memory(None, "while receiving a task", "MemoryError"))
             os._exit(1)
-        _serve(sock, cache, *item, options=options)
+        _serve(sock, cache, *item, options=options, alloc=alloc)
         if trim is not None and tasks.empty():
             trim(0)  # idle: give the freed decode buffers back (see _malloc_trim)
 
@@ -107,21 +109,24 @@ def _serve(
     indices,
     plans,
     stack: bool,
+    key: tuple[int, ...],
     *,
     options: DecodeOptions,
+    alloc: _shared.Allocator | None,
 ) -> None:
     """Decode one task and send its result, or report why not. Everything the result needs is
     allocated before its first byte is sent, so a failure is reported in place of the result.
     Out of memory is reported without a traceback, after the batch and the exception are
-    dropped: the report itself then has memory to be made in."""
-    out = head = data = report = None
+    dropped: the report itself then has memory to be made in. A stacked batch decoded into a
+    memory file (``alloc``, :mod:`._shared`) is sent as the file's descriptor."""
+    out = head = data = report = fd = None
     where = "while decoding"
     try:
-        out = decode_batch(
-            cache, indices, plans, on_error=options.on_error, stack=stack, exact=options.exact
+        out = decode_task(
+            cache, indices, plans, stack, key, options, alloc.empty if alloc else None
         )
         where = "while copying its result for sending"
-        head, data = _result(task, out)
+        head, data, fd = _result(task, out, alloc)
     except BaseException as err:  # noqa: BLE001 - everything is reported to the parent
         if isinstance(err, OutOfMemory):  # decode_batch says which sample
             report = _no_memory(task, err.what, err.detail)
@@ -135,12 +140,23 @@ def _serve(
                 "sample_error": isinstance(err, SampleError),
                 "traceback": traceback.format_exc(),
             }
-    out = None  # an idle worker holds no decoded images
+    out = None  # an idle worker holds no decoded images (a memory file's pages live in the file)
+    if alloc is not None:
+        alloc.release()  # buffers of a batch that failed
     if report is not None:
+        if fd is not None:
+            os.close(fd)
         _report(sock, report)
         return
     assert head is not None  # made above, or the report was sent instead
     _send_bytes(sock, head, data)
+    if fd is not None:
+        try:
+            socket.send_fds(sock, [b"F"], [fd])
+        except OSError:  # the parent closed the pool or died
+            os._exit(0)
+        finally:
+            os.close(fd)
 
 
 def _no_memory(task: int | None, where: str, detail: str) -> dict:
@@ -248,14 +264,26 @@ def _send_bytes(sock: socket.socket, payload: bytes, data: memoryview | None = N
         os._exit(0)
 
 
-def _result(task: int, out: Decoded) -> tuple[bytes, memoryview]:
-    """The header and the one raw buffer of a decoded batch (a stacked batch is sent as it is;
-    a list is copied once into one buffer, image after image, each CHW). The copy counts as
-    collate time, and as time the worker was busy."""
+def _result(
+    task: int, out: Decoded, alloc: _shared.Allocator | None
+) -> tuple[bytes, memoryview | None, int | None]:
+    """The header of a decoded batch and its one raw buffer, or the memory file that holds it
+    (a stacked batch is sent as it is, uint8 or the dtype its steps made, its bytes as they
+    lie: in the memory file it was decoded into, or copied once into one when the steps after
+    the decode made a new tensor; a list is copied once into one buffer, image after image,
+    each CHW). The copy counts as collate time, and as time the worker was busy."""
     started = time.perf_counter()
     imgs = out.images
+    dtype, fd = "uint8", None
     if isinstance(imgs, torch.Tensor):
-        shapes, flat = [tuple(imgs.shape)], imgs.contiguous().reshape(-1)
+        dtype = str(imgs.dtype).removeprefix("torch.")
+        if alloc is not None:
+            imgs = imgs.contiguous()
+            fd = alloc.take(imgs)
+            if fd is None:  # made by a step after the decode: one copy into a memory file
+                imgs = alloc.empty(tuple(imgs.shape), imgs.dtype).copy_(imgs)
+                fd = alloc.take(imgs)
+        shapes, flat = [tuple(imgs.shape)], imgs.contiguous().reshape(-1).view(torch.uint8)
     else:
         shapes = [tuple(t.shape) for t in imgs]
         flat = torch.empty(sum(t.numel() for t in imgs), dtype=torch.uint8)
@@ -279,7 +307,12 @@ def _result(task: int, out: Decoded) -> tuple[bytes, memoryview]:
             "routes": out.routes,
             "busy": out.busy + took,
             "nbytes": flat.numel(),
+            "dtype": dtype,
+            "rng_state": out.rng_state,
+            "fd": fd is not None,  # the bytes follow as a memory file's descriptor
         }
     )
+    if fd is not None:
+        return head, None, fd
     # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
-    return head, memoryview(flat.numpy())  # type: ignore[arg-type]
+    return head, memoryview(flat.numpy()), None  # type: ignore[arg-type]

@@ -1,8 +1,10 @@
 """The CPU worker pool: persistent processes, seeded, bounded in every wait, shut down in parallel.
 
 Protocol. Each worker owns one socket pair. Every message is an 8-byte length and a pickle; a
-decoded batch is a small header followed by one raw buffer, read straight into the destination
-tensor (pinned when asked) -- no per-sample pickling and no shared memory. Tasks go round-robin and
+decoded batch is a small header followed by one raw buffer: a stacked batch decoded into a memory
+file goes as the file's descriptor, mapped here as the batch tensor (:mod:`._shared`, Linux, not
+into pinned memory); otherwise its bytes follow, read straight into the destination tensor (pinned
+when asked) -- no per-sample pickling and nothing in ``/dev/shm``. Tasks go round-robin and
 results are read in the same order, so batch order is deterministic.
 
 Designed for failure:
@@ -21,6 +23,7 @@ Designed for failure:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import multiprocessing as mp
@@ -43,7 +46,7 @@ import torch
 from .._cores import affinity, usable_cores
 from .._errors import SampleError, WorkerError
 from ..store._oom import FIX, raise_if_out_of_memory
-from . import _roi
+from . import _roi, _shared
 from ._core import Decoded
 from ._options import DecodeOptions
 from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
@@ -87,6 +90,9 @@ class WorkerPool:
     """``num_workers`` persistent decode processes fed round-robin."""
 
     def __init__(self, cache, options: DecodeOptions):
+        # batches come back as memory files where there are (not into pinned memory)
+        share = _shared.available() and not options.pin_memory
+        options = dataclasses.replace(options, share_batches=share)
         ctx = mp.get_context(options.context)
         num_workers, timeout, pin_memory = options.num_workers, options.timeout, options.pin_memory
         self.method = ctx.get_start_method()
@@ -174,14 +180,17 @@ class WorkerPool:
         return out
 
     # ------------------------------------------------------------------ feeding and reading
-    def submit(self, indices: np.ndarray, plans: np.ndarray, stack: bool) -> None:
-        """Queue a task for the next worker; never blocks (unsent bytes wait in a buffer)."""
+    def submit(
+        self, indices: np.ndarray, plans: np.ndarray, stack: bool, key: tuple[int, ...] = ()
+    ) -> None:
+        """Queue a task for the next worker; never blocks (unsent bytes wait in a buffer).
+        ``key`` seeds the batch steps the workers run (``DecodeOptions.steps``)."""
         with self._using():
             w = self._next
             self._next = (w + 1) % len(self._links)
             self._task += 1
             link = self._links[w]
-            link.out.append(memoryview(frame((self._task, indices, plans, stack))))
+            link.out.append(memoryview(frame((self._task, indices, plans, stack, key))))
             link.flush()
             self._pending.append((w, self._task, indices))
 
@@ -235,6 +244,16 @@ class WorkerPool:
                 f"{msg['error']}\n\nOriginal traceback in the worker:\n"
                 f"{msg['traceback']}"
             )
+        shapes = msg["shapes"]
+        dtype = getattr(torch, msg.get("dtype", "uint8"))
+        if msg.get("fd"):  # a stacked batch in a memory file: mapped, not copied
+            fd = self._recv_fd(link, indices, deadline)
+            try:
+                shared = _shared.attach(fd, msg["nbytes"], dtype, tuple(shapes[0]))
+            except (OSError, ValueError) as err:
+                raise_if_out_of_memory(err, f"mapping a batch from {link}")
+                raise WorkerError(f"{link} sent a batch that could not be mapped: {err}") from err
+            return self._decoded(msg, w, shared)
         try:
             buf = torch.empty(msg["nbytes"], dtype=torch.uint8, pin_memory=self.pin_memory)
         except RuntimeError as err:
@@ -246,13 +265,16 @@ class WorkerPool:
             # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
             into = memoryview(buf.numpy())  # type: ignore[arg-type]
             self._recv(link, bytes_into=into, indices=indices, deadline=deadline)
-        shapes = msg["shapes"]
         images: torch.Tensor | list[torch.Tensor]
-        if msg["stacked"]:
-            images = buf.view(shapes[0])
+        if msg["stacked"]:  # a float batch's bytes, viewed as its dtype (no copy)
+            images = buf.view(dtype).view(shapes[0])
         else:
             sizes = [int(np.prod(s)) for s in shapes]
             images = [t.view(s) for t, s in zip(buf.split(sizes), shapes)]
+        return self._decoded(msg, w, images)
+
+    @staticmethod
+    def _decoded(msg: dict, w: int, images: torch.Tensor | list[torch.Tensor]) -> Decoded:
         return Decoded(
             images,
             msg["indices"],
@@ -264,7 +286,34 @@ class WorkerPool:
             routes=msg["routes"],
             busy=msg["busy"],
             worker=w,
+            rng_state=msg.get("rng_state"),
         )
+
+    def _recv_fd(self, link: _Link, indices, deadline) -> int:
+        """The memory file a worker sends after a batch's header (``_shared``)."""
+        exited = False
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(link.sock, 1, 1)
+            except BlockingIOError:
+                if exited:
+                    raise self._died(link, indices, 0, 1) from None
+                exited = self._wait(link, indices, deadline, 0, 1)
+                continue
+            except OSError as err:  # ConnectionResetError: killed mid-send
+                raise self._died(link, indices, 0, 1) from err
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                raise self._died(link, indices, 0, 1)
+            if len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise WorkerError(
+                    f"{link} sent no memory file after a batch's header (protocol error; "
+                    "please report it)."
+                )
+            return fds[0]
 
     def _header(self, link: _Link, indices, deadline) -> memoryview:
         head = bytearray(LEN.size)

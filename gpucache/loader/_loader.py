@@ -21,7 +21,7 @@ from ..decode._options import DecodeOptions
 from ..decode._workers import default_workers
 from ..store._store import Store
 from ..store._targets import dense_targets, kept_rows, ragged_targets
-from ..transforms import Transform, as_compose, batch_generator
+from ..transforms import Transform, apply_steps, as_compose, batch_generator
 from ..transforms._device import to_device
 from . import _state
 from ._sampling import Sampling
@@ -215,6 +215,12 @@ class GpuCachedLoader:
         self.on_error, self.return_metadata = on_error, return_metadata
         self.exact = bool(exact)  # False: CPU decode may use DCT scaling (docs/guides/backends.md)
         self.num_replicas, self.rank = num_replicas, rank
+        # the first batch steps that act on each sample alone run in the cpu backend's workers
+        # (or its inline decode) when the batch ends on the CPU; the rest here, after them
+        cpu_batches = self.backend_name == "cpu" and self.device.type == "cpu"
+        self._steps_in_backend = (
+            self.transform.per_sample_steps() if cpu_batches and self.transform.fixed_size else 0
+        )
         self.stats = LoaderStats(
             workers=max(1, self.num_workers) if self.backend_name == "cpu" else 1,
             backend=self.backend_name,
@@ -325,10 +331,13 @@ class GpuCachedLoader:
         """(store, sampling) fingerprints for the state: computed once, the same on every rank."""
         return _state.store_fingerprint(self.cache), _state.sampling_fingerprint(self.sampling)
 
+    def _key(self, epoch: int, batch: int) -> tuple[int, ...]:
+        """What seeds one batch's plans and batch steps: (seed, epoch, batch[, rank])."""
+        return (self.seed, epoch, batch) + ((self.rank,) if self.num_replicas > 1 else ())
+
     def plans(self, epoch: int, batch: int, indices: np.ndarray) -> np.ndarray:
         """The geometric plan of each sample of one batch (seeded by seed, epoch, batch, rank)."""
-        key = [self.seed, epoch, batch] + ([self.rank] if self.num_replicas > 1 else [])
-        rng = np.random.default_rng(key)
+        rng = np.random.default_rng(list(self._key(epoch, batch)))
         s = self.cache.samples
         return self.transform.plan(
             s["height"][indices].astype(np.int64), s["width"][indices].astype(np.int64), rng
@@ -348,6 +357,7 @@ class GpuCachedLoader:
             worker_init_fn=self.worker_init_fn,
             timeout=self.timeout,
             pin_memory=self.pin_memory,
+            steps=tuple(t for _, t in self.transform.steps[: self._steps_in_backend]),
         )
 
     def _get_backend(self) -> Backend:
@@ -401,7 +411,9 @@ class GpuCachedLoader:
                 while submitted < len(batches) and submitted < b + ahead:
                     idx = batches[submitted]
                     in_flight.append((idx, self.plans(epoch, first + submitted, idx)))
-                    backend.submit(idx, in_flight[-1][1], stack)
+                    backend.submit(
+                        idx, in_flight[-1][1], stack, self._key(epoch, first + submitted)
+                    )
                     submitted += 1
             planned = clock()
             ready = backend.ready() if TIMED else 0
@@ -471,9 +483,12 @@ class GpuCachedLoader:
                 torch.from_numpy((self.cache.labels if dense is None else dense)[out.indices])
             )
         t1 = clock()
-        key = [self.seed, epoch, batch] + ([self.rank] if self.num_replicas > 1 else [])
+        generator = batch_generator(*self._key(epoch, batch))
+        if out.rng_state is not None:  # the backend ran the first steps: the rest go on from there
+            generator.set_state(torch.frombuffer(bytearray(out.rng_state), dtype=torch.uint8))
+        rest = self.transform.steps[self._steps_in_backend :]
         with _range("gpucache.transform", profiled):
-            images, labels = self.transform.apply(images, labels, generator=batch_generator(*key))
+            images, labels = apply_steps(rest, images, labels, generator)
         row["transfer"], row["transform"] = t1 - t0, clock() - t1
         if not self.return_metadata:
             return images, labels

@@ -11,6 +11,8 @@ Stages (the same names on every backend):
   backends' threads), in parallel with the loop: touching the sample's bytes (a store read from
   disk shows here), decoding (split by route: ``region``, ``scaled``, ``full``, ``fallback``),
   running the plan (crop, resize, flip), assembling the batch (stack, copy for sending);
+- ``steps``: the batch steps that act on each sample alone (ToDtype, Normalize, ColorJitter,
+  PerSample), where the cpu backend runs them: in its workers, when the batch ends on the CPU;
 - ``transform``: the batch steps (Normalize, ColorJitter, any callable), in the loop's process;
 - ``transfer``: the copy to the device.
 
@@ -28,8 +30,19 @@ from typing import Any
 import numpy as np
 
 #: per-batch record columns; ``images`` is the batch's size
-COLUMNS = ("wait", "step", "plan", "read", "decode", "resize", "collate", "transform", "transfer")
-PRODUCER = ("read", "decode", "resize", "collate")  # in workers or threads, in parallel
+COLUMNS = (
+    "wait",
+    "step",
+    "plan",
+    "read",
+    "decode",
+    "resize",
+    "steps",
+    "collate",
+    "transform",
+    "transfer",
+)
+PRODUCER = ("read", "decode", "resize", "steps", "collate")  # in workers or threads, in parallel
 ROUTES = ("region", "scaled", "full", "fallback")
 #: what ``LoaderStats.bottleneck`` can say
 BOTTLENECKS = ("step", "decode", "transform", "read", "collate", "transfer")
@@ -133,7 +146,8 @@ class LoaderStats:
         par = max(1, self.workers)
         return {
             "decode": sec["decode"] / par / n,
-            "transform": (sec["resize"] / par + sec["plan"] + sec["transform"]) / n,
+            "transform": ((sec["resize"] + sec["steps"]) / par + sec["plan"] + sec["transform"])
+            / n,
             "read": sec["read"] / par / n,
             "collate": sec["collate"] / par / n,
             "transfer": sec["transfer"] / n,
@@ -243,6 +257,7 @@ class LoaderStats:
         if what == "transform":
             parts = {
                 "resize": sec["resize"] / par,
+                "steps": sec["steps"] / par,
                 "plan": sec["plan"],
                 "transform": sec["transform"],
             }
@@ -252,6 +267,11 @@ class LoaderStats:
                     f"the batch transforms take {sec['transform'] / n * 1e3:.0f} ms a batch in "
                     "the loop's process; make them cheaper, or run them on the GPU "
                     "(device='cuda')"
+                )
+            if worst == "steps":
+                return head + (
+                    f"{busy}, {sec['steps'] / max(1, self.samples) * 1e3:.2f} ms an image for "
+                    f"the batch steps in the workers; {self._more_workers()}or make them cheaper"
                 )
             if worst == "plan":
                 return head + (
