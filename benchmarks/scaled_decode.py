@@ -1,7 +1,8 @@
 """``exact=False`` against ``exact=True``: per-image pixel difference, and CPU time.
 
     python benchmarks/scaled_decode.py [--photos DIR] [--images 0] [--mosaics 40] [--seeds 3]
-        [--rounds 3] [--variants 2:24:0.05,1:24:inf,1:0:inf] [--out JSON]
+        [--rounds 3] [--variants 2:24:0.05,1:24:inf,1:0:inf] [--hd 1920x1080:16,4000x3000:6]
+        [--out JSON]
 
 On real photos (``DIR``, an ImageFolder; ../shared/data/hymenoptera by default; ``--images 0``
 takes every JPEG) and on 2000 x 1500 mosaics of them (4 x 4 photos resized to 500 x 375, JPEG
@@ -15,6 +16,10 @@ after a resize is not cut, and training boxes' edges round to the nearest scaled
 most an edge may shift the samples before the next finer scale is taken (s output pixels,
 ``_MAX_SHIFT``; inf: never). The first variant is the library's; ``1:24:inf`` is the rule
 before 2026-12-02 for eval, ``1:0:inf`` for training.
+
+``--hd WxH:N,...`` measures generated HD photos instead (N of each size, photo-like images of
+``gpucache.testing.make_jpeg_bytes``, quality 90, 4:2:0, each its own seed): the sets where the
+photo is much larger than the output and the DCT scale decides the speed.
 
 Reported per set, plan and variant: how many samples took each scale; the distribution over
 samples of the mean absolute difference (levels) against the exact output (median, p90, p99,
@@ -49,6 +54,20 @@ def mosaics(photos: list[Path], n: int, out: Path) -> list[Path]:
                 canvas.paste(im.convert("RGB").resize((500, 375)), (500 * (j % 4), 375 * (j // 4)))
         p = out / f"mosaic{k:03d}.jpg"
         canvas.save(p, "JPEG", quality=90)
+        made.append(p)
+    return made
+
+
+def hd(spec: str, out: Path) -> list[Path]:
+    """``WxH:N``: N generated photo-like JPEGs of W x H (quality 90, 4:2:0), seeds 0..N-1."""
+    from gpucache.testing import make_jpeg_bytes
+
+    size, n = spec.split(":")
+    w, h = (int(x) for x in size.split("x"))
+    made = []
+    for k in range(int(n)):
+        p = out / f"hd{w}x{h}-{k:03d}.jpg"
+        p.write_bytes(make_jpeg_bytes(w, h, seed=k, quality=90))
         made.append(p)
     return made
 
@@ -140,6 +159,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="2:24:0.05,1:24:inf,1:0:inf")
+    ap.add_argument("--hd", help="WxH:N,... generated HD photos instead of photos and mosaics")
     ap.add_argument("--out", type=Path, default=here.parent / "results" / "scaled_decode.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -168,7 +188,13 @@ def main() -> None:
         "RandomResizedCrop(32)": T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip()]),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        sets = {"photos": pick, "mosaics 2000x1500": mosaics(photos, args.mosaics, Path(tmp))}
+        if args.hd:
+            sets = {f"HD {spec.split(':')[0]}": hd(spec, Path(tmp)) for spec in args.hd.split(",")}
+        else:
+            sets = {
+                "photos": pick,
+                "mosaics 2000x1500": mosaics(photos, args.mosaics, Path(tmp)),
+            }
         for name, files in sets.items():
             cache = JpegCache.from_files(files, progress=False)
             s = cache.samples
