@@ -344,3 +344,18 @@ def test_masks_agree_on_dali_cpu(painted):
     for (x, m), rm in zip(got, ref, strict=True):
         assert torch.equal(m, rm)
         _agree(x, m)
+
+
+def test_fill_and_mask_fill_agree_on_the_emulated_nvjpeg_backend(painted):
+    from tests.support.emulated_cuda import EmulatedCuda
+
+    kw = dict(batch_size=8, seed=0, transform=[T.Letterbox(64)], fill=9, mask_fill=77)
+    with GpuCachedLoader(painted, device="cpu", backend="cpu", num_workers=0, **kw) as cpu:
+        ref = list(cpu)
+    with EmulatedCuda(devices=1):
+        with GpuCachedLoader(painted, device="cuda", backend="nvjpeg", **kw) as gpu:
+            got = [(x.cpu(), m.cpu()) for x, m in gpu]
+    for (x, m), (rx, rm) in zip(got, ref, strict=True):
+        assert torch.equal(m, rm) and (m == 77).any()
+        pad = (m == 77)[:, None].expand_as(x)
+        assert (x[pad] == 9).all() and (rx[pad] == 9).all()

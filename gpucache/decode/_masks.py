@@ -162,3 +162,28 @@ def batch_masks(
         to_device(apply_mask_plan(decode_one(cache, i, dtype), plan, fill), device)
         for i, plan in zip(np.asarray(indices).tolist(), np.asarray(plans).tolist())
     ]
+
+
+def fill_padding(
+    images: torch.Tensor | list[torch.Tensor], plans: np.ndarray, fill: int
+) -> torch.Tensor | list[torch.Tensor]:
+    """``images`` (uint8, as a backend decoded them with zero padding) with ``fill`` where
+    their plans pad: the rows and columns :func:`plan_indices` finds outside the resized image.
+    A constant number of ops for a batch tensor, on its device; for the GPU backends, whose
+    batched resize pads with zeros."""
+    if not fill or not len(plans):
+        return images
+    p = np.asarray(plans)
+    if isinstance(images, torch.Tensor):
+        h2, w2 = images.shape[-2:]
+        return _fill(images, torch.from_numpy(p).to(images.device), h2, w2, fill)
+    return [
+        _fill(x[None], torch.from_numpy(p[k : k + 1]).to(x.device), *x.shape[-2:], fill)[0]
+        for k, x in enumerate(images)
+    ]
+
+
+def _fill(x: torch.Tensor, plans: torch.Tensor, h2: int, w2: int, fill: int) -> torch.Tensor:
+    _, _, ok_r, ok_c = plan_indices(plans, h2, w2)
+    ok = (ok_r[:, :, None] & ok_c[:, None, :])[:, None]
+    return torch.where(ok, x, torch.full((), fill, dtype=x.dtype, device=x.device))

@@ -521,6 +521,8 @@ class GpuCachedLoader:
         if self._masks_dtype is not None:
             with _range("gpucache.masks", profiled):
                 masks = self._batch_masks(out, kept)
+        if self.fill and self.backend_name != "cpu":  # the GPU backends pad with zeros
+            images = _masks.fill_padding(images, kept, self.fill)
         with _range("gpucache.transform", profiled):
             images, labels = apply_steps(rest, images, labels, generator)
             if masks is not None:
