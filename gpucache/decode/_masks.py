@@ -177,10 +177,11 @@ def fill_padding(
     if isinstance(images, torch.Tensor):
         h2, w2 = images.shape[-2:]
         return _fill(images, torch.from_numpy(p).to(images.device), h2, w2, fill)
-    return [
-        _fill(x[None], torch.from_numpy(p[k : k + 1]).to(x.device), *x.shape[-2:], fill)[0]
-        for k, x in enumerate(images)
-    ]
+    out = []
+    for k, x in enumerate(images):
+        h2, w2 = x.shape[-2:]
+        out.append(_fill(x[None], torch.from_numpy(p[k : k + 1]).to(x.device), h2, w2, fill)[0])
+    return out
 
 
 def _fill(x: torch.Tensor, plans: torch.Tensor, h2: int, w2: int, fill: int) -> torch.Tensor:
