@@ -96,17 +96,30 @@ def plan_indices(
     return rows, cols, ok_r, ok_c
 
 
+def _axis(first: int, size: int, resized: int, start: int, n: int, flip: int):
+    """One axis of :func:`plan_indices` for one sample, in numpy (a per-sample call costs a
+    few microseconds, where torch's small ops cost 0.3 ms): source indices and inside flags."""
+    out = np.arange(n, dtype=np.int64)
+    if flip:
+        out = n - 1 - out
+    r = start + out
+    ok = (r >= 0) & (r < resized)
+    r = np.clip(r, 0, resized - 1)
+    return first + ((2 * r + 1) * size) // (2 * resized), ok
+
+
 def apply_mask_plan(mask: torch.Tensor, plan: Sequence[int], fill: int) -> torch.Tensor:
-    """One (H, W) mask through one plan: the (height2, width2) mask aligned with its image."""
-    p = torch.as_tensor(list(plan), dtype=torch.int64)[None]
-    h2, w2 = int(p[0, Col.HEIGHT2]), int(p[0, Col.WIDTH2])
-    rows, cols, ok_r, ok_c = plan_indices(p, h2, w2)
-    rows, cols = rows[0].clamp_(0, mask.shape[0] - 1), cols[0].clamp_(0, mask.shape[1] - 1)
-    out = mask.index_select(0, rows).index_select(1, cols)
-    if not (bool(ok_r.all()) and bool(ok_c.all())):
-        out[~ok_r[0]] = fill
-        out[:, ~ok_c[0]] = fill
-    return out
+    """One (H, W) mask through one plan: the (height2, width2) mask aligned with its image
+    (the same indices as :func:`plan_indices`, computed in numpy)."""
+    t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan)
+    rows, ok_r = _axis(t1, h1, rh, t2, h2, 0)
+    cols, ok_c = _axis(l1, w1, rw, l2, w2, flip)
+    a = mask.numpy()
+    out = a.take(rows.clip(0, a.shape[0] - 1), 0).take(cols.clip(0, a.shape[1] - 1), 1)
+    if not (ok_r.all() and ok_c.all()):
+        out[~ok_r] = fill
+        out[:, ~ok_c] = fill
+    return torch.from_numpy(out)
 
 
 def gather_masks(padded: torch.Tensor, plans: torch.Tensor, fill: int) -> torch.Tensor:
