@@ -132,7 +132,7 @@ def main() -> None:
         )
         loaders = {"gpucache": ours, "dataloader_pil_v2": peer}
         times: dict[str, list[float]] = {k: [] for k in loaders}
-        for name, loader in loaders.items():  # workers started, caches warm: untimed
+        for loader in loaders.values():  # workers started, caches warm: untimed
             epoch(loader)
         n = 0
         for _ in range(args.rounds):
