@@ -359,3 +359,18 @@ def test_fill_and_mask_fill_agree_on_the_emulated_nvjpeg_backend(painted):
         assert torch.equal(m, rm) and (m == 77).any()
         pad = (m == 77)[:, None].expand_as(x)
         assert (x[pad] == 9).all() and (rx[pad] == 9).all()
+
+
+def test_an_eval_resize_and_center_crop_keeps_mask_and_image_aligned(painted):
+    """With exact=False the image's crop may be cut before its resize (DCT scaling); the mask
+    follows the plan as drawn and still agrees with the painted pixels."""
+    for exact in (False, True):
+        with GpuCachedLoader(
+            painted,
+            batch_size=16,
+            num_workers=0,
+            exact=exact,
+            transform=[T.Resize(40), T.CenterCrop(36)],
+        ) as loader:
+            images, masks = next(iter(loader))
+        _agree(images, masks)

@@ -34,6 +34,12 @@ from ..store._masks import MaskKind
 from ._jpeg import quiet_torchvision_deprecation
 
 
+def warm() -> None:
+    """Import the PNG decoder here (1.4 s: torchvision.io brings sympy): called before the cpu
+    workers start, so forked workers inherit it instead of each paying it on its first mask."""
+    import torchvision.io  # noqa: F401
+
+
 def mask_dtype(masks) -> torch.dtype:
     """The dtype of a store's mask batches: int32 when any mask is 16-bit, else uint8."""
     return torch.int32 if bool((masks.kinds == int(MaskKind.I16)).any()) else torch.uint8

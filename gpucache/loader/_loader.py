@@ -391,6 +391,8 @@ class GpuCachedLoader:
 
     def _get_backend(self) -> Backend:
         if self._backend is None:
+            if self._masks_dtype is not None:
+                _masks.warm()  # before the workers fork: not once in each
             self._backend = _make_backend(self)
             self.stats.probe = self._backend.private_memory
         return self._backend
