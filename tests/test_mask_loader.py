@@ -374,3 +374,14 @@ def test_an_eval_resize_and_center_crop_keeps_mask_and_image_aligned(painted):
         ) as loader:
             images, masks = next(iter(loader))
         _agree(images, masks)
+
+
+def test_spawned_workers_send_the_same_masks(painted, tmp_path):
+    """Under spawn the worker maps the saved store's pages, masks included."""
+    store = JpegCache.open(painted.save(tmp_path / "painted.gpucache"))
+    kw = dict(batch_size=8, seed=4, transform=[T.RandomResizedCrop(24), T.RandomHorizontalFlip()])
+    with GpuCachedLoader(store, num_workers=0, **kw) as inline:
+        want = [m for _, m in inline]
+    with GpuCachedLoader(store, num_workers=1, multiprocessing_context="spawn", **kw) as spawned:
+        got = [m for _, m in spawned]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
