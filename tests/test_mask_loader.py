@@ -317,8 +317,16 @@ def test_the_batched_gather_equals_the_per_sample_plan(painted):
         assert torch.equal(got[k], want)
 
 
-def test_masks_agree_on_the_emulated_nvjpeg_backend(painted):
+def test_masks_agree_on_the_emulated_nvjpeg_backend(painted, monkeypatch):
+    """Decoded on nvjpeg's CPU stage, one copy and one gather a batch on the device (its side
+    stream, handed over to the consumer's: the emulation checks the order)."""
+    from gpucache.decode import _masks
     from tests.support.emulated_cuda import EmulatedCuda
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("nvjpeg brings its masks; the loader decodes none")
+
+    monkeypatch.setattr(_masks, "batch_masks", not_here)
 
     tf = [T.RandomResizedCrop(40), T.RandomHorizontalFlip()]
     kw = dict(batch_size=8, seed=2, shuffle=True, transform=tf)
@@ -385,3 +393,15 @@ def test_spawned_workers_send_the_same_masks(painted, tmp_path):
     with GpuCachedLoader(store, num_workers=1, multiprocessing_context="spawn", **kw) as spawned:
         got = [m for _, m in spawned]
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_variable_size_masks_on_the_emulated_nvjpeg_backend(painted):
+    from tests.support.emulated_cuda import EmulatedCuda
+
+    with GpuCachedLoader(painted, batch_size=5, num_workers=0, seed=0) as cpu:
+        ref = [m for _, m in cpu]
+    with EmulatedCuda(devices=1):
+        with GpuCachedLoader(painted, batch_size=5, device="cuda", backend="nvjpeg") as gpu:
+            got = [[t.cpu() for t in m] for _, m in gpu]
+    for g, r in zip(got, ref, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(g, r, strict=True))

@@ -16,7 +16,7 @@ from .. import _dist
 from .. import decode as _decode
 from ..decode import _masks
 from ..decode._base import GPU_IN_FLIGHT, Backend
-from ..decode._core import TIMED, Decoded, stage_clock
+from ..decode._core import TIMED, Decoded, MaskOptions, stage_clock
 from ..decode._core import stage_range as _range
 from ..decode._options import DecodeOptions
 from ..decode._workers import default_workers
@@ -383,7 +383,7 @@ class GpuCachedLoader:
             timeout=self.timeout,
             pin_memory=self.pin_memory,
             steps=tuple(t for _, t in self.transform.steps[: self._steps_in_backend]),
-            masks=self._masks_dtype is not None and self.backend_name == "cpu",
+            masks=self._masks_dtype is not None and self.backend_name in ("cpu", "nvjpeg"),
             mask_fill=self.mask_fill,
             mask_dtype=str(self._masks_dtype or torch.uint8).removeprefix("torch."),
             fill=self.fill,
@@ -546,8 +546,9 @@ class GpuCachedLoader:
         return images, first, info
 
     def _batch_masks(self, out: Decoded, plans: np.ndarray) -> torch.Tensor | list[torch.Tensor]:
-        """The batch's masks on the loader's device: those the cpu backend decoded beside the
-        images, or decoded here on the host and gathered on the device (the GPU backends)."""
+        """The batch's masks on the loader's device: those the backend brought (the cpu
+        workers decode them beside the images, nvjpeg on its CPU stage), or decoded here on
+        the host and gathered on the device (DALI)."""
         assert self._masks_dtype is not None
         if out.masks is not None:
             m = out.masks
@@ -651,7 +652,12 @@ def _make_backend(loader: GpuCachedLoader) -> Backend:
     if name == "nvjpeg":
         from ..decode._nvjpeg import NvjpegBackend
 
-        return NvjpegBackend(loader.cache, device=loader.device, on_error=loader.on_error)
+        return NvjpegBackend(
+            loader.cache,
+            device=loader.device,
+            on_error=loader.on_error,
+            masks=MaskOptions.of(loader.decode_options),
+        )
     from ..decode._dali import DaliBackend
 
     return DaliBackend(
