@@ -10,9 +10,11 @@ a small image, :class:`~gpucache.transforms.Letterbox`, :class:`~gpucache.transf
 the fill value (the loader's ``mask_fill``, 255 by default). Values are never blended.
 
 PNG masks are decoded with torchvision's ``decode_png`` (libpng; palette PNGs give their
-indices), 1.1-1.5x faster than PIL on 375 x 500 masks (0.23 against 0.34 ms for 8-bit, 0.39
-against 0.59 ms for 16-bit, one core, 2026-12-06, /tmp bench of ``decode_png(UNCHANGED)`` and
-``np.asarray(Image.open(...))``); a PNG that it decodes to more than one channel goes through
+indices), as fast as PIL or faster: ``decode_png(data, ImageReadMode.UNCHANGED)`` against
+``np.asarray(Image.open(...))``, one thread, 2026-12-06, 2 cores under load 2.6: 375 x 500
+generated masks with six class blocks, 8-bit 0.23 against 0.34 ms, palette 0.20 against 0.22 ms,
+16-bit 0.39 against 0.59 ms; the 396 lesion masks of ``benchmarks/segmentation.py`` (0.2
+megapixels on average) 0.41 ms each way. A PNG it decodes to more than one channel goes through
 PIL (:func:`gpucache.ingest._masks.decode_mask`). Masks come out uint8 for a store whose masks
 are all 8-bit (``L``, ``P``) and int32 when any is 16-bit (``I;16``), so a batch has one dtype.
 
