@@ -72,3 +72,22 @@ def test_every_manual_page_the_code_points_at_exists():
     assert not missing, missing
     ddp = (ROOT / "pipelines" / "ddp_example.py").read_text()
     assert "docs/guides/multi-gpu.md" in ddp.split("\n")[0]  # its --help's description
+
+
+def test_segmentation_example_trains_and_prints_per_class_iou(tmp_path):
+    run = _example(
+        "pipelines.segmentation_example",
+        "--synthetic",
+        "30",
+        "--epochs",
+        "1",
+        "--size",
+        "32",
+        "--workers",
+        "0",
+        tmp=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    for name in ("background", "lesion"):
+        assert re.search(rf"^test IoU {name}: \d\.\d{{3}}$", run.stdout, re.M), run.stdout
+    assert re.search(r"^test mIoU: \d\.\d{3}$", run.stdout, re.M)

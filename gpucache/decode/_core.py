@@ -29,7 +29,7 @@ from ..ingest._sniff import JPEG_KINDS, Kind
 from ..store._limits import check_pixels
 from ..store._oom import raise_if_out_of_memory
 from ..transforms import apply_steps, batch_generator, elementwise_into, elementwise_prefix
-from . import _roi, _roi_rst
+from . import _masks, _roi, _roi_rst
 from ._jpeg import (  # noqa: F401 - the full JPEG decode, shared with the region decoder's check
     TV_DEPRECATION,
     decode_jpeg,
@@ -75,9 +75,18 @@ def apply_plan(img: torch.Tensor, plan) -> torch.Tensor:
 
 
 def finish_plan(
-    x: torch.Tensor, rh: int, rw: int, t2: int, l2: int, h2: int, w2: int, flip: int
+    x: torch.Tensor,
+    rh: int,
+    rw: int,
+    t2: int,
+    l2: int,
+    h2: int,
+    w2: int,
+    flip: int,
+    fill: int = 0,
 ) -> torch.Tensor:
-    """The plan after its first crop: resize ``x`` to (rh, rw), crop (zero-padded), flip."""
+    """The plan after its first crop: resize ``x`` to (rh, rw), crop (padded with ``fill``
+    where the crop leaves the image), flip."""
     h1, w1 = x.shape[-2:]
     if (rh, rw) != (h1, w1):
         if x.device.type == "cpu":  # uint8 in, uint8 out: torch's vectorized CPU kernel
@@ -91,7 +100,8 @@ def finish_plan(
             )
     if (t2, l2, h2, w2) != (0, 0, rh, rw):
         if t2 < 0 or l2 < 0 or t2 + h2 > rh or l2 + w2 > rw:  # crop larger than image: zero pad
-            x = F.pad(x, (max(0, -l2), max(0, l2 + w2 - rw), max(0, -t2), max(0, t2 + h2 - rh)))
+            pads = (max(0, -l2), max(0, l2 + w2 - rw), max(0, -t2), max(0, t2 + h2 - rh))
+            x = F.pad(x, pads, value=fill)
             t2, l2 = max(t2, 0), max(l2, 0)
         x = x[:, t2 : t2 + h2, l2 : l2 + w2]
     if flip:
@@ -133,6 +143,8 @@ class Decoded:
     #: the batch generator's state after the batch steps run with the decode (``steps=``), for
     #: the steps that follow in the loop's process; None when none ran
     rng_state: bytes | None = None
+    #: each kept sample's mask through its plan (``masks=True``): (N, H, W), or a list of (H, W)
+    masks: torch.Tensor | list[torch.Tensor] | None = None
 
 
 def describe(cache, i: int, err: BaseException) -> str:
@@ -250,6 +262,8 @@ def decode_batch(
     steps: Sequence[Any] = (),
     key: Sequence[int] = (),
     alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+    masks: MaskOptions | None = None,
+    fill: int = 0,
 ) -> Decoded:
     """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise).
 
@@ -271,6 +285,10 @@ def decode_batch(
     ``alloc(shape, dtype)`` makes the stacked batch's tensor (``torch.empty`` by default; a cpu
     worker's puts it in a memory file it can send whole, :mod:`._shared`).
 
+    ``fill`` is the image value where a plan pads. ``masks`` (fill, dtype): each sample's mask is decoded beside its image and sent through
+    the sample's plan as drawn (:mod:`._masks`; nearest neighbour, ``fill`` where it pads); a
+    mask that fails fails its sample.
+
     The result carries the seconds each stage took (``Decoded.times``): ``read`` touches one byte
     a page of the sample's bytes, so that a store read from disk is seen there and not in decode.
     """
@@ -278,6 +296,7 @@ def decode_batch(
     profiled = torch.autograd._profiler_enabled()
     started = clock()
     images, kept, failed, warned, roi = [], [], [], [], 0
+    mask_out: list[torch.Tensor] = []
     mismatched: list[tuple[int, str]] = []
     read = decoded = resized = stepped = 0.0
     fused = tuple(steps[: fused_steps(steps)]) if stack else ()
@@ -306,6 +325,7 @@ def decode_batch(
     )
     for s, plan in zip(samples, np.asarray(plans).tolist()):
         i, kind = s.i, s.kind
+        drawn = plan  # the plan as drawn, for the mask (fast_plan may change the image's)
         denom = 1
         if not exact:  # the scale only where the compiled decoder takes the sample
             plan, denom = fast_plan(
@@ -347,7 +367,11 @@ def decode_batch(
                     failed.append((i, f"{warned[-1][1]}; left out (on_error='skip_warned')"))
                     continue
             with stage_range("gpucache.resize", profiled):
-                images.append(finish_plan(x, *plan[AFTER_BOX1]))
+                rh, rw, top2, left2, h2, w2, flip = plan[AFTER_BOX1]
+                y = finish_plan(x, rh, rw, top2, left2, h2, w2, flip, fill)
+                if masks is not None:
+                    mask_out.append(masks.apply(cache, i, drawn))
+                images.append(y)
             resized += clock() - t2
             kept.append(i)
             roi += used_roi
@@ -407,6 +431,7 @@ def decode_batch(
         busy=end - started,
         mismatched=mismatched,
         rng_state=rng_state,
+        masks=None if masks is None else _stack_masks(mask_out, plans, masks.dtype, stack),
     )
 
 
@@ -431,7 +456,34 @@ def decode_task(
         steps=options.steps,
         key=key,
         alloc=alloc,
+        masks=MaskOptions.of(options),
+        fill=options.fill,
     )
+
+
+def _stack_masks(
+    masks: list[torch.Tensor], plans: np.ndarray, dtype: torch.dtype, stack: bool
+) -> torch.Tensor | list[torch.Tensor]:
+    if not stack:
+        return masks
+    return torch.stack(masks) if masks else torch.empty((0, *out_size(plans)), dtype=dtype)
+
+
+class MaskOptions(NamedTuple):
+    """What :func:`decode_batch` needs to bring masks along (from :class:`DecodeOptions`)."""
+
+    fill: int  # mask value where a plan pads
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, options: DecodeOptions) -> MaskOptions | None:
+        if not options.masks:
+            return None
+        return cls(options.mask_fill, getattr(torch, options.mask_dtype))
+
+    def apply(self, cache, i: int, plan: Sequence[int]) -> torch.Tensor:
+        """Sample ``i``'s mask through ``plan``."""
+        return _masks.apply_mask_plan(_masks.decode_one(cache, i, self.dtype), plan, self.fill)
 
 
 def fused_steps(steps: Sequence[Any]) -> int:

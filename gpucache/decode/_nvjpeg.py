@@ -49,13 +49,23 @@ import numpy as np
 import torch
 
 from ..ingest._sniff import Kind
+from ..store._targets import kept_rows
 from ..transforms._chunks import BUDGET_BYTES, Scratch
+from ..transforms._device import to_device
 from ..transforms._orientation import orient, steps
 from ..transforms._resample import resample
-from . import normalize_device
+from . import _masks, normalize_device
 from ._base import Backend
 from ._batched import BatchDecoder, applies_exif, default_decoder
-from ._core import Decoded, apply_plan, check_size, failure, no_autocast, out_size
+from ._core import (
+    Decoded,
+    MaskOptions,
+    apply_plan,
+    check_size,
+    failure,
+    no_autocast,
+    out_size,
+)
 from ._fallback import Part, Result, decode_on_cpu, join, split, stage_times
 from ._nvjpeg_faults import allocator_failure, raise_if_broken, raise_if_out_of_memory
 from ._streams import CudaStreams, HostStreams
@@ -85,9 +95,10 @@ class _Job:
     # (outputs, ready event); [] in a job whose submit failed
     gpu: Future | tuple[list[torch.Tensor | Exception], object] | list[object]
     done: Future | _Done
+    masks: Future | None = None  # the batch's masks decoded on the host (a CPU-stage thread)
 
     def futures(self) -> list[Future]:
-        return [f for f in (self.done, self.gpu, *self.cpu) if isinstance(f, Future)]
+        return [f for f in (self.done, self.gpu, *self.cpu, self.masks) if isinstance(f, Future)]
 
 
 def _result(x):
@@ -107,8 +118,10 @@ class NvjpegBackend(Backend):
         threaded: bool = True,
         cpu_threads: int | None = None,
         decode_threads: int | None = None,
+        masks: MaskOptions | None = None,
     ):
         device = normalize_device(device)
+        self.masks = masks  # bring each sample's mask along (decoded on the CPU stage)
         self.cache, self.device, self.on_error = cache, device, on_error
         self.decoder = decoder if decoder is not None else default_decoder(device)
         if normalize_device(self.decoder.device) != device:
@@ -187,6 +200,38 @@ class NvjpegBackend(Backend):
         out = decode_on_cpu(self.cache, indices, plans, positions, on_error=self.on_error)
         return out, time.perf_counter() - t0
 
+    def _mask_stage(
+        self, indices: np.ndarray, plans: np.ndarray, stack: bool
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """The batch's masks decoded on the host: for a fixed-size batch into one (N, Hmax,
+        Wmax) buffer for one copy and the gather on the device (:mod:`._masks`); otherwise
+        each through its plan here."""
+        assert self.masks is not None
+        self._note_thread()
+        if stack:
+            return _masks.host_masks(self.cache, indices, self.masks.dtype)
+        return [
+            self.masks.apply(self.cache, i, p)
+            for i, p in zip(indices.tolist(), np.asarray(plans).tolist())
+        ]
+
+    def _place_masks(
+        self,
+        host: torch.Tensor | list[torch.Tensor],
+        indices: np.ndarray,
+        plans: np.ndarray,
+        kept: np.ndarray,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """The kept samples' masks on the device (the transform stage's stream): one copy and
+        one gather for a fixed-size batch."""
+        assert self.masks is not None
+        rows = kept_rows(indices, kept)
+        if isinstance(host, torch.Tensor):
+            on = to_device(host[torch.from_numpy(rows)], self.device)
+            p = to_device(torch.from_numpy(np.asarray(plans)[rows]), self.device)
+            return _masks.gather_masks(on, p, self.masks.fill)
+        return [to_device(host[r], self.device) for r in rows.tolist()]
+
     def _decode_stage(
         self, indices: np.ndarray, positions: np.ndarray, took: dict
     ) -> tuple[list[torch.Tensor | Exception], object]:
@@ -257,6 +302,7 @@ class NvjpegBackend(Backend):
         cpu,
         refused: Part,
         took: dict,
+        masks=None,
     ) -> _Done:
         self._note_thread()
         # float32 pixels whatever autocast region the caller is in (a synchronous submit runs
@@ -280,6 +326,8 @@ class NvjpegBackend(Backend):
                 device=self.device,
                 out_hw=out_size(plans),
             )
+            if masks is not None:
+                out.masks = self._place_masks(_result(masks), indices, plans, out.indices)
             took["resize"], took["collate"] = t1 - t0, time.perf_counter() - t2
             out.times, out.routes = (
                 stage_times(took),
@@ -382,8 +430,9 @@ class NvjpegBackend(Backend):
         if not self._pools:
             cpu = [self._cpu_stage(indices, plans, cpu_pos)]
             gpu = self._decode_stage(indices, gpu_pos, took)
+            masks = self._mask_stage(indices, plans, stack) if self.masks else None
             done = self._transform_stage(
-                indices, plans, stack, gpu_pos, gpu, cpu_pos, cpu, refused, took
+                indices, plans, stack, gpu_pos, gpu, cpu_pos, cpu, refused, took, masks
             )
             self._pending.append(_Job(cpu, gpu, done))
             return
@@ -392,6 +441,11 @@ class NvjpegBackend(Backend):
             self._pools["cpu"].submit(self._cpu_stage, indices, plans, chunk)
             for chunk in (np.array_split(cpu_pos, n) if n else [])
         ]
+        mask_f = (
+            self._pools["cpu"].submit(self._mask_stage, indices, plans, stack)
+            if self.masks
+            else None
+        )
         gpu_f = self._pools["decode"].submit(self._decode_stage, indices, gpu_pos, took)
         done_f = self._pools["transform"].submit(
             self._transform_stage,
@@ -404,8 +458,9 @@ class NvjpegBackend(Backend):
             cpu_f,
             refused,
             took,
+            mask_f,
         )
-        self._pending.append(_Job(cpu_f, gpu_f, done_f))
+        self._pending.append(_Job(cpu_f, gpu_f, done_f, mask_f))
 
     def get(self) -> Decoded:
         if not self._pending:
@@ -416,10 +471,11 @@ class NvjpegBackend(Backend):
         except BaseException:
             self.close()  # the threads stop; what was queued behind the failed batch is dropped
             raise
-        images = done.decoded.images
-        self._streams.hand_over(
-            done.event, [images] if isinstance(images, torch.Tensor) else images
-        )
+        images, masks = done.decoded.images, done.decoded.masks
+        tensors = [images] if isinstance(images, torch.Tensor) else list(images)
+        if masks is not None:
+            tensors += [masks] if isinstance(masks, torch.Tensor) else masks
+        self._streams.hand_over(done.event, tensors)
         return done.decoded
 
     def __len__(self) -> int:

@@ -31,6 +31,11 @@ class DecodeOptions:
         steps: The first batch steps, those that act on each sample alone
             (:func:`gpucache.transforms.per_sample_prefix`), run by the cpu backend with the
             decode when the batch ends on the CPU; the loop's process runs the rest.
+        masks: Decode each sample's mask beside its image and send it through the plan
+            (:mod:`._masks`); ``Decoded.masks`` holds them.
+        mask_fill: The mask value where a plan pads (an ignore index).
+        mask_dtype: The masks' dtype name (``"uint8"``, or ``"int32"`` for 16-bit masks).
+        fill: The image value where a plan pads (every channel).
     """
 
     on_error: str = "skip"
@@ -42,6 +47,10 @@ class DecodeOptions:
     timeout: float | None = None
     pin_memory: bool = False
     steps: tuple[Any, ...] = ()
+    masks: bool = False
+    mask_fill: int = 255
+    mask_dtype: str = "uint8"
+    fill: int = 0
     share_batches: bool = False  # the pool's: workers send batches as memory files (._shared)
 
     def worker_seed(self, wid: int) -> int:

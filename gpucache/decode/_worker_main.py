@@ -119,7 +119,7 @@ def _serve(
     Out of memory is reported without a traceback, after the batch and the exception are
     dropped: the report itself then has memory to be made in. A stacked batch decoded into a
     memory file (``alloc``, :mod:`._shared`) is sent as the file's descriptor."""
-    out = head = data = report = fd = None
+    out = head = data = report = fd = masks = None
     where = "while decoding"
     try:
         out = decode_task(
@@ -127,6 +127,7 @@ def _serve(
         )
         where = "while copying its result for sending"
         head, data, fd = _result(task, out, alloc)
+        masks = _mask_bytes(out)
     except BaseException as err:  # noqa: BLE001 - everything is reported to the parent
         if isinstance(err, OutOfMemory):  # decode_batch says which sample
             report = _no_memory(task, err.what, err.detail)
@@ -157,6 +158,8 @@ def _serve(
             os._exit(0)
         finally:
             os.close(fd)
+    if masks is not None:  # after the images (and their memory file): one raw buffer
+        _send_bytes(sock, b"", masks)
 
 
 def _no_memory(task: int | None, where: str, detail: str) -> dict:
@@ -310,9 +313,43 @@ def _result(
             "dtype": dtype,
             "rng_state": out.rng_state,
             "fd": fd is not None,  # the bytes follow as a memory file's descriptor
+            # the masks' bytes follow everything else, as one buffer (None: no masks)
+            "masks": None if out.masks is None else _mask_layout(out.masks),
         }
     )
     if fd is not None:
         return head, None, fd
     # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
     return head, memoryview(flat.numpy()), None  # type: ignore[arg-type]
+
+
+def _mask_layout(masks: torch.Tensor | list[torch.Tensor]) -> dict:
+    """How the masks' one buffer is laid out: stacked or not, shapes, dtype, bytes."""
+    if isinstance(masks, torch.Tensor):
+        shapes, dtype = [tuple(masks.shape)], masks.dtype
+    else:
+        shapes = [tuple(m.shape) for m in masks]
+        dtype = masks[0].dtype if masks else torch.uint8
+    size = torch.empty((), dtype=dtype).element_size()
+    return {
+        "stacked": isinstance(masks, torch.Tensor),
+        "shapes": shapes,
+        "dtype": str(dtype).removeprefix("torch."),
+        "nbytes": sum(int(np.prod(s)) for s in shapes) * size,
+    }
+
+
+def _mask_bytes(out: Decoded) -> memoryview | None:
+    """A batch's masks as one raw buffer (a stacked batch's own bytes; a list joined once)."""
+    if out.masks is None:
+        return None
+    m = out.masks
+    flat = (
+        m.contiguous().reshape(-1)
+        if isinstance(m, torch.Tensor)
+        else torch.cat([t.reshape(-1) for t in m])
+        if m
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]

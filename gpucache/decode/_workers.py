@@ -253,7 +253,7 @@ class WorkerPool:
             except (OSError, ValueError) as err:
                 raise_if_out_of_memory(err, f"mapping a batch from {link}")
                 raise WorkerError(f"{link} sent a batch that could not be mapped: {err}") from err
-            return self._decoded(msg, w, shared)
+            return self._with_masks(self._decoded(msg, w, shared), msg, link, indices, deadline)
         try:
             buf = torch.empty(msg["nbytes"], dtype=torch.uint8, pin_memory=self.pin_memory)
         except RuntimeError as err:
@@ -271,7 +271,26 @@ class WorkerPool:
         else:
             sizes = [int(np.prod(s)) for s in shapes]
             images = [t.view(s) for t, s in zip(buf.split(sizes), shapes)]
-        return self._decoded(msg, w, images)
+        return self._with_masks(self._decoded(msg, w, images), msg, link, indices, deadline)
+
+    def _with_masks(self, out: Decoded, msg: dict, link: _Link, indices, deadline) -> Decoded:
+        """``out`` with the masks whose one buffer follows the batch (``masks`` in its header)."""
+        layout = msg.get("masks")
+        if layout is None:
+            return out
+        buf = torch.empty(layout["nbytes"], dtype=torch.uint8, pin_memory=self.pin_memory)
+        if layout["nbytes"]:
+            # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on
+            into = memoryview(buf.numpy())  # type: ignore[arg-type]
+            self._recv(link, bytes_into=into, indices=indices, deadline=deadline)
+        dtype, shapes = getattr(torch, layout["dtype"]), layout["shapes"]
+        flat = buf.view(dtype)
+        if layout["stacked"]:
+            out.masks = flat.view(shapes[0])
+        else:
+            sizes = [int(np.prod(s)) for s in shapes]
+            out.masks = [t.view(s) for t, s in zip(flat.split(sizes), shapes)]
+        return out
 
     @staticmethod
     def _decoded(msg: dict, w: int, images: torch.Tensor | list[torch.Tensor]) -> Decoded:

@@ -14,14 +14,21 @@ import torch
 
 from .. import _dist
 from .. import decode as _decode
+from ..decode import _masks
 from ..decode._base import GPU_IN_FLIGHT, Backend
-from ..decode._core import TIMED, Decoded, stage_clock
+from ..decode._core import TIMED, Decoded, MaskOptions, stage_clock
 from ..decode._core import stage_range as _range
 from ..decode._options import DecodeOptions
 from ..decode._workers import default_workers
 from ..store._store import Store
 from ..store._targets import dense_targets, kept_rows, ragged_targets
-from ..transforms import Transform, apply_steps, as_compose, batch_generator
+from ..transforms import (
+    Transform,
+    apply_mask_steps,
+    apply_steps,
+    as_compose,
+    batch_generator,
+)
 from ..transforms._device import to_device
 from . import _state
 from ._sampling import Sampling
@@ -39,6 +46,8 @@ class BatchInfo(NamedTuple):
     skipped: list[tuple[int, str]]  # (store index, reason) of samples left out of this batch
     plans: np.ndarray | None = None  # (N, 11) geometric plan of each sample (transforms.map_boxes)
     targets: list[torch.Tensor] | None = None  # per-sample ragged targets (K_i, C), as stored
+    #: the batch's class labels when masks take their place in the batch (a store with masks)
+    labels: torch.Tensor | None = None
 
 
 class _Pass:
@@ -59,7 +68,9 @@ class GpuCachedLoader:
     """A ``torch.utils.data.DataLoader`` replacement that decodes from a :class:`JpegCache`.
 
     Yields ``(images, labels)`` on ``device`` (``(images, labels, BatchInfo)`` with
-    ``return_metadata=True``). ``transform=None`` yields a list of variable-size uint8 CHW tensors;
+    ``return_metadata=True``). For a store with masks it yields ``(images, masks)``: (N, H, W)
+    integer masks aligned pixel for pixel with the images (``masks=False`` for labels instead;
+    the labels are in ``BatchInfo.labels``). ``transform=None`` yields a list of variable-size uint8 CHW tensors;
     a transform that fixes the output size yields one (N, C, H, W) batch. Every argument but the
     store is keyword-only; they come in four groups.
 
@@ -111,7 +122,15 @@ class GpuCachedLoader:
         pin_memory: Move batches to CUDA through pinned memory with ``non_blocking`` (default
             on CUDA); no effect on the CPU.
         return_metadata: Also yield a :class:`BatchInfo` (indices, paths, metadata, skipped
-            samples, plans, ragged targets) with each batch.
+            samples, plans, ragged targets, and the labels when masks are yielded) with each
+            batch.
+        masks: *Masks.* None (default): yield each batch's masks in place of its labels when
+            the store has masks; False: labels as for any store; True: masks, and a store
+            without them is an error. Masks follow their image's plan by nearest neighbour:
+            uint8 for 8-bit masks, int32 when the store holds 16-bit ones.
+        mask_fill: The mask value where a plan pads (CenterCrop on a small image,
+            ``Letterbox``, ``Pad``): an ignore index, 255 by default.
+        fill: The image value (every channel, uint8) where a plan pads; 0 by default.
     """
 
     def __init__(
@@ -146,6 +165,10 @@ class GpuCachedLoader:
         transform: Transform | Sequence[Transform] | None = None,
         pin_memory: bool | None = None,
         return_metadata: bool = False,
+        # masks
+        masks: bool | None = None,
+        mask_fill: int = 255,
+        fill: int = 0,
     ) -> None:
         if not isinstance(cache, Store):
             raise TypeError(
@@ -200,6 +223,8 @@ class GpuCachedLoader:
                 stacklevel=2,
             )
         self.transform = as_compose(transform)
+        self._masks_dtype = _mask_setup(cache, masks, mask_fill, fill, self.transform)
+        self.mask_fill, self.fill = mask_fill, fill
         self.device = _decode._resolve_device(device)  # normalised: cuda -> cuda:<current>
         self.backend_name = _decode.resolve(backend, self.device)
         self.num_workers = default_workers() if num_workers is None else num_workers
@@ -358,10 +383,16 @@ class GpuCachedLoader:
             timeout=self.timeout,
             pin_memory=self.pin_memory,
             steps=tuple(t for _, t in self.transform.steps[: self._steps_in_backend]),
+            masks=self._masks_dtype is not None and self.backend_name in ("cpu", "nvjpeg"),
+            mask_fill=self.mask_fill,
+            mask_dtype=str(self._masks_dtype or torch.uint8).removeprefix("torch."),
+            fill=self.fill,
         )
 
     def _get_backend(self) -> Backend:
         if self._backend is None:
+            if self._masks_dtype is not None:
+                _masks.warm()  # before the workers fork: not once in each
             self._backend = _make_backend(self)
             self.stats.probe = self._backend.private_memory
         return self._backend
@@ -487,21 +518,50 @@ class GpuCachedLoader:
         if out.rng_state is not None:  # the backend ran the first steps: the rest go on from there
             generator.set_state(torch.frombuffer(bytearray(out.rng_state), dtype=torch.uint8))
         rest = self.transform.steps[self._steps_in_backend :]
+        kept = plans[kept_rows(submitted, out.indices)]
+        masks = None
+        if self._masks_dtype is not None:
+            with _range("gpucache.masks", profiled):
+                masks = self._batch_masks(out, kept)
+        if self.fill and self.backend_name != "cpu":  # the GPU backends pad with zeros
+            images = _masks.fill_padding(images, kept, self.fill)
         with _range("gpucache.transform", profiled):
             images, labels = apply_steps(rest, images, labels, generator)
+            if masks is not None:
+                masks = apply_mask_steps(rest, masks)
         row["transfer"], row["transform"] = t1 - t0, clock() - t1
+        first = labels if masks is None else masks
         if not self.return_metadata:
-            return images, labels
+            return images, first
         meta = self.cache.metadata
         info = BatchInfo(
             torch.from_numpy(out.indices),
             [self.cache.paths[i] for i in out.indices],
             None if meta is None else [meta[i] for i in out.indices],
             out.failed,
-            plans[kept_rows(submitted, out.indices)],
+            kept,
             _ragged(self.cache, out.indices, move),
+            None if masks is None else labels,
         )
-        return images, labels, info
+        return images, first, info
+
+    def _batch_masks(self, out: Decoded, plans: np.ndarray) -> torch.Tensor | list[torch.Tensor]:
+        """The batch's masks on the loader's device: those the backend brought (the cpu
+        workers decode them beside the images, nvjpeg on its CPU stage), or decoded here on
+        the host and gathered on the device (DALI)."""
+        assert self._masks_dtype is not None
+        if out.masks is not None:
+            m = out.masks
+            return self._move(m) if isinstance(m, torch.Tensor) else [self._move(t) for t in m]
+        return _masks.batch_masks(
+            self.cache,
+            out.indices,
+            plans,
+            fill=self.mask_fill,
+            dtype=self._masks_dtype,
+            stack=isinstance(out.images, torch.Tensor),
+            device=self.device,
+        )
 
     def _move(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` on the loader's device; with ``pin_memory`` through pinned memory and
@@ -551,6 +611,33 @@ def _ragged(
     return list(joined.split([len(r) for r in rows]))
 
 
+def _mask_setup(
+    cache: Store, masks: bool | None, mask_fill: int, fill: int, transform: Any
+) -> torch.dtype | None:
+    """The dtype of the masks the loader yields, or None when it yields labels; checks the
+    masks arguments against the store and the transform."""
+    if masks not in (None, True, False):
+        raise ValueError(f"masks must be None, True or False, got {masks!r}.")
+    if isinstance(fill, bool) or not isinstance(fill, int) or not 0 <= fill <= 255:
+        raise ValueError(f"fill must be an integer in [0, 255] (a uint8 pixel), got {fill!r}.")
+    if masks is True and cache.masks is None:
+        raise ValueError(
+            "masks=True, but this store has no masks; build it with masks= (for example "
+            "JpegCache.from_folder(root, masks=MASK_ROOT)), or leave masks=None."
+        )
+    if masks is False or cache.masks is None:
+        return None
+    dtype = _masks.mask_dtype(cache.masks)
+    _masks.check_fill(mask_fill, dtype)
+    if transform.changes_labels:
+        raise ValueError(
+            "this transform has steps that mix samples and labels (MixUp/CutMix/WithLabels), "
+            "which cannot move masks with them; leave them out for a store with masks, or "
+            "pass masks=False to the loader to get labels."
+        )
+    return dtype
+
+
 def _check_int(name: str, value: object, low: int, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} option should be an integer >= {low}, got {value!r}; {fix}.")
@@ -565,7 +652,12 @@ def _make_backend(loader: GpuCachedLoader) -> Backend:
     if name == "nvjpeg":
         from ..decode._nvjpeg import NvjpegBackend
 
-        return NvjpegBackend(loader.cache, device=loader.device, on_error=loader.on_error)
+        return NvjpegBackend(
+            loader.cache,
+            device=loader.device,
+            on_error=loader.on_error,
+            masks=MaskOptions.of(loader.decode_options),
+        )
     from ..decode._dali import DaliBackend
 
     return DaliBackend(

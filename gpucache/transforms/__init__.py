@@ -1,7 +1,7 @@
 """Batch transforms, split in two kinds.
 
 Geometric transforms (:class:`RandomResizedCrop`, :class:`Resize`, :class:`CenterCrop`,
-:class:`RandomHorizontalFlip`) never see pixels when they run: from each sample's stored height and
+:class:`RandomHorizontalFlip`, :class:`Letterbox`, :class:`Pad`) never see pixels when they run: from each sample's stored height and
 width and the loader's seeded generator they add to a per-sample *plan*, 11 integers::
 
     crop1 (top, left, height, width) in the decoded image   -> resize to (rh, rw)
@@ -42,6 +42,7 @@ from ._augment import (
 )
 from ._boxes import map_boxes, map_points
 from ._device import DeviceConstants
+from ._maskops import MapMaskValues
 
 #: A batch's labels through Compose.apply: a tensor from the loader, None from a plain call.
 _Labels = TypeVar("_Labels", torch.Tensor, None)
@@ -199,6 +200,46 @@ class CenterCrop(Geometric):
             _crop(p, k, int(round((h - ch) / 2.0)), int(round((w - cw) / 2.0)), ch, cw)
 
 
+class Letterbox(Geometric):
+    """Resize keeping the aspect ratio so the image fits in ``size``, then pad it to ``size``,
+    centred (a letterbox). Padded pixels get the loader's ``fill`` (images) and ``mask_fill``
+    (masks); boxes and points map through it (:func:`map_boxes`)."""
+
+    def __init__(self, size: int | Sequence[int]):
+        self.size = _size2(size)
+
+    def plan(self, p: np.ndarray, rng: np.random.Generator) -> None:
+        th, tw = self.size
+        for k in range(len(p)):
+            h, w = int(p[k, Col.HEIGHT2]), int(p[k, Col.WIDTH2])
+            scale = min(th / h, tw / w)
+            nh, nw = max(1, min(th, round(h * scale))), max(1, min(tw, round(w * scale)))
+            _resize(p, k, nh, nw)
+            _crop(p, k, -((th - nh) // 2), -((tw - nw) // 2), th, tw)
+
+
+class Pad(Geometric):
+    """Pad each side by ``padding`` pixels: an int (all sides), (left/right, top/bottom) or
+    (left, top, right, bottom), as torchvision's ``Pad``. Padded pixels get the loader's
+    ``fill`` (images) and ``mask_fill`` (masks)."""
+
+    def __init__(self, padding: int | Sequence[int]):
+        pad = [padding] if isinstance(padding, int) else [int(v) for v in padding]
+        if len(pad) not in (1, 2, 4) or min(pad) < 0:
+            raise ValueError(f"padding must be an int or 2 or 4 non-negative ints, got {padding!r}")
+        if len(pad) == 1:
+            pad *= 4
+        elif len(pad) == 2:
+            pad *= 2
+        self.padding = tuple(pad)
+
+    def plan(self, p: np.ndarray, rng: np.random.Generator) -> None:
+        left, top, right, bottom = self.padding
+        for k in range(len(p)):
+            h, w = int(p[k, Col.HEIGHT2]), int(p[k, Col.WIDTH2])
+            _crop(p, k, -top, -left, h + top + bottom, w + left + right)
+
+
 class RandomHorizontalFlip(Geometric):
     def __init__(self, p: float = 0.5):
         self.p = p
@@ -308,7 +349,10 @@ _ACCEPTED = (
 
 
 def _kind(t: object) -> str:
-    """What a Compose item is: 'geometric', 'pixel' (images -> images) or 'labels'."""
+    """What a Compose item is: 'geometric', 'pixel' (images -> images), 'labels' or 'masks'
+    (masks -> masks, :class:`MapMaskValues`)."""
+    if getattr(t, "on_masks", False):
+        return "masks"
     if isinstance(t, Transform):
         return "geometric" if t.geometric else "pixel"
     if (
@@ -391,7 +435,7 @@ class Compose(Transform):
         """True when every sample comes out at one size, so a batch can be one tensor."""
         fixed = False
         for t in self.geometric:
-            if isinstance(t, (RandomResizedCrop, CenterCrop)):
+            if isinstance(t, (RandomResizedCrop, CenterCrop, Letterbox)):
                 fixed = True
             elif isinstance(t, Resize):
                 fixed = not isinstance(t.size, int) and len(t.size) == 2
@@ -442,6 +486,8 @@ def apply_steps(
         if kind == "pixel":
             images = _run(t, images, generator)
             continue
+        if kind == "masks":  # run on the masks by apply_mask_steps
+            continue
         if not isinstance(images, torch.Tensor):
             raise ValueError(
                 f"{t!r} mixes samples, which needs one fixed-size batch tensor; "
@@ -453,6 +499,16 @@ def apply_steps(
             with seeded_global_rng(generator, images.device):
                 images, labels = t(images, labels)
     return images, labels
+
+
+def apply_mask_steps(
+    steps: Sequence[tuple[str, Any]], masks: torch.Tensor | list[torch.Tensor]
+) -> torch.Tensor | list[torch.Tensor]:
+    """Run the mask steps of ``steps`` (``Compose.steps``) on a batch's masks, in order."""
+    for kind, t in steps:
+        if kind == "masks":
+            masks = t(masks) if isinstance(masks, torch.Tensor) else [t(m) for m in masks]
+    return masks
 
 
 def _per_sample(t: object) -> bool:
@@ -528,6 +584,9 @@ __all__ = [
     "Resize",
     "CenterCrop",
     "RandomHorizontalFlip",
+    "Letterbox",
+    "Pad",
+    "MapMaskValues",
     "ToDtype",
     "Normalize",
     "Transform",

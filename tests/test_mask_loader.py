@@ -1,0 +1,407 @@
+"""Masks through the loader: each mask follows its image's plan (crops, resize, flip, EXIF
+orientation, padding) pixel for pixel, keeps its values, and comes out the same for any worker
+count, after a resume, and on every backend."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from gpucache import GpuCachedLoader, JpegCache
+from gpucache import transforms as T
+from gpucache.decode._masks import apply_mask_plan, gather_masks
+from gpucache.ingest._masks import decode_mask
+from gpucache.testing import natural_image
+from gpucache.transforms._orientation import orient
+
+#: orientation -> the one that undoes it (6 and 8 turn opposite ways, the rest are their own)
+UNDO = {1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 8, 7: 7, 8: 6}
+PAINT = (255, 0, 255)  # magenta: the background never has it (its green is kept >= 128)
+
+
+def _shape(h: int, w: int, seed: int) -> np.ndarray:
+    """A filled ellipse and a rectangle, as a 0/1 mask."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    cy, cx = rng.integers(h // 4, 3 * h // 4), rng.integers(w // 4, 3 * w // 4)
+    ry, rx = rng.integers(h // 8, h // 3), rng.integers(w // 8, w // 3)
+    m = ((yy - cy) / ry) ** 2 + ((xx - cx) / rx) ** 2 <= 1
+    top, left = rng.integers(0, h // 2), rng.integers(0, w // 2)
+    m[top : top + h // 5, left : left + w // 4] = True
+    return m.astype(np.uint8)
+
+
+def _painted_pair(h: int, w: int, seed: int, orientation: int) -> tuple[bytes, bytes]:
+    """A JPEG (4:4:4, quality 95) whose displayed image, after its EXIF ``orientation``, is a
+    real-looking photo with the shape painted in; and the shape's mask (displayed orientation)."""
+    shown = natural_image(w, h, seed=seed).copy()
+    shown[..., 1] = np.maximum(shown[..., 1], 128)
+    mask = _shape(h, w, seed)
+    shown[mask == 1] = PAINT
+    shown_t = torch.from_numpy(shown).permute(2, 0, 1)
+    stored = orient(shown_t, UNDO[orientation])
+    assert torch.equal(orient(stored, orientation), shown_t)
+    im = Image.fromarray(stored.permute(1, 2, 0).numpy())
+    exif = im.getexif()
+    exif[0x0112] = orientation
+    out = io.BytesIO()
+    im.save(out, "JPEG", quality=95, subsampling=0, exif=exif.tobytes())
+    return out.getvalue(), _png(mask, "L")
+
+
+def _png(values: np.ndarray, mode: str) -> bytes:
+    if mode == "I;16":
+        im = Image.fromarray(values.astype(np.uint16))
+    else:
+        im = Image.fromarray(values.astype(np.uint8), "L")
+        if mode == "P":
+            im = im.convert("P")
+            im.putpalette([v for k in range(256) for v in (k * 37 % 256, k * 91 % 256, 7)])
+    out = io.BytesIO()
+    im.save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def painted(tmp_path_factory) -> JpegCache:
+    """One sample per EXIF orientation, two sizes each."""
+    root = tmp_path_factory.mktemp("painted")
+    images, masks = [], []
+    for k in range(16):
+        o = k % 8 + 1
+        h, w = (72, 96) if k < 8 else (90, 70)
+        jpg, png = _painted_pair(h, w, seed=k, orientation=o)
+        (root / f"{k}.jpg").write_bytes(jpg)
+        images.append(root / f"{k}.jpg")
+        masks.append(png)
+    return JpegCache.from_files(images, masks=masks, progress=False)
+
+
+def _painted_region(images: torch.Tensor, most: bool = True) -> torch.Tensor:
+    """Where a uint8 (N, 3, H, W) batch shows the painted colour: mostly (the pixel is more
+    paint than background, ``most``), or clearly (three quarters paint or more)."""
+    r, g, b = images[:, 0].int(), images[:, 1].int(), images[:, 2].int()
+    if most:
+        return (r > 128) & (g < 110) & (b > 128)
+    return (r > 160) & (g < 64) & (b > 160)
+
+
+def _inner(m: torch.Tensor) -> torch.Tensor:
+    """Pixels whose 3 x 3 neighbourhood lies wholly inside ``m`` (N, H, W, bool): ``m`` less
+    a one-pixel border, where the image's antialiased resize blends the two colours."""
+    x = (~m).float()[:, None]
+    grown = torch.nn.functional.max_pool2d(x, 3, stride=1, padding=1)[:, 0] > 0
+    return m & ~grown
+
+
+def _agree(images: torch.Tensor, masks: torch.Tensor) -> None:
+    inside = masks == 1
+    assert not (_inner(inside) & ~_painted_region(images)).any(), "mask: shape; image: not"
+    clearly = _painted_region(images, most=False)
+    assert not (_inner(~inside) & clearly).any(), "image shows the shape, mask does not"
+    assert inside.any() and (~inside).any()
+
+
+def test_painted_shape_and_mask_agree_after_random_crop_and_flip_in_every_orientation(painted):
+    tf = [T.RandomResizedCrop(48, scale=(0.3, 1.0)), T.RandomHorizontalFlip()]
+    flips = 0
+    with GpuCachedLoader(
+        painted,
+        batch_size=8,
+        shuffle=True,
+        seed=5,
+        num_workers=0,
+        transform=tf,
+        return_metadata=True,
+    ) as loader:
+        for _ in range(3):
+            for images, masks, info in loader:
+                assert masks.shape == (len(images), 48, 48) and masks.dtype == torch.uint8
+                _agree(images, masks)
+                flips += int(info.plans[:, 10].sum())
+    assert flips > 0
+
+
+def test_masks_are_the_same_for_zero_one_and_two_workers(painted):
+    tf = [T.RandomResizedCrop(40), T.RandomHorizontalFlip()]
+    runs = []
+    for workers in (0, 1, 2):
+        with GpuCachedLoader(
+            painted, batch_size=5, shuffle=True, seed=11, num_workers=workers, transform=tf
+        ) as loader:
+            runs.append([(x, m) for x, m in loader])
+    for run in runs[1:]:
+        for (x, m), (rx, rm) in zip(run, runs[0], strict=True):
+            assert torch.equal(m, rm) and torch.equal(x, rx)
+
+
+def test_variable_size_masks_come_whole_and_aligned(painted):
+    with GpuCachedLoader(painted, batch_size=4, num_workers=2, seed=0) as loader:
+        for images, masks in loader:
+            assert isinstance(masks, list)
+            for x, m in zip(images, masks, strict=True):
+                assert m.shape == x.shape[1:]
+                _agree(x[None], m[None])
+
+
+def test_resume_mid_epoch_gives_the_rest_of_the_masks(painted):
+    kw = dict(
+        batch_size=4,
+        shuffle=True,
+        seed=3,
+        num_workers=0,
+        transform=[T.RandomResizedCrop(32), T.RandomHorizontalFlip()],
+    )
+    with GpuCachedLoader(painted, **kw) as loader:
+        full = [m for _, m in loader]
+    with GpuCachedLoader(painted, **kw) as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+    with GpuCachedLoader(painted, **kw) as loader:
+        loader.load_state_dict(state)
+        rest = [m for _, m in loader]
+    assert len(rest) == len(full) - 1
+    for got, want in zip(rest, full[1:], strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", ["L", "P", "I;16"])
+def test_values_are_kept_exactly(tmp_path, mode):
+    rng = np.random.default_rng(0)
+    images, masks, values = [], [], []
+    top = 60000 if mode == "I;16" else 200
+    for k in range(5):
+        h, w = 40 + k, 50 + 2 * k
+        jpg, _ = _painted_pair(h, w, seed=k, orientation=1)
+        (tmp_path / f"{k}.jpg").write_bytes(jpg)
+        v = rng.integers(0, top, (h, w))
+        images.append(tmp_path / f"{k}.jpg")
+        masks.append(_png(v, mode))
+        values.append(v)
+    cache = JpegCache.from_files(images, masks=masks, progress=False)
+    dtype = torch.int32 if mode == "I;16" else torch.uint8
+    for workers in (0, 2):
+        with GpuCachedLoader(cache, batch_size=5, num_workers=workers, seed=0) as loader:
+            ((_, got),) = list(loader)
+        for m, v in zip(got, values):
+            assert m.dtype == dtype
+            np.testing.assert_array_equal(m.numpy(), v)
+    tf = [T.RandomResizedCrop(24), T.RandomHorizontalFlip()]
+    with GpuCachedLoader(
+        cache, batch_size=5, num_workers=2, seed=1, transform=tf, return_metadata=True
+    ) as loader:
+        ((_, got, info),) = list(loader)
+    for m, plan, i in zip(got, info.plans, info.indices.tolist()):
+        want = apply_mask_plan(
+            torch.from_numpy(decode_mask(cache.masks[i]).astype(np.int64)), plan.tolist(), 255
+        )
+        assert torch.equal(m.long(), want)
+        assert set(np.unique(m.numpy())) <= set(np.unique(values[i]))  # no value blended
+
+
+def test_padding_gets_the_fill_values(painted):
+    tf = [T.CenterCrop(120)]  # larger than every image: padded all round
+    with GpuCachedLoader(
+        painted,
+        batch_size=4,
+        num_workers=0,
+        seed=0,
+        transform=tf,
+        fill=9,
+        mask_fill=77,
+        return_metadata=True,
+    ) as loader:
+        images, masks, info = next(iter(loader))
+    h, w = int(painted.samples["height"][0]), int(painted.samples["width"][0])
+    top, left = (120 - h) // 2, (120 - w) // 2
+    assert (masks[0, :top] == 77).all() and (masks[0, :, :left] == 77).all()
+    assert (images[0, :, :top] == 9).all() and (images[0, :, :, :left] == 9).all()
+    assert set(np.unique(masks[0, top : top + h, left : left + w].numpy())) <= {0, 1}
+    _agree(images[:, :, top : top + h, left : left + w], masks[:, top : top + h, left : left + w])
+
+
+def test_letterbox_keeps_aspect_pads_and_maps_boxes(painted):
+    with GpuCachedLoader(
+        painted,
+        batch_size=16,
+        num_workers=0,
+        seed=0,
+        transform=[T.Letterbox(64)],
+        return_metadata=True,
+    ) as loader:
+        images, masks, info = next(iter(loader))
+    assert images.shape == (16, 3, 64, 64) and masks.shape == (16, 64, 64)
+    for k, i in enumerate(info.indices.tolist()):
+        h, w = int(painted.samples["height"][i]), int(painted.samples["width"][i])
+        box = T.map_boxes(np.array([[0.0, 0.0, w, h]]), info.plans[k])[0]
+        x0, y0, x1, y1 = (int(round(v)) for v in box)
+        assert (x1 - x0 == 64) or (y1 - y0 == 64)  # the long side fills the box
+        assert abs((x1 - x0) / (y1 - y0) - w / h) < 0.05
+        inside = torch.zeros(64, 64, dtype=torch.bool)
+        inside[y0:y1, x0:x1] = True
+        assert (masks[k][~inside] == 255).all() and (masks[k][inside] != 255).all()
+    _agree(images, masks)
+
+
+def test_pad_adds_the_border_it_names():
+    p = T.Compose([T.Pad((1, 2, 3, 4))]).plan(np.array([10]), np.array([20]), None)
+    assert p[0].tolist() == [0, 0, 10, 20, 10, 20, -2, -1, 16, 24, 0]
+    mask = torch.ones(10, 20, dtype=torch.uint8)
+    out = apply_mask_plan(mask, p[0].tolist(), 255)
+    assert out.shape == (16, 24) and int((out == 1).sum()) == 200
+    assert (out[:2] == 255).all() and (out[:, :1] == 255).all() and (out[:, -3:] == 255).all()
+
+
+def test_map_mask_values_maps_through_the_table(painted):
+    table = {0: 7, 1: 3}
+    tf = [T.RandomResizedCrop(32), T.MapMaskValues(table)]
+    with GpuCachedLoader(painted, batch_size=8, num_workers=0, seed=0, transform=tf) as a:
+        _, mapped = next(iter(a))
+    with GpuCachedLoader(painted, batch_size=8, num_workers=0, seed=0, transform=tf[:1]) as b:
+        _, plain = next(iter(b))
+    assert torch.equal(mapped, torch.where(plain == 1, 3, 7).to(torch.uint8))
+    wide = T.MapMaskValues({5: 300}, default=0)(torch.tensor([[5, 6]], dtype=torch.int32))
+    assert wide.dtype == torch.int32 and wide.tolist() == [[300, 0]]
+    cityscapes = T.MapMaskValues({7: 0, 8: 1, 26: 13})  # labelIds -> trainIds, 255 elsewhere
+    got = cityscapes(torch.tensor([[7, 8, 26, 0, 33]], dtype=torch.uint8))
+    assert got.dtype == torch.uint8 and got.tolist() == [[0, 1, 13, 255, 255]]
+
+
+def test_labels_stay_reachable_and_masks_can_be_turned_off(painted):
+    with GpuCachedLoader(painted, batch_size=4, num_workers=0, return_metadata=True) as loader:
+        _, masks, info = next(iter(loader))
+    assert isinstance(masks, list) and torch.equal(
+        info.labels, torch.from_numpy(painted.labels[info.indices.numpy()])
+    )
+    with GpuCachedLoader(painted, batch_size=4, num_workers=0, masks=False) as loader:
+        _, labels = next(iter(loader))
+    assert torch.equal(labels, torch.from_numpy(painted.labels[:4]))
+
+
+def test_mask_arguments_are_checked(painted, tmp_path):
+    with pytest.raises(ValueError, match="mask_fill must be an integer in \\[0, 255\\]"):
+        GpuCachedLoader(painted, batch_size=2, mask_fill=256)
+    with pytest.raises(ValueError, match="fill must be an integer"):
+        GpuCachedLoader(painted, batch_size=2, fill=-1)
+    with pytest.raises(ValueError, match="MixUp/CutMix"):
+        GpuCachedLoader(
+            painted, batch_size=2, transform=[T.RandomResizedCrop(8), T.MixUp(num_classes=2)]
+        )
+    (tmp_path / "a.jpg").write_bytes(_painted_pair(20, 20, 0, 1)[0])
+    plain = JpegCache.from_files([tmp_path / "a.jpg"], progress=False)
+    with pytest.raises(ValueError, match="this store has no masks"):
+        GpuCachedLoader(plain, batch_size=2, masks=True)
+
+
+def test_the_batched_gather_equals_the_per_sample_plan(painted):
+    """The device path (one gather a batch, any device) picks the same pixels as the workers'."""
+    tf = T.Compose([T.RandomResizedCrop(33, scale=(0.05, 1)), T.RandomHorizontalFlip(), T.Pad(3)])
+    idx = np.arange(len(painted))
+    s = painted.samples
+    plans = tf.plan(
+        s["height"][idx].astype(np.int64),
+        s["width"][idx].astype(np.int64),
+        np.random.default_rng(4),
+    )
+    from gpucache.decode._masks import decode_one, host_masks
+
+    host = host_masks(painted, idx, torch.uint8)
+    got = gather_masks(host, torch.from_numpy(plans), 200)
+    for k, i in enumerate(idx.tolist()):
+        want = apply_mask_plan(decode_one(painted, i, torch.uint8), plans[k].tolist(), 200)
+        assert torch.equal(got[k], want)
+
+
+def test_masks_agree_on_the_emulated_nvjpeg_backend(painted, monkeypatch):
+    """Decoded on nvjpeg's CPU stage, one copy and one gather a batch on the device (its side
+    stream, handed over to the consumer's: the emulation checks the order)."""
+    from gpucache.decode import _masks
+    from tests.support.emulated_cuda import EmulatedCuda
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("nvjpeg brings its masks; the loader decodes none")
+
+    monkeypatch.setattr(_masks, "batch_masks", not_here)
+
+    tf = [T.RandomResizedCrop(40), T.RandomHorizontalFlip()]
+    kw = dict(batch_size=8, seed=2, shuffle=True, transform=tf)
+    with GpuCachedLoader(painted, device="cpu", backend="cpu", num_workers=0, **kw) as cpu:
+        ref = [m for _, m in cpu]
+    with EmulatedCuda(devices=1):
+        with GpuCachedLoader(painted, device="cuda", backend="nvjpeg", **kw) as gpu:
+            got = [(x, m) for x, m in gpu]
+        for (x, m), rm in zip(got, ref, strict=True):
+            assert m.device == x.device == torch.device("cuda", 0)
+            assert torch.equal(m.cpu(), rm)
+            _agree(x.cpu(), m.cpu())
+
+
+def test_masks_agree_on_dali_cpu(painted):
+    pytest.importorskip("nvidia.dali")
+    tf = [T.RandomResizedCrop(40), T.RandomHorizontalFlip()]
+    kw = dict(batch_size=8, seed=2, shuffle=True, transform=tf, device="cpu", num_workers=1)
+    with GpuCachedLoader(painted, backend="cpu", **kw) as cpu:
+        ref = [m for _, m in cpu]
+    with GpuCachedLoader(painted, backend="dali", **kw) as dali:
+        got = [(x, m) for x, m in dali]
+    for (x, m), rm in zip(got, ref, strict=True):
+        assert torch.equal(m, rm)
+        _agree(x, m)
+
+
+def test_fill_and_mask_fill_agree_on_the_emulated_nvjpeg_backend(painted):
+    from tests.support.emulated_cuda import EmulatedCuda
+
+    kw = dict(batch_size=8, seed=0, transform=[T.Letterbox(64)], fill=9, mask_fill=77)
+    with GpuCachedLoader(painted, device="cpu", backend="cpu", num_workers=0, **kw) as cpu:
+        ref = list(cpu)
+    with EmulatedCuda(devices=1):
+        with GpuCachedLoader(painted, device="cuda", backend="nvjpeg", **kw) as gpu:
+            got = [(x.cpu(), m.cpu()) for x, m in gpu]
+    for (x, m), (rx, rm) in zip(got, ref, strict=True):
+        assert torch.equal(m, rm) and (m == 77).any()
+        pad = (m == 77)[:, None].expand_as(x)
+        assert (x[pad] == 9).all() and (rx[pad] == 9).all()
+
+
+def test_an_eval_resize_and_center_crop_keeps_mask_and_image_aligned(painted):
+    """With exact=False the image's crop may be cut before its resize (DCT scaling); the mask
+    follows the plan as drawn and still agrees with the painted pixels."""
+    for exact in (False, True):
+        with GpuCachedLoader(
+            painted,
+            batch_size=16,
+            num_workers=0,
+            exact=exact,
+            transform=[T.Resize(40), T.CenterCrop(36)],
+        ) as loader:
+            images, masks = next(iter(loader))
+        _agree(images, masks)
+
+
+def test_spawned_workers_send_the_same_masks(painted, tmp_path):
+    """Under spawn the worker maps the saved store's pages, masks included."""
+    store = JpegCache.open(painted.save(tmp_path / "painted.gpucache"))
+    kw = dict(batch_size=8, seed=4, transform=[T.RandomResizedCrop(24), T.RandomHorizontalFlip()])
+    with GpuCachedLoader(store, num_workers=0, **kw) as inline:
+        want = [m for _, m in inline]
+    with GpuCachedLoader(store, num_workers=1, multiprocessing_context="spawn", **kw) as spawned:
+        got = [m for _, m in spawned]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_variable_size_masks_on_the_emulated_nvjpeg_backend(painted):
+    from tests.support.emulated_cuda import EmulatedCuda
+
+    with GpuCachedLoader(painted, batch_size=5, num_workers=0, seed=0) as cpu:
+        ref = [m for _, m in cpu]
+    with EmulatedCuda(devices=1):
+        with GpuCachedLoader(painted, batch_size=5, device="cuda", backend="nvjpeg") as gpu:
+            got = [[t.cpu() for t in m] for _, m in gpu]
+    for g, r in zip(got, ref, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(g, r, strict=True))
