@@ -21,7 +21,6 @@ import os
 import tempfile
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
 from torch import nn
@@ -29,6 +28,14 @@ from torch import nn
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.testing import natural_image
+
+try:
+    import lightning as L
+except ImportError as err:  # the example trains with Lightning, an extra of the clone
+    raise SystemExit(
+        "pipelines.segmentation_example trains with Lightning, which is not installed: "
+        "pip install -e '.[lightning]' in the clone (or pip install lightning)."
+    ) from err
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 IGNORE = 255
