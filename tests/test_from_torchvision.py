@@ -104,6 +104,15 @@ def test_val_pipeline_and_dtype_options_translate(cache):
     )
 
 
+def test_pad_translates_with_its_sides(cache):
+    for pad in (3, (1, 2), (1, 2, 3, 4)):
+        want = _run(cache, [T.Resize(24), T.CenterCrop(20), T.Pad(pad)])
+        for tv in (v2, v1):
+            _assert_same(_run(cache, [tv.Resize(24), tv.CenterCrop(20), tv.Pad(pad)]), want)
+        left, top, right, bottom = (pad,) * 4 if isinstance(pad, int) else pad * (4 // len(pad))
+        assert want[0][0].shape[-2:] == (20 + top + bottom, 20 + left + right)
+
+
 @pytest.mark.parametrize(
     "bad, fix",
     [
@@ -124,6 +133,9 @@ def test_val_pipeline_and_dtype_options_translate(cache):
             "drop interpolation=",
         ),
         (v2.Resize(32, antialias=False), "drop antialias=False"),
+        (v2.Pad(2, padding_mode="reflect"), r"GpuCachedLoader\(fill=\.\.\., mask_fill=\.\.\.\)"),
+        (v1.Pad(2, fill=7), "gpucache.transforms.Pad"),
+        (v2.RandomApply([v2.Pad(2)]), "Pad outside it"),
     ],
 )
 def test_what_cannot_be_reproduced_is_refused_with_the_fix(bad, fix):

@@ -8,7 +8,7 @@ and flips after a full decode, and every random op with one draw for the whole b
 * the geometric and dtype ops gpucache has are translated into gpucache's own, which draw a plan
   per sample from the loader's seed (so a translated pipeline gives exactly the crops of the same
   pipeline written with ``gpucache.transforms``): ``RandomResizedCrop``, ``Resize``, ``CenterCrop``,
-  ``RandomHorizontalFlip``, ``Normalize``, ``ToDtype`` / ``ConvertImageDtype`` / v1 ``ToTensor``;
+  ``Pad`` (constant, zero fill), ``RandomHorizontalFlip``, ``Normalize``, ``ToDtype`` / ``ConvertImageDtype`` / v1 ``ToTensor``;
   ``ToImage``, ``PILToTensor`` and ``ToPureTensor`` are dropped (batches are tensors already);
 * options gpucache cannot reproduce (another interpolation, ``antialias=False``, padding) and
   those ops inside ``RandomApply`` / ``RandomChoice`` / ``RandomOrder`` are a ``TypeError`` with
@@ -29,7 +29,7 @@ _TV = "torchvision.transforms"
 _COMPOSE = ("Compose",)
 _CONTAINERS = ("RandomApply", "RandomChoice", "RandomOrder")
 _DROPPED = ("ToImage", "PILToTensor", "ToPureTensor")
-_GEOMETRIC = ("RandomResizedCrop", "Resize", "CenterCrop", "RandomHorizontalFlip")
+_GEOMETRIC = ("RandomResizedCrop", "Resize", "CenterCrop", "Pad", "RandomHorizontalFlip")
 _RANDOM = (
     "ColorJitter",
     "GaussianBlur",
@@ -98,6 +98,17 @@ def _translate_one(t: Any) -> list[Any]:
         return [T.Resize(t.size, max_size=t.max_size)]
     if name == "CenterCrop":
         return [T.CenterCrop(t.size)]
+    if name == "Pad":
+        fill, mode = getattr(t, "fill", 0), getattr(t, "padding_mode", "constant")
+        if mode != "constant" or not (
+            fill is None or (isinstance(fill, int | float) and fill == 0)
+        ):
+            raise TypeError(
+                f"{_name(t)} with padding_mode={mode!r}, fill={fill!r} has no gpucache "
+                "equivalent: gpucache pads with constants set on the loader; use "
+                "gpucache.transforms.Pad(padding) and GpuCachedLoader(fill=..., mask_fill=...)."
+            )
+        return [T.Pad(t.padding)]
     if name == "RandomHorizontalFlip":
         return [T.RandomHorizontalFlip(t.p)]
     if name == "Normalize":
