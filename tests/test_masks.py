@@ -300,11 +300,14 @@ def test_from_webdataset_takes_a_png_mask_member_beside_the_jpg(tmp_path):
     assert "no mask member" in skipped.reason
 
 
-def test_masks_of_a_folder_in_object_storage_are_refused_with_the_fix(tmp_path):
-    with pytest.raises(ValueError, match="from_folder with masks .* not supported yet"):
-        JpegCache.from_folder("s3://bucket/images/", masks="s3://bucket/masks/")
+def test_local_images_with_masks_in_storage_and_the_reverse_are_refused_with_the_fix(tmp_path):
     (tmp_path / "a.jpg").write_bytes(make_jpeg_bytes(20, 20))
-    with pytest.raises(ValueError, match="local images with masks in storage"):
+    fix = "local images with masks in storage, and images in storage with local masks"
+    with pytest.raises(ValueError, match=fix):
+        JpegCache.from_folder("s3://bucket/images/", masks=tmp_path)
+    with pytest.raises(ValueError, match=fix):
+        JpegCache.from_folder(tmp_path, masks="s3://bucket/masks/")
+    with pytest.raises(ValueError, match=fix):
         JpegCache.from_files([tmp_path / "a.jpg"], masks=["s3://bucket/a.png"])
 
 
@@ -359,6 +362,83 @@ def test_masks_in_object_storage_come_with_their_images(s3_masks, tmp_path):
     assert from_csv.labels.tolist() == [0, 1, 2]
     plain = JpegCache.from_files(urls, **kw)  # the same images without masks: another store
     assert plain.masks is None and plain.path != listed.path
+
+
+@pytest.fixture(scope="module")
+def s3_layouts(s3_masks, tmp_path_factory):
+    """ISIC-like and Cityscapes-like folders on a disk, the same files under s3://segbkt/<layout>/
+    (an ISIC image without a mask, and a name with odd characters, among them)."""
+    s3fs = pytest.importorskip("s3fs")
+    base = tmp_path_factory.mktemp("s3layouts")
+    uploads, roots = {}, {}
+    for layout in ("isic", "cityscapes"):
+        images, masks, _ = _build_layout(base / layout, layout)
+        if layout == "isic":
+            (images / "ISIC_0000099.jpg").write_bytes(make_jpeg_bytes(20, 20))  # no mask
+            name = "ISIC_0000007 (copy)+%20é"
+            _pair(images, f"{name}.jpg", 30, 40, masks / f"{name}_segmentation.png", seed=7)
+        for p in sorted((base / layout).rglob("*")):
+            if p.is_file():
+                uploads[f"segbkt/{layout}/{p.relative_to(base / layout).as_posix()}"] = (
+                    p.read_bytes()
+                )
+        roots[layout] = (images, masks, base / layout)
+    s3fs.S3FileSystem(skip_instance_cache=True).pipe(uploads)
+    return roots
+
+
+def _url(layout: str, folder: Path, top: Path) -> str:
+    return f"s3://segbkt/{layout}/{folder.relative_to(top).as_posix()}/"
+
+
+@pytest.mark.parametrize("layout", ["isic", "cityscapes"])
+def test_from_folder_of_prefixes_in_storage_equals_the_local_build(s3_layouts, tmp_path, layout):
+    images, masks, top = s3_layouts[layout]
+    local = JpegCache.from_folder(images, masks=masks, progress=False)
+    url, mask_url = _url(layout, images, top), _url(layout, masks, top)
+    remote = JpegCache.from_folder(url, masks=mask_url, cache_dir=tmp_path, progress=False)
+    assert len(remote) == len(local) and remote.masks.counts() == local.masks.counts()
+    assert [p[len(url) :] for p in remote.paths] == [
+        Path(p).relative_to(images).as_posix() for p in local.paths
+    ]
+    assert remote.classes == [] and (remote.labels == -1).all()
+    for i in range(len(local)):
+        assert remote[i].tobytes() == local[i].tobytes()
+        assert remote.masks[i].tobytes() == local.masks[i].tobytes()
+    skipped = [(s.path, s.reason) for s in remote.report.skipped]
+    if layout == "isic":  # the image without a mask, named by its URL and the mask URL looked for
+        [(path, reason)] = skipped
+        [(_, local_reason)] = [(s.path, s.reason) for s in local.report.skipped]
+        assert path == f"{url}ISIC_0000099.jpg"
+        assert f"{mask_url}ISIC_0000099[_suffix].png" in reason
+        assert reason.split(": ", 1)[1] == local_reason.split(": ", 1)[1]
+    else:
+        assert skipped == []
+    again = JpegCache.from_folder(url, masks=mask_url, cache_dir=tmp_path, progress=False)
+    assert again.path == remote.path  # unchanged listings: the store built once
+    plain = JpegCache.from_files(list(remote.paths), cache_dir=tmp_path, progress=False)
+    assert plain.masks is None and plain.path != remote.path
+
+
+def test_a_mask_prefix_inside_the_image_prefix_is_not_taken_for_images(s3_masks, tmp_path):
+    import s3fs
+
+    values = _values(20, 30, 4)
+    s3fs.S3FileSystem(skip_instance_cache=True).pipe(
+        {
+            "segbkt/inside/a.jpg": make_jpeg_bytes(30, 20, seed=4),
+            "segbkt/inside/masks/a.png": _png(values, "L"),
+        }
+    )
+    cache = JpegCache.from_folder(
+        "s3://segbkt/inside", masks="s3://segbkt/inside/masks", cache_dir=tmp_path, progress=False
+    )
+    assert list(cache.paths) == ["s3://segbkt/inside/a.jpg"]
+    np.testing.assert_array_equal(decode_mask(cache.masks[0]), values)
+    with pytest.raises(FileNotFoundError, match="found no mask under s3://segbkt/nothing"):
+        JpegCache.from_folder(
+            "s3://segbkt/inside/", masks="s3://segbkt/nothing/", cache_dir=tmp_path
+        )
 
 
 def test_the_node_cache_key_holds_the_masks(tmp_path):

@@ -14,7 +14,8 @@ So ``ISIC_0000000.jpg`` pairs with ``ISIC_0000000_segmentation.png`` (ISIC 2017)
 with ``annotations/training/x.png`` (ADE20K) and ``leftImg8bit/train/city/x_leftImg8bit.png``
 with ``gtFine/train/city/x_gtFine_labelIds.png`` (Cityscapes; not its ``_color`` or
 ``_instanceIds`` files). An image without a mask is a bad input (``on_error``), named with the
-mask paths looked for. Each mask folder is listed once: O(files), no stat per candidate; the
+mask paths looked for. Prefixes in object storage are paired by the same rule
+(``storage._paired``). Each mask folder is listed once: O(files), no stat per candidate; the
 pairs are packed paths (``PathList``), not a ``str`` per file.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import os
 from array import array
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from pathlib import Path
 
 from ._build import IMG_EXTENSIONS, PathList
@@ -49,7 +50,19 @@ def _keys(stem: str) -> list[str]:
     return [stem, head] if sep and head else [stem]
 
 
-def find_mask(stem: str, names: set[str]) -> str | None:
+#: Why an image without a mask is a bad input (the mask's name is :func:`looked_for`).
+NO_MASK = (
+    "no mask file for this image (looked for the stem, and the stem less its last _word, with "
+    "the mask suffixes of docs/guides/segmentation.md)"
+)
+
+
+def looked_for(stem: str) -> str:
+    """The name a missing mask is reported by, in the folder where it was looked for."""
+    return f"{stem}[_suffix].png"
+
+
+def find_mask(stem: str, names: Container[str]) -> str | None:
     """The mask file name (among ``names``, one folder's files) of an image of stem ``stem``."""
     for key in _keys(stem):
         for suffix in ("", *MASK_SUFFIXES):
@@ -123,11 +136,7 @@ def pair_folder(root: Path, mask_root: Path) -> tuple[PathList, PairedMasks]:
             stem = os.path.splitext(f)[0]
             found = find_mask(stem, names)
             if found is None:
-                missing[len(images.ends)] = Refused(
-                    os.path.join(where, f"{stem}[_suffix].png"),
-                    "no mask file for this image (looked for the stem, and the stem less its "
-                    "last _word, with the mask suffixes of docs/guides/segmentation.md)",
-                )
+                missing[len(images.ends)] = Refused(os.path.join(where, looked_for(stem)), NO_MASK)
             images.add(os.fsencode(f))
             masks.add(os.fsencode(found or ""))
     if not images.ends:

@@ -39,6 +39,8 @@ def from_folder(
 ) -> S:
     """``JpegCache.from_folder`` (see its docstring)."""
     if masks is not None:
+        if any_url(root) and any_url(masks):  # both prefixes in storage
+            return _storage.from_folder(cls, os.fspath(root), options, masks=os.fspath(masks))
         return _folder_with_masks(cls, root, masks, options)
     if any_url(root):  # a prefix in storage (s3://bucket/train/)
         return _storage.from_folder(cls, os.fspath(root), options)
@@ -94,14 +96,14 @@ def _folder_with_masks(
 
 
 def _no_urls_with_masks(*where: Any) -> None:
-    """A ``ValueError`` if local images have masks in object storage, or a folder in storage
-    is given masks (neither is supported: object URLs, listed or in a CSV, and shards are)."""
+    """A ``ValueError`` if local images have masks in object storage, or images in storage
+    local masks (not supported: both local, or both in storage, are)."""
     if any(any_url(w) for w in where if w is not None):
         raise ValueError(
-            "masks in object storage go with images in object storage, given as URLs "
-            "(from_files, from_csv) or shards (from_webdataset); from_folder with masks and "
-            "local images with masks in storage are not supported yet: list the URLs of both "
-            "for from_files or a CSV, or fetch both to a local folder."
+            "masks in object storage go with images in object storage: URLs (from_files, "
+            "from_csv), shards (from_webdataset) or a prefix of each (from_folder); local "
+            "images with masks in storage, and images in storage with local masks, are not "
+            "supported: put both in storage, or fetch both to a local folder."
         )
 
 

@@ -77,8 +77,9 @@ class JpegCache(Store):
         ``masks``: the folder of the images' segmentation masks (ISIC, Pascal VOC, ADE20K and
         Cityscapes layouts): ``root`` is then read as a flat or nested folder of images without
         class labels, each paired with the mask of the same relative folder and stem under
-        ``masks`` by the rule docs/guides/segmentation.md states (local folders only: a prefix
-        in storage with masks is refused)."""
+        ``masks`` by the rule docs/guides/segmentation.md states; both local folders, or both
+        prefixes in object storage (``s3://b/images/`` with ``s3://b/masks/``, fetched together;
+        local images with masks in storage, or the reverse, are refused)."""
         return _builders.from_folder(cls, root, masks, BuildOptions.of(locals()))
 
     @classmethod

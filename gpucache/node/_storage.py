@@ -59,8 +59,11 @@ def _all_urls(items: Sequence[Any], what: str) -> list[str]:
     return out
 
 
-def from_folder(cls: type[S], root: str, options: BuildOptions) -> S:
-    """``JpegCache.from_folder`` of a prefix in ImageFolder layout (``s3://b/train/``)."""
+def from_folder(cls: type[S], root: str, options: BuildOptions, masks: str | None = None) -> S:
+    """``JpegCache.from_folder`` of a prefix in ImageFolder layout (``s3://b/train/``), or of a
+    prefix of unlabeled images with the prefix of their masks (``masks``)."""
+    if masks is not None:
+        return _folder_with_masks(cls, root, masks, options)
     from ..ingest.storage._listing import list_folder
 
     def scan() -> tuple[Listing, tuple[Any, ...]]:
@@ -69,6 +72,27 @@ def from_folder(cls: type[S], root: str, options: BuildOptions) -> S:
 
     make = _objects_maker(cls, options, metadata=False)
     request = (redact(root.rstrip("/") + "/"), *options.keyed())
+    return built_for(cls, scan, make, request, options, remote=True)
+
+
+def _folder_with_masks(cls: type[S], root: str, masks: str, options: BuildOptions) -> S:
+    """Both prefixes listed and paired (``ingest.storage._paired``), fetched as one listing:
+    the images, then their masks (the key covers both with their sizes and ETags)."""
+    from ..ingest._build import check_labels
+    from ..ingest.storage._paired import list_pairs
+
+    def scan() -> tuple[Listing, tuple[Any, ...]]:
+        listing, n = list_pairs(root, masks, options.storage_options)
+        labels, classes = check_labels(n, None, None)
+        return listing, (labels, classes, *options.keyed(), MASKS_AT, n)
+
+    make = _objects_maker(cls, options, metadata=False)
+    request = (
+        redact(root.rstrip("/") + "/"),
+        *options.keyed(),
+        "masks",  # after the options, as for the other builders
+        redact(masks.rstrip("/") + "/"),
+    )
     return built_for(cls, scan, make, request, options, remote=True)
 
 
