@@ -201,13 +201,15 @@ def test_transient_faults_are_retried(s3, tmp_path, fast_retries):
         server.fail("status", objs[1], times=1, status=500, code="InternalError")
         server.fail("drop", objs[2], times=1)  # connection closed before any response
         server.fail("cut", objs[3], times=1)  # half the body, then the connection goes
-        server.fail("delay", objs[4], times=1, seconds=3.0)  # slower than the read timeout
+        # slower than the read timeout; the timeout leaves room for a loaded machine (two test
+        # workers on two cores), where an answer can take longer than half a second
+        server.fail("delay", objs[4], times=1, seconds=8.0)
         server.reset_counts()
         cache = JpegCache.from_folder(
             "s3://bkt/small/",
             cache_dir=tmp_path,
             progress=False,
-            storage_options={"config_kwargs": {"read_timeout": 0.5}},
+            storage_options={"config_kwargs": {"read_timeout": 2.0}},
             requests_in_flight=4,
         )
     _same(cache, JpegCache.from_folder(s3["small"], progress=False))
