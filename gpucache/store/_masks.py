@@ -21,6 +21,8 @@ from enum import IntEnum
 import numpy as np
 import torch
 
+from ._readonly import tensor_over
+
 DATA, OFFSETS, INFO = "masks", "masks.offsets", "masks.info"
 SECTIONS = (DATA, OFFSETS, INFO)
 
@@ -97,15 +99,7 @@ class Masks:
         """Sample ``i``'s mask bytes as a uint8 tensor over the store's memory, for decoders
         (private: torch ignores numpy's read-only flag; see ``Store._bytes_tensor``)."""
         if self._tensor is None:
-            import warnings
-
-            warnings.filterwarnings(
-                "ignore",
-                message="The given NumPy array is not writable",
-                category=UserWarning,
-                module=r"gpucache\.store\._masks",
-            )
-            self._tensor = torch.from_numpy(self._data)
+            self._tensor = tensor_over(self._data)
         self._check()
         return self._tensor[int(self._offsets[i]) : int(self._offsets[i + 1])]
 

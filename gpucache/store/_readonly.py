@@ -17,10 +17,12 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
 _RW = mmap.PROT_READ | mmap.PROT_WRITE if hasattr(mmap, "PROT_READ") else 0
 _writable: dict[int, mmap.mmap] = {}  # start address -> mapping, while a build fills it
@@ -120,3 +122,18 @@ def freeze(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         for k, at in copies:
             out[k] = _view(m, at, arrays[k])
     return out  # type: ignore[return-value]  # every entry was filled above
+
+
+def tensor_over(a: np.ndarray) -> torch.Tensor:
+    """``a`` as a tensor sharing its (read-only) memory, for the decoders; never handed to users,
+    since torch ignores numpy's read-only flag (users get read-only numpy views). torch warns
+    that the buffer is read-only: it is, by design. One filter scoped to that message from this
+    module (``catch_warnings`` would swap the process-wide filter list, and this may run in a
+    decode thread while the user's code adds filters); adding it again replaces it."""
+    warnings.filterwarnings(
+        "ignore",
+        message="The given NumPy array is not writable",
+        category=UserWarning,
+        module=r"gpucache\.store\._readonly",
+    )
+    return torch.from_numpy(a)

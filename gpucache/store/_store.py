@@ -183,18 +183,7 @@ class Store:
         Private on purpose: torch ignores numpy's read-only flag, so only read-only numpy views
         (``cache[i]``) are handed to users."""
         if self._tensor is None:
-            import warnings
-
-            # torch warns that the buffer is read-only: it is, by design. One filter scoped to
-            # that message from this module (catch_warnings would swap the process-wide filter
-            # list, and this may run in a decode thread while the user's code adds filters)
-            warnings.filterwarnings(
-                "ignore",
-                message="The given NumPy array is not writable",
-                category=UserWarning,
-                module=r"gpucache\.store\._store",
-            )
-            self._tensor = torch.from_numpy(self._data)
+            self._tensor = _readonly.tensor_over(self._data)
         self._check_intact()
         return self._tensor[int(self._offsets[i]) : int(self._offsets[i + 1])]
 
