@@ -14,6 +14,7 @@ from ._errors import (
     ObjectStoreError,
     SampleError,
     SharedMemoryError,
+    ShareError,
     WorkerError,
 )
 from ._version import read_version as _read_version
@@ -61,6 +62,7 @@ __all__ = [
     "CacheFormatError",
     "ObjectStoreError",
     "SharedMemoryError",
+    "ShareError",
     "SampleError",
     "WorkerError",
     "transforms",

@@ -53,6 +53,28 @@ def local() -> tuple[int, int]:
     return size, rank
 
 
+def nodes() -> tuple[int, int]:
+    """(node count, this node's index) of the job, from the launcher; (1, 0) without one.
+
+    torchrun: WORLD_SIZE / LOCAL_WORLD_SIZE nodes, GROUP_RANK the node's index; Slurm (srun):
+    SLURM_NNODES and SLURM_NODEID; otherwise the process group's world size over the local world
+    size, and this rank's node as torchrun numbers them (RANK // LOCAL_WORLD_SIZE)."""
+    if "SLURM_NODEID" in os.environ and "LOCAL_WORLD_SIZE" not in os.environ:
+        count, index = _env_int("SLURM_NNODES"), _env_int("SLURM_NODEID")
+        if count is not None and index is not None and 0 <= index < count:
+            return count, index
+    per_node, _ = local()
+    size, rank = world()
+    if size == 1:
+        size = _env_int("WORLD_SIZE") or 1
+        rank = _env_int("RANK") or 0
+    count = max(1, size // per_node)
+    index = _env_int("GROUP_RANK")
+    if index is None or not 0 <= index < count:
+        index = min(count - 1, rank // per_node)
+    return count, index
+
+
 def sharding(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     """Explicit arguments win; otherwise the process group's world size and rank."""
     size, me = world()

@@ -26,6 +26,7 @@ __all__ = [
     "CacheFormatError",
     "ObjectStoreError",
     "SharedMemoryError",
+    "ShareError",
     "SampleError",
     "WorkerError",
     "OutOfMemory",
@@ -104,6 +105,14 @@ class ObjectStoreError(GpucacheError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class ShareError(GpucacheError, RuntimeError):
+    """A node's share (``shard="node"``) cannot be built or played as asked: it does not fit
+    where the store must live (checked before any byte is read or fetched, with the numbers and
+    the fix), or the job's ranks hold shares of different listings or layouts."""
+
+    __module__ = "gpucache"
 
 
 class SharedMemoryError(GpucacheError, RuntimeError):

@@ -15,6 +15,7 @@ BUILTIN = {
     "BuildError": ValueError,
     "CacheFormatError": ValueError,
     "SharedMemoryError": RuntimeError,
+    "ShareError": RuntimeError,
     "SampleError": RuntimeError,
     "WorkerError": RuntimeError,
     "ObjectStoreError": OSError,  # what a failed read of a file has always raised

@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("store", ("gpucache.store",)),
     # leaf helpers any layer may use; they import nothing of gpucache's: distributed ranks, the
     # compiled part's binding, the progress bar, every error raised to users, the usable cores,
-    # the ordered thread map, files opened as this user's own, the version, a plan's columns
+    # the ordered thread map, files opened as this user's own, the version, a plan's columns,
+    # the node shares' partition function
     (
         "base",
         (
@@ -43,6 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "gpucache._owned",
             "gpucache._version",
             "gpucache._plan",
+            "gpucache._shares",
         ),
     ),
 ]

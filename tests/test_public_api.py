@@ -18,6 +18,7 @@ ERRORS = {
     "SharedMemoryError",
     "SampleError",
     "WorkerError",
+    "ShareError",
 }
 MODULES = {"transforms", "testing"}
 

@@ -24,10 +24,11 @@ import numpy as np
 
 from .._errors import BuildError
 from .._progress import tqdm
+from .._shares import Selected
 from .._threads import ordered_map
 from ..store._format import MAGIC
 from ..store._report import BuildReport, Skipped
-from . import _pipeline
+from . import _pipeline, _share
 from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Source, name_of
 from ._options import BuildOptions
 from ._sniff import Kind
@@ -76,6 +77,17 @@ class PathList(Sequence[str]):
 
     def __iter__(self) -> Iterator[str]:
         return (self[i] for i in range(len(self)))
+
+    def take(self, keep: np.ndarray) -> PathList:
+        """The paths at ``keep``, packed the same way."""
+        folder_of, ends, parts, end = array("I"), array("Q"), [], 0
+        for i in keep.tolist():
+            start = self._ends[i - 1] if i > 0 else 0
+            parts.append(self._blob[start : self._ends[i]])
+            end += self._ends[i] - start
+            folder_of.append(self._folder_of[i])
+            ends.append(end)
+        return PathList(self._prefixes, folder_of, ends, b"".join(parts))
 
     def __repr__(self) -> str:
         return f"<{len(self)} paths>"
@@ -191,6 +203,8 @@ def build(
     on_progress: Callable[[int, int, int], None] | None = None,
     extra: dict | None = None,
     masks: Sequence[Input | None] | None = None,
+    selected: Selected | None = None,
+    reused: np.ndarray | None = None,
 ):
     """Pack ``inputs`` (paths or :class:`Source` objects) into ``cls(...)``, as ``options`` say.
 
@@ -205,7 +219,13 @@ def build(
     ``extra``: optional sections to store as they are (one row per input if per-sample).
     ``masks``: one mask input (path or :class:`Source`) per input, read and checked with its
     image (``_masks.check_mask``); an image whose mask is missing or unusable is a bad input,
-    its reason naming the mask."""
+    its reason naming the mask.
+    ``options.share`` (``shard="node"``): ``inputs`` are the whole listing, of which this node's
+    share is built (``_share.pick``), unless ``selected`` says they are that share already (taken
+    before a fetch); its size is checked against memory, the node cache and ``cache_max_bytes``
+    before a byte is read, and the store records it. Samples that stores of earlier layouts on
+    this node hold are taken from them (``_share.reuse``; ``reused`` marks those a caller took
+    before a fetch), unless the build re-encodes."""
     from ._restart import rewriters
 
     max_pixels = options.max_pixels
@@ -217,6 +237,14 @@ def build(
         max_side=options.max_side,
         jpeg_quality=options.jpeg_quality,
     )
+    share = options.share
+    if share is not None and selected is None:
+        inputs, labels, metadata, masks, selected = _share.pick(
+            share, inputs, labels, metadata, masks
+        )
+        n = len(inputs)
+        if not steps:  # stored bytes are the source's: an earlier share's are as good
+            inputs, masks, reused = _share.reuse(selected, inputs, masks)
     threads = options.num_threads or _pipeline.default_threads()
     window = 2 * threads
     bar = tqdm(
@@ -238,6 +266,8 @@ def build(
     with bar, ThreadPoolExecutor(threads, thread_name_prefix="gpucache-build") as pool:
         cum, refused = _pipeline.size_all(pool, inputs, max_pixels, window, tick)
         total = int(cum[-1])
+        if share is not None:
+            _share.check_budget(total, share, options, memory=_memory())
         if total > _memory() > 0:
             raise MemoryError(
                 f"the {n - len(refused):,} inputs add up to {total / 2**30:,.1f} GiB, more than "
@@ -294,6 +324,28 @@ def build(
         meta = out.strings(out.meta_ends, lambda i: str(metadata[i]))
     sections = {**(extra or {}), **{name: col[:k] for name, col in out.columns.items()}}
     sections.update(out.mask_sections())
+    if share is not None and selected is not None:
+        kept = np.setdiff1d(np.arange(n), np.fromiter(errors, np.int64, len(errors)))
+        took = np.zeros(n, dtype=bool) if reused is None else reused
+        sizes = np.diff(cum)
+        fetched = (
+            int((~took).sum()),
+            int(sizes[~took].sum()),
+            int(took.sum()),
+            int(sizes[took].sum()),
+        )
+        sections.update(_share.record(selected, share, kept, fetched))
+        if took.any():
+            log.warning(
+                "gpucache: node %d of %d read %d samples (%.1f MB) from the source and took %d "
+                "(%.1f MB) from its stores of an earlier node layout",
+                share.node,
+                share.nodes,
+                fetched[0],
+                fetched[1] / 1e6,
+                fetched[2],
+                fetched[3] / 1e6,
+            )
     for rw in steps:
         sections.update(rw.sections(out.columns, k))
     return cls(

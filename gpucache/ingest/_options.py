@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from .._shares import Share
 from ..store._limits import DEFAULT_MAX_PIXELS
 
 __all__ = ["ON_ERROR", "BuildOptions", "check_on_error", "spell_on_error"]
@@ -61,9 +62,17 @@ class BuildOptions:
     # for objects in storage: never in a key, a store, a log line or a repr (credentials)
     storage_options: dict[str, Any] | None = field(default=None, repr=False)
     requests_in_flight: int | None = None
+    shard: Literal["node"] | None = None
+    # set by the node layer from shard="node" and the job's nodes: the share this node builds
+    share: Share | None = field(default=None, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         check_on_error(self.on_error)
+        if self.shard not in (None, "node"):
+            raise ValueError(
+                f"shard must be None (every node holds the whole data set) or 'node' (each "
+                f"node holds its share), got {self.shard!r}."
+            )
         if self.max_pixels is not None and self.max_pixels < 1:
             raise ValueError(
                 f"max_pixels must be a positive number of pixels or None (no bound), "
@@ -72,8 +81,8 @@ class BuildOptions:
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        """Every option's name, in order."""
-        return tuple(f.name for f in fields(cls))
+        """Every option's name, in order (the public ones: ``share`` is set by the node layer)."""
+        return tuple(f.name for f in fields(cls) if not f.metadata.get("internal"))
 
     @classmethod
     def of(cls, arguments: dict[str, Any]) -> BuildOptions:
@@ -83,5 +92,7 @@ class BuildOptions:
 
     def keyed(self) -> tuple[object, ...]:
         """The values of the options that change what is built (on_error, max_pixels,
-        restart_markers, max_side, jpeg_quality), in order: the node cache's key holds them."""
-        return tuple(getattr(self, f.name) for f in fields(self) if f.metadata.get("keyed"))
+        restart_markers, max_side, jpeg_quality), in order, then the node's share when there is
+        one: the node cache's key holds them (a store without a share keeps its key)."""
+        keyed = tuple(getattr(self, f.name) for f in fields(self) if f.metadata.get("keyed"))
+        return keyed if self.share is None else (*keyed, self.share)

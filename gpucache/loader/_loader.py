@@ -30,7 +30,8 @@ from ..transforms import (
     batch_generator,
 )
 from ..transforms._device import to_device
-from . import _state
+from . import _nodes, _state
+from ._nodes import NodeOrder, RankPlan, Segment
 from ._sampling import Sampling
 from ._stats import LoaderStats
 
@@ -51,11 +52,20 @@ class BatchInfo(NamedTuple):
 
 
 class _Pass:
-    """Where one pass over an epoch stands: it started at global position ``start``."""
+    """Where one pass over an epoch stands: it started at global position ``start`` (node
+    shares: after the epoch's ``prior`` segments)."""
 
-    def __init__(self, epoch: int, start: int, replicas: int, batch_size: int, total: int):
+    def __init__(
+        self,
+        epoch: int,
+        start: int,
+        replicas: int,
+        batch_size: int,
+        total: int,
+        prior: list[Segment] | None = None,
+    ):
         self.epoch, self.start, self.replicas, self.batch_size = epoch, start, replicas, batch_size
-        self.total, self.batches_done = total, 0
+        self.total, self.batches_done, self.prior = total, 0, prior
 
     @property
     def position(self) -> int:
@@ -203,6 +213,7 @@ class GpuCachedLoader:
         self.sampling = Sampling(
             len(cache), indices=indices, weights=weights, num_samples=num_samples
         )
+        self._nodes = _node_order(cache, self.sampling, num_replicas, rank)
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
         if seed is not None and generator is not None:
             raise ValueError(
@@ -251,16 +262,20 @@ class GpuCachedLoader:
             backend=self.backend_name,
         )
         self._next_epoch = 0  # the epoch a fresh pass plays
-        self._resume: tuple[int, int] | None = None  # (epoch, global position) from load_state_dict
+        # (epoch, global position, node shares: the epoch's segments so far) from load_state_dict
+        self._resume: tuple[int, int, list[Segment]] | None = None
         self._pass: _Pass | None = None  # the pass under way (or abandoned), for state_dict()
         self._passes = 0  # counts passes, so a superseded iterator can tell
+        #: node shares: repeats this rank plays in the pass under way (its node's padding, and
+        #: samples its build left out), and samples of its node that drop_last leaves out
+        self.epoch_padding = self.epoch_dropped = 0
         self._backend: Backend | None = None
         self._closed = False  # close() was called: iterating raises instead of restarting
 
     # ------------------------------------------------------------------ order and sharding
     def _global_size(self) -> int:
-        """Samples in one epoch's global order (before sharding)."""
-        return self.sampling.size
+        """Samples in one epoch's global order (before sharding; node shares: every node's)."""
+        return self.sampling.size if self._nodes is None else self._nodes.total
 
     def _global_order(self, epoch: int) -> np.ndarray:
         """The epoch's order over all ranks, as store indices, before sharding.
@@ -289,12 +304,23 @@ class GpuCachedLoader:
         return batches
 
     def epoch_indices(self, epoch: int, start: int = 0) -> np.ndarray:
-        """Store indices this rank visits in ``epoch`` from global position ``start``, in order."""
+        """Store indices this rank visits in ``epoch`` from global position ``start``, in order
+        (node shares: the whole epoch, ``start`` 0)."""
+        if self._nodes is not None:
+            return self._node_plan(epoch, []).indices
         return self._shard(self._global_order(epoch), start, self.num_replicas, self.rank)
+
+    def _node_plan(self, epoch: int, prior: list[Segment]) -> RankPlan:
+        assert self._nodes is not None
+        return self._nodes.plan(
+            self.seed, epoch, self.shuffle, prior, self.batch_size, self.drop_last
+        )
 
     # ------------------------------------------------------------------ DataLoader habits
     def __len__(self) -> int:
         """Batches of a full epoch on this rank."""
+        if self._nodes is not None:
+            return self._nodes.full_batches(self.batch_size, self.drop_last)
         n, r, bs = self._global_size(), self.num_replicas, self.batch_size
         mine = n // r if self.drop_last else -(-n // r)
         return mine // bs if self.drop_last else -(-mine // bs)
@@ -315,13 +341,20 @@ class GpuCachedLoader:
         """Where the epoch stands, independent of world size: the seed, the epoch and how many
         samples of the epoch's global order all ranks together have been handed, with
         fingerprints of the store and of ``indices=``/``weights=`` (see ``gpucache.loader._state``)."""
+        segments: list[Segment] = []
         if self._resume is not None:
-            epoch, position = self._resume
+            epoch, position, segments = self._resume
         elif self._pass is not None:
             epoch, position = self._pass.epoch, self._pass.position
+            if self._pass.prior is not None:
+                segments = [*self._pass.prior, self._segment(self._pass.batches_done)]
         else:
             epoch, position = self._next_epoch, 0
         store, sampling = self._fingerprints
+        nodes = {}
+        if self._nodes is not None:  # each layout the epoch ran under, and what it consumed
+            nodes = {"segments": [list(s) for s in segments if s.batches_done]}
+            position = self._nodes.consumed_count(self.seed, epoch, self.shuffle, segments)
         return {
             "version": _state.VERSION,
             "seed": self.seed,
@@ -333,6 +366,7 @@ class GpuCachedLoader:
             "num_replicas": self.num_replicas,
             "store": store,
             "sampling": sampling,
+            **nodes,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -346,15 +380,23 @@ class GpuCachedLoader:
         seed, epoch, position = _state.parse(
             state, samples=self._global_size(), shuffle=self.shuffle, store=store, sampling=sampling
         )
+        segments = [Segment(*s) for s in _state.segments(state, self._nodes is not None)]
         if seed != self.seed:
             self._stop_backend()  # workers are seeded from the loader's seed: restart them with it
             self.seed = seed
-        self._resume, self._pass = (epoch, position), None
+        self._resume, self._pass = (epoch, position, segments), None
 
     @functools.cached_property
     def _fingerprints(self) -> tuple[str, str]:
-        """(store, sampling) fingerprints for the state: computed once, the same on every rank."""
+        """(store, sampling) fingerprints for the state: computed once, the same on every rank
+        (node shares: of the whole listing, the same on every node and at any node count)."""
+        if self._nodes is not None:
+            return _nodes.fingerprint(self._nodes.share), "all"
         return _state.store_fingerprint(self.cache), _state.sampling_fingerprint(self.sampling)
+
+    def _segment(self, batches_done: int) -> Segment:
+        assert self._nodes is not None
+        return Segment(self._nodes.nodes, self._nodes.per_node, self.batch_size, batches_done)
 
     def _key(self, epoch: int, batch: int) -> tuple[int, ...]:
         """What seeds one batch's plans and batch steps: (seed, epoch, batch[, rank])."""
@@ -408,15 +450,24 @@ class GpuCachedLoader:
             )
         backend = self._get_backend()
         backend.drain()  # results of a pass left early
-        epoch, start = self._resume if self._resume is not None else (self._next_epoch, 0)
+        epoch, start, segments = (
+            self._resume if self._resume is not None else (self._next_epoch, 0, [])
+        )
+        prior: list[Segment] | None = segments
         bs, replicas = self.batch_size, self.num_replicas
-        mine = self.epoch_indices(epoch, start)
-        batches = self._batches(mine)
-        first = start // (bs * replicas)  # batch number of the first batch, for the plans
+        if self._nodes is not None:  # this node's share: the rest of its epoch after `prior`
+            rank_plan = self._node_plan(epoch, segments)
+            batches = self._batches(rank_plan.indices)
+            first = sum(s.batches_done for s in segments)
+            self.epoch_padding, self.epoch_dropped = rank_plan.padded, rank_plan.dropped
+        else:
+            batches = self._batches(self.epoch_indices(epoch, start))
+            first = start // (bs * replicas)  # batch number of the first batch, for the plans
+            prior = None
         self._passes += 1
         me = self._passes
         self._resume, self._next_epoch = None, epoch + 1
-        self._pass = pos = _Pass(epoch, start, replicas, bs, self._global_size())
+        self._pass = pos = _Pass(epoch, start, replicas, bs, self._global_size(), prior)
         stack = self.transform.fixed_size
         ahead = (
             self.prefetch_factor * max(1, self.num_workers)
@@ -636,6 +687,22 @@ def _mask_setup(
             "pass masks=False to the loader to get labels."
         )
     return dtype
+
+
+def _node_order(cache: Store, sampling: Sampling, num_replicas: int, rank: int) -> NodeOrder | None:
+    """The node order of a node-sharded store (None for a whole one), checked against the job."""
+    share = cache.node_share
+    if share is None:
+        return None
+    if sampling.indices is not None or sampling.weights is not None:
+        raise ValueError(
+            "indices= and weights= take store indices of a whole data set; this store holds "
+            "one node's share (shard='node'), whose indices differ from node to node. Build "
+            "the subset as its own store, or use shard=None."
+        )
+    order = NodeOrder(share, num_replicas=num_replicas, rank=rank)
+    _nodes.check_job(share, num_replicas, rank)
+    return order
 
 
 def _check_int(name: str, value: object, low: int, fix: str) -> None:

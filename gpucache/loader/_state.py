@@ -178,3 +178,34 @@ def _check_fingerprints(state: Mapping[str, Any], *, store: str, sampling: str) 
                 f"state_dict was saved for {what}: its {key} fingerprint "
                 f"{state[key]!r} is not this loader's {mine!r}; {fix}."
             )
+
+
+def segments(state: Mapping[str, Any], sharded: bool) -> list[tuple[int, int, int, int]]:
+    """The epoch's segments of a node-sharded loader's state, checked (``[]`` for a whole
+    store's state): each ``[nodes, ranks per node, batch size, batches done]``."""
+    have = "segments" in state
+    if have != sharded:
+        raise ValueError(
+            "this state_dict was saved by a loader over a node-sharded store (shard='node') and "
+            "this loader reads a whole one, or the reverse; resume with a store built the same "
+            "way."
+            if have or state.get("version", 1) >= 3
+            else f"state_dict lacks 'segments'; {_FIX}."
+        )
+    if not sharded:
+        return []
+    raw = state["segments"]
+    if not isinstance(raw, (list, tuple)):
+        raise TypeError(f"state_dict['segments'] must be a list, got {type(raw).__name__}; {_FIX}.")
+    out = []
+    for i, seg in enumerate(raw):
+        if not isinstance(seg, (list, tuple)) or len(seg) != 4:
+            raise ValueError(
+                f"state_dict['segments'][{i}] must be [nodes, ranks per node, batch size, "
+                f"batches done], got {seg!r}; {_FIX}."
+            )
+        row = {f"segments[{i}][{j}]": v for j, v in enumerate(seg)}
+        out.append(
+            tuple(_integer(row, k, 1 if j < 3 else 0, None, "a count") for j, k in enumerate(row))
+        )
+    return out  # type: ignore[return-value]

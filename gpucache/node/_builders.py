@@ -11,6 +11,7 @@ and what decides the store's content: labels, classes, the source's own options 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Sequence
@@ -19,9 +20,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from .. import _dist
+from .._shares import Share
 from ..store._store import Store
 from . import _storage
 from ._cache import built_for
+from ._dir import default_dir
 from ._storage import any_url, csv_lists_urls
 
 if TYPE_CHECKING:
@@ -31,6 +35,17 @@ if TYPE_CHECKING:
 S = TypeVar("S", bound=Store)
 
 
+def placed(options: BuildOptions) -> BuildOptions:
+    """``options`` with the node's share when ``shard="node"``: the job's node layout from the
+    launcher (``_dist.nodes``; one process is node 0 of 1) and the folder its store will live in
+    (for the budget check)."""
+    if options.shard is None:
+        return options
+    nodes, node = _dist.nodes()
+    folder = options.cache_dir if options.cache_dir is not None else default_dir()
+    return dataclasses.replace(options, share=Share(nodes, node, folder=os.fspath(folder)))
+
+
 def from_folder(
     cls: type[S],
     root: str | os.PathLike[str],
@@ -38,6 +53,7 @@ def from_folder(
     options: BuildOptions,
 ) -> S:
     """``JpegCache.from_folder`` (see its docstring)."""
+    options = placed(options)
     if masks is not None:
         if any_url(root) and any_url(masks):  # both prefixes in storage
             return _storage.from_folder(cls, os.fspath(root), options, masks=os.fspath(masks))
@@ -166,6 +182,7 @@ def from_files(
     options: BuildOptions,
 ) -> S:
     """``JpegCache.from_files`` (see its docstring)."""
+    options = placed(options)
     if any_url(paths):  # object URLs (and their masks': all URLs, checked there)
         return _storage.from_files(cls, paths, labels, metadata, classes, options, masks)
     if masks is not None:
@@ -205,6 +222,7 @@ def from_csv(
 ) -> S:
     """``JpegCache.from_csv`` (see its docstring): the CSV read once, the files it lists built
     (once per node with ``cache_dir`` or several ranks, keyed on those files and masks)."""
+    options = placed(options)
     if csv_lists_urls(path):  # a CSV in storage, or one listing object URLs
         return _storage.from_csv(cls, path, classes, delimiter, header, options, mask_column)
     from ..ingest._build import build
@@ -249,6 +267,7 @@ def from_webdataset(
 ) -> S:
     """``JpegCache.from_webdataset`` (see its docstring): built once per node with ``cache_dir``
     or several ranks, keyed on the shard files (the masks are members of them)."""
+    options = placed(options)
     if any_url(shards):  # shards in storage, brace patterns expanded
         return _storage.from_webdataset(cls, shards, classes, metadata_ext, options, mask_ext)
     from ..ingest import _sources
@@ -289,6 +308,7 @@ def from_hf(
     options: BuildOptions,
 ) -> S:
     """``JpegCache.from_hf`` (see its docstring)."""
+    options = placed(options)
     from ..ingest import _sources
 
     if options.cache_dir is not None:

@@ -37,11 +37,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import _dist
 from .._errors import CacheFormatError
+from .._shares import Share
+from ..ingest._share import reusing
 from ..ingest.storage._client import Listing as ObjectListing
 from ..ingest.storage._fetch import spool_full
 from ..ingest.storage._objects import spool_files
 from ..store._store import Store
-from ._clean import clean
+from ._clean import clean, entries
 from ._dir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private
 from ._lock import NodeLock
 
@@ -78,11 +80,30 @@ def listing_key(
 ) -> str:
     """A hash of every path (its folder resolved: symlinks, ``..``, relative to absolute) with its
     size and mtime, plus ``extra`` (labels, classes, options)."""
+    return listing_keys(paths, extra, on_progress)[0]
+
+
+def listing_keys(
+    paths: Sequence[str], extra: Sequence[object], on_progress: Callable[..., None] | None = None
+) -> tuple[str, str]:
+    """:func:`listing_key`, and the same without the node's share (``Share`` items of
+    ``extra``): the key every node layout of one source and options shares, so a node finds its
+    stores of earlier layouts (``source`` in their ``.info``)."""
     h = hashlib.blake2b(_KEY_VERSION, digest_size=16)
+    whole = [e for e in extra if not isinstance(e, Share)]
     if isinstance(paths, ObjectListing):  # objects in storage: every URL with its size and ETag
         paths.fingerprint(h)
-        _hash(h, extra)
-        return h.hexdigest()
+    else:
+        _stat_paths(h, paths, on_progress)
+    g = h.copy()
+    _hash(h, extra)
+    _hash(g, whole)
+    return h.hexdigest(), g.hexdigest()
+
+
+def _stat_paths(
+    h: hashlib.blake2b, paths: Sequence[str], on_progress: Callable[..., None] | None
+) -> None:
     real: dict[str, str] = {}  # folder as named -> resolved (one realpath a folder, not a file)
     for i, p in enumerate(paths):
         st = os.stat(p)
@@ -94,8 +115,6 @@ def listing_key(
         h.update(f"{q}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
         if on_progress is not None and i % 4096 == 4095:
             on_progress("stat", i + 1, len(paths))
-    _hash(h, extra)
-    return h.hexdigest()
 
 
 def built_once(
@@ -108,13 +127,16 @@ def built_once(
     max_bytes: int | None = None,
     stall_timeout: float | None = None,
     remote: bool = False,
+    share: Share | None = None,
 ) -> S:
     """``build(inputs, extra, on_progress)`` once per node, or open the saved store of an unchanged
     listing; in memory for one process without ``cache_dir``. ``request`` names what ``scan()``
     lists without touching the file system (a root, or the paths, plus the options).
     ``remote``: objects in storage, always built in the node cache (default folder without
     ``cache_dir``), and ``build(inputs, extra, on_progress, base)`` fetches them into a spool
-    named after ``base`` (``<folder>/<key>``), removed once the store is saved."""
+    named after ``base`` (``<folder>/<key>``), removed once the store is saved.
+    ``share``: the node's share (``shard="node"``); its build takes what this node's stores of
+    earlier layouts of the same source hold (``ingest._share.reusing``) instead of reading it."""
     stall = STALL_TIMEOUT_S if stall_timeout is None else stall_timeout
     if cache_dir is None and not several_ranks() and not remote:
         return build(*scan(), None)
@@ -157,7 +179,11 @@ def built_once(
                     key = new
                     continue
             lock.phase("building", len(listing[0]))
-            built = build(*listing, lock.progress, *((folder / key,) if remote else ()))
+            source = listing_keys(*listing)[1] if share is not None else None
+            earlier = [] if source is None else _earlier(cls, folder, source, key)
+            with reusing(earlier):
+                built = build(*listing, lock.progress, *((folder / key,) if remote else ()))
+            del earlier
             lock.phase("saving", len(built))
             try:
                 built.save(store, mode=0o600)
@@ -168,7 +194,13 @@ def built_once(
                 if full is None:
                     raise
                 raise full from err
-            info = {"source": _source(request), "samples": len(built), "created": time.time()}
+            info: dict[str, Any] = {
+                "source": _source(request),
+                "samples": len(built),
+                "created": time.time(),
+            }
+            if source is not None:  # the key of every layout of this source: see _earlier
+                info["layouts"] = source
             write_private(folder / f"{key}.info", json.dumps(info).encode())
             if remote:  # the store is saved: the fetched objects are no longer needed
                 for spool in spool_files(folder / key):
@@ -193,6 +225,18 @@ def built_once(
         return cache
 
 
+def _earlier(cls: type[S], folder: Path, source: str, key: str) -> list[S]:
+    """This node's stores of other layouts of ``source`` (held open while they are read)."""
+    out = []
+    for e in entries(folder):
+        if e.key == key or (read_json(folder / f"{e.key}.info") or {}).get("layouts") != source:
+            continue
+        cache = _open(cls, e.path)
+        if cache is not None:
+            out.append(cache)
+    return out
+
+
 def built_for(
     cls: type[S],
     scan: Callable[[], Listing],
@@ -212,6 +256,7 @@ def built_for(
         cache_dir=options.cache_dir,
         max_bytes=options.cache_max_bytes,
         remote=remote,
+        share=options.share,
     )
     cache.max_pixels = options.max_pixels
     return cache

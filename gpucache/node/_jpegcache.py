@@ -55,6 +55,7 @@ class JpegCache(Store):
         jpeg_quality: int | None = None,
         storage_options: dict[str, Any] | None = None,
         requests_in_flight: int | None = None,
+        shard: Literal["node"] | None = None,
     ) -> JpegCache:
         """Pack an ImageFolder tree (``root/<class>/<image>``); labels as torchvision assigns.
         ``on_error``: a file that cannot be used is left out and listed in ``cache.report``
@@ -79,7 +80,13 @@ class JpegCache(Store):
         class labels, each paired with the mask of the same relative folder and stem under
         ``masks`` by the rule docs/guides/segmentation.md states; both local folders, or both
         prefixes in object storage (``s3://b/images/`` with ``s3://b/masks/``, fetched together;
-        local images with masks in storage, or the reverse, are refused)."""
+        local images with masks in storage, or the reverse, are refused).
+        ``shard``: None (default) builds the whole data set on every node; ``"node"`` builds,
+        on each node of a multi-node job, only that node's share (about 1/nodes of the
+        samples, a random sample by a hash of each name), for data bigger than one node;
+        ``GpuCachedLoader`` then plays every sample once per epoch across the job, and resumes
+        at another node count, taking what the node's earlier stores hold
+        (docs/guides/nodes.md). One node (or one process): the whole data set."""
         return _builders.from_folder(cls, root, masks, BuildOptions.of(locals()))
 
     @classmethod
@@ -102,6 +109,7 @@ class JpegCache(Store):
         jpeg_quality: int | None = None,
         storage_options: dict[str, Any] | None = None,
         requests_in_flight: int | None = None,
+        shard: Literal["node"] | None = None,
     ) -> JpegCache:
         """Pack a list of files, bytes-like objects or seekable binary file objects (mixed);
         ``labels`` are ints (``-1`` or None for unlabeled); the rest as in from_folder. Object
@@ -135,6 +143,7 @@ class JpegCache(Store):
         jpeg_quality: int | None = None,
         storage_options: dict[str, Any] | None = None,
         requests_in_flight: int | None = None,
+        shard: Literal["node"] | None = None,
     ) -> JpegCache:
         """Pack the files a CSV lists as ``path,label[,metadata]`` (paths relative to the CSV;
         labels ints or class names; ``header=None`` skips a first row labelled ``label``/``class``).
@@ -167,6 +176,7 @@ class JpegCache(Store):
         jpeg_quality: int | None = None,
         storage_options: dict[str, Any] | None = None,
         requests_in_flight: int | None = None,
+        shard: Literal["node"] | None = None,
     ) -> JpegCache:
         """Pack WebDataset tar shards (images and ``.cls`` labels), read in place from the tars;
         the build options as in from_folder (with ``cache_dir`` keyed on the shard files).
@@ -198,6 +208,7 @@ class JpegCache(Store):
         restart_markers: bool = False,
         max_side: int | None = None,
         jpeg_quality: int | None = None,
+        shard: Literal["node"] | None = None,
     ) -> JpegCache:
         """Pack a Hugging Face ``datasets.Dataset``'s ``Image`` column, bytes taken as stored;
         the build options as in from_folder (``cache_dir`` is refused: a dataset object has no

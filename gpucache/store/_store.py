@@ -33,6 +33,7 @@ from ._format import Kind
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
 from ._masks import Masks, masks_of
+from ._share import StoreShare, share_of
 
 S = TypeVar("S", bound="Store")  # a store class: the public JpegCache, or Store itself
 
@@ -211,6 +212,13 @@ class Store:
         """Named optional sections of the store (docs/reference/format.md), as read-only arrays;
         gpucache's own sections (``sample.*``, ``report.*``) are not listed."""
         return MappingProxyType(self._extra)
+
+    @property
+    def node_share(self) -> StoreShare | None:
+        """The node share this store holds (``shard="node"``: partitions, the whole listing's
+        size, the node layout it was built for, each sample's global rank), or None for a store
+        of the whole data set (docs/guides/nodes.md)."""
+        return share_of(self._extra)
 
     @property
     def masks(self) -> Masks | None:

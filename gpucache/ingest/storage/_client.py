@@ -299,7 +299,7 @@ class Listing(Sequence[str]):
         sizes: np.ndarray,
         tags: np.ndarray,
         missing: dict[int, str] | None = None,
-        relist: Callable[[], Listing] | None = None,
+        relist: Callable[[], Listing | None] | None = None,
         where: str = "",
         fs: Any = None,
     ) -> None:
@@ -328,6 +328,27 @@ class Listing(Sequence[str]):
 
     def relist(self) -> Listing | None:
         return None if self._relist is None else self._relist()
+
+    def take(self, keep: np.ndarray) -> Listing:
+        """The objects at ``keep`` (a node's share); listed again, the same positions of the new
+        listing (all of it if its length changed, which the change check then reports)."""
+        where = {int(i): k for k, i in enumerate(keep.tolist())}
+        missing = {where[i]: why for i, why in self.missing.items() if i in where}
+
+        def relist() -> Listing | None:
+            again = self.relist()
+            return again if again is None or len(again) != len(self) else again.take(keep)
+
+        return Listing(
+            self.protocol,
+            self.urls.take(keep),
+            self.sizes[keep],
+            self.tags[keep],
+            missing,
+            relist,
+            self.where,
+            self.fs,
+        )
 
     def __repr__(self) -> str:
         return f"<{len(self)} objects of {self.where}>"

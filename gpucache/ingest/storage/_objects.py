@@ -17,9 +17,11 @@ from typing import Any
 import numpy as np
 
 from ..._errors import ObjectStoreError
-from .._build import build
+from .. import _share
+from .._build import _memory, build
 from .._inputs import Refused
 from .._options import BuildOptions
+from .._share import Picked
 from .._sources import from_webdataset
 from ._client import Listing, filesystem
 from ._fetch import Spool
@@ -100,7 +102,13 @@ def build_objects(
 ) -> Any:
     """A store of one sample an object (``from_folder``, ``from_files``, ``from_csv``);
     ``masks_at``: the listing's objects from there on are the masks of the ones before it, in
-    order (one fetch, one check that nothing changed, for both)."""
+    order (one fetch, one check that nothing changed, for both).
+    ``options.share`` (``shard="node"``): only this node's share is fetched (with its masks), once
+    its size has been checked against the node cache (``_share.check_budget``)."""
+    if options.share is not None:
+        return _build_share(
+            cls, listing, labels, classes, metadata, options, base, on_progress, masks_at
+        )
     spool = fetch(listing, base, options, on_progress)
     inputs: Sequence[Any] = spool.inputs()
     if masks_at is None:
@@ -115,6 +123,60 @@ def build_objects(
         on_progress=on_progress,
         masks=_Part(inputs, masks_at, len(inputs) - masks_at),
     )
+
+
+def _build_share(
+    cls: Any,
+    listing: Listing,
+    labels: np.ndarray,
+    classes: list[str],
+    metadata: Sequence[str] | None,
+    options: BuildOptions,
+    base: Path,
+    on_progress: Callable[..., None] | None,
+    masks_at: int | None,
+) -> Any:
+    """``build_objects`` of this node's share (``shard="node"``): its objects are picked from
+    the listing, those the node's stores of earlier layouts hold are taken from them, the size
+    is checked against the node cache (``_share.check_budget``), and only the rest is fetched."""
+    share = options.share
+    assert share is not None
+    images = listing if masks_at is None else _Part(listing, 0, masks_at)
+    selected = share.select(images)
+    keep, n = selected.keep, len(selected.keep)
+    hits = {} if _rewrites(options) else _share.found(selected, masks_at is not None)
+    missing = np.ones(n, dtype=bool)
+    missing[list(hits)] = False
+    need = keep[missing]
+    taken = need if masks_at is None else np.concatenate([need, need + masks_at])
+    names = [listing.urls[int(i)] for i in keep]
+    mask_names = None if masks_at is None else [listing.urls[int(i) + masks_at] for i in keep]
+    listing = listing.take(taken)
+    sizes = listing.sizes
+    held = sum(len(store[i]) for store, i in hits.values())
+    nbytes = int(sizes[sizes > 0].sum()) + held
+    _share.check_budget(nbytes, share, options, memory=_memory(), spool=True)
+    spool = fetch(listing, base, options, on_progress)
+    fetched = spool.inputs()
+    return build(
+        cls,
+        _share.Merged(fetched, hits, n, names),
+        np.asarray(labels)[keep],
+        classes,
+        None if metadata is None else Picked(metadata, keep),
+        options,
+        on_progress=on_progress,
+        masks=None
+        if mask_names is None
+        else _share.Merged(fetched, hits, n, mask_names, offset=len(need), masks=True),
+        selected=selected,
+        reused=~missing,
+    )
+
+
+def _rewrites(options: BuildOptions) -> bool:
+    """True when the build re-encodes: stored bytes are then not the source's."""
+    return bool(options.restart_markers or options.max_side or options.jpeg_quality)
 
 
 class _Part(Sequence[Any]):

@@ -1,0 +1,129 @@
+"""Node shares: which samples each node of a job holds with ``shard="node"`` (a pure function).
+
+Every node lists the same data and computes the same thing, with no communication:
+
+- a sample's *identity* is its name with the listing's common folder taken off (``ants/1.jpg``
+  whether the share is mounted at ``/mnt/data/train/`` or ``/data/train/``, ``s3://b/train/`` or
+  a local copy of it);
+- its *global rank* is its place in the order of a salted hash of the identity (ties: listing
+  order), so ranks are a random permutation of the listing: no class folder, no run of files and no
+  tar shard lands in one place;
+- ``PARTITIONS`` canonical partitions cut the rank order into runs of equal size within one sample
+  (rank ``j`` of ``N`` is in partition ``j * P // N``), each a random sample of the data;
+- node ``k`` of ``n`` owns partitions ``[k * P // n, (k + 1) * P // n)``, that is one run of
+  ranks, so node shares are equal within one sample whenever ``n`` divides ``P`` (every count from 1
+  to 10, 12, 14, 15, 16, 18, 20, 21, 24, 28, 30, 32, ..., every power of two to 1024), and
+  changing the node count moves as little as contiguous runs allow (2 -> 3 nodes: node 0 keeps its
+  new share whole, node 1 fetches half of its own).
+
+The base layer: the store records a share (``store/_store.py``), the build selects it
+(``ingest/_build.py``), the loader orders it (``loader/_nodes.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+#: Canonical partitions: 2**10 * 3**2 * 5 * 7, so most node counts divide it.
+PARTITIONS = 322_560
+_SALT = b"gpucache-share-1"
+VERSION = 1
+
+__all__ = [
+    "PARTITIONS",
+    "Selected",
+    "Share",
+    "identities",
+    "global_ranks",
+    "node_bounds",
+    "owners",
+]
+
+
+def identities(names: Sequence[str]) -> list[bytes]:
+    """Each name without the folder every name shares (a URL's scheme and bucket included), as
+    bytes (names that are not UTF-8 keep their bytes)."""
+    encoded = [os.fsencode(n) for n in names]
+    if not encoded:
+        return []
+    common = bytes(os.path.commonprefix(encoded)) if len(encoded) > 1 else encoded[0]
+    cut = common.rfind(b"/") + 1
+    return [e[cut:] for e in encoded]
+
+
+def _hashes(ids: Sequence[bytes]) -> np.ndarray:
+    out = np.empty(len(ids), dtype=np.uint64)
+    blake = hashlib.blake2b
+    for i, x in enumerate(ids):
+        out[i] = int.from_bytes(blake(x, digest_size=8, key=_SALT).digest(), "little")
+    return out
+
+
+def global_ranks(names: Sequence[str]) -> tuple[np.ndarray, str]:
+    """``(ranks, fingerprint)``: each name's place in the hash order of the listing (int64, a
+    permutation of ``range(len(names))``), and a digest of the identities in that order, the same
+    on every node that listed the same data."""
+    ids = identities(names)
+    h = _hashes(ids)
+    order = np.lexsort((np.arange(len(ids)), h))  # by hash, ties by listing order
+    ranks = np.empty(len(ids), dtype=np.int64)
+    ranks[order] = np.arange(len(ids), dtype=np.int64)
+    digest = hashlib.blake2b(_SALT, digest_size=16)
+    for i in order:
+        digest.update(ids[i])
+        digest.update(b"\0")
+    return ranks, digest.hexdigest()
+
+
+def node_bounds(total: int, nodes: int, partitions: int = PARTITIONS) -> np.ndarray:
+    """``nodes + 1`` global ranks: node ``k`` holds ranks ``[b[k], b[k + 1])`` of ``total``."""
+    first_partition = np.arange(nodes + 1, dtype=np.int64) * partitions // nodes
+    # rank j is in partition j * P // N: the first rank of partition p is ceil(p * N / P)
+    return -(-first_partition * total // partitions)
+
+
+def owners(ranks: np.ndarray, total: int, nodes: int, partitions: int = PARTITIONS) -> np.ndarray:
+    """The node that holds each global rank at ``nodes`` nodes."""
+    bounds = node_bounds(total, nodes, partitions)
+    return np.searchsorted(bounds, ranks, side="right").astype(np.int64) - 1
+
+
+@dataclass(frozen=True)
+class Share:
+    """The share one node builds: node ``node`` of ``nodes``, of ``partitions`` partitions.
+
+    ``folder`` (not part of the key or the repr): where the node's store will live, for the
+    budget check made before any byte is read or fetched."""
+
+    nodes: int
+    node: int
+    partitions: int = PARTITIONS
+    folder: str | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.node < self.nodes:
+            raise ValueError(f"node {self.node} is not in [0, {self.nodes})")
+
+    def select(self, names: Sequence[str]) -> Selected:
+        """This node's samples of the whole listing ``names``."""
+        ranks, fingerprint = global_ranks(names)
+        lo, hi = node_bounds(len(names), self.nodes, self.partitions)[self.node : self.node + 2]
+        keep = np.flatnonzero((ranks >= lo) & (ranks < hi))
+        return Selected(keep, ranks[keep], len(names), fingerprint)
+
+
+class Selected(NamedTuple):
+    """A node's share of a listing: ``keep``, the listing positions of its samples (in listing
+    order); ``ranks``, their global ranks; ``total``, the listing's size; ``listing``, its
+    fingerprint."""
+
+    keep: np.ndarray
+    ranks: np.ndarray
+    total: int
+    listing: str

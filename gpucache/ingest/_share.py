@@ -1,0 +1,216 @@
+"""The build side of ``shard="node"``: take this node's share out of a whole listing, check that
+it fits before anything is read or fetched, and record it in the store (``store/_share.py``).
+
+The share itself is a pure function of the listing's names and the node layout
+(``gpucache._shares``); every node of the job computes it alone, with no communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .._errors import ShareError
+from .._shares import Selected, Share
+from ..store import _share
+from ._inputs import BytesSource, name_of
+from ._options import BuildOptions
+
+T = TypeVar("T")
+
+__all__ = ["Picked", "pick", "check_budget", "record", "reusing", "reuse"]
+
+#: Stores of earlier node layouts of the same source, in this node's cache (``reusing``).
+_REUSE: ContextVar[tuple[Any, ...]] = ContextVar("gpucache_share_reuse", default=())
+
+
+class Picked(Sequence[T]):
+    """The items of ``seq`` at ``keep``, made on access (no list of the inputs)."""
+
+    def __init__(self, seq: Sequence[T], keep: np.ndarray) -> None:
+        self._seq, self._keep = seq, keep
+
+    def __len__(self) -> int:
+        return len(self._keep)
+
+    def __getitem__(self, i):  # ints only: what the build indexes
+        return self._seq[int(self._keep[i])]
+
+
+def pick(
+    share: Share,
+    inputs: Sequence[Any],
+    labels: np.ndarray,
+    metadata: Sequence[str] | None,
+    masks: Sequence[Any] | None,
+) -> tuple[Sequence[Any], np.ndarray, Sequence[str] | None, Sequence[Any] | None, Selected]:
+    """This node's inputs, labels, metadata and masks out of the whole listing's."""
+    selected = share.select([name_of(x) for x in inputs])
+    keep = selected.keep
+    return (
+        Picked(inputs, keep),
+        np.asarray(labels)[keep],
+        None if metadata is None else Picked(metadata, keep),
+        None if masks is None else Picked(masks, keep),
+        selected,
+    )
+
+
+def _free(folder: str) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def check_budget(
+    nbytes: int, share: Share, options: BuildOptions, *, memory: int, spool: bool = False
+) -> None:
+    """A :class:`ShareError` with the numbers and the fix if this node's share of ``nbytes``
+    does not fit in memory (a store is assembled in memory), in the node cache's file system
+    (the store file, and the fetched objects beside it when ``spool``), or under
+    ``cache_max_bytes``."""
+    gib = 2**30
+    need_disk = nbytes * (2 if spool else 1)
+    where = share.folder
+    free = None if where is None else _free(where)
+    cap = options.cache_max_bytes
+    problems = []
+    if memory > 0 and nbytes > memory:
+        problems.append(f"this machine's memory is {memory / gib:,.2f} GiB")
+    if free is not None and need_disk > free:
+        what = "the store and the fetched objects need" if spool else "the store needs"
+        problems.append(
+            f"{what} {need_disk / gib:,.2f} GiB in {where}, which has {free / gib:,.2f} GiB free"
+        )
+    if cap is not None and nbytes > cap:
+        problems.append(f"cache_max_bytes is {cap / gib:,.2f} GiB")
+    if not problems:
+        return
+    raise ShareError(
+        f"node {share.node} of {share.nodes}: its share of the data set is {nbytes / gib:,.2f} "
+        f"GiB, and {'; '.join(problems)}. No store was built{', nothing fetched' if spool else ''}. Fix: run on more nodes "
+        "(each node's share is about 1/nodes of the data), give the node cache a larger "
+        "folder (cache_dir=) or a larger cache_max_bytes=, or pass shard=None on one node to "
+        "check what the whole data set needs."
+    )
+
+
+def record(
+    selected: Selected, share: Share, kept: np.ndarray, fetched: Sequence[int]
+) -> dict[str, np.ndarray]:
+    """The share sections of a store that kept the share's samples at positions ``kept``;
+    ``fetched``: objects and bytes read from the source, objects and bytes reused."""
+    return _share.sections(
+        partitions=share.partitions,
+        total=selected.total,
+        nodes=share.nodes,
+        node=share.node,
+        ranks=selected.ranks[kept],
+        listing=selected.listing,
+        fetched=fetched,
+    )
+
+
+@contextlib.contextmanager
+def reusing(stores: Sequence[Any]) -> Iterator[None]:
+    """Builds inside take the samples these stores (earlier shares of the same source and
+    options on this node) hold instead of reading them from the source."""
+    token = _REUSE.set(tuple(stores))
+    try:
+        yield
+    finally:
+        _REUSE.reset(token)
+
+
+class _Swapped(Sequence[Any]):
+    """``seq`` with the items at some positions taken from earlier stores instead."""
+
+    def __init__(self, seq: Sequence[Any], swap: dict[int, Any]) -> None:
+        self._seq, self._swap = seq, swap
+
+    def __len__(self) -> int:
+        return len(self._seq)
+
+    def __getitem__(self, i):
+        got = self._swap.get(i)
+        return self._seq[i] if got is None else got
+
+
+def found(selected: Selected, with_masks: bool) -> dict[int, tuple[Any, int]]:
+    """Share positions an earlier share on this node holds: position -> (store, its index)."""
+    out: dict[int, tuple[Any, int]] = {}
+    for store in _REUSE.get():
+        have = store.node_share
+        if (
+            have is None
+            or have.listing != selected.listing
+            or with_masks != (store.masks is not None)
+        ):
+            continue
+        ranks = np.asarray(have.ranks)
+        if not len(ranks):
+            continue
+        order = np.argsort(ranks)
+        at = np.minimum(np.searchsorted(ranks[order], selected.ranks), len(ranks) - 1)
+        for pos in np.flatnonzero(ranks[order][at] == selected.ranks).tolist():
+            out.setdefault(pos, (store, int(order[at[pos]])))
+    return out
+
+
+def reuse(
+    selected: Selected, inputs: Sequence[Any], masks: Sequence[Any] | None
+) -> tuple[Sequence[Any], Sequence[Any] | None, np.ndarray]:
+    """``inputs`` (and ``masks``) with every sample an earlier share holds taken from it (bytes
+    as stored: no read of the source), and a mask of the positions so taken."""
+    hits = found(selected, masks is not None)
+    taken = np.zeros(len(inputs), dtype=bool)
+    taken[list(hits)] = True
+    if not hits:
+        return inputs, masks, taken
+    return (
+        _Swapped(inputs, {p: BytesSource(name_of(inputs[p]), s[i]) for p, (s, i) in hits.items()}),
+        None
+        if masks is None
+        else _Swapped(
+            masks,
+            {p: BytesSource(name_of(masks[p]), s.masks[i]) for p, (s, i) in hits.items()},
+        ),
+        taken,
+    )
+
+
+class Merged(Sequence[Any]):
+    """A share's inputs: those taken from earlier stores (``hits``) and the rest, fetched, from
+    ``fetched`` in order (``masks``: the masks' instead, from ``fetched[offset:]``)."""
+
+    def __init__(
+        self,
+        fetched: Sequence[Any],
+        hits: dict[int, tuple[Any, int]],
+        n: int,
+        names: Sequence[str],
+        *,
+        offset: int = 0,
+        masks: bool = False,
+    ) -> None:
+        self._fetched, self._hits, self._n, self._names = fetched, hits, n, names
+        self._offset, self._masks = offset, masks
+        missing = np.ones(n, dtype=bool)
+        missing[list(hits)] = False
+        self._rank = np.cumsum(missing) - 1  # position among the fetched
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        hit = self._hits.get(i)
+        if hit is None:
+            return self._fetched[self._offset + int(self._rank[i])]
+        store, k = hit
+        return BytesSource(self._names[i], store.masks[k] if self._masks else store[k])

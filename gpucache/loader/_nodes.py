@@ -1,0 +1,210 @@
+"""The epoch order over node-sharded stores (``shard="node"``): each node plays its own share.
+
+Node ``k`` of ``n`` holds the global ranks ``[b[k], b[k + 1])`` (``gpucache._shares``). In an epoch
+it visits them in the order ``default_rng([seed, epoch, n, k]).permutation`` (or rank order
+unshuffled), and deals them to its ``r`` ranks slot by slot (slot ``i`` to local rank ``i % r``);
+batch ``b`` of every rank of the node takes the node's slots ``[b B r, (b + 1) B r)``.
+
+Every rank gets the same number of batches by construction, computed alone from share sizes that
+every rank knows (no rank waits on another at an epoch's end): ``ceil(max_k ceil(len_k / r) / B)``,
+nodes with fewer samples padding by repeating their own from the start (``drop_last``:
+``floor(min_k floor(len_k / r) / B)``, the rest of each node dropped). So the global batch of
+step ``b`` is ``B r`` samples of each node's random share: a stratified sample of a global
+shuffle.
+
+Resuming: a state lists the epoch's *segments* ``(nodes, ranks per node, batch size, batches
+done)``, one per layout the epoch ran under. What a segment consumed is a pure function of the
+segments before it, so any rank at any node count can tell which samples of the epoch remain;
+each node then plays the remaining samples of its (new) share, in its order, as above. A sample
+the node's build left out (a corrupt file) is a hole in its slots, filled by another of the
+node's samples (counted as padding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
+
+import numpy as np
+
+from .._errors import ShareError
+from .._shares import node_bounds
+from ..store._share import StoreShare
+
+
+class Segment(NamedTuple):
+    """Part of an epoch played under one layout."""
+
+    nodes: int
+    per_node: int  # ranks per node
+    batch_size: int
+    batches_done: int
+
+
+class RankPlan(NamedTuple):
+    """What one rank plays of an epoch's segment."""
+
+    indices: np.ndarray  # store indices, batches * batch_size of them
+    batches: int
+    padded: int  # repeats this rank plays (its node's padding and holes, its part of them)
+    dropped: int  # samples of this rank's node left out by drop_last
+
+
+def fingerprint(share: StoreShare) -> str:
+    """The state's ``store`` fingerprint of a sharded store: the whole listing's, the same on
+    every node and at every node count."""
+    h = hashlib.blake2b(b"gpucache-share-state", digest_size=16)
+    h.update(f"{share.listing}\0{share.total}\0{share.partitions}".encode())
+    return "blake2b:" + h.hexdigest()
+
+
+class NodeOrder:
+    """The orders of a job whose store on this node is ``share``, at its layout."""
+
+    def __init__(self, share: StoreShare, *, num_replicas: int, rank: int) -> None:
+        nodes = share.nodes
+        if num_replicas % nodes:
+            raise ShareError(
+                f"this store holds node {share.node}'s share of {nodes} nodes, but the loader "
+                f"has num_replicas={num_replicas} ranks, which {nodes} nodes cannot split "
+                "evenly; build the store in the job that reads it (the same nodes and ranks "
+                "per node)."
+            )
+        self.share, self.nodes, self.per_node = share, nodes, num_replicas // nodes
+        self.node, self.local = divmod(rank, self.per_node)
+        if self.node != share.node:
+            raise ShareError(
+                f"rank {rank} is on node {self.node} of {nodes} ({self.per_node} ranks a node), "
+                f"but its store holds node {share.node}'s share; build the store in every rank "
+                "of the job that reads it (JpegCache.from_...(shard='node')), so each node "
+                "builds its own share."
+            )
+        self.total, self.partitions = share.total, share.partitions
+        by_rank = np.argsort(share.ranks, kind="stable")
+        self._sorted, self._store_index = np.asarray(share.ranks)[by_rank], by_rank
+
+    # ---------------------------------------------------------------- pure functions
+    def stream(self, seed: int, epoch: int, nodes: int, k: int, shuffle: bool) -> np.ndarray:
+        """Node ``k``'s global ranks at ``nodes`` nodes, in the epoch's order."""
+        lo, hi = (int(x) for x in node_bounds(self.total, nodes, self.partitions)[k : k + 2])
+        if not shuffle:
+            return np.arange(lo, hi, dtype=np.int64)
+        return lo + np.random.default_rng([seed, epoch, nodes, k]).permutation(hi - lo)
+
+    def _rests(
+        self, seed: int, epoch: int, shuffle: bool, prior: list[Segment], nodes: int
+    ) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """Each node's remaining slots at ``nodes`` nodes after ``prior`` (and the consumed
+        mask, None when nothing was consumed)."""
+        done = self.consumed(seed, epoch, shuffle, prior)
+        rests = []
+        for k in range(nodes):
+            s = self.stream(seed, epoch, nodes, k, shuffle)
+            rests.append(s if done is None else s[~done[s]])
+        return rests, done
+
+    def consumed(
+        self, seed: int, epoch: int, shuffle: bool, segments: list[Segment]
+    ) -> np.ndarray | None:
+        """Which global ranks the ``segments`` consumed (None: none yet)."""
+        if not any(s.batches_done for s in segments):
+            return None
+        done = np.zeros(self.total, dtype=bool)
+        for seg in segments:
+            take = seg.batches_done * seg.batch_size * seg.per_node
+            picked = []
+            for k in range(seg.nodes):
+                s = self.stream(seed, epoch, seg.nodes, k, shuffle)
+                picked.append(s[~done[s]][:take])
+            for p in picked:
+                done[p] = True
+        return done
+
+    def consumed_count(self, seed: int, epoch: int, shuffle: bool, segments: list[Segment]) -> int:
+        """Samples of the epoch the ``segments`` consumed."""
+        done = self.consumed(seed, epoch, shuffle, segments)
+        return 0 if done is None else int(done.sum())
+
+    @staticmethod
+    def batches(lengths: list[int], per_node: int, batch_size: int, drop_last: bool) -> int:
+        """Batches every rank plays for nodes with ``lengths`` samples left."""
+        if drop_last:
+            return min(n // per_node for n in lengths) // batch_size
+        return -(-max(-(-n // per_node) for n in lengths) // batch_size)
+
+    def full_batches(self, batch_size: int, drop_last: bool) -> int:
+        """Batches of a whole epoch on every rank."""
+        b = node_bounds(self.total, self.nodes, self.partitions)
+        return self.batches(np.diff(b).tolist(), self.per_node, batch_size, drop_last)
+
+    # ---------------------------------------------------------------- this rank
+    def plan(
+        self,
+        seed: int,
+        epoch: int,
+        shuffle: bool,
+        prior: list[Segment],
+        batch_size: int,
+        drop_last: bool,
+    ) -> RankPlan:
+        """This rank's store indices for the rest of ``epoch`` after ``prior``."""
+        r, B = self.per_node, batch_size
+        if any(s.batches_done for s in prior):
+            rests, _ = self._rests(seed, epoch, shuffle, prior, self.nodes)
+            lengths = [len(x) for x in rests]
+            mine = rests[self.node]
+        else:
+            b = node_bounds(self.total, self.nodes, self.partitions)
+            lengths = np.diff(b).tolist()
+            mine = self.stream(seed, epoch, self.nodes, self.node, shuffle)
+        t = self.batches(lengths, r, B, drop_last)
+        slots = t * B * r
+        dropped = max(0, len(mine) - slots)
+        padded = max(0, slots - len(mine))
+        source = mine if len(mine) else self.stream(seed, epoch, self.nodes, self.node, shuffle)
+        node_slots = np.resize(source, slots) if slots else source[:0]
+        rank_slots = node_slots[self.local :: r]
+        where = np.searchsorted(self._sorted, rank_slots)
+        where = np.minimum(where, max(0, len(self._sorted) - 1))
+        held = (self._sorted[where] == rank_slots) if len(self._sorted) else rank_slots < 0
+        index = self._store_index[where] if len(self._sorted) else where
+        holes = int((~held).sum())
+        if holes:  # left out at build: another of the node's samples in its place
+            present = source[np.isin(source, self._sorted)]
+            if not len(present):
+                present = self._sorted
+            fill = np.resize(present, len(rank_slots))[~held]
+            index = index.copy()
+            index[~held] = self._store_index[np.searchsorted(self._sorted, fill)]
+        repeats = int((np.arange(self.local, slots, r) >= len(mine)).sum()) if padded else 0
+        left = int((np.arange(slots, len(mine)) % r == self.local).sum()) if dropped else 0
+        return RankPlan(index.astype(np.int64), t, repeats + holes, left)
+
+
+def check_job(share: StoreShare, num_replicas: int, rank: int) -> None:
+    """With a process group: every rank's store is a share of the same listing at the same node
+    layout, on the node the rank is on (one ``all_gather_object`` at the loader's start); a
+    :class:`ShareError` naming the ranks that differ otherwise."""
+    from .. import _dist
+
+    size, me = _dist.world()
+    if size == 1 or size != num_replicas:
+        return
+    import torch.distributed as dist
+
+    mine = (share.listing, share.total, share.partitions, share.nodes, share.node)
+    every: list[tuple[str, int, int, int, int] | None] = [None] * size
+    dist.all_gather_object(every, mine)
+    per_node = num_replicas // share.nodes
+    bad = [
+        r
+        for r, got in enumerate(every)
+        if got is None or got[:4] != mine[:4] or got[4] != r // per_node
+    ]
+    if bad:
+        raise ShareError(
+            f"ranks {bad[:8]} hold stores that are not the shares of this job's listing and "
+            f"layout (rank {me}: node {share.node} of {share.nodes}, {share.total} samples, "
+            f"listing {share.listing[:12]}); build every rank's store with the same source "
+            "and shard='node' in the same job, so that each node lists the same data."
+        )
