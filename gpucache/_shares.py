@@ -52,7 +52,10 @@ def identities(names: Sequence[str]) -> list[bytes]:
     encoded = [os.fsencode(n) for n in names]
     if not encoded:
         return []
-    common = bytes(os.path.commonprefix(encoded)) if len(encoded) > 1 else encoded[0]
+    common = encoded[0]
+    for e in encoded[1:]:  # the common prefix, byte by byte (os.path.commonprefix's rule)
+        if not e.startswith(common):
+            common = os.path.commonprefix([common, e])  # type: ignore[assignment]
     cut = common.rfind(b"/") + 1
     return [e[cut:] for e in encoded]
 
