@@ -81,6 +81,15 @@ def _info(args) -> int:
             f"{int(cache.gpu_decodable().sum())}"
         )
     print(f"metadata: {'yes' if cache.metadata is not None else 'no'}")
+    share = cache.node_share
+    if share is not None:
+        read, read_bytes, reused, reused_bytes = share.fetched
+        print(
+            f"share: node {share.node} of {share.nodes} ({len(cache):,} of the listing's "
+            f"{share.total:,} samples, {share.partitions:,} partitions); built reading {read:,} "
+            f"samples ({read_bytes / 2**20:,.1f} MiB) from the source and taking {reused:,} "
+            f"({reused_bytes / 2**20:,.1f} MiB) from earlier layouts' stores"
+        )
     masks = cache.masks
     if masks is None:
         print("masks: none")

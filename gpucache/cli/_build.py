@@ -117,6 +117,14 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "with --hf, the dataset's mask column",
     )
     p.add_argument(
+        "--shard",
+        choices=("node",),
+        default=None,
+        help="node: build only this node's share of the data set (about 1/nodes of it), the node "
+        "layout taken from the launcher (torchrun, srun); without it every node builds the "
+        "whole data set (docs/guides/nodes.md)",
+    )
+    p.add_argument(
         "--hf-label-column",
         default="label",
         metavar="COLUMN",
@@ -134,6 +142,7 @@ def store_from_args(args, cls):
         restart_markers=args.restart_markers,
         max_side=args.max_side,
         jpeg_quality=args.jpeg_quality,
+        shard=getattr(args, "shard", None),
     )
     cache_dir: dict[str, Any] = dict(cache_dir=args.cache_dir)
     remote = dict(cache_dir)  # the URL options go to the builders that take URLs

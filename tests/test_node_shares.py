@@ -1,0 +1,389 @@
+"""Node shares (``shard="node"``), in one process: the partition function, each node's build
+(the node layout taken from the launcher's variables, as torchrun sets them), and the loader's
+epochs over the nodes' stores with every rank's ``num_replicas``/``rank`` given.
+
+- the partition: ranks a permutation that ignores where the data is mounted and its listing order,
+  shares equal within one sample, a class folder spread over every node, 2 -> 3 nodes moving
+  as little as contiguous runs allow;
+- builds: the shares of every node are disjoint and cover the data, each about 1/nodes of the
+  bytes; a share that does not fit fails before reading, leaving no store; a new layout takes
+  what the node's earlier store holds (``fetched``); every builder takes ``shard``;
+- the loader: every sample once per epoch across the ranks (padding counted), the same number of
+  batches on every rank, new orders each epoch, ``drop_last``; resumed at 3 nodes from a state
+  of 2 (and back) the epoch ends with every sample once; a sample the build left out is padded;
+  wrong stores and states are refused with the fix.
+
+The same with torchrun agents as nodes (and the S3 server) is in test_node_shares_jobs.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import tarfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpucache import GpuCachedLoader, JpegCache, ShareError
+from gpucache._shares import PARTITIONS, global_ranks, node_bounds, owners
+from gpucache.testing import make_jpeg_bytes
+
+N = 23  # samples: one a class, so a label names its sample; odd, so shares are uneven
+
+
+@contextlib.contextmanager
+def as_node(nodes: int, node: int, per_node: int = 2) -> Iterator[None]:
+    """This process is local rank 0 of ``node``, as torchrun describes it to its ranks."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in dict(
+            WORLD_SIZE=nodes * per_node,
+            LOCAL_WORLD_SIZE=per_node,
+            GROUP_RANK=node,
+            RANK=node * per_node,
+            LOCAL_RANK=0,
+        ).items():
+            mp.setenv(k, str(v))
+        yield
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("shares") / "train"
+    for i in range(N):
+        (root / f"c{i:02d}").mkdir(parents=True)
+        (root / f"c{i:02d}" / "x.jpg").write_bytes(make_jpeg_bytes(24 + i % 5, 16, seed=i))
+    return root
+
+
+def build(root, nodes: int, node: int, where: Path, **kw) -> JpegCache:
+    with as_node(nodes, node):
+        return JpegCache.from_folder(
+            root, shard="node", cache_dir=where / f"node{node}", progress=False, **kw
+        )
+
+
+def layout(root, nodes: int, where: Path, **kw) -> list[JpegCache]:
+    return [build(root, nodes, k, where, **kw) for k in range(nodes)]
+
+
+def loaders(stores, per_node: int = 2, **kw) -> list[GpuCachedLoader]:
+    world = len(stores) * per_node
+    opts = dict(batch_size=2, shuffle=True, seed=7, num_workers=0, return_metadata=True)
+    return [
+        GpuCachedLoader(stores[r // per_node], num_replicas=world, rank=r, **{**opts, **kw})
+        for r in range(world)
+    ]
+
+
+def play(loader: GpuCachedLoader, batches: int | None = None) -> list[int]:
+    """The labels (sample names) of a pass, or of its first ``batches``."""
+    seen: list[int] = []
+    for b, (_, labels, _) in enumerate(loader):
+        seen += labels.tolist()
+        if batches is not None and b + 1 == batches:
+            break
+    return seen
+
+
+def epoch(ls: list[GpuCachedLoader]) -> tuple[list[list[int]], int]:
+    """Every rank's pass, and the repeats the loaders say they played."""
+    seen = [play(lo) for lo in ls]
+    return seen, sum(lo.epoch_padding for lo in ls)
+
+
+def once_apart_from_padding(seen: list[list[int]], padding: int, total: int = N) -> None:
+    flat = [x for s in seen for x in s]
+    count = Counter(flat)
+    assert sorted(count) == list(range(total)), "every sample, and nothing else"
+    assert len(flat) - total == padding, "the repeats are the padding the loaders count"
+
+
+# ------------------------------------------------------------------ the partition function
+def test_ranks_ignore_the_mount_point_and_the_listing_order():
+    names = [f"c{i}/img{i}.jpg" for i in range(500)]
+    a, fa = global_ranks([f"/mnt/a/train/{n}" for n in names])
+    b, fb = global_ranks([f"s3://bucket/train/{n}" for n in reversed(names)])
+    assert sorted(a.tolist()) == list(range(500))
+    assert a.tolist() == b[::-1].tolist() and fa == fb
+    c, fc = global_ranks([f"/mnt/a/train/{n}" for n in names[:-1]])
+    assert fc != fa  # another listing, another fingerprint
+
+
+@pytest.mark.parametrize("total", [0, 1, 7, 997, 10_000])
+@pytest.mark.parametrize("nodes", [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32, 64])
+def test_node_shares_are_equal_within_one_sample(total, nodes):
+    assert PARTITIONS % nodes == 0
+    sizes = np.diff(node_bounds(total, nodes))
+    assert sizes.sum() == total and sizes.max() - sizes.min() <= 1
+
+
+def test_a_node_count_that_does_not_divide_the_partitions_stays_balanced():
+    sizes = np.diff(node_bounds(1_000_003, 11))
+    assert sizes.sum() == 1_000_003 and sizes.max() - sizes.min() <= 1_000_003 // PARTITIONS + 1
+
+
+def test_a_class_folder_spreads_over_every_node():
+    names = [f"/data/c{c:02d}/{i:04d}.jpg" for c in range(10) for i in range(100)]
+    ranks, _ = global_ranks(names)
+    node = owners(ranks, len(names), 4).reshape(10, 100)  # listing order: class by class
+    per_class = np.stack([np.bincount(row, minlength=4) for row in node])
+    assert per_class.min() >= 10 and per_class.max() <= 40  # 25 each, give or take chance
+    contiguous = np.arange(1000) * 4 // 1000  # the run-of-files rule a hash avoids
+    assert np.bincount(contiguous.reshape(10, 100)[0], minlength=4).tolist() == [100, 0, 0, 0]
+
+
+def test_from_two_to_three_nodes_node_0_keeps_its_new_share_whole():
+    total = 1000
+    two, three = node_bounds(total, 2), node_bounds(total, 3)
+    assert three[0] >= two[0] and three[1] <= two[1]  # node 0: inside its old share
+    assert three[2] >= two[1]  # node 2: inside node 1's old share
+    ranks = np.arange(total)
+    was, now = owners(ranks, total, 2), owners(ranks, total, 3)
+    # node 1 keeps half of its new share; node 2, new, fetches all of its own
+    assert (was[now == 1] == 1).mean() == pytest.approx(0.5, abs=0.01)
+    assert (was != now).mean() == pytest.approx(1 / 6 + 1 / 3, abs=0.01)
+
+
+# ------------------------------------------------------------------ builds
+def test_two_nodes_build_disjoint_halves_of_the_data(data, tmp_path):
+    stores = layout(data, 2, tmp_path)
+    whole = JpegCache.from_folder(data, progress=False)
+    labels = [set(s.labels.tolist()) for s in stores]
+    assert labels[0].isdisjoint(labels[1]) and labels[0] | labels[1] == set(range(N))
+    for k, s in enumerate(stores):
+        share = s.node_share
+        assert share is not None and (share.nodes, share.node, share.total) == (2, k, N)
+        assert abs(len(s) - N / 2) <= 1 and s.nbytes <= 0.55 * whole.nbytes
+        assert share.fetched[0] == len(s) and share.fetched[2] == 0  # all read, none reused
+        again = JpegCache.open(next((tmp_path / f"node{k}").glob("*.gpucache")))
+        assert again.node_share is not None and again.node_share.ranks.tolist() == (
+            share.ranks.tolist()
+        )
+    assert stores[0].node_share.listing == stores[1].node_share.listing
+
+
+def test_one_process_builds_the_whole_data_set_as_one_share(data):
+    cache = JpegCache.from_folder(data, shard="node", progress=False)
+    assert len(cache) == N and cache.node_share is not None
+    assert (cache.node_share.nodes, cache.node_share.node) == (1, 0)
+    assert JpegCache.from_folder(data, progress=False).node_share is None
+
+
+def test_a_share_that_does_not_fit_stops_before_reading_and_leaves_no_store(data, tmp_path):
+    with pytest.raises(ShareError, match=r"node 1 of 2: its share .* cache_max_bytes") as err:
+        build(data, 2, 1, tmp_path, cache_max_bytes=1000)
+    assert "more nodes" in str(err.value) and "shard=None" in str(err.value)
+    assert not list((tmp_path / "node1").glob("*.gpucache"))
+
+
+def test_a_new_layout_takes_what_the_earlier_store_holds(data, tmp_path):
+    names = sorted(str(p) for p in data.rglob("*.jpg"))
+    ranks, _ = global_ranks(names)
+    layout(data, 2, tmp_path)
+    three = layout(data, 3, tmp_path)
+    two, now = node_bounds(N, 2), node_bounds(N, 3)
+    for k, s in enumerate(three):
+        share = s.node_share
+        assert share is not None
+        before = set(range(*two[k : k + 2])) if k < 2 else set()  # node 2 is new
+        mine = set(range(*now[k : k + 2]))
+        assert share.fetched[2] == len(mine & before)  # reused
+        assert share.fetched[0] == len(mine - before)  # read from the source
+        assert sorted(share.ranks.tolist()) == sorted(mine)
+        assert sorted(ranks[s.labels].tolist()) == sorted(mine)  # the right images
+    assert three[0].node_share.fetched[0] == 0  # node 0 read nothing
+
+
+def test_a_build_that_re_encodes_reads_its_share_again(data, tmp_path):
+    layout(data, 2, tmp_path, max_side=20)
+    again = build(data, 3, 0, tmp_path, max_side=20)
+    assert again.node_share is not None and again.node_share.fetched[2] == 0
+
+
+def test_every_builder_takes_the_share(data, tmp_path):
+    files = sorted(data.rglob("*.jpg"))
+    labels = list(range(N))
+    (tmp_path / "list.csv").write_text("".join(f"{p},{i}\n" for i, p in enumerate(files)))
+    with tarfile.open(tmp_path / "shard-0.tar", "w") as tf:
+        for i, p in enumerate(files):
+            for ext, blob in (("jpg", p.read_bytes()), ("cls", str(i).encode())):
+                info = tarfile.TarInfo(f"{i:04d}.{ext}")
+                info.size = len(blob)
+                tf.addfile(info, io.BytesIO(blob))
+    makers = {
+        "files": lambda **kw: JpegCache.from_files(files, labels, **kw),
+        "csv": lambda **kw: JpegCache.from_csv(tmp_path / "list.csv", **kw),
+        "webdataset": lambda **kw: JpegCache.from_webdataset(tmp_path / "shard-0.tar", **kw),
+    }
+    for name, make in makers.items():
+        got = []
+        for k in range(2):
+            with as_node(2, k):
+                got.append(make(shard="node", cache_dir=tmp_path / name / str(k), progress=False))
+        held = [set(np.asarray(s.labels).tolist()) for s in got]
+        assert held[0].isdisjoint(held[1]) and held[0] | held[1] == set(range(N)), name
+
+
+def test_from_hf_takes_the_share(data):
+    datasets = pytest.importorskip("datasets")
+    files = sorted(data.rglob("*.jpg"))
+    ds = datasets.Dataset.from_dict(
+        {"image": [str(p) for p in files], "label": list(range(N))}
+    ).cast_column("image", datasets.Image())
+    held = []
+    for k in range(2):
+        with as_node(2, k):
+            held.append(set(JpegCache.from_hf(ds, shard="node", progress=False).labels.tolist()))
+    assert held[0].isdisjoint(held[1]) and held[0] | held[1] == set(range(N))
+
+
+# ------------------------------------------------------------------ the loader
+def test_every_sample_once_per_epoch_across_two_nodes_of_two_ranks(data, tmp_path):
+    ls = loaders(layout(data, 2, tmp_path))
+    assert len({len(lo) for lo in ls}) == 1  # the same number of batches on every rank
+    first, pad = epoch(ls)
+    once_apart_from_padding(first, pad)
+    assert all(len(s) == len(ls[0]) * 2 for s in first)
+    second, pad2 = epoch(ls)
+    once_apart_from_padding(second, pad2)
+    assert first != second  # a new order every epoch
+    node0 = {x for r in (0, 1) for x in first[r]}
+    assert node0 <= set(ls[0].cache.labels.tolist())  # a node plays its own share
+
+
+def test_drop_last_leaves_samples_out_and_repeats_none(data, tmp_path):
+    ls = loaders(layout(data, 2, tmp_path), drop_last=True)
+    seen = [play(lo) for lo in ls]
+    flat = [x for s in seen for x in s]
+    assert len(flat) == len(set(flat)) and all(len(s) == len(seen[0]) for s in seen)
+    assert len(flat) + sum(lo.epoch_dropped for lo in ls) == N
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_resumed_at_three_nodes_and_back_the_epoch_ends_with_every_sample_once(
+    data, tmp_path, shuffle
+):
+    two = layout(data, 2, tmp_path)
+    three = layout(data, 3, tmp_path)
+    first = loaders(two, shuffle=shuffle)
+    before = [play(lo, 2) for lo in first]  # 2 batches of 2 on each of 4 ranks
+    state = first[0].state_dict()
+    assert all(lo.state_dict() == state for lo in first)  # the same on every rank
+    assert state["segments"] == [[2, 2, 2, 2]] and state["position"] == 16
+    middle = loaders(three, shuffle=shuffle)
+    for lo in middle:
+        lo.load_state_dict(state)
+    during = [play(lo, 1) for lo in middle]
+    state = middle[0].state_dict()
+    assert state["segments"] == [[2, 2, 2, 2], [3, 2, 2, 1]]
+    last = loaders(two, shuffle=shuffle)
+    for lo in last:
+        lo.load_state_dict(state)
+    after, pad = epoch(last)
+    assert len({len(s) for s in after}) == 1
+    parts = [{x for s in part for x in s} for part in (before, during, after)]
+    assert parts[0] | parts[1] | parts[2] == set(range(N))
+    assert len([x for s in before for x in s]) == len(parts[0])  # a full layout: no padding yet
+    # the last part plays exactly what the first two left, each once, plus its padding (a node
+    # with nothing left pads with its own samples)
+    left = set(range(N)) - parts[0] - parts[1]
+    flat = [x for s in after for x in s]
+    assert left <= parts[2] and len(flat) == len(left) + pad
+    repeats = sum(len(s) for part in (before, during, after) for s in part) - N
+    assert repeats <= sum(lo.epoch_padding for lo in middle) + pad
+    assert play(last[0], 1) and last[0].epoch == 1  # the next pass is epoch 1
+
+
+def test_a_sample_the_build_left_out_is_padded_by_its_node(data, tmp_path):
+    root = tmp_path / "data"
+    for p in data.rglob("*.jpg"):
+        (root / p.parent.name).mkdir(parents=True)
+        (root / p.parent.name / p.name).write_bytes(p.read_bytes())
+    (root / "c05" / "x.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    stores = layout(root, 2, tmp_path)
+    assert sum(len(s) for s in stores) == N - 1
+    assert sum(len(s.report.skipped) for s in stores) == 1
+    ls = loaders(stores)
+    seen, pad = epoch(ls)
+    flat = [x for s in seen for x in s]
+    # the broken sample's label is 5; every other sample comes, the hole is a repeat
+    assert sorted(set(flat)) == [i for i in range(N) if i != 5]
+    assert len(flat) - (N - 1) == pad
+
+
+def test_wrong_stores_and_states_are_refused_with_the_fix(data, tmp_path):
+    stores = layout(data, 2, tmp_path)
+    with pytest.raises(ShareError, match="rank 2 is on node 1 .* holds node 0's share"):
+        GpuCachedLoader(stores[0], batch_size=2, num_replicas=4, rank=2, num_workers=0)
+    with pytest.raises(ShareError, match="cannot split"):
+        GpuCachedLoader(stores[0], batch_size=2, num_replicas=3, rank=0, num_workers=0)
+    with pytest.raises(ValueError, match="indices= and weights="):
+        GpuCachedLoader(stores[0], batch_size=2, num_replicas=4, rank=0, indices=[0], num_workers=0)
+    whole = JpegCache.from_folder(data, progress=False)
+    plain = GpuCachedLoader(whole, batch_size=2, shuffle=True, seed=7, num_workers=0)
+    sharded = loaders(stores)[0]
+    with pytest.raises(ValueError, match="fingerprint"):
+        sharded.load_state_dict(plain.state_dict())
+    state = sharded.state_dict()
+    for bad in ([[2, 2, 2]], [[0, 2, 2, 1]], "2,2,2,1"):
+        with pytest.raises((ValueError, TypeError), match="segments"):
+            sharded.load_state_dict({**state, "segments": bad})
+    with pytest.raises(ValueError, match="node-sharded"):
+        sharded.load_state_dict({k: v for k, v in state.items() if k != "segments"})
+
+
+def test_a_state_survives_json(data, tmp_path):
+    import json
+
+    ls = loaders(layout(data, 2, tmp_path))
+    play(ls[1], 1)
+    state = json.loads(json.dumps(ls[1].state_dict()))
+    again = loaders(layout(data, 2, tmp_path))[1]
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+
+
+def test_csv_rows_hold_no_path_of_another_node(tmp_path, data):
+    """A CSV with relative rows: nodes that see the CSV at different paths agree."""
+    files = sorted(data.rglob("*.jpg"))
+    for where in ("a", "b"):
+        folder = tmp_path / where
+        folder.mkdir()
+        with open(folder / "list.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            for i, p in enumerate(files):
+                (folder / p.parent.name).mkdir(exist_ok=True)
+                (folder / p.parent.name / p.name).write_bytes(p.read_bytes())
+                w.writerow([f"{p.parent.name}/{p.name}", i])
+    got = []
+    for k, where in enumerate(("a", "b")):
+        with as_node(2, k):
+            got.append(
+                JpegCache.from_csv(
+                    tmp_path / where / "list.csv",
+                    shard="node",
+                    cache_dir=tmp_path / f"n{k}",
+                    progress=False,
+                )
+            )
+    held = [set(s.labels.tolist()) for s in got]
+    assert held[0].isdisjoint(held[1]) and held[0] | held[1] == set(range(N))
+    assert got[0].node_share.listing == got[1].node_share.listing
+
+
+def test_the_command_line_builds_a_share_and_info_names_it(data, tmp_path, capsys):
+    from gpucache.cli import main
+
+    out = tmp_path / "node1.gpucache"
+    with as_node(2, 1):
+        assert main(["build", str(data), "-o", str(out), "--shard", "node"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(out)]) == 0
+    text = capsys.readouterr().out
+    size = int(np.diff(node_bounds(N, 2))[1])
+    assert f"share: node 1 of 2 ({size:,} of the listing's {N:,} samples" in text
