@@ -39,48 +39,50 @@ __all__ = [
     "PARTITIONS",
     "Selected",
     "Share",
-    "identities",
     "global_ranks",
     "node_bounds",
     "owners",
 ]
 
 
-def identities(names: Sequence[str]) -> list[bytes]:
-    """Each name without the folder every name shares (a URL's scheme and bucket included), as
-    bytes (names that are not UTF-8 keep their bytes)."""
-    encoded = [os.fsencode(n) for n in names]
-    if not encoded:
-        return []
-    common = encoded[0]
-    for e in encoded[1:]:  # the common prefix, byte by byte (os.path.commonprefix's rule)
-        if not e.startswith(common):
-            common = os.path.commonprefix([common, e])  # type: ignore[assignment]
-    cut = common.rfind(b"/") + 1
-    return [e[cut:] for e in encoded]
-
-
-def _hashes(ids: Sequence[bytes]) -> np.ndarray:
-    out = np.empty(len(ids), dtype=np.uint64)
-    blake = hashlib.blake2b
-    for i, x in enumerate(ids):
-        out[i] = int.from_bytes(blake(x, digest_size=8, key=_SALT).digest(), "little")
-    return out
+def _cut(names: Sequence[str]) -> int:
+    """How many leading bytes every name shares up to and including a ``/``: the folder all of
+    them are in (one pass, nothing kept but the prefix)."""
+    common: bytes | None = None
+    for i in range(len(names)):
+        e = os.fsencode(names[i])
+        if common is None:
+            common = e
+        elif not e.startswith(common):
+            k = 0
+            for x, y in zip(common, e):
+                if x != y:
+                    break
+                k += 1
+            common = common[:k]
+    return 0 if common is None else common.rfind(b"/") + 1
 
 
 def global_ranks(names: Sequence[str]) -> tuple[np.ndarray, str]:
     """``(ranks, fingerprint)``: each name's place in the hash order of the listing (int64, a
-    permutation of ``range(len(names))``), and a digest of the identities in that order, the same
-    on every node that listed the same data."""
-    ids = identities(names)
-    h = _hashes(ids)
-    order = np.lexsort((np.arange(len(ids)), h))  # by hash, ties by listing order
-    ranks = np.empty(len(ids), dtype=np.int64)
-    ranks[order] = np.arange(len(ids), dtype=np.int64)
+    permutation of ``range(len(names))``), and a digest of the identities' hashes in that order,
+    the same on every node that listed the same data.
+
+    Two passes over ``names`` (a sequence made on access is fine: no list of them is kept), 8
+    bytes a name plus the ranks."""
+    cut = _cut(names)
+    n = len(names)
+    base, out = hashlib.blake2b(digest_size=8, key=_SALT), bytearray()
+    for i in range(n):
+        one = base.copy()
+        one.update(os.fsencode(names[i])[cut:])
+        out += one.digest()
+    h = np.frombuffer(bytes(out), dtype="<u8")
+    order = np.lexsort((np.arange(n), h))  # by hash, ties by listing order
+    ranks = np.empty(n, dtype=np.int64)
+    ranks[order] = np.arange(n, dtype=np.int64)
     digest = hashlib.blake2b(_SALT, digest_size=16)
-    for i in order:
-        digest.update(ids[i])
-        digest.update(b"\0")
+    digest.update(np.ascontiguousarray(h[order]).astype("<u8").tobytes())
     return ranks, digest.hexdigest()
 
 

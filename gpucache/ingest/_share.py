@@ -42,6 +42,19 @@ class Picked(Sequence[T]):
         return self._seq[int(self._keep[i])]
 
 
+class _Names(Sequence[str]):
+    """The inputs' names, made on access."""
+
+    def __init__(self, inputs: Sequence[Any]) -> None:
+        self._inputs = inputs
+
+    def __len__(self) -> int:
+        return len(self._inputs)
+
+    def __getitem__(self, i):
+        return name_of(self._inputs[i])
+
+
 def pick(
     share: Share,
     inputs: Sequence[Any],
@@ -50,7 +63,7 @@ def pick(
     masks: Sequence[Any] | None,
 ) -> tuple[Sequence[Any], np.ndarray, Sequence[str] | None, Sequence[Any] | None, Selected]:
     """This node's inputs, labels, metadata and masks out of the whole listing's."""
-    selected = share.select([name_of(x) for x in inputs])
+    selected = share.select(_Names(inputs))
     keep = selected.keep
     return (
         Picked(inputs, keep),
