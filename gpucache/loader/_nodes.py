@@ -5,10 +5,11 @@ it visits them in the order ``default_rng([seed, epoch, n, k]).permutation`` (or
 unshuffled), and deals them to its ``r`` ranks slot by slot (slot ``i`` to local rank ``i % r``);
 batch ``b`` of every rank of the node takes the node's slots ``[b B r, (b + 1) B r)``.
 
-Every rank gets the same number of batches by construction, computed alone from share sizes that
-every rank knows (no rank waits on another at an epoch's end): ``ceil(max_k ceil(len_k / r) / B)``,
-nodes with fewer samples padding by repeating their own from the start (``drop_last``:
-``floor(min_k floor(len_k / r) / B)``, the rest of each node dropped). So the global batch of
+Every rank gets the same number of samples, and so of batches, by construction, computed alone
+from share sizes that every rank knows (no rank waits on another at an epoch's end):
+``m = max_k ceil(len_k / r)`` samples in ``ceil(m / B)`` batches, the last one short, nodes with
+fewer samples padding by repeating their own from the start (``drop_last``: ``floor(min_k
+floor(len_k / r) / B)`` whole batches, the rest of each node dropped). So the global batch of
 step ``b`` is ``B r`` samples of each node's random share: a stratified sample of a global
 shuffle.
 
@@ -126,11 +127,18 @@ class NodeOrder:
         return 0 if done is None else int(done.sum())
 
     @staticmethod
-    def batches(lengths: list[int], per_node: int, batch_size: int, drop_last: bool) -> int:
-        """Batches every rank plays for nodes with ``lengths`` samples left."""
+    def per_rank(lengths: list[int], per_node: int, batch_size: int, drop_last: bool) -> int:
+        """Samples every rank plays for nodes with ``lengths`` samples left: the longest node's
+        share of a rank (shorter nodes pad), or with ``drop_last`` the shortest's, in whole
+        batches."""
         if drop_last:
-            return min(n // per_node for n in lengths) // batch_size
-        return -(-max(-(-n // per_node) for n in lengths) // batch_size)
+            return min(n // per_node for n in lengths) // batch_size * batch_size
+        return max(-(-n // per_node) for n in lengths)
+
+    @classmethod
+    def batches(cls, lengths: list[int], per_node: int, batch_size: int, drop_last: bool) -> int:
+        """Batches every rank plays (the last one short without ``drop_last``)."""
+        return -(-cls.per_rank(lengths, per_node, batch_size, drop_last) // batch_size)
 
     def full_batches(self, batch_size: int, drop_last: bool) -> int:
         """Batches of a whole epoch on every rank."""
@@ -158,7 +166,7 @@ class NodeOrder:
             lengths = np.diff(b).tolist()
             mine = self.stream(seed, epoch, self.nodes, self.node, shuffle)
         t = self.batches(lengths, r, B, drop_last)
-        slots = t * B * r
+        slots = self.per_rank(lengths, r, B, drop_last) * r
         dropped = max(0, len(mine) - slots)
         padded = max(0, slots - len(mine))
         source = mine if len(mine) else self.stream(seed, epoch, self.nodes, self.node, shuffle)
