@@ -311,6 +311,10 @@ def main() -> None:
         pss = mapped_pss([p.pid for p in procs], files)
         tree = tree_pss(without_libraries=True)
         rate = {k: images[k] * args.epochs / statistics.median(v) for k, v in seconds.items()}
+        paired = statistics.median(  # per round: shard images/s over full copy images/s
+            (images["shard"] / s) / (images["full"] / f)
+            for s, f in zip(seconds["shard"], seconds["full"])
+        )
 
         # 4. the source folder gone
         moved = base / "source-moved"
@@ -333,6 +337,8 @@ def main() -> None:
             "epochs_per_round": args.epochs,
             "seconds": seconds,
             "images_per_second": {k: round(v, 1) for k, v in rate.items()},
+            "shard_over_full_median_of_rounds": round(paired, 3),
+            "load_average_after": os.getloadavg(),
             "source_during_epochs": during,
             "store_pss": pss,
             "tree_pss_without_libraries": tree,
@@ -355,6 +361,7 @@ def main() -> None:
                 f"{min(seconds[k]):7.2f}-{max(seconds[k]):<7.2f} {pss[k] / 2**20:13.2f} "
                 f"{c.nbytes / 2**20:9.2f} {padding[k]:>13}"
             )
+        print(f"shard over full copy, images/s, median of the rounds' ratios: {paired:.2f}")
         print(
             f"source during the {args.rounds * args.epochs * 2} timed epochs: "
             f"{during['files_opened']} files opened, {during['open_events']} opens, "
