@@ -21,9 +21,15 @@ distinct samples in all three. Per configuration it reports the total-variation 
 ``0.5 sum_c |p_batch(c) - p_data(c)|`` between each global batch's label histogram and the data
 set's label distribution (mean, standard deviation and 95th percentile over every step of
 ``--epochs`` epochs), and the largest distance between a node's share's class proportions and the
-data set's. Under node shares the global batch is a stratified sample of a global shuffle
-(strata: the node shares); with shares that are random samples of the data (``hash``) it is as
-good as one (a little better: stratifying only removes variance).
+data set's; and per rank, the TV of its batches (what a rank's BatchNorm sees), the largest TV of
+a rank's whole epoch and the fewest classes a rank sees in an epoch.
+
+Under node shares the global batch is a stratified sample of a global shuffle (strata: the node
+shares), whose class proportions vary no more than a simple random sample's, whatever the shares:
+with ``hash`` shares (each a random sample of the data) every column matches ``global``; with
+``contiguous`` shares the global batch is even a little closer to the data set's distribution
+(stratified by class), and the damage shows per rank and per node: a rank sees only its node's
+classes, in every batch and the whole epoch.
 
 Listings: the photos of an ImageFolder tree with ``train/`` and ``val/`` (``--data``, default
 hymenoptera: the real file names, so the partition is the real one; labels are the class folders
