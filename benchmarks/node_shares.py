@@ -42,7 +42,6 @@ import struct
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,52 +52,96 @@ from benchmarks._record import run_info, run_line, write_json  # noqa: E402
 
 BATCH, SIZE = 32, 224
 IN_ACCESS, IN_OPEN = 0x1, 0x20
+OPEN, ACCESS = 0x20, 0x1  # the same bits in fanotify
+FAN_CLOEXEC, FAN_NONBLOCK, FAN_MARK_ADD = 0x1, 0x2, 0x1
+FAN_ACCESS, FAN_OPEN, FAN_EVENT_ON_CHILD, AT_FDCWD = 0x1, 0x20, 0x08000000, -100
 LAUNCHER = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "RANK", "LOCAL_RANK")
 
 
 class Watch:
-    """inotify on every folder under ``root``: opens and reads of the files in them, by any
-    process."""
+    """Opens and reads of the files in every folder under ``root``, by any process: fanotify
+    (root only), which names the process of each event, else inotify, which does not."""
 
     def __init__(self, root: Path) -> None:
+        self.root = root
         self.libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = self.libc.inotify_init1(os.O_NONBLOCK)
-        if self.fd < 0:
-            raise OSError(ctypes.get_errno(), "inotify_init1")
+        folders = [root, *(p for p in root.rglob("*") if p.is_dir())]
+        self.libc.fanotify_mark.argtypes = [
+            ctypes.c_int,
+            ctypes.c_uint,
+            ctypes.c_uint64,
+            ctypes.c_int,
+            ctypes.c_char_p,
+        ]
+        self.fd = self.libc.fanotify_init(FAN_CLOEXEC | FAN_NONBLOCK, os.O_RDONLY)
+        self.kind = "fanotify"
+        if self.fd < 0:  # not root: inotify, without the process
+            self.kind = "inotify"
+            self.fd = self.libc.inotify_init1(os.O_NONBLOCK)
+            if self.fd < 0:
+                raise OSError(ctypes.get_errno(), "inotify_init1")
         self.folders: dict[int, str] = {}
-        for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
-            wd = self.libc.inotify_add_watch(self.fd, os.fsencode(d), IN_ACCESS | IN_OPEN)
-            if wd < 0:
-                raise OSError(ctypes.get_errno(), f"inotify_add_watch {d}")
-            self.folders[wd] = str(d.relative_to(root))
+        for d in folders:
+            if self.kind == "fanotify":
+                mask = FAN_OPEN | FAN_ACCESS | FAN_EVENT_ON_CHILD
+                ok = self.libc.fanotify_mark(self.fd, FAN_MARK_ADD, mask, AT_FDCWD, os.fsencode(d))
+            else:
+                ok = self.libc.inotify_add_watch(self.fd, os.fsencode(d), IN_ACCESS | IN_OPEN)
+                self.folders[ok] = str(d.relative_to(root))
+            if ok < 0:
+                raise OSError(ctypes.get_errno(), f"watching {d}")
 
-    def take(self) -> dict:
-        """Events since the last call: files opened, open and access events."""
-        opened: set[str] = set()
-        counts: Counter[str] = Counter()
+    def _events(self) -> Iterator[tuple[int | None, str, int]]:
+        """(process id or None, file, mask) of each event since the last call."""
         while True:
             try:
                 buf = os.read(self.fd, 1 << 16)
             except BlockingIOError:
-                break
+                return
             at = 0
             while at < len(buf):
-                wd, mask, _, n = struct.unpack_from("iIII", buf, at)
-                name = buf[at + 16 : at + 16 + n].rstrip(b"\0").decode()
-                at += 16 + n
-                if not name:
-                    continue  # the folder itself (a listing)
-                where = f"{self.folders.get(wd, '?')}/{name}"
-                if mask & IN_OPEN:
-                    opened.add(where)
-                    counts["open"] += 1
-                if mask & IN_ACCESS:
-                    counts["access"] += 1
-        return {
-            "files_opened": len(opened),
-            "open_events": counts["open"],
-            "access_events": counts["access"],
-        }
+                if self.kind == "fanotify":
+                    size, _, _, _, mask, fd, pid = struct.unpack_from("=IBBHQii", buf, at)
+                    at += size
+                    if fd < 0:
+                        continue
+                    try:
+                        where = os.readlink(f"/proc/self/fd/{fd}")
+                    finally:
+                        os.close(fd)
+                    yield pid, os.path.relpath(where, self.root), mask
+                else:
+                    wd, mask, _, n = struct.unpack_from("iIII", buf, at)
+                    name = buf[at + 16 : at + 16 + n].rstrip(b"\0").decode()
+                    at += 16 + n
+                    if name:  # not the folder itself (a listing)
+                        yield None, f"{self.folders.get(wd, '?')}/{name}", mask
+
+    def take(self) -> dict:
+        """Events since the last call: files opened, open and read events, by this process and
+        its children (with inotify: by any process) and by other processes."""
+        import psutil
+
+        ours = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
+        out = {who: {"files_opened": set(), "opens": 0, "reads": 0} for who in ("ours", "others")}
+        others: dict[int, str] = {}
+        for pid, where, mask in self._events():
+            who = "ours" if pid is None or pid in ours else "others"
+            if who == "others" and pid not in others:
+                try:
+                    others[pid] = " ".join(psutil.Process(pid).cmdline())[:120]
+                except psutil.Error:
+                    others[pid] = "(gone)"
+            if mask & OPEN:
+                out[who]["files_opened"].add(where)
+                out[who]["opens"] += 1
+            if mask & ACCESS:
+                out[who]["reads"] += 1
+        result: dict = {"watch": self.kind}
+        for who, c in out.items():
+            result[who] = {**c, "files_opened": len(c["files_opened"])}
+        result["other_processes"] = {str(k): v for k, v in others.items()}
+        return result
 
     def close(self) -> None:
         os.close(self.fd)
@@ -155,7 +198,8 @@ def build(paths, labels, classes, cache_dir: Path, shard: str | None, watch: Wat
         "nbytes": int(cache.nbytes),
         "file_bytes": cache.path.stat().st_size if cache.path else None,
         "build_s": round(seconds, 3),
-        "source_files_opened": seen["files_opened"],
+        "source_files_opened": seen["ours"]["files_opened"],
+        "source_by_others": seen["others"],
     }
     if share is not None:
         row["fetched"] = dict(
@@ -362,11 +406,18 @@ def main() -> None:
                 f"{c.nbytes / 2**20:9.2f} {padding[k]:>13}"
             )
         print(f"shard over full copy, images/s, median of the rounds' ratios: {paired:.2f}")
+        mine, theirs = during["ours"], during["others"]
+        by_others = (
+            f" ({theirs['opens']} opens by other processes on the machine: "
+            f"{', '.join(during['other_processes'].values())})"
+            if theirs["opens"] or theirs["reads"]
+            else ""
+        )
         print(
-            f"source during the {args.rounds * args.epochs * 2} timed epochs: "
-            f"{during['files_opened']} files opened, {during['open_events']} opens, "
-            f"{during['access_events']} reads (inotify); source folder renamed away: one more "
-            f"epoch of each delivered {gone['shard']} and {gone['full']} images"
+            f"source during the {args.rounds * args.epochs * 2} timed epochs ({during['watch']}"
+            f"): {mine['files_opened']} files opened, {mine['opens']} opens, {mine['reads']} "
+            f"reads by the loaders' processes{by_others}; source folder renamed away: one "
+            f"more epoch of each delivered {gone['shard']} and {gone['full']} images"
         )
         print(
             f"whole process tree ({len(procs)} processes, both loaders): "
