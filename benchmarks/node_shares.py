@@ -11,7 +11,7 @@ one process, one after another, by the launcher's variables (``WORLD_SIZE`` = no
 1. build: on each of 2 nodes, ``JpegCache.from_files(paths, labels, shard="node")`` and the full
    copy (``shard=None``, in another folder): samples, ``cache.nbytes``, the store file's size,
    ``cache.node_share.fetched`` (objects and bytes read from the source), and the source files
-   opened during the build, counted by inotify (``IN_OPEN`` on every source folder);
+   opened during the build by this process (the watch below);
 2. elastic: the same build at 3 nodes, each node's cache folder the one it had at 2 nodes (node
    2 a new, empty one): per node, objects and bytes read from the source against reused from its
    store of 2 nodes, against its whole share;
@@ -19,16 +19,18 @@ one process, one after another, by the launcher's variables (``WORLD_SIZE`` = no
    backend="cpu")`` with RandomResizedCrop 224 + horizontal flip, batch 32, shuffled, over the
    node's share and over the full copy (each rank plays half the data set an epoch either way);
    one untimed epoch each, then ``--rounds`` rounds that interleave ``--epochs`` epochs of each;
-   images/s is the median over rounds. During these epochs the source folders are watched
-   (``IN_OPEN``, ``IN_ACCESS``: any open or read of a source file by the loader's process or
-   its workers); after them, the PSS of each store file's mappings summed over the loader's
+   images/s is the median over rounds (and the median of the rounds' shard/full ratios); the
+   shard loader's epoch counts its repeats (``loader.epoch_padding``). During these epochs every
+   open and read of a source file is counted, by process: fanotify on every source folder (as
+   root; it names each event's process, so the loader's process and workers are told apart from
+   anything else on the machine), else inotify (any process); after them, the PSS of each store file's mappings summed over the loader's
    process and workers (the store's pages each loader holds), and the whole tree's PSS without
    shared libraries;
 4. the source folder renamed away, one more epoch of each loader (then put back).
 
 ::
 
-    python benchmarks/node_shares.py --rounds 5 --json benchmarks/results/node-shares-hymenoptera.json
+    python benchmarks/node_shares.py --rounds 15 --epochs 2 --json benchmarks/results/node-shares-hymenoptera.json
 """
 
 from __future__ import annotations
