@@ -4,9 +4,11 @@
 
 Every rank runs the same lines: ``init_process_group``, ``JpegCache.from_folder`` (built once per
 node and mapped by every rank), ``GpuCachedLoader(..., shuffle=True)`` with no seed or rank (the
-process group's world size and rank, rank 0's seed). The other flags are for checks and measurements
-(tests/test_distributed.py, benchmarks/ddp_copies.py): record the labels each rank sees, save after
-some batches the loader's state, resume from it at another world size, fail a rank.
+process group's world size and rank, rank 0's seed). ``--shard`` builds each node's share of the
+data set only (``shard="node"``). The other flags are for checks and measurements
+(tests/test_distributed.py, tests/test_node_shares_jobs.py, benchmarks/ddp_copies.py): record the
+labels each rank sees, its padding, and each node's store; save after some batches the loader's
+state, resume from it at another world size or node count, fail a rank.
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--context", default=None, help="fork | spawn | forkserver (default: Python's)")
-    p.add_argument("--record", type=Path, help="folder for per-rank labels, pids and memory")
+    p.add_argument(
+        "--shard", action="store_true", help='each node builds its share only (shard="node")'
+    )
+    p.add_argument(
+        "--record", type=Path, help="folder for per-rank labels, padding, pids, memory and stores"
+    )
     p.add_argument(
         "--save-at",
         type=int,
@@ -53,7 +60,8 @@ def main(argv=None) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    cache = JpegCache.from_folder(args.data)  # built once per node, mapped by every rank
+    # built once per node, mapped by every rank
+    cache = JpegCache.from_folder(args.data, shard="node" if args.shard else None)
     loader = GpuCachedLoader(
         cache,
         batch_size=args.batch_size,
@@ -65,7 +73,7 @@ def main(argv=None) -> None:
     # ----
     if args.resume is not None:
         loader.load_state_dict(torch.load(args.resume))
-    rank, seen = dist.get_rank(), []
+    rank, seen, padding = dist.get_rank(), [], []
     for epoch in range(args.epochs):
         labels_seen, t0 = [], time.perf_counter()
         for b, (_images, labels) in enumerate(loader):
@@ -75,6 +83,7 @@ def main(argv=None) -> None:
             if args.save_at == b + 1 and epoch == args.epochs - 1 and rank == 0:
                 torch.save(loader.state_dict(), args.record / "state.pt")  # a checkpoint
         seen.append(labels_seen)
+        padding.append(loader.epoch_padding)  # node shares: this rank's repeats in the pass
         if rank == 0:  # this rank's share; every rank sees about as many
             print(
                 f"epoch {epoch + 1}/{args.epochs}: rank 0 of {dist.get_world_size()}, "
@@ -84,6 +93,9 @@ def main(argv=None) -> None:
             )
     if args.record is not None:
         (args.record / f"seen-{rank}.json").write_text(json.dumps(seen))
+        (args.record / f"padding-{rank}.json").write_text(json.dumps(padding))
+        if int(os.environ["LOCAL_RANK"]) == 0:
+            _record_store(args.record, cache)
         dist.barrier()  # every rank has finished its epochs, workers alive
         if rank == 0:
             import psutil
@@ -107,6 +119,26 @@ def main(argv=None) -> None:
         dist.barrier()
     loader.close()
     dist.destroy_process_group()
+
+
+def _record_store(record: Path, cache: JpegCache) -> None:
+    """``node-{node}.json``: what this node's store holds (its share with ``--shard``)."""
+    share = cache.node_share
+    if share is None:
+        nodes = dist.get_world_size() // int(os.environ["LOCAL_WORLD_SIZE"])
+        node = int(os.environ.get("GROUP_RANK", "0"))
+    else:
+        nodes, node = share.nodes, share.node
+    store = {
+        "nodes": nodes,
+        "node": node,
+        "nbytes": cache.nbytes,
+        "len": len(cache),
+        "labels": cache.labels.tolist(),
+        "fetched": None if share is None else list(share.fetched),
+        "tmpdir": os.environ.get("TMPDIR"),
+    }
+    (record / f"node-{node}.json").write_text(json.dumps(store))
 
 
 def _first_batch(args, loader: GpuCachedLoader, rank: int) -> None:

@@ -81,6 +81,13 @@ def _free(folder: str) -> int | None:
         return None
 
 
+def _size(n: int) -> str:
+    """A byte count in words, exact below 1 GiB (a small share and a small cap both read 0.00
+    GiB otherwise) and with the bytes above, where two decimals can hide which is larger."""
+    gib = 2**30
+    return f"{n:,} bytes" if n < gib else f"{n / gib:,.2f} GiB ({n:,} bytes)"
+
+
 def check_budget(
     nbytes: int, share: Share, options: BuildOptions, *, memory: int, spool: bool = False
 ) -> None:
@@ -88,26 +95,23 @@ def check_budget(
     does not fit in memory (a store is assembled in memory), in the node cache's file system
     (the store file, and the fetched objects beside it when ``spool``), or under
     ``cache_max_bytes``."""
-    gib = 2**30
     need_disk = nbytes * (2 if spool else 1)
     where = share.folder
     free = None if where is None else _free(where)
     cap = options.cache_max_bytes
     problems = []
     if memory > 0 and nbytes > memory:
-        problems.append(f"this machine's memory is {memory / gib:,.2f} GiB")
+        problems.append(f"this machine's memory is {_size(memory)}")
     if free is not None and need_disk > free:
         what = "the store and the fetched objects need" if spool else "the store needs"
-        problems.append(
-            f"{what} {need_disk / gib:,.2f} GiB in {where}, which has {free / gib:,.2f} GiB free"
-        )
+        problems.append(f"{what} {_size(need_disk)} in {where}, which has {_size(free)} free")
     if cap is not None and nbytes > cap:
-        problems.append(f"cache_max_bytes is {cap / gib:,.2f} GiB")
+        problems.append(f"cache_max_bytes is {_size(cap)}")
     if not problems:
         return
     raise ShareError(
-        f"node {share.node} of {share.nodes}: its share of the data set is {nbytes / gib:,.2f} "
-        f"GiB, and {'; '.join(problems)}. No store was built{', nothing fetched' if spool else ''}. Fix: run on more nodes "
+        f"node {share.node} of {share.nodes}: its share of the data set is {_size(nbytes)}, "
+        f"and {'; '.join(problems)}. No store was built{', nothing fetched' if spool else ''}. Fix: run on more nodes "
         "(each node's share is about 1/nodes of the data), give the node cache a larger "
         "folder (cache_dir=) or a larger cache_max_bytes=, or pass shard=None on one node to "
         "check what the whole data set needs."
