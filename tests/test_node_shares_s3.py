@@ -20,7 +20,7 @@ from PIL import Image  # noqa: E402
 from gpucache import JpegCache, ShareError  # noqa: E402
 from gpucache._shares import node_bounds  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
-from tests.support.s3server import S3Server  # noqa: E402
+from tests.support.s3server import serving  # noqa: E402
 from tests.test_node_shares import as_node  # noqa: E402
 
 N = 17
@@ -35,33 +35,21 @@ def _png(seed: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def s3():
-    import s3fs
-
-    server = S3Server()
-    server.start()
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for k, v in server.env().items():
-                mp.setenv(k, v)
-            fs = s3fs.S3FileSystem(skip_instance_cache=True)
-            fs.mkdir("bkt")
-            uploads = {}
-            tar = io.BytesIO()
-            with tarfile.open(fileobj=tar, mode="w") as tf:
-                for i in range(N):
-                    image = make_jpeg_bytes(24, 16, seed=100 + i)
-                    uploads[f"bkt/train/c{i:02d}/x.jpg"] = image
-                    uploads[f"bkt/seg/images/s{i:02d}.jpg"] = image
-                    uploads[f"bkt/seg/masks/s{i:02d}.png"] = _png(i)
-                    for ext, blob in (("jpg", image), ("cls", str(i).encode())):
-                        info = tarfile.TarInfo(f"{i:04d}.{ext}")
-                        info.size = len(blob)
-                        tf.addfile(info, io.BytesIO(blob))
-            uploads["bkt/shards/train-0.tar"] = tar.getvalue()
-            fs.pipe(uploads)
-            yield server
-    finally:
-        server.stop()
+    objects = {}
+    tar = io.BytesIO()
+    with tarfile.open(fileobj=tar, mode="w") as tf:
+        for i in range(N):
+            image = make_jpeg_bytes(24, 16, seed=100 + i)
+            objects[f"train/c{i:02d}/x.jpg"] = image
+            objects[f"seg/images/s{i:02d}.jpg"] = image
+            objects[f"seg/masks/s{i:02d}.png"] = _png(i)
+            for ext, blob in (("jpg", image), ("cls", str(i).encode())):
+                info = tarfile.TarInfo(f"{i:04d}.{ext}")
+                info.size = len(blob)
+                tf.addfile(info, io.BytesIO(blob))
+    objects["shards/train-0.tar"] = tar.getvalue()
+    with serving("sharebkt", objects) as (server, _):
+        yield server
 
 
 def _build(server, nodes: int, node: int, tmp_path, url: str, **kw) -> tuple[JpegCache, Counter]:
@@ -70,11 +58,11 @@ def _build(server, nodes: int, node: int, tmp_path, url: str, **kw) -> tuple[Jpe
         cache = JpegCache.from_folder(
             url, shard="node", cache_dir=tmp_path / f"node{node}", progress=False, **kw
         )
-    return cache, server.gets("/bkt/")
+    return cache, server.gets("/sharebkt/")
 
 
 def test_each_node_fetches_its_share_and_a_new_layout_only_what_it_lacks(s3, tmp_path):
-    two = [_build(s3, 2, k, tmp_path, "s3://bkt/train/") for k in range(2)]
+    two = [_build(s3, 2, k, tmp_path, "s3://sharebkt/train/") for k in range(2)]
     fetched = [set(gets) for _, gets in two]
     assert fetched[0].isdisjoint(fetched[1]) and len(fetched[0] | fetched[1]) == N
     for (cache, gets), k in zip(two, range(2)):
@@ -84,7 +72,7 @@ def test_each_node_fetches_its_share_and_a_new_layout_only_what_it_lacks(s3, tmp
         assert cache.node_share.fetched[1] == sum(len(cache[i]) for i in range(len(cache)))
     labels = [set(c.labels.tolist()) for c, _ in two]
     assert labels[0].isdisjoint(labels[1])
-    three = [_build(s3, 3, k, tmp_path, "s3://bkt/train/") for k in range(3)]
+    three = [_build(s3, 3, k, tmp_path, "s3://sharebkt/train/") for k in range(3)]
     old, new = node_bounds(N, 2), node_bounds(N, 3)
     for k, (cache, gets) in enumerate(three):
         mine = set(range(*new[k : k + 2]))
@@ -94,14 +82,16 @@ def test_each_node_fetches_its_share_and_a_new_layout_only_what_it_lacks(s3, tmp
         assert cache.node_share.fetched[2] == len(mine & before)
         assert sorted(cache.node_share.ranks.tolist()) == sorted(mine)
     assert not [p for p in three[0][1] if not p.endswith("/")]  # node 0 fetched no object
-    whole = JpegCache.from_folder("s3://bkt/train/", cache_dir=tmp_path / "whole", progress=False)
+    whole = JpegCache.from_folder(
+        "s3://sharebkt/train/", cache_dir=tmp_path / "whole", progress=False
+    )
     by_label = {int(whole.labels[i]): bytes(whole[i]) for i in range(len(whole))}
     for cache, _ in three:  # what was taken from earlier stores is the source's bytes
         assert all(bytes(cache[i]) == by_label[int(cache.labels[i])] for i in range(len(cache)))
 
 
 def test_images_and_their_masks_are_fetched_and_reused_together(s3, tmp_path):
-    url, masks = "s3://bkt/seg/images/", "s3://bkt/seg/masks/"
+    url, masks = "s3://sharebkt/seg/images/", "s3://sharebkt/seg/masks/"
     for k in range(2):
         _build(s3, 2, k, tmp_path, url, masks=masks)
     cache, gets = _build(s3, 3, 1, tmp_path, url, masks=masks)
@@ -119,7 +109,7 @@ def test_webdataset_shards_in_storage_are_split_by_sample(s3, tmp_path):
     for k in range(2):
         with as_node(2, k):
             cache = JpegCache.from_webdataset(
-                "s3://bkt/shards/train-0.tar",
+                "s3://sharebkt/shards/train-0.tar",
                 shard="node",
                 cache_dir=tmp_path / f"n{k}",
                 progress=False,
@@ -132,11 +122,11 @@ def test_a_share_that_does_not_fit_fetches_nothing(s3, tmp_path):
     s3.reset_counts()
     with as_node(2, 0), pytest.raises(ShareError, match="nothing fetched"):
         JpegCache.from_folder(
-            "s3://bkt/train/",
+            "s3://sharebkt/train/",
             shard="node",
             cache_dir=tmp_path,
             cache_max_bytes=100,
             progress=False,
         )
-    assert not [p for p in s3.gets("/bkt/") if not p.endswith("/")]
+    assert not [p for p in s3.gets("/sharebkt/") if not p.endswith("/")]
     assert not list(tmp_path.glob("*.gpucache")) and not list(tmp_path.glob("*.fetch"))

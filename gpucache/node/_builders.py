@@ -24,7 +24,7 @@ from .. import _dist
 from .._shares import Share
 from ..store._store import Store
 from . import _storage
-from ._cache import built_for
+from ._cache import built_for, several_ranks
 from ._dir import default_dir
 from ._storage import any_url, csv_lists_urls
 
@@ -35,15 +35,20 @@ if TYPE_CHECKING:
 S = TypeVar("S", bound=Store)
 
 
-def placed(options: BuildOptions) -> BuildOptions:
+def placed(options: BuildOptions, *, remote: bool = False) -> BuildOptions:
     """``options`` with the node's share when ``shard="node"``: the job's node layout from the
     launcher (``_dist.nodes``; one process is node 0 of 1) and the folder its store will live in
-    (for the budget check)."""
+    (for the budget check; none for a store built in memory: one process, no ``cache_dir``, not
+    ``remote`` objects in storage, which are always built in the node cache)."""
     if options.shard is None:
         return options
     nodes, node = _dist.nodes()
-    folder = options.cache_dir if options.cache_dir is not None else default_dir()
-    return dataclasses.replace(options, share=Share(nodes, node, folder=os.fspath(folder)))
+    folder: str | None = None
+    if options.cache_dir is not None:
+        folder = os.fspath(options.cache_dir)
+    elif remote or several_ranks():
+        folder = os.fspath(default_dir())
+    return dataclasses.replace(options, share=Share(nodes, node, folder=folder))
 
 
 def from_folder(
@@ -53,7 +58,7 @@ def from_folder(
     options: BuildOptions,
 ) -> S:
     """``JpegCache.from_folder`` (see its docstring)."""
-    options = placed(options)
+    options = placed(options, remote=any_url(root))
     if masks is not None:
         if any_url(root) and any_url(masks):  # both prefixes in storage
             return _storage.from_folder(cls, os.fspath(root), options, masks=os.fspath(masks))
@@ -182,7 +187,7 @@ def from_files(
     options: BuildOptions,
 ) -> S:
     """``JpegCache.from_files`` (see its docstring)."""
-    options = placed(options)
+    options = placed(options, remote=any_url(paths))
     if any_url(paths):  # object URLs (and their masks': all URLs, checked there)
         return _storage.from_files(cls, paths, labels, metadata, classes, options, masks)
     if masks is not None:
@@ -222,7 +227,7 @@ def from_csv(
 ) -> S:
     """``JpegCache.from_csv`` (see its docstring): the CSV read once, the files it lists built
     (once per node with ``cache_dir`` or several ranks, keyed on those files and masks)."""
-    options = placed(options)
+    options = placed(options, remote=csv_lists_urls(path))
     if csv_lists_urls(path):  # a CSV in storage, or one listing object URLs
         return _storage.from_csv(cls, path, classes, delimiter, header, options, mask_column)
     from ..ingest._build import build
@@ -267,7 +272,7 @@ def from_webdataset(
 ) -> S:
     """``JpegCache.from_webdataset`` (see its docstring): built once per node with ``cache_dir``
     or several ranks, keyed on the shard files (the masks are members of them)."""
-    options = placed(options)
+    options = placed(options, remote=any_url(shards))
     if any_url(shards):  # shards in storage, brace patterns expanded
         return _storage.from_webdataset(cls, shards, classes, metadata_ext, options, mask_ext)
     from ..ingest import _sources
