@@ -387,3 +387,41 @@ def test_the_command_line_builds_a_share_and_info_names_it(data, tmp_path, capsy
     text = capsys.readouterr().out
     size = int(np.diff(node_bounds(N, 2))[1])
     assert f"share: node 1 of 2 ({size:,} of the listing's {N:,} samples" in text
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, (1, 0)),  # one process
+        (  # torchrun
+            {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "RANK": "5"},
+            (2, 1),
+        ),
+        ({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2", "RANK": "5"}, (3, 2)),  # no GROUP_RANK
+        (  # srun: one task a GPU, 2 nodes of 4
+            {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_LOCALID": "3"},
+            (2, 1),
+        ),
+        ({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}, (4, 3)),  # no local size: a rank
+    ],
+)
+def test_the_node_layout_comes_from_the_launcher(monkeypatch, env, expected):
+    from gpucache import _dist
+
+    for name in (
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "RANK",
+        "LOCAL_RANK",
+        "SLURM_NNODES",
+        "SLURM_NODEID",
+        "SLURM_LOCALID",
+        "SLURM_NTASKS_PER_NODE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    if "LOCAL_WORLD_SIZE" in env:  # torchrun sets both
+        monkeypatch.setenv("LOCAL_RANK", str(int(env["RANK"]) % int(env["LOCAL_WORLD_SIZE"])))
+    assert _dist.nodes() == expected
