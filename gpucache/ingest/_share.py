@@ -1,8 +1,13 @@
-"""The build side of ``shard="node"``: take this node's share out of a whole listing, check that
-it fits before anything is read or fetched, and record it in the store (``store/_share.py``).
+"""The build side of ``shard="node"``: take this node's share out of a whole listing (``pick``),
+check that it fits before anything is read or fetched (``check_budget``), take the samples this
+node's stores of earlier layouts hold instead of reading them (``reuse`` for inputs read in
+place, ``found`` + ``Merged`` for objects fetched from storage), and record it all in the store
+(``record``, ``store/_share.py``).
 
 The share itself is a pure function of the listing's names and the node layout
-(``gpucache._shares``); every node of the job computes it alone, with no communication.
+(``gpucache._shares``); every node of the job computes it alone, with no communication. The
+earlier stores are the node layer's to find (``node/_cache.py``, by the key every layout of one
+source and options shares); it hands them to the build it runs with ``reusing``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from ._options import BuildOptions
 
 T = TypeVar("T")
 
-__all__ = ["Picked", "pick", "check_budget", "record", "reusing", "reuse"]
+__all__ = ["Merged", "Picked", "pick", "check_budget", "record", "reusing", "reuse", "found"]
 
 #: Stores of earlier node layouts of the same source, in this node's cache (``reusing``).
 _REUSE: ContextVar[tuple[Any, ...]] = ContextVar("gpucache_share_reuse", default=())
