@@ -140,7 +140,7 @@ def built_once(
     stall = STALL_TIMEOUT_S if stall_timeout is None else stall_timeout
     if cache_dir is None and not several_ranks() and not remote:
         return build(*scan(), None)
-    listing, named = None, request[0]
+    named = request[0]
     if not isinstance(named, (str, os.PathLike)) and not all(
         isinstance(x, (str, os.PathLike)) for x in named
     ):
@@ -156,13 +156,18 @@ def built_once(
         )
         return build(*scan(), None)
     folder = checked_dir(cache_dir)
+    # the key of the listing, and the one every node layout of it shares (for node shares)
+    key: str | None = None
+    source: str | None = None
+    listing: Listing | None = None
     try:
-        key, listing = _scan_once(folder, scan, request, stall) if several_ranks() else (None, None)
+        if several_ranks():
+            key, listing, source = _scan_once(folder, scan, request, stall)
     except PermissionError:  # a read-only folder: each rank scans; a store built there still opens
         key = None
     if key is None:
         listing = scan()
-        key = listing_key(*listing)
+        key, source = listing_keys(*listing)
     while True:
         store = folder / f"{key}.gpucache"
         cache = _open(cls, store)
@@ -174,13 +179,14 @@ def built_once(
                 return cache
             if listing is None:  # the key came from another rank, which did not build: scan
                 listing = scan()
-                new = listing_key(*listing)
+                new, source = listing_keys(*listing)
                 if new != key:
                     key = new
                     continue
             lock.phase("building", len(listing[0]))
-            source = listing_keys(*listing)[1] if share is not None else None
-            earlier = [] if source is None else _earlier(cls, folder, source, key)
+            if share is not None and source is None:
+                source = listing_keys(*listing)[1]
+            earlier = [] if share is None or source is None else _earlier(cls, folder, source, key)
             with reusing(earlier):
                 built = build(*listing, lock.progress, *((folder / key,) if remote else ()))
             del earlier
@@ -199,7 +205,7 @@ def built_once(
                 "samples": len(built),
                 "created": time.time(),
             }
-            if source is not None:  # the key of every layout of this source: see _earlier
+            if share is not None and source is not None:  # every layout's key: see _earlier
                 info["layouts"] = source
             write_private(folder / f"{key}.info", json.dumps(info).encode())
             if remote:  # the store is saved: the fetched objects are no longer needed
@@ -272,9 +278,10 @@ def _source(request: Sequence[Any]) -> str:
 
 def _scan_once(
     folder: Path, scan: Callable[[], Listing], request: Sequence[Any], stall: float
-) -> tuple[str, Listing | None]:
-    """The listing key, scanned by the first rank of the node (then ``(key, listing)``) or taken
-    from the file it wrote (then ``(key, None)``)."""
+) -> tuple[str, Listing | None, str | None]:
+    """The listing key, scanned by the first rank of the node (then ``(key, listing, source)``)
+    or taken from the file it wrote (then ``(key, None, source)``); ``source``: the key every node
+    layout of the listing shares (:func:`listing_keys`)."""
     h = hashlib.blake2b(_KEY_VERSION + b"-request", digest_size=16)
     first = request[0]
     h.update(
@@ -295,16 +302,16 @@ def _scan_once(
             and time.time() - written < SCAN_FRESH_S
         ):
             _used.add(nonce)
-            return r["key"], None
+            source = r.get("source")
+            return r["key"], None, source if isinstance(source, str) else None
         lock.phase("scanning")
         listing = scan()
-        key = listing_key(*listing, on_progress=lock.progress)
+        key, source = listing_keys(*listing, on_progress=lock.progress)
         nonce = os.urandom(8).hex()
         _used.add(nonce)
-        write_private(
-            result, json.dumps({"key": key, "written": time.time(), "nonce": nonce}).encode()
-        )
-        return key, listing
+        found = {"key": key, "source": source, "written": time.time(), "nonce": nonce}
+        write_private(result, json.dumps(found).encode())
+        return key, listing, source
 
 
 def _started() -> float:
