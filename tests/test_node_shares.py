@@ -181,6 +181,15 @@ def test_a_share_that_does_not_fit_stops_before_reading_and_leaves_no_store(data
     assert not list((tmp_path / "node1").glob("*.gpucache"))
 
 
+def test_a_node_with_nothing_to_hold_says_so(tmp_path):
+    root = tmp_path / "two"
+    for i in range(2):
+        (root / f"c{i}").mkdir(parents=True)
+        (root / f"c{i}" / "x.jpg").write_bytes(make_jpeg_bytes(16, 16, seed=i))
+    with pytest.raises(ShareError, match="node 2 of 3: its share of the 2 samples listed is empty"):
+        build(root, 3, 2, tmp_path)
+
+
 def test_a_new_layout_takes_what_the_earlier_store_holds(data, tmp_path):
     names = sorted(str(p) for p in data.rglob("*.jpg"))
     ranks, _ = global_ranks(names)
@@ -425,3 +434,63 @@ def test_the_node_layout_comes_from_the_launcher(monkeypatch, env, expected):
     if "LOCAL_WORLD_SIZE" in env:  # torchrun sets both
         monkeypatch.setenv("LOCAL_RANK", str(int(env["RANK"]) % int(env["LOCAL_WORLD_SIZE"])))
     assert _dist.nodes() == expected
+
+
+_MISMATCH = """
+import sys
+import torch.distributed as dist
+from gpucache import GpuCachedLoader, JpegCache, ShareError
+dist.init_process_group("gloo")
+cache = JpegCache.from_folder(sys.argv[1], shard="node", cache_dir=sys.argv[2], progress=False)
+try:
+    GpuCachedLoader(cache, batch_size=2, shuffle=True, num_workers=0)
+except ShareError as err:
+    print("REFUSED", err, flush=True)
+    sys.exit(0)
+print("ACCEPTED", flush=True)
+"""
+
+
+def test_nodes_that_listed_different_data_are_refused_when_the_loader_starts(data, tmp_path):
+    """Two processes of one gloo group, one a node: node 1 sees a file node 0 does not."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    other = tmp_path / "other"
+    for p in data.rglob("*.jpg"):
+        (other / p.parent.name).mkdir(parents=True, exist_ok=True)
+        (other / p.parent.name / p.name).write_bytes(p.read_bytes())
+    (other / "c99").mkdir()
+    (other / "c99" / "x.jpg").write_bytes(make_jpeg_bytes(20, 16, seed=99))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for node, root in enumerate((data, other)):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": "2",
+            "RANK": str(node),
+            "LOCAL_WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "GROUP_RANK": str(node),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "CUDA_VISIBLE_DEVICES": "",
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [sys.executable, "-c", _MISMATCH, str(root), str(tmp_path / f"cache{node}")]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and out.startswith("REFUSED"), out
+        assert "ranks [" in out and "same source" in out

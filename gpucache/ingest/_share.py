@@ -70,12 +70,24 @@ def pick(
     """This node's inputs, labels, metadata and masks out of the whole listing's."""
     selected = share.select(_Names(inputs))
     keep = selected.keep
+    empty(selected, share)
     return (
         Picked(inputs, keep),
         np.asarray(labels)[keep],
         None if metadata is None else Picked(metadata, keep),
         None if masks is None else Picked(masks, keep),
         selected,
+    )
+
+
+def empty(selected: Selected, share: Share) -> None:
+    """A :class:`ShareError` for a node whose share of the listing holds nothing."""
+    if len(selected.keep) or not selected.total:
+        return
+    raise ShareError(
+        f"node {share.node} of {share.nodes}: its share of the {selected.total:,} samples listed "
+        f"is empty (a node holds about 1/nodes of them). Fix: run on fewer nodes than samples, "
+        "or build the whole data set on every node (shard=None)."
     )
 
 

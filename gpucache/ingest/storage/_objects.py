@@ -143,6 +143,7 @@ def _build_share(
     assert share is not None
     images = listing if masks_at is None else _Part(listing, 0, masks_at)
     selected = share.select(images)
+    _share.empty(selected, share)
     keep, n = selected.keep, len(selected.keep)
     hits = {} if _rewrites(options) else _share.found(selected, masks_at is not None)
     missing = np.ones(n, dtype=bool)
