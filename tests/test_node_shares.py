@@ -31,6 +31,7 @@ import pytest
 
 from gpucache import GpuCachedLoader, JpegCache, ShareError
 from gpucache._shares import PARTITIONS, global_ranks, node_bounds, owners
+from gpucache.node._clean import entries
 from gpucache.testing import make_jpeg_bytes
 
 N = 23  # samples: one a class, so a label names its sample; odd, so shares are uneven
@@ -206,6 +207,8 @@ def test_a_new_layout_takes_what_the_earlier_store_holds(data, tmp_path):
         assert sorted(share.ranks.tolist()) == sorted(mine)
         assert sorted(ranks[s.labels].tolist()) == sorted(mine)  # the right images
     assert three[0].node_share.fetched[0] == 0  # node 0 read nothing
+    listed = [e.source for e in entries(tmp_path / "node1")]
+    assert sorted(s[len(str(data)) :] for s in listed) == [" (node 1 of 2)", " (node 1 of 3)"]
 
 
 def test_a_build_that_re_encodes_reads_its_share_again(data, tmp_path):

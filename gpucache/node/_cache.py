@@ -200,8 +200,11 @@ def built_once(
                 if full is None:
                     raise
                 raise full from err
+            shown = _source(request)
+            if share is not None:  # `gpucache cache list` tells the layouts of one source apart
+                shown += f" (node {share.node} of {share.nodes})"
             info: dict[str, Any] = {
-                "source": _source(request),
+                "source": shown,
                 "samples": len(built),
                 "created": time.time(),
             }
