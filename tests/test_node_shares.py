@@ -497,3 +497,14 @@ def test_nodes_that_listed_different_data_are_refused_when_the_loader_starts(dat
     for p, out in zip(procs, outs):
         assert p.returncode == 0 and out.startswith("REFUSED"), out
         assert "ranks [" in out and "same source" in out
+
+
+def test_the_earlier_store_is_dropped_under_cache_max_bytes_once_it_was_used(data, tmp_path):
+    first = build(data, 2, 1, tmp_path)
+    cap = first.nbytes + first.nbytes // 2  # room for one share, not two
+    first = build(data, 2, 1, tmp_path, cache_max_bytes=cap)  # the same store, opened
+    del first
+    again = build(data, 3, 1, tmp_path, cache_max_bytes=cap)
+    assert again.node_share is not None and again.node_share.fetched[2] > 0  # reused first
+    stores = list((tmp_path / "node1").glob("*.gpucache"))
+    assert stores == [again.path]  # then the earlier one went, least recently used
