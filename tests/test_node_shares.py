@@ -508,3 +508,17 @@ def test_the_earlier_store_is_dropped_under_cache_max_bytes_once_it_was_used(dat
     assert again.node_share is not None and again.node_share.fetched[2] > 0  # reused first
     stores = list((tmp_path / "node1").glob("*.gpucache"))
     assert stores == [again.path]  # then the earlier one went, least recently used
+
+
+def test_the_consumed_count_of_one_layout_is_the_count_of_the_consumed_samples(data, tmp_path):
+    from gpucache.loader._nodes import NodeOrder, Segment
+
+    share = layout(data, 2, tmp_path)[0].node_share
+    assert share is not None
+    order = NodeOrder(share, num_replicas=4, rank=0)
+    for seg in (Segment(2, 2, 2, 1), Segment(3, 2, 1, 2), Segment(2, 2, 4, 9)):
+        done = order.consumed(7, 0, True, [seg])
+        assert done is not None
+        assert order.consumed_count(7, 0, True, [seg]) == int(done.sum())
+    two = [Segment(2, 2, 2, 2), Segment(3, 2, 2, 1)]
+    assert order.consumed_count(7, 0, True, two) == int(order.consumed(7, 0, True, two).sum())

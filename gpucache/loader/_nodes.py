@@ -122,7 +122,14 @@ class NodeOrder:
         return done
 
     def consumed_count(self, seed: int, epoch: int, shuffle: bool, segments: list[Segment]) -> int:
-        """Samples of the epoch the ``segments`` consumed."""
+        """Samples of the epoch the ``segments`` consumed (a closed form for one segment, the
+        common case, so ``state_dict()`` stays cheap)."""
+        played = [seg for seg in segments if seg.batches_done]
+        if len(played) == 1:
+            seg = played[0]
+            sizes = np.diff(node_bounds(self.total, seg.nodes, self.partitions))
+            take = seg.batches_done * seg.batch_size * seg.per_node
+            return int(np.minimum(sizes, take).sum())
         done = self.consumed(seed, epoch, shuffle, segments)
         return 0 if done is None else int(done.sum())
 
