@@ -118,15 +118,11 @@ def test_webdataset_shards_in_storage_are_split_by_sample(s3, tmp_path):
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == set(range(N))
 
 
-def test_a_share_that_does_not_fit_fetches_nothing(s3, tmp_path):
+@pytest.mark.parametrize("source", ["s3://sharebkt/train/", "s3://sharebkt/shards/train-0.tar"])
+def test_a_share_that_does_not_fit_fetches_nothing(s3, tmp_path, source):
     s3.reset_counts()
+    make = JpegCache.from_webdataset if source.endswith(".tar") else JpegCache.from_folder
     with as_node(2, 0), pytest.raises(ShareError, match="nothing fetched"):
-        JpegCache.from_folder(
-            "s3://sharebkt/train/",
-            shard="node",
-            cache_dir=tmp_path,
-            cache_max_bytes=100,
-            progress=False,
-        )
+        make(source, shard="node", cache_dir=tmp_path, cache_max_bytes=100, progress=False)
     assert not [p for p in s3.gets("/sharebkt/") if not p.endswith("/")]
     assert not list(tmp_path.glob("*.gpucache")) and not list(tmp_path.glob("*.fetch"))

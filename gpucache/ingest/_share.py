@@ -106,13 +106,20 @@ def _size(n: int) -> str:
 
 
 def check_budget(
-    nbytes: int, share: Share, options: BuildOptions, *, memory: int, spool: bool = False
+    nbytes: int,
+    share: Share,
+    options: BuildOptions,
+    *,
+    memory: int,
+    spool: bool = False,
+    spooled: int | None = None,
 ) -> None:
     """A :class:`ShareError` with the numbers and the fix if this node's share of ``nbytes``
     does not fit in memory (a store is assembled in memory), in the node cache's file system
-    (the store file, and the fetched objects beside it when ``spool``), or under
-    ``cache_max_bytes``."""
-    need_disk = nbytes * (2 if spool else 1)
+    (the store file, and the fetched objects beside it when ``spool``: the share's own, or
+    ``spooled`` bytes of them), or under ``cache_max_bytes``."""
+    fetched = (nbytes if spooled is None else spooled) if spool else 0
+    need_disk = nbytes + fetched
     where = share.folder
     free = None if where is None else _free(where)
     cap = options.cache_max_bytes
@@ -126,12 +133,13 @@ def check_budget(
         problems.append(f"cache_max_bytes is {_size(cap)}")
     if not problems:
         return
+    done = "No store was built, nothing fetched" if spool else "No store was built"
     raise ShareError(
         f"node {share.node} of {share.nodes}: its share of the data set is {_size(nbytes)}, "
-        f"and {'; '.join(problems)}. No store was built{', nothing fetched' if spool else ''}. Fix: run on more nodes "
-        "(each node's share is about 1/nodes of the data), give the node cache a larger "
-        "folder (cache_dir=) or a larger cache_max_bytes=, or pass shard=None on one node to "
-        "check what the whole data set needs."
+        f"and {'; '.join(problems)}. {done}. Fix: run on more nodes (each node's share is "
+        "about 1/nodes of the data), give the node cache a larger folder (cache_dir=) or a "
+        "larger cache_max_bytes=, or pass shard=None on one node to check what the whole data "
+        "set needs."
     )
 
 

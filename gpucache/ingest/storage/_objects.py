@@ -206,7 +206,20 @@ def build_shards(
     on_progress: Callable[..., None] | None,
     mask_ext: str | None = None,
 ) -> Any:
-    """A store of the samples of WebDataset shards in storage, read out of the spool."""
+    """A store of the samples of WebDataset shards in storage, read out of the spool.
+    ``options.share``: samples are shared out by member, so every node fetches every shard and
+    keeps its share; the node cache must hold the shards and the share, checked first."""
+    if options.share is not None:
+        sizes = listing.sizes
+        whole = int(sizes[sizes > 0].sum())
+        _share.check_budget(
+            -(-whole // options.share.nodes),
+            options.share,
+            options,
+            memory=_memory(),
+            spool=True,
+            spooled=whole,
+        )
     spool = fetch(listing, base, options, on_progress)
 
     def locate(k: int) -> tuple[str | os.PathLike[str], int, int] | Refused:
