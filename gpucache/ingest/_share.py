@@ -16,7 +16,7 @@ import contextlib
 import shutil
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -28,7 +28,18 @@ from ._options import BuildOptions
 
 T = TypeVar("T")
 
-__all__ = ["Merged", "Picked", "pick", "check_budget", "record", "reusing", "reuse", "found"]
+__all__ = [
+    "Found",
+    "Merged",
+    "Names",
+    "Picked",
+    "pick",
+    "check_budget",
+    "record",
+    "reusing",
+    "reuse",
+    "found",
+]
 
 #: Stores of earlier node layouts of the same source, in this node's cache (``reusing``).
 _REUSE: ContextVar[tuple[Any, ...]] = ContextVar("gpucache_share_reuse", default=())
@@ -47,7 +58,7 @@ class Picked(Sequence[T]):
         return self._seq[int(self._keep[i])]
 
 
-class _Names(Sequence[str]):
+class Names(Sequence[str]):
     """The inputs' names, made on access."""
 
     def __init__(self, inputs: Sequence[Any]) -> None:
@@ -68,7 +79,7 @@ def pick(
     masks: Sequence[Any] | None,
 ) -> tuple[Sequence[Any], np.ndarray, Sequence[str] | None, Sequence[Any] | None, Selected]:
     """This node's inputs, labels, metadata and masks out of the whole listing's."""
-    selected = share.select(_Names(inputs))
+    selected = share.select(Names(inputs))
     keep = selected.keep
     empty(selected, share)
     return (
@@ -170,39 +181,53 @@ def reusing(stores: Sequence[Any]) -> Iterator[None]:
         _REUSE.reset(token)
 
 
-class _Swapped(Sequence[Any]):
-    """``seq`` with the items at some positions taken from earlier stores instead."""
+class Found(NamedTuple):
+    """What this node's stores of earlier layouts hold of a share, one entry per share position
+    (arrays, no object per sample): ``which`` store (-1: none) and the sample's index ``at``
+    there."""
 
-    def __init__(self, seq: Sequence[Any], swap: dict[int, Any]) -> None:
-        self._seq, self._swap = seq, swap
+    stores: tuple[Any, ...]
+    which: np.ndarray
+    at: np.ndarray
 
-    def __len__(self) -> int:
-        return len(self._seq)
+    @classmethod
+    def none(cls, n: int) -> Found:
+        """Nothing held of a share of ``n`` samples."""
+        return cls((), np.full(n, -1, dtype=np.int32), np.zeros(n, dtype=np.int64))
 
-    def __getitem__(self, i):
-        got = self._swap.get(i)
-        return self._seq[i] if got is None else got
+    @property
+    def held(self) -> np.ndarray:
+        """The share positions an earlier store holds."""
+        return self.which >= 0
+
+    def nbytes(self) -> int:
+        """Bytes of the samples held (their images)."""
+        total = 0
+        for k, store in enumerate(self.stores):
+            i = self.at[self.which == k]
+            total += int((store._offsets[i + 1] - store._offsets[i]).sum())
+        return total
 
 
-def found(selected: Selected, with_masks: bool) -> dict[int, tuple[Any, int]]:
-    """Share positions an earlier share on this node holds: position -> (store, its index)."""
-    out: dict[int, tuple[Any, int]] = {}
-    for store in _REUSE.get():
-        have = store.node_share
-        if (
-            have is None
-            or have.listing != selected.listing
-            or with_masks != (store.masks is not None)
-        ):
-            continue
-        ranks = np.asarray(have.ranks)
-        if not len(ranks):
-            continue
+def found(selected: Selected, with_masks: bool) -> Found:
+    """The share positions an earlier share on this node holds (the first store that holds one
+    gives it), among the stores ``reusing`` handed over with the same listing and masks."""
+    stores = tuple(
+        s
+        for s in _REUSE.get()
+        if s.node_share is not None
+        and s.node_share.listing == selected.listing
+        and with_masks == (s.masks is not None)
+        and len(s)
+    )
+    _, which, where = Found.none(len(selected.ranks))
+    for k, store in enumerate(stores):
+        ranks = np.asarray(store.node_share.ranks)
         order = np.argsort(ranks)
         at = np.minimum(np.searchsorted(ranks[order], selected.ranks), len(ranks) - 1)
-        for pos in np.flatnonzero(ranks[order][at] == selected.ranks).tolist():
-            out.setdefault(pos, (store, int(order[at[pos]])))
-    return out
+        new = (ranks[order][at] == selected.ranks) & (which < 0)
+        which[new], where[new] = k, order[at[new]]
+    return Found(stores, which, where)
 
 
 def reuse(
@@ -211,48 +236,41 @@ def reuse(
     """``inputs`` (and ``masks``) with every sample an earlier share holds taken from it (bytes
     as stored: no read of the source), and a mask of the positions so taken."""
     hits = found(selected, masks is not None)
-    taken = np.zeros(len(inputs), dtype=bool)
-    taken[list(hits)] = True
-    if not hits:
-        return inputs, masks, taken
+    held = hits.held
+    if not held.any():
+        return inputs, masks, held
+    rest = np.flatnonzero(~held)
     return (
-        _Swapped(inputs, {p: BytesSource(name_of(inputs[p]), s[i]) for p, (s, i) in hits.items()}),
-        None
-        if masks is None
-        else _Swapped(
-            masks,
-            {p: BytesSource(name_of(masks[p]), s.masks[i]) for p, (s, i) in hits.items()},
-        ),
-        taken,
+        Merged(Picked(inputs, rest), hits, Names(inputs)),
+        None if masks is None else Merged(Picked(masks, rest), hits, Names(masks), masks=True),
+        held,
     )
 
 
 class Merged(Sequence[Any]):
-    """A share's inputs: those taken from earlier stores (``hits``) and the rest, fetched, from
-    ``fetched`` in order (``masks``: the masks' instead, from ``fetched[offset:]``)."""
+    """A share's inputs: those an earlier store holds (``hits``) taken from it, the rest from
+    ``fetched`` in order (``fetched[offset:]`` for the masks, with ``masks``); ``names`` name
+    the samples taken."""
 
     def __init__(
         self,
         fetched: Sequence[Any],
-        hits: dict[int, tuple[Any, int]],
-        n: int,
+        hits: Found,
         names: Sequence[str],
         *,
         offset: int = 0,
         masks: bool = False,
     ) -> None:
-        self._fetched, self._hits, self._n, self._names = fetched, hits, n, names
+        self._fetched, self._hits, self._names = fetched, hits, names
         self._offset, self._masks = offset, masks
-        missing = np.ones(n, dtype=bool)
-        missing[list(hits)] = False
-        self._rank = np.cumsum(missing) - 1  # position among the fetched
+        self._rank = np.cumsum(~hits.held) - 1  # position among the fetched
 
     def __len__(self) -> int:
-        return self._n
+        return len(self._rank)
 
     def __getitem__(self, i):
-        hit = self._hits.get(i)
-        if hit is None:
+        k = int(self._hits.which[i])
+        if k < 0:
             return self._fetched[self._offset + int(self._rank[i])]
-        store, k = hit
-        return BytesSource(self._names[i], store.masks[k] if self._masks else store[k])
+        store, j = self._hits.stores[k], int(self._hits.at[i])
+        return BytesSource(self._names[i], store.masks[j] if self._masks else store[j])

@@ -21,6 +21,7 @@ from .. import _share
 from .._build import _memory, build
 from .._inputs import Refused
 from .._options import BuildOptions
+from .._restart import rewriters
 from .._share import Picked
 from .._sources import from_webdataset
 from ._client import Listing, filesystem
@@ -144,40 +145,40 @@ def _build_share(
     images = listing if masks_at is None else _Part(listing, 0, masks_at)
     selected = share.select(images)
     _share.empty(selected, share)
-    keep, n = selected.keep, len(selected.keep)
-    hits = {} if _rewrites(options) else _share.found(selected, masks_at is not None)
-    missing = np.ones(n, dtype=bool)
-    missing[list(hits)] = False
-    need = keep[missing]
+    keep = selected.keep
+    rewrites = rewriters(
+        restart_markers=options.restart_markers,
+        max_side=options.max_side,
+        jpeg_quality=options.jpeg_quality,
+    )  # stored bytes re-encoded are not the source's: then nothing is taken from earlier stores
+    hits = (
+        _share.Found.none(len(keep)) if rewrites else _share.found(selected, masks_at is not None)
+    )
+    need = keep[~hits.held]
     taken = need if masks_at is None else np.concatenate([need, need + masks_at])
-    names = [listing.urls[int(i)] for i in keep]
-    mask_names = None if masks_at is None else [listing.urls[int(i) + masks_at] for i in keep]
+    urls = listing.urls
     listing = listing.take(taken)
     sizes = listing.sizes
-    held = sum(len(store[i]) for store, i in hits.values())
-    nbytes = int(sizes[sizes > 0].sum()) + held
+    nbytes = int(sizes[sizes > 0].sum()) + hits.nbytes()
     _share.check_budget(nbytes, share, options, memory=_memory(), spool=True)
     spool = fetch(listing, base, options, on_progress)
     fetched = spool.inputs()
     return build(
         cls,
-        _share.Merged(fetched, hits, n, names),
+        _share.Merged(fetched, hits, Picked(urls, keep)),
         np.asarray(labels)[keep],
         classes,
         None if metadata is None else Picked(metadata, keep),
         options,
         on_progress=on_progress,
         masks=None
-        if mask_names is None
-        else _share.Merged(fetched, hits, n, mask_names, offset=len(need), masks=True),
+        if masks_at is None
+        else _share.Merged(
+            fetched, hits, Picked(urls, keep + masks_at), offset=len(need), masks=True
+        ),
         selected=selected,
-        reused=~missing,
+        reused=hits.held,
     )
-
-
-def _rewrites(options: BuildOptions) -> bool:
-    """True when the build re-encodes: stored bytes are then not the source's."""
-    return bool(options.restart_markers or options.max_side or options.jpeg_quality)
 
 
 class _Part(Sequence[Any]):
