@@ -238,7 +238,7 @@ def _earlier(cls: type[S], folder: Path, source: str, key: str) -> list[S]:
     """This node's stores of other layouts of ``source`` (held open while they are read)."""
     out = []
     for e in entries(folder):
-        if e.key == key or (read_json(folder / f"{e.key}.info") or {}).get("layouts") != source:
+        if e.key == key or e.layouts != source:
             continue
         cache = _open(cls, e.path)
         if cache is not None:

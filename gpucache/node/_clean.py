@@ -54,6 +54,7 @@ class Entry:
     last_used: float  # seconds since the epoch: the store's mtime, set at every open
     in_use: bool
     source: str | None  # what it was built from, if recorded
+    layouts: str | None = None  # a node share's: the key every node layout of its source shares
 
     @property
     def age_s(self) -> float:
@@ -96,7 +97,7 @@ def entries(folder: Path) -> list[Entry]:
             continue
         key = m[1]
         info = read_json(folder / f"{key}.info") or {}
-        source = info.get("source")
+        source, layouts = info.get("source"), info.get("layouts")
         out.append(
             Entry(
                 key,
@@ -105,6 +106,7 @@ def entries(folder: Path) -> list[Entry]:
                 st.st_mtime,
                 in_use(path) or in_use(folder / f"{key}.lock"),
                 source if isinstance(source, str) else None,
+                layouts if isinstance(layouts, str) else None,
             )
         )
     return sorted(out, key=lambda e: e.last_used)
