@@ -126,3 +126,19 @@ def test_a_share_that_does_not_fit_fetches_nothing(s3, tmp_path, source):
         make(source, shard="node", cache_dir=tmp_path, cache_max_bytes=100, progress=False)
     assert not [p for p in s3.gets("/sharebkt/") if not p.endswith("/")]
     assert not list(tmp_path.glob("*.gpucache")) and not list(tmp_path.glob("*.fetch"))
+
+
+def test_an_object_a_list_names_that_does_not_exist_is_reported_by_its_node(s3, tmp_path):
+    urls = [f"s3://sharebkt/train/c{i:02d}/x.jpg" for i in range(N)]
+    urls[5] = "s3://sharebkt/train/c05/gone.jpg"
+    reports, kept = [], 0
+    for k in range(2):
+        with as_node(2, k):
+            cache = JpegCache.from_files(
+                urls, list(range(N)), shard="node", cache_dir=tmp_path / f"n{k}", progress=False
+            )
+        kept += len(cache)
+        reports += [(s.path, s.reason) for s in cache.report.skipped]
+    assert kept == N - 1
+    [(path, reason)] = reports
+    assert path == urls[5] and "gone.jpg" in path and reason

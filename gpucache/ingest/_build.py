@@ -80,14 +80,12 @@ class PathList(Sequence[str]):
 
     def take(self, keep: np.ndarray) -> PathList:
         """The paths at ``keep``, packed the same way."""
-        folder_of, ends, parts, end = array("I"), array("Q"), [], 0
-        for i in keep.tolist():
-            start = self._ends[i - 1] if i > 0 else 0
-            parts.append(self._blob[start : self._ends[i]])
-            end += self._ends[i] - start
+        folder_of, ends, blob = array("I"), array("Q"), bytearray()
+        for i in keep.tolist():  # the names' bytes appended: no object kept per path
+            blob += self._blob[self._ends[i - 1] if i > 0 else 0 : self._ends[i]]
             folder_of.append(self._folder_of[i])
-            ends.append(end)
-        return PathList(self._prefixes, folder_of, ends, b"".join(parts))
+            ends.append(len(blob))
+        return PathList(self._prefixes, folder_of, ends, bytes(blob))
 
     def __repr__(self) -> str:
         return f"<{len(self)} paths>"

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import _dist
 from .._errors import ShareError
 from .._shares import node_bounds
 from ..store._share import StoreShare
@@ -200,8 +201,6 @@ def check_job(share: StoreShare, num_replicas: int, rank: int) -> None:
     """With a process group: every rank's store is a share of the same listing at the same node
     layout, on the node the rank is on (one ``all_gather_object`` at the loader's start); a
     :class:`ShareError` naming the ranks that differ otherwise."""
-    from .. import _dist
-
     size, me = _dist.world()
     if size == 1 or size != num_replicas:
         return

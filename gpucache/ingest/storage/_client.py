@@ -332,8 +332,11 @@ class Listing(Sequence[str]):
     def take(self, keep: np.ndarray) -> Listing:
         """The objects at ``keep`` (a node's share); listed again, the same positions of the new
         listing (all of it if its length changed, which the change check then reports)."""
-        where = {int(i): k for k, i in enumerate(keep.tolist())}
-        missing = {where[i]: why for i, why in self.missing.items() if i in where}
+        missing = {}  # the few objects a list named that do not exist, at their new positions
+        if self.missing:
+            lost = np.fromiter(self.missing, dtype=np.int64, count=len(self.missing))
+            for k in np.flatnonzero(np.isin(keep, lost)).tolist():
+                missing[k] = self.missing[int(keep[k])]
 
         def relist() -> Listing | None:
             again = self.relist()
