@@ -457,9 +457,10 @@ print("ACCEPTED", flush=True)
 def test_nodes_that_listed_different_data_are_refused_when_the_loader_starts(data, tmp_path):
     """Two processes of one gloo group, one a node: node 1 sees a file node 0 does not."""
     import os
-    import socket
     import subprocess
     import sys
+
+    from tests.support.ports import free_port
 
     other = tmp_path / "other"
     for p in data.rglob("*.jpg"):
@@ -467,9 +468,7 @@ def test_nodes_that_listed_different_data_are_refused_when_the_loader_starts(dat
         (other / p.parent.name / p.name).write_bytes(p.read_bytes())
     (other / "c99").mkdir()
     (other / "c99" / "x.jpg").write_bytes(make_jpeg_bytes(20, 16, seed=99))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for node, root in enumerate((data, other)):
         env = {

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ import torch
 from gpucache._shares import global_ranks, node_bounds, owners
 from gpucache.loader._nodes import NodeOrder
 from gpucache.testing import make_jpeg_bytes
+from tests.support.ports import free_port
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun agents on Linux"),
@@ -48,12 +48,6 @@ pytestmark = [
 ]
 REPO = Path(__file__).resolve().parent.parent
 N, BATCH, RANKS, SAVE_AT = 30, 2, 2, 2  # samples, batch size, ranks per node, batches saved
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(tmp: Path, extra: dict | None = None) -> dict:
@@ -74,7 +68,7 @@ def _start(tmps: list[Path], run: list[str], cwd: Path, extra: dict | None = Non
     rendezvous numbers the agents by process id (torch's c10d rendezvous sorts its participants
     by address, then pid), so agents started in order are nodes 0, 1, ...; the checks read each
     node's TMPDIR from its record."""
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     for tmp in tmps:
         tmp.mkdir(exist_ok=True)
         cmd = [

@@ -21,7 +21,6 @@ import io
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tarfile
@@ -37,6 +36,7 @@ from gpucache import BuildError, JpegCache, ObjectStoreError  # noqa: E402
 from gpucache.cli import main as cli_main  # noqa: E402
 from gpucache.ingest.storage import _fetch  # noqa: E402
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -408,18 +408,12 @@ def test_no_secret_reaches_a_store_a_record_a_log_or_an_error(
 
 
 # ------------------------------------------------------------------------- two nodes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(600)
 def test_two_nodes_fetch_each_object_once_per_node(s3, tmp_path):
     """Two torchrun agents on 127.0.0.1 (c10d rendezvous), each a node with its own TMPDIR."""
     server = s3["server"]
     server.reset_counts()
-    port, record = _free_port(), tmp_path / "record"
+    port, record = free_port(), tmp_path / "record"
     record.mkdir()
     procs = []
     for node in range(2):
