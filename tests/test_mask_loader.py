@@ -15,7 +15,7 @@ from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.decode._masks import apply_mask_plan, gather_masks
 from gpucache.ingest._masks import decode_mask
-from gpucache.testing import natural_image
+from gpucache.testing import make_mask_png, natural_image
 from gpucache.transforms._orientation import orient
 
 #: orientation -> the one that undoes it (6 and 8 turn opposite ways, the rest are their own)
@@ -50,20 +50,7 @@ def _painted_pair(h: int, w: int, seed: int, orientation: int) -> tuple[bytes, b
     exif[0x0112] = orientation
     out = io.BytesIO()
     im.save(out, "JPEG", quality=95, subsampling=0, exif=exif.tobytes())
-    return out.getvalue(), _png(mask, "L")
-
-
-def _png(values: np.ndarray, mode: str) -> bytes:
-    if mode == "I;16":
-        im = Image.fromarray(values.astype(np.uint16))
-    else:
-        im = Image.fromarray(values.astype(np.uint8), "L")
-        if mode == "P":
-            im = im.convert("P")
-            im.putpalette([v for k in range(256) for v in (k * 37 % 256, k * 91 % 256, 7)])
-    out = io.BytesIO()
-    im.save(out, "PNG")
-    return out.getvalue()
+    return out.getvalue(), make_mask_png(mask, "L")
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +168,7 @@ def test_values_are_kept_exactly(tmp_path, mode):
         (tmp_path / f"{k}.jpg").write_bytes(jpg)
         v = rng.integers(0, top, (h, w))
         images.append(tmp_path / f"{k}.jpg")
-        masks.append(_png(v, mode))
+        masks.append(make_mask_png(v, mode))
         values.append(v)
     cache = JpegCache.from_files(images, masks=masks, progress=False)
     dtype = torch.int32 if mode == "I;16" else torch.uint8

@@ -19,9 +19,7 @@ from gpucache.cli import main
 from gpucache.ingest._masks import decode_mask
 from gpucache.store import _format
 from gpucache.store._masks import INFO, OFFSETS, MaskKind
-from gpucache.testing import make_jpeg_bytes
-
-PALETTE = [v for k in range(256) for v in (k * 37 % 256, k * 91 % 256, k * 53 % 256)]
+from gpucache.testing import make_jpeg_bytes, make_mask_png
 
 
 def _values(h: int, w: int, seed: int, top: int = 21) -> np.ndarray:
@@ -34,25 +32,12 @@ def _values(h: int, w: int, seed: int, top: int = 21) -> np.ndarray:
     return a
 
 
-def _png(values: np.ndarray, mode: str) -> bytes:
-    if mode == "I;16":
-        im = Image.fromarray(values.astype(np.uint16))
-    else:
-        im = Image.fromarray(values.astype(np.uint8), "L")
-        if mode == "P":
-            im = im.convert("P")  # L -> P keeps each value as its index
-            im.putpalette(PALETTE)  # colours unlike the indices: the index must be kept
-    out = io.BytesIO()
-    im.save(out, "PNG")
-    return out.getvalue()
-
-
 def _pair(folder: Path, name: str, h: int, w: int, mask: Path, mode: str = "L", seed: int = 0):
     folder.mkdir(parents=True, exist_ok=True)
     mask.parent.mkdir(parents=True, exist_ok=True)
     (folder / name).write_bytes(make_jpeg_bytes(w, h, seed=seed))
     values = _values(h, w, seed, 60000 if mode == "I;16" else 21)
-    mask.write_bytes(_png(values, mode))
+    mask.write_bytes(make_mask_png(values, mode))
     return values
 
 
@@ -109,17 +94,17 @@ def test_bad_pairs_are_reported_with_image_mask_and_reason(tmp_path):
         (tmp_path / name).write_bytes(make_jpeg_bytes(w, h, seed=len(name), **kw))
         return tmp_path / name
 
-    good = _png(_values(30, 40, 0), "L")
+    good = make_mask_png(_values(30, 40, 0), "L")
     rgb = io.BytesIO()
     Image.new("RGB", (40, 30), (1, 2, 3)).save(rgb, "PNG")
     jpeg_mask = io.BytesIO()
     Image.new("L", (40, 30), 3).save(jpeg_mask, "JPEG")
     (tmp_path / "truncated.png").write_bytes(good[: len(good) // 2])
-    (tmp_path / "small.png").write_bytes(_png(_values(20, 40, 0), "L"))
+    (tmp_path / "small.png").write_bytes(make_mask_png(_values(20, 40, 0), "L"))
     (tmp_path / "rgb.png").write_bytes(rgb.getvalue())
     (tmp_path / "good.png").write_bytes(good)
     # an EXIF-6 image stored 40 wide, 30 high, shown 30 wide, 40 high: its mask is 40 x 30 (h x w)
-    shown = _png(_values(40, 30, 2), "L")
+    shown = make_mask_png(_values(40, 30, 2), "L")
     cases = [
         (image("ok.jpg"), tmp_path / "good.png", None),
         (image("missing.jpg"), tmp_path / "nope.png", "does not exist"),
@@ -199,11 +184,13 @@ def _build_layout(tmp_path, layout: str):
                 (images / city / f"{key}_leftImg8bit.png").write_bytes(png.getvalue())
                 values = _values(20, 40, i, 34)
                 (masks / city).mkdir(parents=True, exist_ok=True)
-                (masks / city / f"{key}_gtFine_labelIds.png").write_bytes(_png(values, "L"))
+                (masks / city / f"{key}_gtFine_labelIds.png").write_bytes(
+                    make_mask_png(values, "L")
+                )
                 # the other files beside it, never taken for the mask
                 (masks / city / f"{key}_gtFine_color.png").write_bytes(png.getvalue())
                 (masks / city / f"{key}_gtFine_instanceIds.png").write_bytes(
-                    _png(values * 1000, "I;16")
+                    make_mask_png(values * 1000, "I;16")
                 )
                 want[images / city / f"{key}_leftImg8bit.png"] = values
     return images, masks, want
@@ -256,7 +243,7 @@ def test_from_csv_takes_a_mask_column_by_name_or_index(tmp_path):
 def test_from_hf_takes_a_mask_column(tmp_path):
     datasets = pytest.importorskip("datasets")
     images = [make_jpeg_bytes(30, 20, seed=i) for i in range(3)]
-    masks = [_png(_values(20, 30, i), "P") for i in range(3)]
+    masks = [make_mask_png(_values(20, 30, i), "P") for i in range(3)]
     ds = datasets.Dataset.from_dict(
         {
             "image": [{"bytes": b, "path": None} for b in images],
@@ -285,7 +272,7 @@ def test_from_webdataset_takes_a_png_mask_member_beside_the_jpg(tmp_path):
     for i in range(3):
         values = _values(20, 30, i)
         members[f"s{i}.jpg"] = make_jpeg_bytes(30, 20, seed=i)
-        members[f"s{i}.png"] = _png(values, "P")
+        members[f"s{i}.png"] = make_mask_png(values, "P")
         members[f"s{i}.cls"] = str(i).encode()
         want.append(values)
     members["s3.jpg"] = make_jpeg_bytes(30, 20, seed=3)  # no mask member: reported
@@ -331,7 +318,7 @@ def s3_masks(tmp_path_factory):
             uploads, want, rows, members = {}, [], ["path,label,mask"], {}
             for i in range(3):
                 values = _values(20, 30, i)
-                image, mask = make_jpeg_bytes(30, 20, seed=i), _png(values, "P")
+                image, mask = make_jpeg_bytes(30, 20, seed=i), make_mask_png(values, "P")
                 uploads[f"segbkt/img/{i}.jpg"] = image
                 uploads[f"segbkt/lbl/{i}.png"] = mask
                 members[f"{i}.jpg"], members[f"{i}.png"] = image, mask
@@ -427,7 +414,7 @@ def test_a_mask_prefix_inside_the_image_prefix_is_not_taken_for_images(s3_masks,
     s3fs.S3FileSystem(skip_instance_cache=True).pipe(
         {
             "segbkt/inside/a.jpg": make_jpeg_bytes(30, 20, seed=4),
-            "segbkt/inside/masks/a.png": _png(values, "L"),
+            "segbkt/inside/masks/a.png": make_mask_png(values, "L"),
         }
     )
     cache = JpegCache.from_folder(
@@ -450,7 +437,7 @@ def test_the_node_cache_key_holds_the_masks(tmp_path):
     plain = JpegCache.from_files([tmp_path / "a.jpg"], cache_dir=tmp_path / "node", progress=False)
     assert plain.path != first.path and plain.masks is None
     changed = _values(20, 30, 9)
-    (tmp_path / "a.png").write_bytes(_png(changed, "L"))
+    (tmp_path / "a.png").write_bytes(make_mask_png(changed, "L"))
     rebuilt = JpegCache.from_files([tmp_path / "a.jpg"], **kw)
     assert rebuilt.path != first.path
     np.testing.assert_array_equal(decode_mask(rebuilt.masks[0]), changed)
@@ -462,7 +449,7 @@ def test_from_folder_with_masks_is_built_once_and_rebuilt_when_a_mask_changes(tm
     first = JpegCache.from_folder(images, **kw)
     assert JpegCache.from_folder(images, **kw).path == first.path
     target = masks / "training" / "ADE_train_00000001.png"
-    target.write_bytes(_png(_values(36, 30, 7), "L"))
+    target.write_bytes(make_mask_png(_values(36, 30, 7), "L"))
     assert JpegCache.from_folder(images, **kw).path != first.path
 
 

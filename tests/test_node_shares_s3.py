@@ -15,11 +15,9 @@ import pytest
 pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
 
-from PIL import Image  # noqa: E402
-
 from gpucache import JpegCache, ShareError  # noqa: E402
 from gpucache._shares import node_bounds  # noqa: E402
-from gpucache.testing import make_jpeg_bytes  # noqa: E402
+from gpucache.testing import make_jpeg_bytes, make_mask_png  # noqa: E402
 from tests.support.s3server import serving  # noqa: E402
 from tests.test_node_shares import as_node  # noqa: E402
 
@@ -27,10 +25,7 @@ N = 17
 
 
 def _png(seed: int) -> bytes:
-    values = np.random.default_rng(seed).integers(0, 5, (16, 24), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(values, "L").save(buf, "PNG")
-    return buf.getvalue()
+    return make_mask_png(np.random.default_rng(seed).integers(0, 5, (16, 24), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,17 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image, ImageChops, ImageDraw, ImageFilter
 
-__all__ = ["make_jpeg_folder", "cached_jpeg_folder", "make_jpeg_bytes", "natural_image"]
+__all__ = [
+    "make_jpeg_folder",
+    "cached_jpeg_folder",
+    "make_jpeg_bytes",
+    "make_mask_png",
+    "natural_image",
+]
+
+#: The palette of ``make_mask_png(mode="P")``: colours unlike their indices, so a reader that
+#: gave colours instead of indices would be caught.
+MASK_PALETTE = [v for k in range(256) for v in (k * 37 % 256, k * 91 % 256, k * 53 % 256)]
 
 _LOW = 256  # long side of the low-resolution canvas the shapes are drawn on
 _TEXTURE_GAIN = (1.5, 3.5)  # contrast range of the fine texture
@@ -174,6 +184,24 @@ def make_jpeg_bytes(
     buf = io.BytesIO()
     img.save(buf, "JPEG", **kwargs)
     return buf.getvalue()
+
+
+def make_mask_png(values: np.ndarray, mode: str = "L") -> bytes:
+    """Encode a segmentation mask of integer ``values`` (H, W) as a PNG: ``"L"`` (8-bit values),
+    ``"P"`` (the values as palette indices, :data:`MASK_PALETTE` as colours) or ``"I;16"``
+    (16-bit values)."""
+    if mode not in ("L", "P", "I;16"):
+        raise ValueError(f"unsupported mode {mode!r}")
+    if mode == "I;16":
+        im = Image.fromarray(np.asarray(values).astype(np.uint16))
+    else:
+        im = Image.fromarray(np.asarray(values).astype(np.uint8), "L")
+        if mode == "P":
+            im = im.convert("P")  # L -> P keeps each value as its index
+            im.putpalette(MASK_PALETTE)
+    out = io.BytesIO()
+    im.save(out, "PNG")
+    return out.getvalue()
 
 
 def _image_size(rng: np.random.Generator) -> tuple[int, int]:
