@@ -196,8 +196,10 @@ _NO_SHM_CHILD = textwrap.dedent("""
         print("DECODED", kw.get("num_workers"), n, len(cache))
     seen |= listing()
     print("SHARED", cache.is_shared, cache.path)
-    def foreign(name):  # another process's store (a concurrent test run), not ours
-        m = re.match(r"gpucache-(\\d+)-", name)
+    def foreign(name):  # not a store of ours
+        if name.startswith("sem."):  # a named semaphore (any process's multiprocessing lock)
+            return True
+        m = re.match(r"gpucache-(\\d+)-", name)  # another process's store (a concurrent test run)
         return m is not None and int(m.group(1)) not in mine
     print("NEW_SHM", sorted(n for n in seen - before if not foreign(n)))
     target = os.path.join(out, "big.gpucache")
