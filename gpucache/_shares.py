@@ -39,7 +39,9 @@ __all__ = [
     "PARTITIONS",
     "Selected",
     "Share",
+    "common_cut",
     "global_ranks",
+    "identity_hashes",
     "node_bounds",
     "owners",
 ]
@@ -63,6 +65,20 @@ def _cut(names: Sequence[str]) -> int:
     return 0 if common is None else common.rfind(b"/") + 1
 
 
+def identity_hashes(names: Sequence[str], cut: int) -> np.ndarray:
+    """The salted 64-bit hash (``<u8``) of each name's identity: its bytes after the first
+    ``cut`` (the folder every name of the listing is in, :func:`common_cut`)."""
+    base, out = hashlib.blake2b(digest_size=8, key=_SALT), bytearray()
+    for i in range(len(names)):
+        one = base.copy()
+        one.update(os.fsencode(names[i])[cut:])
+        out += one.digest()
+    return np.frombuffer(bytes(out), dtype="<u8")
+
+
+common_cut = _cut
+
+
 def global_ranks(names: Sequence[str]) -> tuple[np.ndarray, str]:
     """``(ranks, fingerprint)``: each name's place in the hash order of the listing (int64, a
     permutation of ``range(len(names))``), and a digest of the identities' hashes in that order,
@@ -70,14 +86,8 @@ def global_ranks(names: Sequence[str]) -> tuple[np.ndarray, str]:
 
     Two passes over ``names`` (a sequence made on access is fine: no list of them is kept), 8
     bytes a name plus the ranks."""
-    cut = _cut(names)
     n = len(names)
-    base, out = hashlib.blake2b(digest_size=8, key=_SALT), bytearray()
-    for i in range(n):
-        one = base.copy()
-        one.update(os.fsencode(names[i])[cut:])
-        out += one.digest()
-    h = np.frombuffer(bytes(out), dtype="<u8")
+    h = identity_hashes(names, _cut(names))
     order = np.lexsort((np.arange(n), h))  # by hash, ties by listing order
     ranks = np.empty(n, dtype=np.int64)
     ranks[order] = np.arange(n, dtype=np.int64)
@@ -114,6 +124,23 @@ class Share:
     def __post_init__(self) -> None:
         if not 0 <= self.node < self.nodes:
             raise ValueError(f"node {self.node} is not in [0, {self.nodes})")
+
+    def likely(self, hashes: np.ndarray, total: int, sigmas: float = 4.0) -> np.ndarray:
+        """Which identity hashes (:func:`identity_hashes`) are likely in this share of a listing
+        of about ``total`` samples, before the listing is whole (a scan that cannot keep
+        everything until it has seen every name): the share is the run of the hash order
+        between two quantiles of the ``total`` hashes, and a quantile ``q`` of ``total``
+        uniform hashes lies within ``sqrt(q (1 - q) / total)`` (one standard deviation) of
+        ``q`` of the hash space; this keeps the hashes within ``sigmas`` of them (an
+        overestimated ``total`` narrows the margin: a sample of the share outside it is then
+        read later, never lost)."""
+        first = node_bounds(self.partitions, self.nodes, self.partitions)
+        lo, hi = (float(first[k]) / self.partitions for k in (self.node, self.node + 1))
+        n = max(int(total), 1)
+        below, above = (sigmas * float(np.sqrt(q * (1 - q) / n)) for q in (lo, hi))
+        at = np.asarray(hashes, dtype="<u8").astype(np.float64) / 2.0**64
+        likely: np.ndarray = (at >= lo - below) & (at < hi + above)
+        return likely
 
     def select(self, names: Sequence[str]) -> Selected:
         """This node's samples of the whole listing ``names``."""

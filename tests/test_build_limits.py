@@ -105,15 +105,17 @@ def _member(name: str, data: bytes, size: int | None = None) -> bytes:
 
 
 def test_bad_shards_are_bad_inputs(tmp_path):
-    """A member claiming 64 GiB, a shard cut inside a member, one cut inside a header, a gzip
-    file and a missing shard: the good samples are kept, each problem is a skipped input named
-    after its shard or member, and the counts add up."""
+    """A member claiming 64 GiB, a shard cut inside a member, one cut inside a header, one cut
+    right after a member (no end-of-archive blocks), a gzip file and a missing shard: the good
+    samples are kept, each problem is a skipped input named after its shard or member, and the
+    counts add up."""
     good = _member("k0.jpg", GOOD) + _member("k0.cls", b"1")
     full = good + _member("k1.jpg", GOOD) + _member("k1.cls", b"0") + b"\0" * 1024
     shards = {
         "claims64g.tar": good + _member("k1.jpg", GOOD, size=64 << 30) + b"\0" * 1024,
         "cut_member.tar": full[: len(good) + 512 + 100],
         "cut_header.tar": full[: len(good) + 300],
+        "cut_between.tar": full[: len(good)],
         "gzip.tar": b"\x1f\x8b\x08" + b"x" * 600,
         "fine.tar": full,
     }
@@ -122,7 +124,7 @@ def test_bad_shards_are_bad_inputs(tmp_path):
     paths = [str(tmp_path / n) for n in shards] + [str(tmp_path / "missing.tar")]
     cache = JpegCache.from_webdataset(paths, progress=False)
     report = cache.report
-    assert report.total == report.kept + len(report.skipped) and len(cache) == report.kept == 5
+    assert report.total == report.kept + len(report.skipped) and len(cache) == report.kept == 6
     assert all(bytes(cache[i]) == GOOD for i in range(len(cache)))
     why = {s.path[len(str(tmp_path)) + 1 :]: s.reason for s in report.skipped}
     assert "claims 68,719,476,736 bytes" in why["claims64g.tar/k1.jpg"]
@@ -130,6 +132,7 @@ def test_bad_shards_are_bad_inputs(tmp_path):
     assert "shard ends 100 bytes after its start" in why["cut_member.tar/k1.jpg"]
     assert "truncated or corrupt tar" in why["cut_member.tar"]
     assert "no tar header" in why["cut_header.tar"]
+    assert "without the tar's end-of-archive blocks" in why["cut_between.tar"]
     assert "not an uncompressed tar" in why["gzip.tar"] and "gunzip" in why["gzip.tar"]
     assert "cannot open the shard" in why["missing.tar"]
     with pytest.raises(BuildError, match="cut_member.tar: truncated"):

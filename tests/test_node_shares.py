@@ -30,7 +30,15 @@ import numpy as np
 import pytest
 
 from gpucache import GpuCachedLoader, JpegCache, ShareError
-from gpucache._shares import PARTITIONS, global_ranks, node_bounds, owners
+from gpucache._shares import (
+    PARTITIONS,
+    Share,
+    common_cut,
+    global_ranks,
+    identity_hashes,
+    node_bounds,
+    owners,
+)
 from gpucache.node._clean import entries
 from gpucache.testing import make_jpeg_bytes
 
@@ -148,6 +156,30 @@ def test_from_two_to_three_nodes_node_0_keeps_its_new_share_whole():
     # node 1 keeps half of its new share; node 2, new, fetches all of its own
     assert (was[now == 1] == 1).mean() == pytest.approx(0.5, abs=0.01)
     assert (was != now).mean() == pytest.approx(1 / 6 + 1 / 3, abs=0.01)
+
+
+def test_the_scan_margin_holds_every_sample_of_the_share_and_little_more():
+    """``Share.likely``, as a scan uses it before the listing is whole (WebDataset shards in
+    storage): for 20 listings of 3,000 names and 2, 3, 8 and 64 nodes, every sample of each
+    node's share is likely, the margin adds under 5 sqrt(N) samples a node, and a total
+    estimated too high narrows it (the samples it then misses are read by ranged GETs:
+    ``tests/test_node_shares_s3.py``)."""
+    total, extra = 3000, 0
+    for seed in range(20):
+        names = [f"/data/c{seed}/{i:05d}.jpg" for i in range(total)]
+        hashes = identity_hashes(names, common_cut(names))
+        ranks, _ = global_ranks(names)
+        for nodes in (2, 3, 8, 64):
+            bounds = node_bounds(total, nodes)
+            for k in range(nodes):
+                mine = (ranks >= bounds[k]) & (ranks < bounds[k + 1])
+                likely = Share(nodes, k).likely(hashes, total)
+                assert likely[mine].all(), (seed, nodes, k)
+                assert likely.sum() - mine.sum() < 5 * total**0.5, (seed, nodes, k)
+                extra = max(extra, int(likely.sum() - mine.sum()))
+                narrow = Share(nodes, k).likely(hashes, 100 * total)
+                assert narrow.sum() <= likely.sum()
+    assert extra > 0  # a margin there is
 
 
 # ------------------------------------------------------------------ builds

@@ -1,11 +1,13 @@
 """Node shares from object storage, in one process, against a real S3 server on 127.0.0.1
 (moto's): each node fetches only its share (GET requests counted per object), images with their
-masks and WebDataset shards too; a new node layout fetches only what the node's earlier store
-lacks; a share that does not fit fetches nothing."""
+masks and WebDataset shards too (read a window at a time, under a file-size limit that a spool of
+every shard exceeds, only the share kept); a new node layout fetches only what the node's earlier
+store lacks; a share that does not fit fetches nothing."""
 
 from __future__ import annotations
 
 import io
+import resource
 import tarfile
 from collections import Counter
 
@@ -45,6 +47,28 @@ def s3():
     objects["shards/train-0.tar"] = tar.getvalue()
     with serving("sharebkt", objects) as (server, _):
         yield server
+
+
+SHARDS, PER_SHARD = 6, 10  # the windowed WebDataset set: a label a sample
+
+
+def _wds_objects() -> tuple[dict[str, bytes], dict[int, tuple[bytes, bytes]]]:
+    """SHARDS tars of PER_SHARD samples (a JPEG, its class, a PNG mask each), and each
+    label's image and mask."""
+    objects, samples = {}, {}
+    for s in range(SHARDS):
+        tar = io.BytesIO()
+        with tarfile.open(fileobj=tar, mode="w") as tf:
+            for i in range(PER_SHARD):
+                label = s * PER_SHARD + i
+                image, mask = make_jpeg_bytes(24, 16, seed=500 + label), _png(500 + label)
+                samples[label] = (image, mask)
+                for ext, blob in (("jpg", image), ("cls", str(label).encode()), ("png", mask)):
+                    info = tarfile.TarInfo(f"{label:04d}.{ext}")
+                    info.size = len(blob)
+                    tf.addfile(info, io.BytesIO(blob))
+        objects[f"wds/part-{s}.tar"] = tar.getvalue()
+    return objects, samples
 
 
 def _build(server, nodes: int, node: int, tmp_path, url: str, **kw) -> tuple[JpegCache, Counter]:
@@ -111,6 +135,92 @@ def test_webdataset_shards_in_storage_are_split_by_sample(s3, tmp_path):
             )
         held.append(set(cache.labels.tolist()))
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == set(range(N))
+
+
+def test_webdataset_shards_are_read_a_window_at_a_time_and_only_the_share_is_kept(
+    tmp_path, monkeypatch
+):
+    """Shards fetched two at a time (``WINDOW_BYTES``), under a file-size limit that a spool of
+    every shard exceeds (a whole copy fails under it): at 2 and then 3 nodes, each node keeps
+    exactly its share (images and masks, the source's bytes), GETs each shard once plus a
+    ranged GET for a sample of its share outside the margin (if any), takes what its 2-node
+    store holds at 3 nodes, and leaves no spool."""
+    from gpucache.ingest.storage import _tar_share
+
+    objects, samples = _wds_objects()
+    sizes = [len(b) for b in objects.values()]
+    monkeypatch.setattr(_tar_share, "WINDOW_BYTES", 2 * max(sizes))
+    urls, total = "s3://wdsbkt/wds/part-{0..5}.tar", SHARDS * PER_SHARD
+    limit = int(0.8 * sum(sizes))  # the largest file a build may write (a share: about 0.5)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def build(folder, **kw) -> JpegCache:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            return JpegCache.from_webdataset(
+                urls, mask_ext="png", cache_dir=folder, progress=False, **kw
+            )
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+    with serving("wdsbkt", objects) as (server, _):
+        with pytest.raises(OSError, match="File too large|file-size limit"):
+            build(tmp_path / "whole")
+        for nodes in (2, 3):
+            held: list[int] = []
+            fetched = []
+            for k in range(nodes):
+                server.reset_counts()
+                with as_node(nodes, k):
+                    cache = build(tmp_path / f"node{k}", shard="node")
+                gets = server.gets("/wdsbkt/")
+                assert set(gets) == {f"/wdsbkt/{name}" for name in objects}, gets
+                assert sum(gets.values()) - SHARDS <= 2, gets  # ranged GETs past the margin
+                labels = cache.labels.tolist()
+                assert len(labels) == np.diff(node_bounds(total, nodes))[k]
+                for i, label in enumerate(labels):
+                    assert (bytes(cache[i]), bytes(cache.masks[i])) == samples[label]
+                held += labels
+                fetched.append(list(cache.node_share.fetched))
+                left = {p.suffix for p in (tmp_path / f"node{k}").iterdir()}
+                assert left <= {".gpucache", ".info", ".scan"}, left
+            assert sorted(held) == list(range(total)), nodes
+            if nodes == 3:  # node 0's new share is in its old one: all taken from its store
+                assert fetched[0][0] == 0 < fetched[0][2] and fetched[1][2] > 0, fetched
+                assert fetched[2][2] == 0, fetched  # node 2 had no store
+
+
+def test_a_damaged_shard_is_reported_once_and_the_shares_add_up_to_the_whole_build(
+    tmp_path, monkeypatch
+):
+    """A tar cut in the middle and a shard that is no tar, read a shard a window: the two
+    nodes' stores hold together what the whole build holds, and their reports together name
+    what it names (the shard that is no tar, the member the cut tar ends in), each by one
+    node."""
+    from gpucache.ingest.storage import _tar_share
+
+    objects, _ = _wds_objects()
+    cut = objects["wds/part-2.tar"]
+    objects["wds/part-2.tar"] = cut[: len(cut) // 2]
+    objects["wds/part-4.tar"] = b"not a tar " * 200
+    monkeypatch.setattr(_tar_share, "WINDOW_BYTES", 1)  # a shard a window
+    urls = "s3://wdsbad/wds/part-{0..5}.tar"
+    with serving("wdsbad", objects):
+        whole = JpegCache.from_webdataset(urls, cache_dir=tmp_path / "whole", progress=False)
+        shares = []
+        for k in range(2):
+            with as_node(2, k):
+                shares.append(
+                    JpegCache.from_webdataset(
+                        urls, shard="node", cache_dir=tmp_path / f"n{k}", progress=False
+                    )
+                )
+    held = sorted(label for c in shares for label in c.labels.tolist())
+    assert held == sorted(whole.labels.tolist()) and len(held) < SHARDS * PER_SHARD
+    reported = sorted((s.path, s.reason) for c in shares for s in c.report.skipped)
+    assert reported == sorted((s.path, s.reason) for s in whole.report.skipped)
+    shards = {p.split(".tar")[0] + ".tar" for p, _ in reported}  # a shard's, or a member's
+    assert shards == {"s3://wdsbad/wds/part-2.tar", "s3://wdsbad/wds/part-4.tar"}, reported
 
 
 @pytest.mark.parametrize("source", ["s3://sharebkt/train/", "s3://sharebkt/shards/train-0.tar"])

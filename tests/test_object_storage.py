@@ -485,7 +485,7 @@ def test_cache_clean_removes_a_spool_left_by_a_killed_build(tmp_path):
     from gpucache.node._clean import clean
 
     key = "0123456789abcdef" * 2
-    spool = [tmp_path / f"{key}.fetch", tmp_path / f"{key}.fetched"]
+    spool = [tmp_path / f"{key}.{ext}" for ext in ("fetch", "fetched", "kept")]
     for p in spool:
         p.write_bytes(b"x" * 12)
     clean(tmp_path, older_than=3600)  # fresh: kept for the build that resumes

@@ -209,7 +209,7 @@ class _Range(io.RawIOBase):
         super().close()
 
 
-def _shard_samples(
+def shard_samples(
     shard: str,
     metadata_ext: str | None,
     at: tuple[str | os.PathLike, int, int] | None = None,
@@ -294,6 +294,11 @@ def _shard_samples(
                     tail = f.read(min(1 << 16, size - tf.offset))
                 if tail.strip(b"\0"):
                     damage = f"bytes after the last member at byte {tf.offset:,} are no tar header"
+            elif tf.offset:  # a tar ends with zero blocks; one cut at a header ends without
+                damage = (
+                    f"the shard ends right after a member, at byte {size:,}, without the tar's "
+                    "end-of-archive blocks: it was cut short (a partial upload or copy)"
+                )
         except (tarfile.TarError, EOFError, OSError) as err:
             damage = f"{err} (the headers lead to byte {tf.offset:,}; the shard has {size:,})"
     if held is not None:
@@ -398,21 +403,53 @@ def from_webdataset(
             labels.append(-1)
             meta.append("")
             continue
-        for item, cls_text, meta_text, key, mask in _shard_samples(
+        for item, cls_text, meta_text, key, mask in shard_samples(
             shard, metadata_ext, at, mask_ext
         ):
             if item is None:
                 missing.append(f"{shard}/{key}")
                 continue
-            try:
-                labels.append(int(cls_text) if cls_text else -1)
-            except ValueError as err:
-                raise ValueError(
-                    f"{shard}/{key}.cls holds {cls_text!r}, not an integer class index."
-                ) from err
+            labels.append(shard_label(shard, key, cls_text))
             inputs.append(item)
             masks.append(mask if mask is not None else Refused(item.name, "no mask"))
             meta.append(meta_text or "")
+    return build_samples(
+        cls,
+        inputs,
+        labels,
+        meta if metadata_ext else None,
+        masks if mask_ext is not None else None,
+        missing,
+        options,
+        classes=classes,
+        on_progress=on_progress,
+    )
+
+
+def shard_label(shard: str, key: str, cls_text: str | None) -> int:
+    """A WebDataset sample's label: the integer of its ``.cls`` member, -1 without one."""
+    try:
+        return int(cls_text) if cls_text else -1
+    except ValueError as err:
+        raise ValueError(
+            f"{shard}/{key}.cls holds {cls_text!r}, not an integer class index."
+        ) from err
+
+
+def build_samples(
+    cls,
+    inputs: Sequence[Any],
+    labels: Sequence[int],
+    metadata: Sequence[str] | None,
+    masks: Sequence[Any] | None,
+    missing: Sequence[str],
+    options: BuildOptions,
+    *,
+    classes: Sequence[str] | None,
+    on_progress: Callable[[int, int, int], None] | None,
+):
+    """The store of WebDataset samples read out of their shards; ``missing``: the samples with
+    no image member, left out (logged)."""
     if missing:
         log.warning(
             "gpucache: %d WebDataset samples have no image member (extensions %s), left out: %s",
@@ -422,14 +459,7 @@ def from_webdataset(
         )
     labels_arr, names = check_labels(len(inputs), labels, classes)
     return build(
-        cls,
-        inputs,
-        labels_arr,
-        names,
-        meta if metadata_ext else None,
-        options,
-        on_progress=on_progress,
-        masks=masks if mask_ext is not None else None,
+        cls, inputs, labels_arr, names, metadata, options, on_progress=on_progress, masks=masks
     )
 
 

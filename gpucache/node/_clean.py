@@ -11,8 +11,9 @@ removed: a regular file of this user whose name is exactly one that the cache wr
 ``<key>.scan.lock`` and the ``.<name>.<8 characters>.tmp`` temporary names of its atomic writes),
 and whose content is what the cache puts there (a store's magic, the JSON fields of its records).
 Anything else is left alone, whatever its extension. The objects a build fetched from storage
-(``<key>.fetch``, ``<key>.fetched``) stay after a killed build, so the next one resumes; ``--all``
-and ``--older-than`` remove them when their build is not running.
+(``<key>.fetch``, ``<key>.fetched``) stay after a killed build, so the next one resumes, as do
+the members a node share of WebDataset shards kept (``<key>.kept``, made anew by the next
+build); ``--all`` and ``--older-than`` remove them when their build is not running.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _KEY = "[0-9a-f]{32}"
 _STORE = re.compile(rf"({_KEY})\.gpucache")
 _RECORD = re.compile(rf"({_KEY})\.(info|lock|scan|scan\.lock)")
 _SPOOL = re.compile(
-    rf"({_KEY})\.(fetch|fetched)"
+    rf"({_KEY})\.(fetch|fetched|kept)"
 )  # objects fetched for a build (ingest.storage._fetch)
 _TEMP = re.compile(rf"\.({_KEY})\.(gpucache|info|scan)\.[a-z0-9_]{{8}}\.tmp")  # mkstemp's names
 # the JSON fields each record holds (node/_cache.py writes .info and .scan, node/_lock.py locks)

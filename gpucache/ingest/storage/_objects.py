@@ -26,13 +26,19 @@ from .._share import Picked
 from .._sources import from_webdataset
 from ._client import Listing, filesystem
 from ._fetch import Spool
+from ._tar_share import build_tar_share, kept_file
 
 __all__ = ["fetch", "build_objects", "build_shards", "spool_files"]
 
 
 def spool_files(base: Path) -> list[Path]:
-    """The spool's two files for the store named ``base`` (``<key>``): data and journal."""
-    return [base.with_name(base.name + ".fetch"), base.with_name(base.name + ".fetched")]
+    """The spool's files for the store named ``base`` (``<key>``): data, journal, and the
+    members a node share of WebDataset shards kept (``_tar_share``)."""
+    return [
+        base.with_name(base.name + ".fetch"),
+        base.with_name(base.name + ".fetched"),
+        kept_file(base),
+    ]
 
 
 def _digest(listing: Listing) -> bytes:
@@ -208,18 +214,20 @@ def build_shards(
     mask_ext: str | None = None,
 ) -> Any:
     """A store of the samples of WebDataset shards in storage, read out of the spool.
-    ``options.share``: samples are shared out by member, so every node fetches every shard and
-    keeps its share; the node cache must hold the shards and the share, checked first."""
+    ``options.share``: samples are shared out by member, so every node reads every shard, a
+    window at a time, and keeps its share (``_tar_share``)."""
     if options.share is not None:
-        sizes = listing.sizes
-        whole = int(sizes[sizes > 0].sum())
-        _share.check_budget(
-            -(-whole // options.share.nodes),
-            options.share,
+        return build_tar_share(
+            cls,
+            listing,
             options,
-            memory=_memory(),
-            spool=True,
-            spooled=whole,
+            classes=classes,
+            metadata_ext=metadata_ext,
+            base=base,
+            on_progress=on_progress,
+            mask_ext=mask_ext,
+            fetch=fetch,
+            check_unchanged=check_unchanged,
         )
     spool = fetch(listing, base, options, on_progress)
 
