@@ -36,9 +36,10 @@ from ..._progress import tqdm
 from ..._shares import common_cut, identity_hashes
 from .. import _share
 from .._build import _memory
-from .._inputs import FileRangeSource, Refused
+from .._inputs import FileRangeSource, Refused, size_of
 from .._options import BuildOptions
 from .._restart import rewriters
+from .._sniff import SniffError
 from .._sources import build_samples, shard_label, shard_samples
 from ._client import Listing, describe, filesystem
 from ._fetch import retrying
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 #: Bytes of shards fetched at once (a window; one shard larger than this is a window alone).
 WINDOW_BYTES = 1 << 30
+COPY_BYTES = 8 << 20  # bytes of one copy of a kept member
 
 __all__ = ["WINDOW_BYTES", "build_tar_share", "kept_file"]
 
@@ -102,14 +104,24 @@ class _Kept:
         return FileRangeSource(name, self.path, at, self.size - at)
 
     def copy(self, src: FileRangeSource) -> FileRangeSource:
+        """``src`` (a range of the spool) appended, file to file (no buffer of its size)."""
+        at, done = self.size, 0
         fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            data = os.pread(fd, src.nbytes, src.offset)
+            while done < src.nbytes:
+                n = min(src.nbytes - done, COPY_BYTES)
+                try:
+                    got = os.copy_file_range(fd, self.fd, n, src.offset + done, at + done)
+                except OSError:  # a file system that cannot: through memory, a part at a time
+                    data = os.pread(fd, n, src.offset + done)
+                    got = os.pwrite(self.fd, data, at + done) if data else 0
+                if got == 0:
+                    raise OSError(f"{src.path} ends {src.nbytes - done:,} bytes early")
+                done += got
         finally:
             os.close(fd)
-        if len(data) != src.nbytes:
-            raise OSError(f"{src.path}: {len(data)} of {src.nbytes} bytes at {src.offset}")
-        return self.add(src.name, data)
+        self.size = at + done
+        return FileRangeSource(src.name, self.path, at, done)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -185,6 +197,8 @@ def build_tar_share(
                         labels.append(shard_label(shard, key, cls_text))
                         meta.append(meta_text or "")
                         for out, x in ((inputs, item), (masks, mask)):
+                            if x is not None and not isinstance(x, Refused):
+                                x = _sized(x, options.max_pixels)  # a header's size may lie
                             if x is None or isinstance(x, Refused):
                                 out.append(x)
                             elif mine:
@@ -226,6 +240,17 @@ def build_tar_share(
     finally:  # the store (in memory) holds the share now: the kept members go before its save
         kept.close()
         kept.path.unlink(missing_ok=True)
+
+
+def _sized(x: FileRangeSource, max_pixels: int | None) -> FileRangeSource | Refused:
+    """A member the build would take (``size_of``: capped under ``max_pixels``, large ones
+    sniffed), or refused with the reason before a byte of it is copied or fetched."""
+    source: Any = x  # a frozen dataclass: a Source whose fields are read only
+    try:
+        size_of(source, max_pixels)
+    except SniffError as err:
+        return Refused(x.name, str(err))
+    return x
 
 
 def _whole(
