@@ -61,7 +61,10 @@ def _wds_objects() -> tuple[dict[str, bytes], dict[int, tuple[bytes, bytes]]]:
         with tarfile.open(fileobj=tar, mode="w") as tf:
             for i in range(PER_SHARD):
                 label = s * PER_SHARD + i
-                image, mask = make_jpeg_bytes(24, 16, seed=500 + label), _png(500 + label)
+                image = make_jpeg_bytes(96, 64, seed=500 + label)  # most of a tar's bytes
+                mask = make_mask_png(
+                    np.random.default_rng(label).integers(0, 5, (64, 96), dtype=np.uint8)
+                )
                 samples[label] = (image, mask)
                 for ext, blob in (("jpg", image), ("cls", str(label).encode()), ("png", mask)):
                     info = tarfile.TarInfo(f"{label:04d}.{ext}")
@@ -144,7 +147,8 @@ def test_webdataset_shards_are_read_a_window_at_a_time_and_only_the_share_is_kep
     every shard exceeds (a whole copy fails under it): at 2 and then 3 nodes, each node keeps
     exactly its share (images and masks, the source's bytes), GETs each shard once plus a
     ranged GET for a sample of its share outside the margin (if any), takes what its 2-node
-    store holds at 3 nodes, and leaves no spool."""
+    store holds at 3 nodes, and leaves no spool; under a limit below the share, the build
+    stops with the fix and leaves nothing."""
     from gpucache.ingest.storage import _tar_share
 
     objects, samples = _wds_objects()
@@ -188,6 +192,14 @@ def test_webdataset_shards_are_read_a_window_at_a_time_and_only_the_share_is_kep
             if nodes == 3:  # node 0's new share is in its old one: all taken from its store
                 assert fetched[0][0] == 0 < fetched[0][2] and fetched[1][2] > 0, fetched
                 assert fetched[2][2] == 0, fetched  # node 2 had no store
+        # a shard a window, under a limit below the share: the kept members cannot be written
+        monkeypatch.setattr(_tar_share, "WINDOW_BYTES", 1)
+        limit = int(0.25 * sum(sizes))  # a shard fits, the share's members do not
+        with as_node(2, 0), pytest.raises(OSError, match="members of this node's share") as err:
+            build(tmp_path / "small", shard="node")
+        assert "run on more nodes" in str(err.value)
+        left = [p.suffix for p in (tmp_path / "small").iterdir()]
+        assert left == [".scan"], left  # the listing's scan only: no spool, members or store
 
 
 def test_a_damaged_shard_is_reported_once_and_the_shares_add_up_to_the_whole_build(

@@ -42,7 +42,7 @@ from .._restart import rewriters
 from .._sniff import SniffError
 from .._sources import build_samples, shard_label, shard_samples
 from ._client import Listing, describe, filesystem
-from ._fetch import retrying
+from ._fetch import _FULL, _free, retrying
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +98,12 @@ class _Kept:
 
     def add(self, name: str, data: bytes | memoryview) -> FileRangeSource:
         at, view = self.size, memoryview(data)
-        while view:
-            written = os.pwrite(self.fd, view, self.size)
-            view, self.size = view[written:], self.size + written
+        try:
+            while view:
+                written = os.pwrite(self.fd, view, self.size)
+                view, self.size = view[written:], self.size + written
+        except OSError as err:
+            raise self._full(err) from err
         return FileRangeSource(name, self.path, at, self.size - at)
 
     def copy(self, src: FileRangeSource) -> FileRangeSource:
@@ -112,9 +115,15 @@ class _Kept:
                 n = min(src.nbytes - done, COPY_BYTES)
                 try:
                     got = os.copy_file_range(fd, self.fd, n, src.offset + done, at + done)
-                except OSError:  # a file system that cannot: through memory, a part at a time
+                except OSError as err:
+                    if err.errno in _FULL:
+                        raise self._full(err) from err
+                    # a file system that cannot: through memory, a part at a time
                     data = os.pread(fd, n, src.offset + done)
-                    got = os.pwrite(self.fd, data, at + done) if data else 0
+                    try:
+                        got = os.pwrite(self.fd, data, at + done) if data else 0
+                    except OSError as full:
+                        raise self._full(full) from full
                 if got == 0:
                     raise OSError(f"{src.path} ends {src.nbytes - done:,} bytes early")
                 done += got
@@ -122,6 +131,18 @@ class _Kept:
             os.close(fd)
         self.size = at + done
         return FileRangeSource(src.name, self.path, at, done)
+
+    def _full(self, err: OSError) -> OSError:
+        """``err`` (a write of a kept member) saying where, how much, and the fix."""
+        if err.errno not in _FULL:
+            return err
+        return OSError(
+            err.errno,
+            f"cannot write {self.path}, the members of this node's share of the WebDataset "
+            f"shards ({self.size:,} bytes so far; {err.strerror}; {_free(self.path)}): free "
+            "space there, pass cache_dir= a folder on a larger node-local disk, or run on more "
+            "nodes (a node keeps about 1/nodes of the data)",
+        )
 
     def close(self) -> None:
         os.close(self.fd)
