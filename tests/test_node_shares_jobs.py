@@ -7,7 +7,7 @@ labels show which samples each rank saw, and each node's recorded store which sa
 Images are of one size and quality, so a share's bytes follow its sample count.
 
 1. 2 nodes x 2 ranks from a local folder, 2 epochs (state saved after ``SAVE_AT`` batches of the
-   second), and the same from an S3 server (moto's, 1 epoch), both jobs at once: each node holds
+   second), and the same from an S3 server (moto's, 2 epochs), both jobs at once: each node holds
    its share (about half of the data, the samples the partition math names), each object is
    fetched once in all (by the node that holds it), every sample comes once per epoch across
    the 4 ranks apart from the padding the loaders count, and the epochs' orders differ.
@@ -196,7 +196,7 @@ def two_nodes(data):
             ),
             _start(
                 [base / "s3node0", base / "s3node1"],
-                _example("s3://bkt/shares/", remote, "--epochs", "1"),
+                _example("s3://bkt/shares/", remote, "--epochs", "2"),
                 base,
             ),
         )
@@ -241,11 +241,14 @@ def test_two_nodes_from_s3_fetch_only_their_shares(two_nodes, data):
     _check_shares(stores, data, 2)
     for store in stores:
         assert store["fetched"][:3] == [store["len"], store["nbytes"], 0]
-    # each object fetched once in all: by the node whose share holds it, by no other
+        assert store["nbytes"] <= 0.55 * data["sizes"].sum()
+    # each object fetched once in all, over both epochs: by the node whose share holds it
     assert two_nodes["gets"] == {f"/bkt/{k}": 1 for k in data["objects"]}, two_nodes["gets"]
     seen, padding = _seen(record, 2), _padding(record, 2)
-    played = [x for rank in seen for x in rank[0]]
-    _check_once(played, sum(p[0] for p in padding), _batches(2) * BATCH * 2 * RANKS)
+    for epoch in range(2):
+        played = [x for rank in seen for x in rank[epoch]]
+        _check_once(played, sum(p[epoch] for p in padding), _batches(2) * BATCH * 2 * RANKS)
+    assert [rank[0] for rank in seen] != [rank[1] for rank in seen]  # the epochs' orders differ
 
 
 def test_a_job_resumed_at_three_nodes_finishes_the_epoch_and_reuses_the_stores(two_nodes, data):
