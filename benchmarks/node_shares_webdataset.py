@@ -44,8 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmarks._record, tests.support, gpucache from this checkout
 from benchmarks._record import run_line, write_json  # noqa: E402
-
-LAUNCHER = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "RANK", "LOCAL_RANK")
+from benchmarks.node_shares import node  # noqa: E402
 
 
 def make_shards(data: Path, count: int) -> dict[str, bytes]:
@@ -124,7 +123,6 @@ def main() -> None:
     urls = [f"s3://wdsbench/{k}" for k in objects]
     print(f"\n{args.shards} shards of {args.data}: {whole / 2**20:.1f} MiB")
     rows = []
-    saved = {k: os.environ.get(k) for k in LAUNCHER}
     base = Path(tempfile.mkdtemp(prefix="gpucache-wds-shares-"))
     try:
         with serving("wdsbench", objects) as (server, _):
@@ -137,18 +135,11 @@ def main() -> None:
                     _tar_share.WINDOW_BYTES = window
                     held = []
                     for k in range(nodes):
-                        os.environ.update(
-                            WORLD_SIZE=str(nodes),
-                            LOCAL_WORLD_SIZE="1",
-                            GROUP_RANK=str(k),
-                            RANK=str(k),
-                            LOCAL_RANK="0",
-                        )
                         folder = base / f"{nodes}-{mode}-{k}"
                         folder.mkdir()
                         server.reset_counts()
                         t0 = time.perf_counter()
-                        with Peak(folder) as peak:
+                        with Peak(folder) as peak, node(nodes, k):
                             cache = JpegCache.from_webdataset(
                                 urls, shard="node", cache_dir=folder, progress=False
                             )
@@ -175,11 +166,6 @@ def main() -> None:
                     assert sorted(held) == list(range(total)), (nodes, mode)
                     assert bounds[-1] == total
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         shutil.rmtree(base, ignore_errors=True)
     print(
         f"\nper node, window = {args.window_shards} shards ({args.window_shards * max(sizes) / 2**20:.1f}"
