@@ -291,8 +291,11 @@ def test_a_job_resumed_at_three_nodes_finishes_the_epoch_and_reuses_the_stores(t
     _check_once(consumed + rest, sum(p[0] for p in _padding(record, 3)), len(consumed + rest))
 
 
+# Each rank, once refused, waits (a deadline, polled) until every rank of the job has been, then
+# exits: torchrun's agent stops a node's other ranks as soon as one exits with an error, which
+# on a loaded machine can be before a slower rank has reached its own refusal.
 _OVER_BUDGET = """
-import os, sys, time
+import os, pathlib, sys, time
 from gpucache import JpegCache, ShareError
 t0 = time.monotonic()
 try:
@@ -300,6 +303,11 @@ try:
 except ShareError as err:
     print(f"rank {os.environ['RANK']} ShareError after {time.monotonic() - t0:.1f} s: {err}",
           file=sys.stderr, flush=True)
+    done = pathlib.Path(sys.argv[3])
+    (done / os.environ["RANK"]).touch()
+    deadline = time.monotonic() + 120
+    while len(list(done.iterdir())) < int(os.environ["WORLD_SIZE"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     sys.exit(3)
 print("STORE BUILT", file=sys.stderr)
 """
@@ -309,10 +317,20 @@ def test_a_share_over_the_node_budget_stops_every_rank_at_once(data):
     base = data["base"]
     cap = int(data["sizes"].sum()) // 4  # about half of a node's share at 2 nodes
     tmps = [base / "over0", base / "over1"]
+    refused = base / "over-refused"  # a file a rank refused (_OVER_BUDGET)
+    refused.mkdir()
     t0 = time.monotonic()
     job = _start(
         tmps,
-        ["--no-python", sys.executable, "-c", _OVER_BUDGET, str(data["root"]), str(cap)],
+        [
+            "--no-python",
+            sys.executable,
+            "-c",
+            _OVER_BUDGET,
+            str(data["root"]),
+            str(cap),
+            str(refused),
+        ],
         base,
     )
     (((rc0, err0), (rc1, err1)),) = _finish(job, ok=False)
