@@ -25,6 +25,7 @@ from .._shares import Selected, Share
 from ..store import _share
 from ._inputs import BytesSource, name_of
 from ._options import BuildOptions
+from ._restart import rewriters
 
 T = TypeVar("T")
 
@@ -39,6 +40,8 @@ __all__ = [
     "reusing",
     "reuse",
     "found",
+    "chosen",
+    "held_earlier",
 ]
 
 #: Stores of earlier node layouts of the same source, in this node's cache (``reusing``).
@@ -79,9 +82,8 @@ def pick(
     masks: Sequence[Any] | None,
 ) -> tuple[Sequence[Any], np.ndarray, Sequence[str] | None, Sequence[Any] | None, Selected]:
     """This node's inputs, labels, metadata and masks out of the whole listing's."""
-    selected = share.select(Names(inputs))
+    selected = chosen(share, Names(inputs))
     keep = selected.keep
-    empty(selected, share)
     return (
         Picked(inputs, keep),
         np.asarray(labels)[keep],
@@ -89,6 +91,13 @@ def pick(
         None if masks is None else Picked(masks, keep),
         selected,
     )
+
+
+def chosen(share: Share, names: Sequence[str]) -> Selected:
+    """This node's share of the listing ``names``; a :class:`ShareError` if it holds nothing."""
+    selected = share.select(names)
+    empty(selected, share)
+    return selected
 
 
 def empty(selected: Selected, share: Share) -> None:
@@ -228,6 +237,17 @@ def found(selected: Selected, with_masks: bool) -> Found:
         new = (ranks[order][at] == selected.ranks) & (which < 0)
         which[new], where[new] = k, order[at[new]]
     return Found(stores, which, where)
+
+
+def held_earlier(selected: Selected, options: BuildOptions, with_masks: bool) -> Found:
+    """What this node's stores of earlier layouts hold of the share (``found``), or nothing when
+    the build re-encodes: its stored bytes are then not the source's."""
+    rewrites = rewriters(
+        restart_markers=options.restart_markers,
+        max_side=options.max_side,
+        jpeg_quality=options.jpeg_quality,
+    )
+    return Found.none(len(selected.keep)) if rewrites else found(selected, with_masks)
 
 
 def reuse(

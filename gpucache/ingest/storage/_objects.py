@@ -21,7 +21,6 @@ from .. import _share
 from .._build import _memory, build
 from .._inputs import Refused
 from .._options import BuildOptions
-from .._restart import rewriters
 from .._share import Picked
 from .._sources import from_webdataset
 from ._client import Listing, filesystem
@@ -149,17 +148,9 @@ def _build_share(
     share = options.share
     assert share is not None
     images = listing if masks_at is None else _Part(listing, 0, masks_at)
-    selected = share.select(images)
-    _share.empty(selected, share)
+    selected = _share.chosen(share, images)
     keep = selected.keep
-    rewrites = rewriters(
-        restart_markers=options.restart_markers,
-        max_side=options.max_side,
-        jpeg_quality=options.jpeg_quality,
-    )  # stored bytes re-encoded are not the source's: then nothing is taken from earlier stores
-    hits = (
-        _share.Found.none(len(keep)) if rewrites else _share.found(selected, masks_at is not None)
-    )
+    hits = _share.held_earlier(selected, options, masks_at is not None)
     need = keep[~hits.held]
     taken = need if masks_at is None else np.concatenate([need, need + masks_at])
     urls = listing.urls

@@ -38,7 +38,6 @@ from .. import _share
 from .._build import _memory
 from .._inputs import FileRangeSource, Refused, size_of
 from .._options import BuildOptions
-from .._restart import rewriters
 from .._sniff import SniffError
 from .._sources import build_samples, shard_label, shard_samples
 from ._client import Listing, describe, filesystem
@@ -299,19 +298,9 @@ def _read_missed(
     """Read the members of the share's samples the scan did not keep (outside the margin) by
     ranged GETs into ``kept``, in place in ``inputs`` and ``masks``, unless an earlier store
     holds the sample (and the build does not re-encode): ``(members, bytes)`` read."""
-    selected = share.select(_share.Names(inputs))
-    _share.empty(selected, share)
+    selected = _share.chosen(share, _share.Names(inputs))
     keep = selected.keep
-    rewrites = rewriters(
-        restart_markers=options.restart_markers,
-        max_side=options.max_side,
-        jpeg_quality=options.jpeg_quality,
-    )
-    held = (
-        np.zeros(len(keep), dtype=bool)
-        if rewrites
-        else _share.found(selected, masks is not None).held
-    )
+    held = _share.held_earlier(selected, options, masks is not None).held
     todo = [
         (seq, int(i))
         for i in keep[~held].tolist()
