@@ -8,7 +8,8 @@ at most ``IN_FLIGHT_BYTES`` of response bodies in memory; each part is written w
 bytes). A build that was killed starts again from the journal: the parts it names are checked
 against their CRC and kept, the rest are fetched; nothing recorded is fetched twice. The store
 is built from the spool (``FileRangeSource`` ranges) and the spool removed once the store is
-saved; a partial spool is never a store.
+saved; a partial spool is never a store. ``fetch`` fills a spool and then lists the objects
+again (``check_unchanged``): a build stops if any changed meanwhile.
 
 Transient failures (connection reset or refused, timeouts, HTTP 5xx, 429 and S3's SlowDown)
 are retried up to ``RETRIES`` times with exponential backoff and full jitter, within
@@ -24,6 +25,7 @@ under the build's ``on_error`` policy.
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import random
@@ -41,7 +43,8 @@ from ..._errors import ObjectStoreError
 from ..._owned import open_own
 from ..._progress import tqdm
 from .._inputs import FileRangeSource, Refused
-from ._client import Listing, access_error, bucket_of, describe, error_code
+from .._options import BuildOptions
+from ._client import Listing, access_error, bucket_of, describe, error_code, filesystem
 
 log = logging.getLogger(__name__)
 
@@ -515,3 +518,57 @@ class _Inputs(Sequence):
         if not 0 <= i < len(self):
             raise IndexError(i)
         return self._spool.source(i)
+
+
+def _digest(listing: Listing) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    listing.fingerprint(h)
+    return h.digest()
+
+
+def check_unchanged(listing: Listing, spool: Spool | None = None) -> None:
+    """List again; raise :class:`ObjectStoreError` naming what changed since ``listing``."""
+    again = listing.relist()
+    if again is None or _digest(again) == _digest(listing):
+        return
+    before = {
+        listing.urls[i]: (int(listing.sizes[i]), int(listing.tags[i])) for i in range(len(listing))
+    }
+    after = {again.urls[i]: (int(again.sizes[i]), int(again.tags[i])) for i in range(len(again))}
+    changed = sorted(u for u in before.keys() & after.keys() if before[u] != after[u])
+    added = sorted(after.keys() - before.keys())
+    removed = sorted(before.keys() - after.keys())
+    names = [f"changed {u}" for u in changed] + [f"added {u}" for u in added]
+    names += [f"removed {u}" for u in removed]
+    if spool is not None:
+        spool.remove()  # its bytes belong to a listing that no longer exists
+    raise ObjectStoreError(
+        f"the objects of {listing.where} changed while they were fetched ({len(changed):,} "
+        f"rewritten, {len(added):,} added, {len(removed):,} removed: "
+        f"{'; '.join(names[:10])}{' ...' if len(names) > 10 else ''}); no store was "
+        "published. Build again once the data set is settled: the new listing is fetched anew",
+        listing.where,
+    )
+
+
+def fetch(
+    listing: Listing,
+    base: Path,
+    options: BuildOptions,
+    on_progress: Callable[..., None] | None,
+) -> Spool:
+    """Every object of ``listing`` in the spool at ``base`` (resumed if a build left one),
+    checked against a second listing; ``options``: the client's ``storage_options``, the
+    ``requests_in_flight`` and the progress bar."""
+    fs = listing.fs or filesystem(listing.protocol + "://", options.storage_options)
+    spool = Spool(
+        base,
+        listing,
+        fs,
+        requests=options.requests_in_flight,
+        progress=options.progress,
+        on_progress=on_progress,
+    )
+    spool.fetch()
+    check_unchanged(listing, spool)
+    return spool

@@ -8,7 +8,6 @@ naming them, and nothing is published: a store always holds one version of its d
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,18 +15,17 @@ from typing import Any
 
 import numpy as np
 
-from ..._errors import ObjectStoreError
 from .. import _share
 from .._build import _memory, build
 from .._inputs import Refused
 from .._options import BuildOptions
 from .._share import Picked
 from .._sources import from_webdataset
-from ._client import Listing, filesystem
-from ._fetch import Spool
+from ._client import Listing
+from ._fetch import fetch
 from ._tar_share import build_tar_share, kept_file
 
-__all__ = ["fetch", "build_objects", "build_shards", "spool_files"]
+__all__ = ["build_objects", "build_shards", "spool_files"]
 
 
 def spool_files(base: Path) -> list[Path]:
@@ -38,60 +36,6 @@ def spool_files(base: Path) -> list[Path]:
         base.with_name(base.name + ".fetched"),
         kept_file(base),
     ]
-
-
-def _digest(listing: Listing) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    listing.fingerprint(h)
-    return h.digest()
-
-
-def check_unchanged(listing: Listing, spool: Spool | None = None) -> None:
-    """List again; raise :class:`ObjectStoreError` naming what changed since ``listing``."""
-    again = listing.relist()
-    if again is None or _digest(again) == _digest(listing):
-        return
-    before = {
-        listing.urls[i]: (int(listing.sizes[i]), int(listing.tags[i])) for i in range(len(listing))
-    }
-    after = {again.urls[i]: (int(again.sizes[i]), int(again.tags[i])) for i in range(len(again))}
-    changed = sorted(u for u in before.keys() & after.keys() if before[u] != after[u])
-    added = sorted(after.keys() - before.keys())
-    removed = sorted(before.keys() - after.keys())
-    names = [f"changed {u}" for u in changed] + [f"added {u}" for u in added]
-    names += [f"removed {u}" for u in removed]
-    if spool is not None:
-        spool.remove()  # its bytes belong to a listing that no longer exists
-    raise ObjectStoreError(
-        f"the objects of {listing.where} changed while they were fetched ({len(changed):,} "
-        f"rewritten, {len(added):,} added, {len(removed):,} removed: "
-        f"{'; '.join(names[:10])}{' ...' if len(names) > 10 else ''}); no store was "
-        "published. Build again once the data set is settled: the new listing is fetched anew",
-        listing.where,
-    )
-
-
-def fetch(
-    listing: Listing,
-    base: Path,
-    options: BuildOptions,
-    on_progress: Callable[..., None] | None,
-) -> Spool:
-    """Every object of ``listing`` in the spool at ``base`` (resumed if a build left one),
-    checked against a second listing; ``options``: the client's ``storage_options``, the
-    ``requests_in_flight`` and the progress bar."""
-    fs = listing.fs or filesystem(listing.protocol + "://", options.storage_options)
-    spool = Spool(
-        base,
-        listing,
-        fs,
-        requests=options.requests_in_flight,
-        progress=options.progress,
-        on_progress=on_progress,
-    )
-    spool.fetch()
-    check_unchanged(listing, spool)
-    return spool
 
 
 def build_objects(
@@ -217,8 +161,6 @@ def build_shards(
             base=base,
             on_progress=on_progress,
             mask_ext=mask_ext,
-            fetch=fetch,
-            check_unchanged=check_unchanged,
         )
     spool = fetch(listing, base, options, on_progress)
 

@@ -41,7 +41,7 @@ from .._options import BuildOptions
 from .._sniff import SniffError
 from .._sources import build_samples, shard_label, shard_samples
 from ._client import Listing, describe, filesystem
-from ._fetch import _FULL, _free, retrying
+from ._fetch import _FULL, _free, check_unchanged, fetch, retrying
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +157,9 @@ def build_tar_share(
     base: Path,
     on_progress: Callable[..., None] | None,
     mask_ext: str | None,
-    fetch: Callable[..., Any],
-    check_unchanged: Callable[[Listing], None],
 ) -> Any:
     """``build_shards`` with ``options.share``: the share's samples of the shards of
-    ``listing``, the shards fetched a window at a time (``fetch``, ``check_unchanged``: the
-    spool's, from ``_objects``)."""
+    ``listing``, the shards fetched a window at a time."""
     share = options.share
     assert share is not None
     sizes = np.maximum(listing.sizes, 0)
