@@ -4,6 +4,7 @@ fault layer of ``tests/support/s3server.py``, which also answers listings moto n
 - a listing of one class or nested folder that keeps failing (403, 500, a server that never
   answers, a page that is not XML, a key the client cannot parse) stops the build with an
   ``ObjectStoreError`` naming the prefix, and publishes nothing; one 503 SlowDown is retried;
+  the same for a sub-folder of a class on the clients listed folder by folder (GCS, Azure);
 - a paginator that never ends, or one that repeats itself, is stopped with a clear error;
 - a listing costs bytes an object, not kilobytes: no dict is kept an object, the pages' temporaries
   are freed;
@@ -43,6 +44,7 @@ NAMES = {  # keys a disk could not hold, listed out of ImageFolder's order
         + ["b/t\r.jpg"]
     )
 }
+GLOB = "s3://lst/fold/**/*.jpg"  # every image of FOLD, at any depth
 IDS = {f"ids/{i:03d}.jpg": make_jpeg_bytes(16, 16, seed=100 + i) for i in range(40)}
 
 
@@ -150,6 +152,34 @@ def test_a_failing_listing_stops_the_build_through_fsspec_too(
     server.clear_faults()
     cache = JpegCache.from_folder("s3://lst/fold/", cache_dir=tmp_path, progress=False)
     assert _stored(cache) == {f"s3://lst/{k}": v for k, v in FOLD.items()}
+
+
+@pytest.mark.parametrize("status,code", [(403, "AccessDenied"), (500, "InternalError")])
+def test_a_sub_folder_whose_listing_keeps_failing_stops_the_build_through_fsspec(
+    server, tmp_path, fast_retries, monkeypatch, status, code
+):
+    """Listed folder by folder (fsspec's walk would leave the sub-folder out without a word:
+    it does not hand on_error on to its recursion), a denial that lasts names the sub-folder."""
+    monkeypatch.setattr(_pages, "_paged", lambda fs, bucket: False)
+    server.fail_listing("status", "fold/c/sub", times=99, status=status, code=code, bucket=BUCKET)
+    with pytest.raises(ObjectStoreError, match="s3://lst/fold/c/sub/") as err:
+        JpegCache.from_folder("s3://lst/fold/", cache_dir=tmp_path, progress=False)
+    assert f"HTTP {status}" in str(err.value) and "gpucache-test-secret" not in str(err.value)
+    _nothing_published(tmp_path)
+    with pytest.raises(ObjectStoreError, match="s3://lst/fold/c/sub/"):  # a glob of shards too
+        _listing._glob(filesystem("s3://lst/", None), GLOB, _pages._Budget("fold"))
+
+
+def test_one_slowdown_on_a_sub_folder_is_retried_through_fsspec(
+    server, tmp_path, fast_retries, monkeypatch
+):
+    monkeypatch.setattr(_pages, "_paged", lambda fs, bucket: False)
+    server.fail_listing("status", "fold/c/sub", times=1, bucket=BUCKET)  # one 503 SlowDown
+    cache = JpegCache.from_folder("s3://lst/fold/", cache_dir=tmp_path, progress=False)
+    assert _stored(cache) == {f"s3://lst/{k}": v for k, v in FOLD.items()}
+    assert not server.faults.rules  # the 503 was served, and retried
+    keys = _listing._glob(filesystem("s3://lst/", None), GLOB, _pages._Budget("fold"))
+    assert keys == sorted(f"lst/{k}" for k in FOLD)
 
 
 # -------------------------------------------------------------------------- bounded listings

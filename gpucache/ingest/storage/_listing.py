@@ -15,8 +15,9 @@ On S3 gpucache asks for each page itself (``_pages``: ``ListObjectsV2``, 1,000 k
   in one folder, else pages that start at the next name sought (``StartAfter``), skipping the
   objects between, so a lookup costs at most one request a name and never lists a whole folder.
 
-Other services (GCS, Azure) are listed through fsspec's ``walk`` with its errors raised, within
-``MAX_OBJECTS``, and lists of URLs with a request an object.
+Other services (GCS, Azure) are listed a folder at a time through fsspec's ``ls``, every
+folder's listing retried and a lasting failure raised with the folder's prefix (a sub-folder
+never left out), within ``MAX_OBJECTS``, and lists of URLs with a request an object.
 """
 
 from __future__ import annotations
@@ -303,19 +304,20 @@ def _glob(fs: Any, url: str, budget: _Budget) -> list[str]:
     fixed part (fsspec's glob rules: ``*`` and ``?`` stay within a folder)."""
     from fsspec.utils import glob_translate  # type: ignore[import-untyped]
 
-    path = strip(url)
-    if not _pages._paged(fs, path.split("/", 1)[0]):
-        return sorted(_call(url, lambda: list(fs.glob(path))))
-    bucket, _, pattern = path.partition("/")
+    bucket, _, pattern = strip(url).partition("/")
     fixed = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
     match = re.compile(glob_translate(pattern)).match
     folder = fixed.rpartition("/")[0] + "/" if "/" in fixed else ""
-    return [
+    # S3's pages start at any key prefix; other clients are listed folder by folder (not by
+    # fsspec's glob, whose walk leaves out a sub-folder whose listing fails)
+    start = fixed if _pages._paged(fs, bucket) else folder
+    keys = [
         f"{bucket}/{key}"
-        for page in _entries(fs, f"{protocol_of(url)}://{bucket}/{folder}", bucket, fixed, budget)
+        for page in _entries(fs, f"{protocol_of(url)}://{bucket}/{folder}", bucket, start, budget)
         for key, _, _ in page
         if match(key)
     ]
+    return sorted(keys)
 
 
 def list_shards(shards: Iterable[str], storage_options: dict | None) -> Listing:

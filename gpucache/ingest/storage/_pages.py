@@ -2,7 +2,9 @@
 bounded (see ``_listing``): each page retried like a GET; keys under the prefix, in S3's
 ascending order; a continuation token never twice; at most ``MAX_OBJECTS`` objects in
 ``MAX_PAGES`` pages a listing. Clients gpucache does not page itself (GCS, Azure, S3 Express
-directory buckets) are walked through fsspec with errors raised, within the same bounds.
+directory buckets) are listed a folder at a time through fsspec's ``ls``, each folder's listing
+retried and its failure raised (never fsspec's ``walk``, which leaves out a sub-folder whose
+listing fails), within the same bounds.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from ..._errors import ObjectStoreError
@@ -138,16 +141,7 @@ class _Tokens:
 def _entries(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> Iterator[list[Entry]]:
     """Every object under ``prefix``, a page at a time."""
     if not _paged(fs, bucket):
-        path = f"{bucket}/{prefix}".rstrip("/")
-        walked = _call(url, lambda: list(fs.walk(path, detail=True, on_error="raise")))
-        for _, _, files in walked:
-            page = [
-                (i["name"].split("/", 1)[1], int(i.get("size", 0)), _tag_hash(tag_of(i)))
-                for i in files.values()
-                if i.get("type") == "file"
-            ]
-            budget.take(url, len(page))
-            yield page
+        yield from _walked(fs, url, bucket, prefix, budget)
         return
     tokens, token, last = _Tokens(url), None, ""
     while True:
@@ -158,6 +152,53 @@ def _entries(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> It
         if token is None:
             return
         tokens.check(token)
+
+
+def _walked(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> Iterator[list[Entry]]:
+    """Every object under the folder ``prefix`` through fsspec's ``ls``, one folder a page, for
+    the clients gpucache does not page itself. Each folder's listing is retried like a GET and
+    a failure that lasts (a denial, a 5xx after its retries) stops the listing with an
+    :class:`ObjectStoreError` naming that folder: fsspec's own ``walk`` does not hand
+    ``on_error`` on to its sub-folders, so there a sub-folder whose listing fails is left out
+    of the listing without a word."""
+    proto = url.split("://", 1)[0] if "://" in url else "s3"
+    top = f"{bucket}/{prefix}".rstrip("/")
+    folders = [top]
+    while folders:
+        path = folders.pop()
+        where = f"{proto}://{path}/"
+        budget.check(where)
+        try:
+            infos = _call(where, partial(fs.ls, path, detail=True))
+        except FileNotFoundError:
+            if path == top:
+                raise
+            raise _refuse(
+                where,
+                "it was listed as a folder, and then its own listing said it does not exist "
+                "(the prefix changed while it was listed); build again once it is stable",
+            ) from None
+        page: list[Entry] = []
+        inner: list[str] = []
+        for info in infos:
+            name = str(info.get("name", "")).rstrip("/")
+            if name == path:
+                continue  # the folder itself
+            if not name.startswith(path + "/"):
+                raise _refuse(
+                    where,
+                    f"the server listed {name!r} in it, which is not under it (a server "
+                    "that answers for another prefix); check the endpoint",
+                )
+            if info.get("type") == "directory":
+                inner.append(name)
+            elif info.get("type") == "file":
+                page.append(
+                    (name.split("/", 1)[1], int(info.get("size", 0)), _tag_hash(tag_of(info)))
+                )
+        budget.take(where, len(infos))
+        folders.extend(sorted(inner, reverse=True))  # depth first, in name order
+        yield page
 
 
 def _folders(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> list[str]:
