@@ -18,6 +18,10 @@ PIPELINES = {
     "pad": T.Compose([T.Resize(40), T.CenterCrop(64)]),  # crop larger than the image: zeros
     "fixed": T.Compose([T.Resize((30, 50)), T.RandomHorizontalFlip(0.5)]),
     "crop only": T.Compose([T.CenterCrop(32)]),
+    # non-square outputs, flipped: a flip mirrors over the output's width in both orientations
+    "tall flip": T.Compose([T.RandomResizedCrop((48, 32)), T.RandomHorizontalFlip(1.0)]),
+    "wide flip": T.Compose([T.RandomResizedCrop((32, 48)), T.RandomHorizontalFlip(1.0)]),
+    "tall pad flip": T.Compose([T.Resize(30), T.CenterCrop((64, 40)), T.RandomHorizontalFlip(1.0)]),
 }
 
 

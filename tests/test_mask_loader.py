@@ -5,6 +5,7 @@ count, after a resume, and on every backend."""
 from __future__ import annotations
 
 import io
+import threading
 
 import numpy as np
 import pytest
@@ -298,47 +299,87 @@ def test_the_batched_gather_equals_the_per_sample_plan(painted):
     from gpucache.decode._masks import decode_one, host_masks
 
     host = host_masks(painted, idx, torch.uint8)
-    got = gather_masks(host, torch.from_numpy(plans), 200)
+    got = gather_masks(host, torch.from_numpy(plans), 200, size=(39, 39))
     for k, i in enumerate(idx.tolist()):
         want = apply_mask_plan(decode_one(painted, i, torch.uint8), plans[k].tolist(), 200)
         assert torch.equal(got[k], want)
 
 
-def test_masks_agree_on_the_emulated_nvjpeg_backend(painted, monkeypatch):
-    """Decoded on nvjpeg's CPU stage, one copy and one gather a batch on the device (its side
-    stream, handed over to the consumer's: the emulation checks the order)."""
+#: output sizes of the backend comparisons: taller than wide, wider than tall, square
+SIZES = [(40, 28), (28, 40), (40, 40)]
+
+
+def _flipped(size: tuple[int, int]) -> list:
+    """A random crop to ``size``, every sample flipped (a flip mirrors over the output's width:
+    wrong on non-square outputs if it mirrored over the longer side)."""
+    return [T.RandomResizedCrop(size), T.RandomHorizontalFlip(1.0)]
+
+
+@pytest.fixture
+def mask_threads(monkeypatch) -> list[threading.Thread]:
+    """The threads each mask was decoded on (the real decoder, recorded as it runs)."""
     from gpucache.decode import _masks
+
+    seen: list[threading.Thread] = []
+    real = _masks.decode_one
+
+    def recorded(*args, **kwargs):
+        seen.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_masks, "decode_one", recorded)
+    return seen
+
+
+def _close_to(images: torch.Tensor, ref: torch.Tensor) -> None:
+    """The batched float resize against the cpu backend's fixed-point one: within a few
+    levels, mostly equal (a flip mirrored over the wrong span is off by tens of levels)."""
+    d = (images.int() - ref.int()).abs()
+    assert images.shape == ref.shape and d.max() <= 4 and d.float().mean() <= 0.5
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_masks_agree_on_the_emulated_nvjpeg_backend(painted, mask_threads, size):
+    """Decoded on nvjpeg's CPU-stage threads, one copy and one gather a batch on the device
+    (its side stream, handed over to the consumer's: the emulation checks the order); images
+    and masks as the cpu backend's, on every output shape, flipped."""
     from tests.support.emulated_cuda import EmulatedCuda
 
-    def not_here(*args, **kwargs):
-        raise AssertionError("nvjpeg brings its masks; the loader decodes none")
-
-    monkeypatch.setattr(_masks, "batch_masks", not_here)
-
-    tf = [T.RandomResizedCrop(40), T.RandomHorizontalFlip()]
-    kw = dict(batch_size=8, seed=2, shuffle=True, transform=tf)
+    kw = dict(batch_size=8, seed=2, shuffle=True, transform=_flipped(size))
     with GpuCachedLoader(painted, device="cpu", backend="cpu", num_workers=0, **kw) as cpu:
-        ref = [m for _, m in cpu]
+        ref = list(cpu)
+    mask_threads.clear()
     with EmulatedCuda(devices=1):
         with GpuCachedLoader(painted, device="cuda", backend="nvjpeg", **kw) as gpu:
             got = [(x, m) for x, m in gpu]
-        for (x, m), rm in zip(got, ref, strict=True):
+        for (x, m), (rx, rm) in zip(got, ref, strict=True):
             assert m.device == x.device == torch.device("cuda", 0)
+            assert m.shape == (len(x), *size)
             assert torch.equal(m.cpu(), rm)
+            _close_to(x.cpu(), rx)
             _agree(x.cpu(), m.cpu())
+    assert len(mask_threads) == len(painted)
+    assert threading.main_thread() not in mask_threads  # never on the training loop's thread
 
 
-def test_masks_agree_on_dali_cpu(painted):
+@pytest.mark.parametrize("size", SIZES)
+def test_masks_agree_on_dali_cpu(painted, mask_threads, size):
+    """DALI decodes the masks on threads of its own, ahead of the batch."""
     pytest.importorskip("nvidia.dali")
-    tf = [T.RandomResizedCrop(40), T.RandomHorizontalFlip()]
-    kw = dict(batch_size=8, seed=2, shuffle=True, transform=tf, device="cpu", num_workers=1)
-    with GpuCachedLoader(painted, backend="cpu", **kw) as cpu:
-        ref = [m for _, m in cpu]
-    with GpuCachedLoader(painted, backend="dali", **kw) as dali:
+    kw = dict(batch_size=8, seed=2, shuffle=True, transform=_flipped(size), device="cpu")
+    with GpuCachedLoader(painted, backend="cpu", num_workers=0, **kw) as cpu:
+        ref = list(cpu)
+    mask_threads.clear()
+    with GpuCachedLoader(painted, backend="dali", num_workers=2, **kw) as dali:
         got = [(x, m) for x, m in dali]
-    for (x, m), rm in zip(got, ref, strict=True):
+    for (x, m), (rx, rm) in zip(got, ref, strict=True):
         assert torch.equal(m, rm)
+        # DALI's own resize filter: its stated tolerance, a mean of 2 levels an image
+        per_image = (x.float() - rx.float()).abs().flatten(1).mean(1)
+        assert x.shape == rx.shape and per_image.max() <= 2.0
         _agree(x, m)
+    assert len(mask_threads) == len(painted)
+    assert threading.main_thread() not in mask_threads
 
 
 def test_fill_and_mask_fill_agree_on_the_emulated_nvjpeg_backend(painted):
@@ -392,3 +433,79 @@ def test_variable_size_masks_on_the_emulated_nvjpeg_backend(painted):
             got = [[t.cpu() for t in m] for _, m in gpu]
     for g, r in zip(got, ref, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(g, r, strict=True))
+
+
+def _painted_plans(cache, size, seed: int = 0) -> np.ndarray:
+    s = cache.samples
+    return T.Compose(_flipped(size)).plan(
+        s["height"].astype(np.int64), s["width"].astype(np.int64), np.random.default_rng(seed)
+    )
+
+
+@pytest.mark.parametrize("fill", [0, 9])
+def test_masks_make_no_host_sync_on_the_training_or_transform_thread(painted, fill):
+    """On the emulated GPU (which counts every host synchronisation by thread): after the first
+    batch the training thread waits for the device nowhere, masks and fill included, and
+    neither does nvjpeg's transform stage (the masks' output size comes from the host plans,
+    the fill's plans cross in a pinned non_blocking copy)."""
+    from tests.support.emulated_cuda import EmulatedCuda
+
+    tf = _flipped((40, 28))
+    with EmulatedCuda(devices=1) as emu:
+        with GpuCachedLoader(
+            painted, device="cuda", backend="nvjpeg", batch_size=4, seed=0, fill=fill, transform=tf
+        ) as loader:
+            batches = iter(loader)
+            next(batches)  # constants made once per device
+            with emu.count_syncs() as c:
+                rest = [(x.shape, m.shape) for x, m in batches]
+            stages = [t for t in loader._backend._threads if "transform" in t.name]
+        assert len(rest) == len(loader) - 1 >= 3 and len(c) == 0, c
+        assert stages and not any(emu.host_syncs_in(t) for t in stages)
+
+
+def test_dali_places_its_masks_without_a_host_sync(painted):
+    """DALI's masks, decoded on its mask threads, reach the device in get() (the training
+    loop's thread) with no host synchronisation. No GPU here: DALI runs its CPU graph, torch's
+    side is the emulated GPU."""
+    pytest.importorskip("nvidia.dali")
+    from gpucache.decode._core import MaskOptions
+    from gpucache.decode._dali import DaliBackend
+    from tests.support.emulated_cuda import EmulatedCuda
+
+    class CpuGraph(DaliBackend):
+        def _graph_on_gpu(self):
+            return False
+
+        def _pipeline(self):
+            pipe = super()._pipeline()
+            if not hasattr(pipe, "cpu_outputs"):  # a CPU graph takes no stream
+                pipe.cpu_outputs = pipe.outputs
+                pipe.outputs = lambda cuda_stream=None: pipe.cpu_outputs()
+            return pipe
+
+    plans = _painted_plans(painted, (40, 28))
+    batches = [np.arange(k, k + 8) for k in (0, 8)]
+    with EmulatedCuda(devices=1) as emu:
+        be = CpuGraph(
+            painted,
+            device=torch.device("cuda", 0),
+            batch_size=8,
+            on_error="raise",
+            seed=0,
+            num_threads=2,
+            masks=MaskOptions(200, torch.uint8),
+        )
+        for idx in batches:
+            be.submit(idx, plans[idx], stack=True)
+        with emu.count_syncs() as c:
+            got = [be.get() for _ in batches]
+        be.close()
+        assert len(c) == 0, c
+        for out, idx in zip(got, batches):
+            assert out.masks.device == torch.device("cuda", 0)
+            want = [
+                apply_mask_plan(torch.from_numpy(decode_mask(painted.masks[i])), plans[i], 200)
+                for i in idx.tolist()
+            ]
+            assert torch.equal(out.masks.cpu(), torch.stack(want))

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,8 +40,9 @@ except ImportError as err:  # pragma: no cover - depends on what is installed
 
 from . import _dali_graph, normalize_device
 from ._base import Backend
-from ._core import ON_ERROR, Decoded, out_size
+from ._core import ON_ERROR, Decoded, MaskOptions, out_size
 from ._fallback import Part, decode_on_cpu, join, out_of_memory, split, stage_times
+from ._mask_stage import MaskStage, PendingMasks
 from ._streams import consumer_stream
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class _Batch:
     cpu_pos: np.ndarray  # positions the CPU path decodes
     refused: Part  # positions over the pixel budget: never fed to DALI nor to the CPU
     views: list[np.ndarray] | None = None  # fed to DALI (zero-copy) and not yet collected
+    masks: PendingMasks | None = None  # the batch's masks, decoded on the mask threads
 
 
 class DaliBackend(Backend):
@@ -70,6 +74,7 @@ class DaliBackend(Backend):
         num_threads: int,
         prefetch: int = 2,
         hw_decoder_load: float = 0.65,
+        masks: MaskOptions | None = None,
     ):
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
@@ -90,6 +95,22 @@ class DaliBackend(Backend):
         self._queue: deque[_Batch] = deque()
         self._pipe: Pipeline | None = None
         self._closed = False
+        # masks are decoded on threads of their own from submit() on, never on the caller's
+        # (the training loop's) thread, and placed on the device in get() without a host sync
+        self._mask_pool: ThreadPoolExecutor | None = None
+        self._mask_stage: MaskStage | None = None
+        if masks is not None:
+            self._mask_pool = ThreadPoolExecutor(num_threads, "gpucache-dali-masks")
+            self._mask_stage = MaskStage(
+                cache,
+                fill=masks.fill,
+                dtype=masks.dtype,
+                device=self.device,
+                pool=self._mask_pool,
+                chunks=num_threads,
+            )
+        # garbage collection may run on a mask thread: stop them there without joining
+        self._finalizer = weakref.finalize(self, _stop_pool, self._mask_pool, wait=False)
 
     # ------------------------------------------------------------------ the DALI graph
     def _graph_on_gpu(self) -> bool:
@@ -166,14 +187,11 @@ class DaliBackend(Backend):
                 f"a batch of {len(indices)} samples is larger than the pipeline's "
                 f"batch_size={self.batch_size}; pass the loader's batch size."
             )
-        self._queue.append(
-            _Batch(
-                indices,
-                np.asarray(plans),
-                stack,
-                *split(self.cache, indices, on_error=self.on_error),
-            )
-        )
+        plans = np.asarray(plans)
+        b = _Batch(indices, plans, stack, *split(self.cache, indices, on_error=self.on_error))
+        if self._mask_stage is not None:
+            b.masks = self._mask_stage.submit(indices, plans, stack)
+        self._queue.append(b)
         self._pump()
 
     def get(self) -> Decoded:
@@ -219,6 +237,8 @@ class DaliBackend(Backend):
         except BaseException:
             if self._queue and self._queue[0] is b:
                 self._queue.popleft()
+            if b.masks is not None:
+                b.masks.cancel()
             self._reset()  # b's output may still be queued in DALI: drop it to keep the order
             raise
         t2 = time.perf_counter()
@@ -230,6 +250,9 @@ class DaliBackend(Backend):
             device=self.device,
             out_hw=out_size(b.plans),
         )
+        if b.masks is not None:
+            assert self._mask_stage is not None
+            out.masks = self._mask_stage.place(b.masks, b.plans, out.indices)
         took["collate"] = time.perf_counter() - t2
         out.times = stage_times(took)
         out.routes = {"full": len(b.gpu_pos), "fallback": len(b.cpu_pos)}
@@ -292,10 +315,20 @@ class DaliBackend(Backend):
                     (_,) = self._pipe.outputs()  # type: ignore[union-attr]
         except RuntimeError:
             self._reset()
+        for b in self._queue:
+            if b.masks is not None:
+                b.masks.cancel()
         self._queue.clear()
 
     def close(self) -> None:
-        """Free the DALI pipeline and its buffers. Idempotent."""
+        """Free the DALI pipeline and its buffers, stop the mask threads. Idempotent."""
         self._queue.clear()
         self._pipe = None
         self._closed = True
+        self._finalizer.detach()
+        _stop_pool(self._mask_pool, wait=True)
+
+
+def _stop_pool(pool: ThreadPoolExecutor | None, *, wait: bool) -> None:
+    if pool is not None:
+        pool.shutdown(wait=wait, cancel_futures=True)

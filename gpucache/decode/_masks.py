@@ -33,6 +33,7 @@ import torch
 from .._plan import Col
 from ..ingest._masks import decode_mask
 from ..store._masks import MaskKind
+from ..transforms._device import to_device
 from ._jpeg import quiet_torchvision_deprecation
 
 
@@ -130,14 +131,18 @@ def apply_mask_plan(mask: torch.Tensor, plan: Sequence[int], fill: int) -> torch
     return torch.from_numpy(out)
 
 
-def gather_masks(padded: torch.Tensor, plans: torch.Tensor, fill: int) -> torch.Tensor:
+def gather_masks(
+    padded: torch.Tensor, plans: torch.Tensor, fill: int, *, size: tuple[int, int]
+) -> torch.Tensor:
     """A fixed-size batch of masks through their plans on ``padded``'s device: ``padded`` is
     (N, Hmax, Wmax), mask ``k`` in its top-left corner; ``plans`` (N, 11) int64 on the same
-    device, one output size. One gather and one select, whatever N."""
+    device, all of the output ``size`` (height, width), which the caller reads from its host
+    plans: reading it from ``plans`` would make the host wait for the device. One gather and
+    one select, whatever N."""
     n = len(plans)
     if n == 0:
         return padded[:0, :0, :0]
-    h2, w2 = int(plans[0, Col.HEIGHT2]), int(plans[0, Col.WIDTH2])
+    h2, w2 = size
     rows, cols, ok_r, ok_c = plan_indices(plans, h2, w2)
     rows = rows.clamp(0, padded.shape[1] - 1)
     cols = cols.clamp(0, padded.shape[2] - 1)
@@ -149,7 +154,8 @@ def gather_masks(padded: torch.Tensor, plans: torch.Tensor, fill: int) -> torch.
 
 def host_masks(cache, indices: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """The masks of ``indices`` decoded into one (N, Hmax, Wmax) host tensor (each in its
-    top-left corner), for one copy to the device and :func:`gather_masks` there."""
+    top-left corner), for :func:`gather_masks` (the GPU backends decode theirs on threads:
+    :mod:`._mask_stage`)."""
     m = cache.masks
     idx = np.asarray(indices, dtype=np.int64)
     hmax = int(m.heights[idx].max()) if len(idx) else 0
@@ -161,47 +167,25 @@ def host_masks(cache, indices: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def batch_masks(
-    cache,
-    indices: np.ndarray,
-    plans: np.ndarray,
-    *,
-    fill: int,
-    dtype: torch.dtype,
-    stack: bool,
-    device: torch.device,
-) -> torch.Tensor | list[torch.Tensor]:
-    """The masks of a decoded batch on ``device``: for a fixed-size batch decoded on the host
-    into one buffer, copied once and gathered there (:func:`gather_masks`); otherwise one by
-    one on the host (:func:`apply_mask_plan`), then moved."""
-    from ..transforms._device import to_device
-
-    if stack:
-        on = to_device(host_masks(cache, indices, dtype), device)  # pinned, one copy
-        return gather_masks(on, to_device(torch.from_numpy(np.asarray(plans)), device), fill)
-    return [
-        to_device(apply_mask_plan(decode_one(cache, i, dtype), plan, fill), device)
-        for i, plan in zip(np.asarray(indices).tolist(), np.asarray(plans).tolist())
-    ]
-
-
 def fill_padding(
     images: torch.Tensor | list[torch.Tensor], plans: np.ndarray, fill: int
 ) -> torch.Tensor | list[torch.Tensor]:
     """``images`` (uint8, as a backend decoded them with zero padding) with ``fill`` where
     their plans pad: the rows and columns :func:`plan_indices` finds outside the resized image.
     A constant number of ops for a batch tensor, on its device; for the GPU backends, whose
-    batched resize pads with zeros."""
+    batched resize pads with zeros. The plans cross to the device in a pinned ``non_blocking``
+    copy: the calling thread (the training loop's) never waits for the device."""
     if not fill or not len(plans):
         return images
-    p = np.asarray(plans)
+    p = np.ascontiguousarray(plans, dtype=np.int64)
     if isinstance(images, torch.Tensor):
         h2, w2 = images.shape[-2:]
-        return _fill(images, torch.from_numpy(p).to(images.device), h2, w2, fill)
+        return _fill(images, to_device(torch.from_numpy(p), images.device), h2, w2, fill)
     out = []
     for k, x in enumerate(images):
         h2, w2 = x.shape[-2:]
-        out.append(_fill(x[None], torch.from_numpy(p[k : k + 1]).to(x.device), h2, w2, fill)[0])
+        on = to_device(torch.from_numpy(p[k : k + 1]), x.device)
+        out.append(_fill(x[None], on, h2, w2, fill)[0])
     return out
 
 

@@ -49,12 +49,10 @@ import numpy as np
 import torch
 
 from ..ingest._sniff import Kind
-from ..store._targets import kept_rows
 from ..transforms._chunks import BUDGET_BYTES, Scratch
-from ..transforms._device import to_device
 from ..transforms._orientation import orient, steps
 from ..transforms._resample import resample
-from . import _masks, normalize_device
+from . import normalize_device
 from ._base import Backend
 from ._batched import BatchDecoder, applies_exif, default_decoder
 from ._core import (
@@ -67,6 +65,7 @@ from ._core import (
     out_size,
 )
 from ._fallback import Part, Result, decode_on_cpu, join, split, stage_times
+from ._mask_stage import MaskStage, PendingMasks
 from ._nvjpeg_faults import allocator_failure, raise_if_broken, raise_if_out_of_memory
 from ._streams import CudaStreams, HostStreams
 from ._workers import default_workers
@@ -95,10 +94,11 @@ class _Job:
     # (outputs, ready event); [] in a job whose submit failed
     gpu: Future | tuple[list[torch.Tensor | Exception], object] | list[object]
     done: Future | _Done
-    masks: Future | None = None  # the batch's masks decoded on the host (a CPU-stage thread)
+    masks: PendingMasks | None = None  # the batch's masks, decoded on the CPU stage's threads
 
     def futures(self) -> list[Future]:
-        return [f for f in (self.done, self.gpu, *self.cpu, self.masks) if isinstance(f, Future)]
+        masks = self.masks.futures if self.masks is not None else []
+        return [f for f in (self.done, self.gpu, *self.cpu, *masks) if isinstance(f, Future)]
 
 
 def _result(x):
@@ -121,7 +121,6 @@ class NvjpegBackend(Backend):
         masks: MaskOptions | None = None,
     ):
         device = normalize_device(device)
-        self.masks = masks  # bring each sample's mask along (decoded on the CPU stage)
         self.cache, self.device, self.on_error = cache, device, on_error
         self.decoder = decoder if decoder is not None else default_decoder(device)
         if normalize_device(self.decoder.device) != device:
@@ -153,6 +152,19 @@ class NvjpegBackend(Backend):
                 ),
                 "transform": ThreadPoolExecutor(1, "gpucache-nvjpeg-transform"),
             }
+        #: the batch's masks, split among the CPU stage's threads (inline when unthreaded)
+        self._mask_stage = (
+            None
+            if masks is None
+            else MaskStage(
+                cache,
+                fill=masks.fill,
+                dtype=masks.dtype,
+                device=device,
+                pool=self._pools.get("cpu"),
+                chunks=self.cpu_threads if self._pools else 1,
+            )
+        )
         self._closed = False
         self._threads: list[threading.Thread] = []  # the stages' threads, once they ran
         # garbage collection may happen on a pool's own thread: stop them without joining there
@@ -199,38 +211,6 @@ class NvjpegBackend(Backend):
         t0 = time.perf_counter()
         out = decode_on_cpu(self.cache, indices, plans, positions, on_error=self.on_error)
         return out, time.perf_counter() - t0
-
-    def _mask_stage(
-        self, indices: np.ndarray, plans: np.ndarray, stack: bool
-    ) -> torch.Tensor | list[torch.Tensor]:
-        """The batch's masks decoded on the host: for a fixed-size batch into one (N, Hmax,
-        Wmax) buffer for one copy and the gather on the device (:mod:`._masks`); otherwise
-        each through its plan here."""
-        assert self.masks is not None
-        self._note_thread()
-        if stack:
-            return _masks.host_masks(self.cache, indices, self.masks.dtype)
-        return [
-            self.masks.apply(self.cache, i, p)
-            for i, p in zip(indices.tolist(), np.asarray(plans).tolist())
-        ]
-
-    def _place_masks(
-        self,
-        host: torch.Tensor | list[torch.Tensor],
-        indices: np.ndarray,
-        plans: np.ndarray,
-        kept: np.ndarray,
-    ) -> torch.Tensor | list[torch.Tensor]:
-        """The kept samples' masks on the device (the transform stage's stream): one copy and
-        one gather for a fixed-size batch."""
-        assert self.masks is not None
-        rows = kept_rows(indices, kept)
-        if isinstance(host, torch.Tensor):
-            on = to_device(host[torch.from_numpy(rows)], self.device)
-            p = to_device(torch.from_numpy(np.asarray(plans)[rows]), self.device)
-            return _masks.gather_masks(on, p, self.masks.fill)
-        return [to_device(host[r], self.device) for r in rows.tolist()]
 
     def _decode_stage(
         self, indices: np.ndarray, positions: np.ndarray, took: dict
@@ -302,7 +282,7 @@ class NvjpegBackend(Backend):
         cpu,
         refused: Part,
         took: dict,
-        masks=None,
+        masks: PendingMasks | None = None,
     ) -> _Done:
         self._note_thread()
         # float32 pixels whatever autocast region the caller is in (a synchronous submit runs
@@ -327,7 +307,8 @@ class NvjpegBackend(Backend):
                 out_hw=out_size(plans),
             )
             if masks is not None:
-                out.masks = self._place_masks(_result(masks), indices, plans, out.indices)
+                assert self._mask_stage is not None
+                out.masks = self._mask_stage.place(masks, plans, out.indices)
             took["resize"], took["collate"] = t1 - t0, time.perf_counter() - t2
             out.times, out.routes = (
                 stage_times(took),
@@ -430,7 +411,7 @@ class NvjpegBackend(Backend):
         if not self._pools:
             cpu = [self._cpu_stage(indices, plans, cpu_pos)]
             gpu = self._decode_stage(indices, gpu_pos, took)
-            masks = self._mask_stage(indices, plans, stack) if self.masks else None
+            masks = self._mask_stage.submit(indices, plans, stack) if self._mask_stage else None
             done = self._transform_stage(
                 indices, plans, stack, gpu_pos, gpu, cpu_pos, cpu, refused, took, masks
             )
@@ -441,11 +422,8 @@ class NvjpegBackend(Backend):
             self._pools["cpu"].submit(self._cpu_stage, indices, plans, chunk)
             for chunk in (np.array_split(cpu_pos, n) if n else [])
         ]
-        mask_f = (
-            self._pools["cpu"].submit(self._mask_stage, indices, plans, stack)
-            if self.masks
-            else None
-        )
+        # queued after the images' CPU chunks, split among the same threads
+        mask_f = self._mask_stage.submit(indices, plans, stack) if self._mask_stage else None
         gpu_f = self._pools["decode"].submit(self._decode_stage, indices, gpu_pos, took)
         done_f = self._pools["transform"].submit(
             self._transform_stage,

@@ -425,7 +425,7 @@ class GpuCachedLoader:
             timeout=self.timeout,
             pin_memory=self.pin_memory,
             steps=tuple(t for _, t in self.transform.steps[: self._steps_in_backend]),
-            masks=self._masks_dtype is not None and self.backend_name in ("cpu", "nvjpeg"),
+            masks=self._masks_dtype is not None,
             mask_fill=self.mask_fill,
             mask_dtype=str(self._masks_dtype or torch.uint8).removeprefix("torch."),
             fill=self.fill,
@@ -573,7 +573,7 @@ class GpuCachedLoader:
         masks = None
         if self._masks_dtype is not None:
             with _range("gpucache.masks", profiled):
-                masks = self._batch_masks(out, kept)
+                masks = self._batch_masks(out)
         if self.fill and self.backend_name != "cpu":  # the GPU backends pad with zeros
             images = _masks.fill_padding(images, kept, self.fill)
         with _range("gpucache.transform", profiled):
@@ -596,23 +596,17 @@ class GpuCachedLoader:
         )
         return images, first, info
 
-    def _batch_masks(self, out: Decoded, plans: np.ndarray) -> torch.Tensor | list[torch.Tensor]:
-        """The batch's masks on the loader's device: those the backend brought (the cpu
-        workers decode them beside the images, nvjpeg on its CPU stage), or decoded here on
-        the host and gathered on the device (DALI)."""
-        assert self._masks_dtype is not None
-        if out.masks is not None:
-            m = out.masks
-            return self._move(m) if isinstance(m, torch.Tensor) else [self._move(t) for t in m]
-        return _masks.batch_masks(
-            self.cache,
-            out.indices,
-            plans,
-            fill=self.mask_fill,
-            dtype=self._masks_dtype,
-            stack=isinstance(out.images, torch.Tensor),
-            device=self.device,
-        )
+    def _batch_masks(self, out: Decoded) -> torch.Tensor | list[torch.Tensor]:
+        """The batch's masks on the loader's device, as the backend brought them: the cpu
+        workers decode them beside the images, the GPU backends on threads of their own and
+        already on the device (never on this, the training loop's, thread)."""
+        m = out.masks
+        if m is None:
+            raise RuntimeError(
+                f"gpucache: the {self.backend_name} backend returned a batch without its masks "
+                "(a backend bug; please report it)."
+            )
+        return self._move(m) if isinstance(m, torch.Tensor) else [self._move(t) for t in m]
 
     def _move(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` on the loader's device; with ``pin_memory`` through pinned memory and
@@ -736,4 +730,5 @@ def _make_backend(loader: GpuCachedLoader) -> Backend:
         hw_decoder_load=loader.hw_decoder_load,
         seed=loader.seed,
         on_error=loader.on_error,
+        masks=MaskOptions.of(loader.decode_options),
     )

@@ -51,11 +51,18 @@ from ._orientation import steps_of
 
 
 def _taps_host(
-    length: np.ndarray, resized: np.ndarray, start2: np.ndarray, out: int, flip: np.ndarray
+    length: np.ndarray,
+    resized: np.ndarray,
+    start2: np.ndarray,
+    out: int,
+    flip: np.ndarray,
+    span: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One axis's filter per output position, as torch's ``_upsample_bilinear2d_aa`` defines it
     (support = the scale when shrinking, else 1; a triangle normalised per output): a resize
-    ``length`` -> ``resized``, then ``out`` positions from ``start2`` (reversed where ``flip``).
+    ``length`` -> ``resized``, then ``span`` output positions from ``start2``, mirrored over
+    ``span`` where ``flip``. ``out`` (>= ``span``) is the row length of the arrays, so both axes
+    of a chunk share one layout; positions from ``span`` on are never read.
 
     Returns, per image and output position (N, out): the first input index of the window (the
     crop's ``length`` where the position is outside the resized image: the second crop's zero
@@ -67,7 +74,7 @@ def _taps_host(
     scale = length / resized.astype(np.float64)
     support = np.maximum(scale, 1.0)
     o = np.arange(out, dtype=np.float64)[None, :]
-    pos = np.where(flip[:, None], start2[:, None] + out - 1 - o, start2[:, None] + o)
+    pos = np.where(flip[:, None], start2[:, None] + span - 1 - o, start2[:, None] + o)
     center = scale[:, None] * (pos + 0.5)
     first = np.maximum(np.trunc(center - support[:, None] + 0.5), 0.0)
     inside = (pos >= 0) & (pos < resized[:, None])
@@ -283,11 +290,13 @@ def host_plan(
     bases = ends - sizes - np.repeat(ends[starts] - sizes[starts], counts)  # joined per chunk
     parts = _gather_parts(shapes, strides, plans, orient, bases)
     # both axes' filters in one set of rows a chunk: its n heights, then its n widths
-    o = max(int(plans[0, Col.HEIGHT2]), int(plans[0, Col.WIDTH2]))
+    # (a flip mirrors over the output's width, not over the longer side)
+    oh, ow = int(plans[0, Col.HEIGHT2]), int(plans[0, Col.WIDTH2])
+    o = max(oh, ow)
     h1, w1 = plans[:, Col.HEIGHT1], plans[:, Col.WIDTH1]
-    hy = _taps_host(h1, plans[:, Col.RH], plans[:, Col.TOP2], o, np.zeros(n, dtype=bool))
+    hy = _taps_host(h1, plans[:, Col.RH], plans[:, Col.TOP2], o, np.zeros(n, dtype=bool), oh)
     flips = plans[:, Col.FLIP].astype(bool)
-    hx = _taps_host(w1, plans[:, Col.RW], plans[:, Col.LEFT2], o, flips)
+    hx = _taps_host(w1, plans[:, Col.RW], plans[:, Col.LEFT2], o, flips, ow)
     laid = np.concatenate([np.r_[a : a + m, n + a : n + a + m] for a, m in zip(starts, counts)])
     first, offset, inv = (np.concatenate([y, x])[laid] for y, x in zip(hy[:3], hx[:3]))
     last = (np.concatenate([h1, w1]).astype(np.float32) - 1)[laid]
