@@ -24,6 +24,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("testing", ("gpucache.testing",)),
     ("node", ("gpucache.node",)),
     ("loader", ("gpucache.loader", "gpucache._dataset")),
+    # the node cache folder's checks and its build lock, which the loader's decoded tier uses
+    # too (built once per node beside the store, docs/guides/decoded.md)
+    ("node files", ("gpucache.node._dir", "gpucache.node._lock")),
     ("decode", ("gpucache.decode",)),
     ("transforms", ("gpucache.transforms",)),
     ("ingest", ("gpucache.ingest",)),

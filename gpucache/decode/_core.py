@@ -26,6 +26,7 @@ from .._errors import SampleError
 from .._plan import AFTER_BOX1, BOX1, Col
 from ..ingest._pixels import eight_bit
 from ..ingest._sniff import JPEG_KINDS, Kind
+from ..store._decoded import IN_TIER, DecodedPixels
 from ..store._limits import check_pixels
 from ..store._oom import raise_if_out_of_memory
 from ..transforms import apply_steps, batch_generator, elementwise_into, elementwise_prefix
@@ -264,6 +265,7 @@ def decode_batch(
     alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     masks: MaskOptions | None = None,
     fill: int = 0,
+    pixels: DecodedPixels | None = None,
 ) -> Decoded:
     """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise).
 
@@ -288,6 +290,10 @@ def decode_batch(
     ``fill`` is the image value where a plan pads. ``masks`` (fill, dtype): each sample's mask is decoded beside its image and sent through
     the sample's plan as drawn (:mod:`._masks`; nearest neighbour, ``fill`` where it pads); a
     mask that fails fails its sample.
+
+    ``pixels``: the loader's decoded tier (:mod:`gpucache.store._decoded`): a sample held there
+    is not decoded but cut from its pixels (its plan drawn for the tier's size; the time counts
+    as ``read``); one the tier marks as decoded from the store is decoded here as without it.
 
     The result carries the seconds each stage took (``Decoded.times``): ``read`` touches one byte
     a page of the sample's bytes, so that a store read from disk is seen there and not in decode.
@@ -323,11 +329,16 @@ def decode_batch(
         rec["width"].tolist(),
         restart,
     )
-    for s, plan in zip(samples, np.asarray(plans).tolist()):
+    # 0 where the decoded tier holds the sample's pixels (1: decoded from the store)
+    status = pixels.status[indices].tolist() if pixels is not None else [1] * len(indices)
+    for s, plan, held in zip(samples, np.asarray(plans).tolist(), status):
         i, kind = s.i, s.kind
         drawn = plan  # the plan as drawn, for the mask (fast_plan may change the image's)
         denom = 1
-        if not exact:  # the scale only where the compiled decoder takes the sample
+        tier_size = None  # the sample's size in the decoded tier, where it is held there
+        if held == IN_TIER and pixels is not None:
+            tier_size = (int(pixels.heights[i]), int(pixels.widths[i]))
+        elif not exact:  # the scale only where the compiled decoder takes the sample
             plan, denom = fast_plan(
                 plan,
                 s.height,
@@ -338,39 +349,46 @@ def decode_batch(
                 and s.precision == 8,
             )
         t0 = clock()
-        if TIMED:
+        if TIMED and tier_size is None:
             touch_pages(data[offsets[i] : offsets[i + 1]])
         t1 = clock()
         read += t1 - t0
         try:
-            check_pixels(cache, i)
-            _roi.take_warning()
-            with stage_range("gpucache.decode", profiled):
-                x, used_roi, scale = _decode_box(cache, s, plan, regions, denom, mismatched)
-            t2 = clock()
-            route = (
-                "fallback"
-                if kind not in JPEG_KINDS
-                else "scaled"
-                if scale > 1
-                else "region"
-                if used_roi
-                else "full"
-            )
-            route_s[route] += t2 - t1
-            route_n[route] += 1
-            decoded += t2 - t1
-            note = _roi.take_warning()
-            if note is not None:
-                warned.append((i, warned_reason(cache, i, note)))
-                if on_error == "skip_warned":
-                    failed.append((i, f"{warned[-1][1]}; left out (on_error='skip_warned')"))
-                    continue
+            if tier_size is not None:  # no decode: the plan's first crop of the tier's pixels
+                assert pixels is not None
+                t1_, l1_, h1_, w1_ = plan[BOX1]
+                x, used_roi = pixels.image(i)[:, t1_ : t1_ + h1_, l1_ : l1_ + w1_], False
+                t2 = clock()
+                read += t2 - t1
+            else:
+                check_pixels(cache, i)
+                _roi.take_warning()
+                with stage_range("gpucache.decode", profiled):
+                    x, used_roi, scale = _decode_box(cache, s, plan, regions, denom, mismatched)
+                t2 = clock()
+                route = (
+                    "fallback"
+                    if kind not in JPEG_KINDS
+                    else "scaled"
+                    if scale > 1
+                    else "region"
+                    if used_roi
+                    else "full"
+                )
+                route_s[route] += t2 - t1
+                route_n[route] += 1
+                decoded += t2 - t1
+                note = _roi.take_warning()
+                if note is not None:
+                    warned.append((i, warned_reason(cache, i, note)))
+                    if on_error == "skip_warned":
+                        failed.append((i, f"{warned[-1][1]}; left out (on_error='skip_warned')"))
+                        continue
             with stage_range("gpucache.resize", profiled):
                 rh, rw, top2, left2, h2, w2, flip = plan[AFTER_BOX1]
                 y = finish_plan(x, rh, rw, top2, left2, h2, w2, flip, fill)
                 if masks is not None:
-                    mask_out.append(masks.apply(cache, i, drawn))
+                    mask_out.append(masks.apply(cache, i, drawn, tier_size))
                 images.append(y)
             resized += clock() - t2
             kept.append(i)
@@ -458,6 +476,7 @@ def decode_task(
         alloc=alloc,
         masks=MaskOptions.of(options),
         fill=options.fill,
+        pixels=options.pixels,
     )
 
 
@@ -481,9 +500,17 @@ class MaskOptions(NamedTuple):
             return None
         return cls(options.mask_fill, getattr(torch, options.mask_dtype))
 
-    def apply(self, cache, i: int, plan: Sequence[int]) -> torch.Tensor:
-        """Sample ``i``'s mask through ``plan``."""
-        return _masks.apply_mask_plan(_masks.decode_one(cache, i, self.dtype), plan, self.fill)
+    def apply(
+        self, cache, i: int, plan: Sequence[int], size: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Sample ``i``'s mask through ``plan``; ``size``: the image's size in the decoded tier,
+        to which the mask is first resized (nearest neighbour, the image's scale)."""
+        mask = _masks.decode_one(cache, i, self.dtype)
+        if size is not None and tuple(mask.shape) != size:
+            h, w = mask.shape
+            scaled = [0, 0, h, w, size[0], size[1], 0, 0, size[0], size[1], 0]
+            mask = _masks.apply_mask_plan(mask, scaled, self.fill)
+        return _masks.apply_mask_plan(mask, plan, self.fill)
 
 
 def fused_steps(steps: Sequence[Any]) -> int:

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ..store._decoded import DecodedPixels
+
 
 @dataclass(frozen=True)
 class DecodeOptions:
@@ -36,6 +38,9 @@ class DecodeOptions:
         mask_fill: The mask value where a plan pads (an ignore index).
         mask_dtype: The masks' dtype name (``"uint8"``, or ``"int32"`` for 16-bit masks).
         fill: The image value where a plan pads (every channel).
+        pixels: The loader's decoded tier (``decoded=``), or None: samples held there are cut
+            from its pixels instead of decoded (:func:`._core.decode_batch`); it pickles as
+            its file's descriptor, O(1) bytes a worker.
     """
 
     on_error: str = "skip"
@@ -51,6 +56,7 @@ class DecodeOptions:
     mask_fill: int = 255
     mask_dtype: str = "uint8"
     fill: int = 0
+    pixels: DecodedPixels | None = None
     share_batches: bool = False  # the pool's: workers send batches as memory files (._shared)
 
     def worker_seed(self, wid: int) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing as mp
+import os
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +32,7 @@ from ..transforms import (
     batch_generator,
 )
 from ..transforms._device import to_device
-from . import _nodes, _state
+from . import _nodes, _state, _tier
 from ._nodes import NodeOrder, RankPlan, Segment
 from ._sampling import Sampling
 from ._stats import LoaderStats
@@ -141,6 +143,18 @@ class GpuCachedLoader:
         mask_fill: The mask value where a plan pads (CenterCrop on a small image,
             ``Letterbox``, ``Pad``): an ignore index, 255 by default.
         fill: The image value (every channel, uint8) where a plan pads; 0 by default.
+        decoded: *Decoded tier* (docs/guides/decoded.md). Decode every image once, resized so
+            its short side is this many pixels (never enlarged), and hold those pixels once per
+            node; batches are then cut from them, not decoded. None (default): the raw tier.
+        decoded_side: ``"short"`` (default; for Resize/RandomResizedCrop pipelines) or
+            ``"long"``: the long side is made ``decoded`` (letterbox pipelines).
+        decoded_budget: Bytes the tier may take; None: half of the node's available memory.
+            A tier over it, or one whose file cannot be written, falls back to the raw tier
+            with a warning naming the bytes and the fix (``tier_reason``).
+        device_budget: Hold the tier on the GPU too (the ``device`` tier, CUDA only): bytes,
+            or a share of the GPU's free memory (a float); None (default): not on the GPU.
+        cache_dir: The node cache folder the tier's file goes in; None: the folder of a node
+            store, else the default node cache folder when a file is needed.
     """
 
     def __init__(
@@ -179,6 +193,12 @@ class GpuCachedLoader:
         masks: bool | None = None,
         mask_fill: int = 255,
         fill: int = 0,
+        # decoded tier
+        decoded: int | None = None,
+        decoded_side: Literal["short", "long"] = "short",
+        decoded_budget: int | None = None,
+        device_budget: int | float | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(cache, Store):
             raise TypeError(
@@ -251,6 +271,23 @@ class GpuCachedLoader:
         self.on_error, self.return_metadata = on_error, return_metadata
         self.exact = bool(exact)  # False: CPU decode may use DCT scaling (docs/guides/backends.md)
         self.num_replicas, self.rank = num_replicas, rank
+        self._tier = _tier.choose(
+            cache,
+            _tier.request(
+                decoded=decoded,
+                decoded_side=decoded_side,
+                decoded_budget=decoded_budget,
+                device_budget=device_budget,
+                cache_dir=cache_dir,
+            ),
+            device=self.device,
+            private_ok=self.device.type == "cuda"
+            or self.num_workers == 0
+            or mp.get_context(multiprocessing_context).get_start_method() == "fork",
+            several=num_replicas > 1 or _dist.local()[0] > 1,
+        )
+        if self._tier.pixels is not None:  # cut from pixels: on the CPU, or on the device
+            self.backend_name = "cpu" if self.device.type == "cpu" else "pixels"
         # the first batch steps that act on each sample alone run in the cpu backend's workers
         # (or its inline decode) when the batch ends on the CPU; the rest here, after them
         cpu_batches = self.backend_name == "cpu" and self.device.type == "cpu"
@@ -261,6 +298,7 @@ class GpuCachedLoader:
             workers=max(1, self.num_workers) if self.backend_name == "cpu" else 1,
             backend=self.backend_name,
         )
+        self.stats.tier = self._tier.describe()
         self._next_epoch = 0  # the epoch a fresh pass plays
         # (epoch, global position, node shares: the epoch's segments so far) from load_state_dict
         self._resume: tuple[int, int, list[Segment]] | None = None
@@ -405,10 +443,23 @@ class GpuCachedLoader:
     def plans(self, epoch: int, batch: int, indices: np.ndarray) -> np.ndarray:
         """The geometric plan of each sample of one batch (seeded by seed, epoch, batch, rank)."""
         rng = np.random.default_rng(list(self._key(epoch, batch)))
+        if self._tier.heights is not None and self._tier.widths is not None:  # the tier's sizes
+            return self.transform.plan(self._tier.heights[indices], self._tier.widths[indices], rng)
         s = self.cache.samples
         return self.transform.plan(
             s["height"][indices].astype(np.int64), s["width"][indices].astype(np.int64), rng
         )
+
+    @property
+    def tier(self) -> str:
+        """Where batches come from: ``"decoded"`` (pixels decoded once, on the host),
+        ``"device"`` (those pixels on the GPU) or ``"raw"`` (JPEGs decoded every batch)."""
+        return self._tier.name
+
+    @property
+    def tier_reason(self) -> str | None:
+        """Why the tier is not the one asked for (or where it is held instead), else None."""
+        return self._tier.reason
 
     # ------------------------------------------------------------------ iteration
     @property
@@ -429,6 +480,7 @@ class GpuCachedLoader:
             mask_fill=self.mask_fill,
             mask_dtype=str(self._masks_dtype or torch.uint8).removeprefix("torch."),
             fill=self.fill,
+            pixels=self._tier.pixels,
         )
 
     def _get_backend(self) -> Backend:
@@ -590,7 +642,7 @@ class GpuCachedLoader:
             [self.cache.paths[i] for i in out.indices],
             None if meta is None else [meta[i] for i in out.indices],
             out.failed,
-            kept,
+            _tier.store_plans(self._tier, out.indices, kept, self.cache),
             _ragged(self.cache, out.indices, move),
             None if masks is None else labels,
         )
@@ -706,6 +758,17 @@ def _check_int(name: str, value: object, low: int, fix: str) -> None:
 
 def _make_backend(loader: GpuCachedLoader) -> Backend:
     name = loader.backend_name
+    if name == "pixels":  # the decoded tier on a CUDA device
+        from ..decode._pixels import PixelBackend
+
+        assert loader._tier.pixels is not None
+        return PixelBackend(
+            loader.cache,
+            loader._tier.pixels,
+            device=loader.device,
+            resident=loader._tier.name == "device",
+            options=loader.decode_options,
+        )
     if name == "cpu":
         from ..decode._cpu import CpuBackend
 

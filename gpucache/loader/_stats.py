@@ -84,12 +84,16 @@ class LoaderStats:
     starved: int = 0  # batches not decoded yet when the loop asked for them
     workers: int = 1  # producers working in parallel (worker processes; 1 for threads)
     backend: str = "cpu"
+    #: where the batches come from: the loader's tier, described (docs/guides/decoded.md)
+    tier: str = "raw"
     epochs: list[dict[str, Any]] = field(default_factory=list)
     _rows: deque[tuple[float, ...]] = field(default_factory=lambda: deque(maxlen=KEEP), repr=False)
 
     def reset(self) -> None:
         """Start every count and timing afresh (the per-epoch history too)."""
-        fresh = LoaderStats(workers=self.workers, backend=self.backend, probe=self.probe)
+        fresh = LoaderStats(
+            workers=self.workers, backend=self.backend, probe=self.probe, tier=self.tier
+        )
         self.__dict__.update(fresh.__dict__)
 
     @property
@@ -319,6 +323,7 @@ class LoaderStats:
                 f"{self.busy_fraction():.0%} busy; a decoded batch was waiting "
                 f"{1 - self.starved / n:.0%} of the time"
             )
+        lines.append(f"tier: {self.tier}")
         private = self.worker_private
         if private:
             mib = ", ".join(f"{v / 2**20:.0f}" for _, v in sorted(private.items()))

@@ -21,8 +21,9 @@ import os
 import secrets
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .._owned import NOFOLLOW
 from . import _format
@@ -43,6 +44,16 @@ def save_atomic(
     on its temporary file until the rename, so the temporary files that a killed writer left
     (``.<name>.<random>.tmp``) are told apart from a live writer's and removed by the next save
     (:func:`remove_stale_temps`)."""
+    write_atomic(
+        path,
+        lambda f: _format.write(f, checksums=True, threads=threads, **arrays),
+        mode=mode,
+    )
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], object], *, mode: int | None) -> None:
+    """:func:`save_atomic` for any file: ``write(f)`` fills the temporary file ``f`` (opened
+    ``wb``), which is then fsync'ed and renamed to ``path`` (the decoded tier's file too)."""
     try:
         folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError) as err:
@@ -57,7 +68,7 @@ def save_atomic(
         _LIVE.add(tmp)
         try:
             with open(fd, "wb") as f:
-                _format.write(f, checksums=True, threads=threads, **arrays)
+                write(f)
                 f.flush()
                 os.fchmod(fd, 0o666 & ~_umask() if mode is None else mode)
                 os.fsync(fd)
