@@ -574,11 +574,12 @@ def test_each_missing_order_fails_the_backend(cache, monkeypatch, method, mutant
 
 
 def test_the_allocation_stream_is_synchronised_before_decoding_even_when_pooled(cache, monkeypatch):
-    """torch.cuda.Stream() hands out streams from a round-robin pool, so the backend's allocation
-    stream may be the very stream a user computes on (a pool of one here): a block the user's
-    queued kernel still writes, freed to that stream's pool, is handed to the decoder's output,
-    which nvJPEG's private stream writes at once. The backend synchronises the allocation stream
-    right before each decode; without that barrier the emulation sees the race."""
+    """torch.cuda.Stream() hands out streams from a round-robin pool (one a priority), so the
+    backend's allocation stream may be the very stream a user computes on (a user's stream of
+    the backend's priority, from a pool of one here): a block the user's queued kernel still
+    writes, freed to that stream's pool, is handed to the decoder's output, which nvJPEG's
+    private stream writes at once. The backend synchronises the allocation stream right before
+    each decode; without that barrier the emulation sees the race."""
     idx = np.arange(8)
     s = cache.samples
     plans = T.Compose([T.RandomResizedCrop(24)]).plan(
@@ -589,7 +590,7 @@ def test_the_allocation_stream_is_synchronised_before_decoding_even_when_pooled(
 
     def run() -> None:
         with EmulatedCuda(devices=1, stream_pool=1):
-            user = torch.cuda.Stream()
+            user = torch.cuda.Stream(priority=_streams.STREAM_PRIORITY)
             dev = torch.device("cuda", 0)
             backend = NvjpegBackend(
                 cache,

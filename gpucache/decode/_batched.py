@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, cast
 
+import numpy as np
 import torch
 
 from . import normalize_device
@@ -34,6 +35,29 @@ class BatchDecoder:
     device: torch.device
     decode: Callable[[list[torch.Tensor]], list[torch.Tensor]]
     applies_exif: bool | None = None
+
+
+#: Fewest images a sub-batch of a concurrent decode gets: each decoder call costs its own header
+#: pass and host synchronisations, which a smaller sub-batch would not repay by overlapping.
+MIN_SUB_BATCH = 8
+
+
+def sub_batches(pixels: np.ndarray, n: int, *, least: int = MIN_SUB_BATCH) -> list[slice]:
+    """A batch of ``len(pixels)`` images cut, in order, into at most ``n`` contiguous runs of
+    about equal pixel counts (what a decoder's work grows with), each of at least ``least``
+    images: the sub-batches that concurrent decoder calls take. One run when the batch holds
+    fewer than two such runs."""
+    m = len(pixels)
+    k = max(1, min(n, m // max(1, least)))
+    if k == 1:
+        return [slice(0, m)]
+    cum = np.cumsum(np.asarray(pixels, dtype=np.float64))
+    want = np.searchsorted(cum, cum[-1] * np.arange(1, k) / k) + 1  # end after the target
+    bounds = [0]
+    for j, end in enumerate(want.tolist(), 1):  # each run keeps ``least``, so do the rest
+        bounds.append(min(max(int(end), bounds[-1] + least), m - least * (k - j)))
+    bounds.append(m)
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _probe_jpeg() -> torch.Tensor:

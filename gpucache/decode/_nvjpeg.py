@@ -11,14 +11,19 @@ step consumes batch k-1; the loader keeps at least three batches in flight
    (:func:`~gpucache.decode._fallback.decode_on_cpu`, region decode included), ahead of and
    beside the GPU work, a batch's samples split among the threads; the pixel budget refuses
    oversized samples before any decoder sees them;
-2. **decode** (one thread: torchvision's decoder is one global instance): one batched
-   ``decode_jpeg(list, device=...)`` call (:mod:`._batched`: TorchCodec's when installed, else
-   torchvision's) reads zero-copy views of the store; its outputs are allocated on a dedicated
-   stream (:mod:`._streams`); if the call fails (one corrupt JPEG fails it all) the batch is
-   decoded one sample at a time, and what the decoder still rejects goes to the CPU; running out
-   of device memory is never a bad sample (:mod:`._nvjpeg_faults`): nvJPEG's own allocator
-   failing (status 5) empties torch's caching allocator and retries the batch once, then, like
-   any out of memory, raises ``torch.OutOfMemoryError`` with advice;
+2. **decode** (``decoders`` concurrent calls: :meth:`NvjpegBackend._decode_threads`): batched
+   ``decode_jpeg(list, device=...)`` calls (:mod:`._batched`: TorchCodec's when installed, else
+   torchvision's) read zero-copy views of the store. TorchCodec gives each concurrent call a
+   decoder of its own, so a batch is cut into ``decoders`` sub-batches of about equal pixels
+   (:func:`._batched.sub_batches`), decoded at once on as many threads, each under its own
+   allocation stream (:mod:`._streams`): one call's host work (headers, allocation,
+   synchronisations) overlaps another's decoding. torchvision keeps one global decoder behind a
+   mutex, so it gets one call a batch on one thread. If a call fails (one corrupt JPEG fails it
+   all) its sub-batch is decoded one sample at a time, and what the decoder still rejects goes
+   to the CPU; running out of device memory is never a bad sample (:mod:`._nvjpeg_faults`):
+   nvJPEG's own allocator failing (status 5) synchronises the device (the failed call's work
+   may still be queued), empties torch's caching allocator and retries the call once, then,
+   like any out of memory, raises ``torch.OutOfMemoryError`` with advice;
 3. **transform** (one thread, the side stream; autocast off, so an autocast region around a
    synchronous ``submit`` leaves the pixels alone): the batch's plans run in a few chunks of a
    constant number of ops each, in at most 256 MiB of the device
@@ -42,7 +47,7 @@ import logging
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,7 +59,7 @@ from ..transforms._orientation import orient, steps
 from ..transforms._resample import resample
 from . import normalize_device
 from ._base import Backend
-from ._batched import BatchDecoder, applies_exif, default_decoder
+from ._batched import BatchDecoder, applies_exif, default_decoder, sub_batches
 from ._core import (
     Decoded,
     MaskOptions,
@@ -144,14 +149,22 @@ class NvjpegBackend(Backend):
         self._pools: dict[str, ThreadPoolExecutor] = {}
         #: threads of the CPU stage, among which a batch's CPU samples are split
         self.cpu_threads = max(1, default_cpu_threads() if cpu_threads is None else cpu_threads)
+        #: concurrent decoder calls a batch is split among (threaded only; one unthreaded)
+        self.decoders = self._decode_threads(decode_threads) if threaded else 1
         if threaded:
             self._pools = {
                 "cpu": ThreadPoolExecutor(self.cpu_threads, "gpucache-nvjpeg-cpu"),
+                # one thread decodes each batch itself; with several decoders two threads hand
+                # out the sub-batches (the next batch's queue behind the current one's)
                 "decode": ThreadPoolExecutor(
-                    self._decode_threads(decode_threads), "gpucache-nvjpeg-decode"
+                    1 if self.decoders == 1 else 2, "gpucache-nvjpeg-decode"
                 ),
                 "transform": ThreadPoolExecutor(1, "gpucache-nvjpeg-transform"),
             }
+            if self.decoders > 1:
+                self._pools["decoders"] = ThreadPoolExecutor(
+                    self.decoders, "gpucache-nvjpeg-decoder"
+                )
         #: the batch's masks, split among the CPU stage's threads (inline when unthreaded)
         self._mask_stage = (
             None
@@ -171,10 +184,12 @@ class NvjpegBackend(Backend):
         self._finalizer = weakref.finalize(self, _shutdown, list(self._pools.values()), wait=False)
 
     def _decode_threads(self, given: int | None) -> int:
-        """Decoding threads: TorchCodec keeps a cache of decoders per device and gives concurrent calls
-        their own instance, so two threads
-        keep the GPU's decoders busy while one waits on the host; torchvision's decoder is one
-        global instance (a second thread would only queue on it), so one."""
+        """Concurrent decoder calls a batch is split among (``decode_threads``, else the
+        decoder's default): TorchCodec keeps a pool of decoders a device and gives each
+        concurrent call its own (no global lock), so two calls keep the GPU's decoders busy
+        while one waits on the host (how many pay best on a GPU is what the device check's
+        ``decoders`` part measures, at 1, 2 and 4); torchvision's decoder is one global
+        instance behind a mutex (a second call would only queue on it), so one."""
         if given is not None:
             if given < 1:
                 raise ValueError(f"decode_threads should be >= 1, got {given}.")
@@ -215,20 +230,50 @@ class NvjpegBackend(Backend):
     def _decode_stage(
         self, indices: np.ndarray, positions: np.ndarray, took: dict
     ) -> tuple[list[torch.Tensor | Exception], object]:
-        """Batched decode of ``indices[positions]`` under this thread's allocation stream: the
-        outputs (or why each failed) and the event that marks them written (None off CUDA).
-        ``took`` gets the host time of the read and of the decode call (on CUDA the kernels
-        run on after it returns)."""
+        """Batched decode of ``indices[positions]``: the outputs (or why each failed), in
+        order, and what marks them written: the event of the one call (None off CUDA), or
+        with several decoders a list of them, one a sub-batch. With ``decoders`` > 1 the
+        positions are cut into that many sub-batches (:func:`._batched.sub_batches`), each
+        decoded by its own call on a thread of the decoders' pool, at once; this thread waits
+        for all of them (an error is raised once every call ended). ``took`` gets the host time
+        of the reads and of the calls, from the first start to the last end (on CUDA the
+        kernels run on after it returns)."""
         self._note_thread()
         if not len(positions):
             return [], None
+        pool = self._pools.get("decoders")
+        if pool is None:
+            images, ready, (t0, t1, t2) = self._decode_part(indices, positions)
+            took["read"], took["full"] = t1 - t0, t2 - t1
+            return images, ready
+        s = self.cache.samples
+        rows = indices[positions]
+        pixels = s["height"][rows].astype(np.int64) * s["width"][rows]
+        futures = [
+            pool.submit(self._decode_part, indices, positions[part])
+            for part in sub_batches(pixels, self.decoders)
+        ]
+        wait(futures)
+        parts = [f.result() for f in futures]  # the first error, in batch order
+        times = np.array([t for _, _, t in parts])  # (start, read, end) a call
+        took["read"] = float((times[:, 1] - times[:, 0]).max())
+        took["full"] = float(times[:, 2].max() - times[:, 1].min())
+        images = [x for part_images, _, _ in parts for x in part_images]
+        return images, [ready for _, ready, _ in parts if ready is not None]
+
+    def _decode_part(
+        self, indices: np.ndarray, positions: np.ndarray
+    ) -> tuple[list[torch.Tensor | Exception], object, tuple[float, float, float]]:
+        """One decoder call on ``indices[positions]`` under this thread's allocation stream:
+        the outputs (or why each failed), the event that marks them written (None off CUDA),
+        and the times it started, read the store's views and returned."""
+        self._note_thread()
         t0 = time.perf_counter()
         data = [self.cache._bytes_tensor(int(i)) for i in indices[positions].tolist()]
         t1 = time.perf_counter()
         with self._streams.on_side(), self._streams.decoding() as decoding:
             images = self._decode_all(data)
-        took["read"], took["full"] = t1 - t0, time.perf_counter() - t1
-        return images, decoding.ready
+        return images, decoding.ready, (t0, t1, time.perf_counter())
 
     def _decode_all(self, data: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         try:
@@ -247,9 +292,12 @@ class NvjpegBackend(Backend):
             return out
 
     def _decode_batch(self, data: list[torch.Tensor], what: str) -> list[torch.Tensor]:
-        """The decoder's call; nvJPEG's allocator failing (status 5) empties torch's caching
-        allocator and retries once. Out of memory then (or at first, as torch or CUDA say it)
-        raises ``torch.OutOfMemoryError``; any other error is the caller's."""
+        """The decoder's call; nvJPEG's allocator failing (status 5) synchronises the device
+        (the failed call's kernels may still write the outputs it freed, which the retry's
+        outputs would reuse), empties torch's caching allocator and retries once
+        (:meth:`._streams.CudaStreams.release_cached`). Out of memory then (or at first, as
+        torch or CUDA say it) raises ``torch.OutOfMemoryError``; any other error is the
+        caller's."""
         try:
             return self.decoder.decode(data)
         except Exception as err:  # noqa: BLE001 - classified here, re-raised otherwise

@@ -6,11 +6,19 @@ device without streams) runs everything in order and checks the hand-over rule t
 **untested on GPU**.
 
 On CUDA a batch is decoded and planned on the backend's side stream, in the background thread.
-The decoder's outputs are allocated on a dedicated *allocation stream*: torchvision's
-``decode_jpegs_cuda`` allocates them on the current stream, then writes them from a private
-stream that waits for nothing but itself, so memory freed by kernels still queued on the side
+The decoder's outputs are allocated on a dedicated *allocation stream* (one for each decoding
+thread): torchvision's ``decode_jpegs_cuda`` allocates them on the current stream, then writes
+them from a private stream that waits for nothing but itself (TorchCodec's hardware engine does
+not follow the stream it is given either), so memory freed by kernels still queued on the side
 stream must never be handed to it. Blocks of the allocation stream are only reused once the side
 stream's work on them is done (``record_stream``), and the side stream waits for that stream.
+
+Every stream of gpucache has the priority :data:`STREAM_PRIORITY`, and none of a backend's
+streams is another of its own: ``torch.cuda.Stream()`` hands out streams round-robin from a pool
+of 32 a device and priority, the default priority's pool being the one user code and
+torchvision's decoder (its builds that take ``getStreamFromPool()``) draw from, so once enough
+streams were made there the side stream could be the decoder's own, and decode and transforms
+would run one after the other.
 
 The DALI backend takes its outputs bound to :func:`consumer_stream`, the stream its copies run on.
 Under :class:`~tests.support.emulated_cuda.EmulatedCuda` a stream call from any other gpucache
@@ -26,6 +34,12 @@ from collections.abc import Iterable
 import torch
 
 from . import normalize_device
+
+#: The priority of gpucache's streams: not the default (0), whose pool of streams torchvision's
+#: decoder and user code share; -1 is the next pool (a higher priority: CUDA's lower numbers).
+STREAM_PRIORITY = -1
+#: Streams torch's pool holds a device and priority (``kStreamsPerPool``).
+POOL_SIZE = 32
 
 
 def consumer_stream(device: torch.device):
@@ -64,13 +78,15 @@ class HostStreams:
 
     def adopt(self, tensors: Iterable[torch.Tensor], ready=None) -> None:
         """Decoder outputs are used on the side stream from now on (``ready``: the
-        :meth:`decoding` block's event, when the outputs were decoded on another thread)."""
+        :meth:`decoding` block's event when the outputs were decoded on another thread, or a
+        list of them, one a sub-batch, when several threads decoded them)."""
 
     def record(self) -> torch.cuda.Event | None:
         return None
 
     def release_cached(self) -> None:
-        """Give the memory torch's caching allocator holds unused back to the device (for a
+        """Before a decoder call is retried: wait for what the failed call left queued, then
+        give the memory torch's caching allocator holds unused back to the device (for a
         decoder that allocates outside it, such as nvJPEG); nothing off CUDA."""
 
     def hand_over(self, event, tensors: Iterable[torch.Tensor]) -> None:
@@ -83,15 +99,31 @@ class CudaStreams(HostStreams):
 
     def __init__(self, device: torch.device):
         super().__init__(device)
-        self.side = torch.cuda.Stream(self.device)
+        self._mine: list[torch.cuda.Stream] = []
+        self._making = threading.Lock()
+        self.side = self._distinct(torch.cuda.Stream(self.device, priority=STREAM_PRIORITY))
         self._local = threading.local()
+
+    def _distinct(self, stream: torch.cuda.Stream) -> torch.cuda.Stream:
+        """``stream``, or if it is one of this backend's streams already another one of
+        :data:`STREAM_PRIORITY`: the pool is round-robin, so after streams made elsewhere it
+        comes back to ours (two decoding threads on one stream would decode one after the
+        other)."""
+        with self._making:
+            for _ in range(POOL_SIZE):
+                if not any(stream == mine for mine in self._mine):
+                    break
+                stream = torch.cuda.Stream(self.device, priority=STREAM_PRIORITY)
+            self._mine.append(stream)  # a pool all ours (32 decoders): shared, still in order
+            return stream
 
     @property
     def alloc(self) -> torch.cuda.Stream:
         """The calling thread's allocation stream (several decoding threads never share one)."""
         stream = getattr(self._local, "alloc", None)
         if stream is None:
-            stream = self._local.alloc = torch.cuda.Stream(self.device)
+            alloc = torch.cuda.Stream(self.device, priority=STREAM_PRIORITY)
+            stream = self._local.alloc = self._distinct(alloc)
         return stream
 
     def on_side(self):
@@ -110,10 +142,11 @@ class CudaStreams(HostStreams):
         return _Decoding(self.alloc, barrier=self.alloc)
 
     def adopt(self, tensors: Iterable[torch.Tensor], ready=None) -> None:
-        if ready is not None:  # decoded on another thread, under that thread's stream
-            self.side.wait_event(ready)
-        else:
+        if ready is None:  # decoded on this thread, under its allocation stream
             self.side.wait_stream(self.alloc)
+        else:  # decoded on other threads, each under its own stream: one event, or one a part
+            for event in ready if isinstance(ready, list) else [ready]:
+                self.side.wait_event(event)
         for t in tensors:
             t.record_stream(self.side)
 
@@ -123,7 +156,14 @@ class CudaStreams(HostStreams):
         return event
 
     def release_cached(self) -> None:
+        """A failed decoder call may leave its kernels queued on a stream gpucache has no handle
+        to (torchvision's private stream; TorchCodec's hardware engine), still writing the
+        outputs it allocated and freed on the allocation stream, whose blocks torch's allocator
+        hands to the retry's outputs at once (and ``empty_cache`` keeps a block whose segment
+        holds a live one). So the device is synchronised first (a host sync, on the decoding
+        thread, on this error path only), then the cache emptied."""
         with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
     def hand_over(self, event, tensors: Iterable[torch.Tensor]) -> None:

@@ -194,6 +194,7 @@ _DATA_SHAPED = {
 #: Factories that allocate without writing.
 _NO_WRITE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 TOTAL_MEMORY = 80 * 2**30  # each emulated device's memory unless given
+_SMALL_BLOCK = 2**20  # torch's small pool: blocks of at most 1 MiB, from 2 MiB segments
 
 
 @dataclass(frozen=True)
@@ -230,8 +231,12 @@ class EmulatedCuda(OrderRules):
         decoder_fault: str | None = None,
         trust_decoder_sync: bool = False,
         stream_pool: int | None = None,
+        decoder_stream_from_pool: bool = False,
         decoder_leak: int = 0,
         total_memory: int = TOTAL_MEMORY,
+        fail_mid_decode: bool = False,
+        decode_rendezvous: int | None = None,
+        rendezvous_timeout_s: float = 10.0,
     ):
         if decoder_fault not in (None, "oom", "alloc", "init"):
             raise ValueError(
@@ -242,13 +247,23 @@ class EmulatedCuda(OrderRules):
         self.decoder_fault = decoder_fault
         self.trust_decoder_sync = trust_decoder_sync
         self.stream_pool = stream_pool  # None: every Stream() its own stream
+        if decoder_stream_from_pool and stream_pool is None:
+            raise ValueError("decoder_stream_from_pool=True needs a stream_pool.")
+        self.decoder_stream_from_pool = decoder_stream_from_pool  # torchvision's, from the pool
         self.decoder_leak = decoder_leak  # bytes a CUDA decode call never gives back
         self.total_memory = total_memory  # each device's, as get_device_properties reports it
+        self.fail_mid_decode = fail_mid_decode  # memory short: fail inside nvjpegDecodeBatched
+        self.decode_rendezvous = decode_rendezvous  # calls held until this many are inside
+        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.rendezvous_met = self.rendezvous_missed = False
+        self.decode_active = 0  # CUDA decode calls inside the decoder now
+        self.decode_overlap = 0  # the most at once
+        self.codec_decoders_built = 0  # TorchCodec decoders built (each call takes its own)
         self.outside = [0] * devices  # device bytes held outside torch's caching allocator
         self.decode_calls = 0  # CUDA decode calls (failed ones too)
         self.empty_caches = 0  # torch.cuda.empty_cache() calls
-        self._pooled: dict[int, list[Stream]] = {}
-        self._made_streams: dict[int, int] = {}
+        self._pooled: dict[tuple[int, int], list[Stream]] = {}
+        self._made_streams: dict[tuple[int, int], int] = {}
         self.decoder_rebuilds = 0
         self.reuses = 0
         self.host_syncs: list[HostSync] = []
@@ -264,7 +279,9 @@ class EmulatedCuda(OrderRules):
         self._reserved = [0] * devices
         self._pin_pending: weakref.WeakSet = weakref.WeakSet()
         self._tv_decoder: tuple[torch.device, Stream] | None = None
-        self._codec_decoders: dict[int, Stream] = {}
+        self._tv_mutex = threading.Lock()  # torchvision's decoderMutex: one call at a time
+        self._codec_idle: dict[int, list[Stream]] = {}  # TorchCodec's idle decoders a device
+        self._decode_cond = threading.Condition(self._lock)
         self._saved: list[tuple[object, str, object]] = []
 
     # ------------------------------------------------------------------ per-thread state
@@ -345,16 +362,20 @@ class EmulatedCuda(OrderRules):
     def set_device(self, device) -> None:
         self._local.device = self.index_device(device).index
 
-    def _pool_stream(self, device=None, priority: int = 0) -> Stream:
+    def _pool_stream(self, device=None, priority: int = 0, *, label: str | None = None) -> Stream:
         """``torch.cuda.Stream()`` as torch hands it out: the next of ``stream_pool`` streams of
-        the device, round-robin, so the pool's size-plus-first one is the first one again (two
-        callers may compute on one stream without knowing it)."""
+        the device and priority, round-robin, so the pool's size-plus-first one is the first one
+        again (two callers may compute on one stream without knowing it). torch keeps a pool for
+        each priority level (0, the default and lowest, and -1 to -3, higher), so streams of
+        another priority never come from the same pool. ``label``: a stream a library takes
+        from the pool (torchvision's decoder), made here when the pool is not full yet."""
         index = self.index_device(device).index
-        made = self._made_streams.get(index, 0)
-        self._made_streams[index] = made + 1
-        pool = self._pooled.setdefault(index, [])
+        key = (index, min(0, max(-3, int(priority))))
+        made = self._made_streams.get(key, 0)
+        self._made_streams[key] = made + 1
+        pool = self._pooled.setdefault(key, [])
         if made < self.stream_pool:
-            pool.append(Stream(device, priority))
+            pool.append(Stream(device, priority, _label=label))
         return pool[made % self.stream_pool]
 
     def get_device_properties(self, device=None):
@@ -371,14 +392,17 @@ class EmulatedCuda(OrderRules):
         return total - self.memory_reserved(device) - self.outside[index], total
 
     def empty_cache(self) -> None:
-        """``torch.cuda.empty_cache()``: every device's cached free blocks go back (reserved
-        falls to what live tensors use)."""
+        """``torch.cuda.empty_cache()``: every device's cached free blocks of the large pool go
+        back (reserved falls by their size). Blocks of at most 1 MiB stay cached, with their
+        history: torch carves them from 2 MiB segments and releases a segment only when all of
+        it is free, which one live block of it prevents (the emulation assumes one does)."""
         with self._lock:
             self._drain()
             self.empty_caches += 1
             for (index, _), blocks in self._free.items():
-                self._reserved[index] -= sum(b.size for b in blocks)
-            self._free.clear()
+                gone = [b for b in blocks if b.size > _SMALL_BLOCK]
+                self._reserved[index] -= sum(b.size for b in gone)
+                blocks[:] = [b for b in blocks if b.size <= _SMALL_BLOCK]
 
     # ------------------------------------------------------------------ tensors
     def _wrap(self, out, index: int | None):

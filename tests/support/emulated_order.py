@@ -157,6 +157,7 @@ class Stream:
             _check_stream_caller("torch.cuda.Stream")
         emu = active()
         self.device = emu.index_device(device)
+        self.priority = priority
         self.default = _default
         self.waited: list[object] = []
         self.handed_to: list[str] = []  # who read cuda_stream (e.g. DALI's outputs())
