@@ -78,6 +78,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"comma list of contenders to run: {', '.join(CONTENDERS)}",
     )
+    p.add_argument(
+        "--decoded",
+        type=int,
+        metavar="S",
+        default=None,
+        help="also run cpu-decoded-fork: GpuCachedLoader over a decoded tier whose images have "
+        "a short side of S (decoded=S; without --decoded it runs only when named, at 256)",
+    )
     p.add_argument("--workers", type=int, default=None, help="workers (default: usable cores)")
     p.add_argument("--batch-size", type=int, default=64, help="default 64")
     p.add_argument(
@@ -149,9 +157,13 @@ def select(args, cuda: bool) -> list[str]:
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
         raise ValueError(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+    if args.decoded is not None and "cpu-decoded-fork" not in names:
+        names = [*names, "cpu-decoded-fork"]
     keep = []
     for n in names:
         c = CONTENDERS[n]
+        if c.decoded and args.decoded is None and not args.contenders:
+            continue  # the decoded tier runs when asked for
         if c.backend is not None and c.backend not in backends:
             continue
         if c.backend in GPU_BACKENDS and not cuda:
@@ -187,6 +199,7 @@ def _invalid(args) -> str | None:
         ("--epochs", args.epochs, 1),
         ("--synthetic", args.synthetic, 1),
         ("--batches", args.batches, 1),
+        ("--decoded", args.decoded, 1),
     ):
         if v is not None and v < low:
             return f"{name} should be >= {low}, got {v}"
@@ -218,6 +231,7 @@ def run(args) -> int:
         epochs=args.epochs,
         workers=usable_cores() if args.workers is None else args.workers,
         seed=args.seed,
+        decoded=256 if args.decoded is None else args.decoded,
     )
     try:
         if args.explain:

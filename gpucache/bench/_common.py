@@ -19,6 +19,7 @@ class Config:
     batch_size: int = 64
     epochs: int = 3
     seed: int = 0
+    decoded: int = 256  # the decoded tier's side of ``cpu-decoded-fork`` (``--decoded S``)
 
 
 @dataclass

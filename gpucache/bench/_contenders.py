@@ -10,6 +10,7 @@
 ``cpu-file-spawn``      the same under spawn
 ``cpu-full-fork``       cpu-file-fork with ROI decode off: every JPEG decoded in full, then cropped
 ``cpu-rst-fork``        GpuCachedLoader cpu, the store transcoded with restart markers, fork
+``cpu-decoded-fork``    GpuCachedLoader cpu over a decoded tier (``--decoded S``), fork
 ``nvjpeg``, ``dali``    GpuCachedLoader GPU backends, store from file (when CUDA is present)
 ======================  ===============================================================
 """
@@ -45,6 +46,7 @@ class Contender:
     backing: str | None = None  # gpucache: "memory" | "file" | "rst" (restart-marker, memory)
     backend: Literal["cpu", "nvjpeg", "dali"] | None = None  # gpucache contenders
     roi: bool = True  # gpucache cpu: decode only the crop box when nvImageCodec is there
+    decoded: bool = False  # gpucache: over a decoded tier of side ``Config.decoded``
 
 
 CONTENDERS = {
@@ -105,6 +107,15 @@ CONTENDERS = {
             "fork",
             "rst",
             "cpu",
+        ),
+        Contender(
+            "cpu-decoded-fork",
+            "gpucache",
+            "GpuCachedLoader cpu, decoded tier (pixels decoded once, --decoded S), fork",
+            "fork",
+            "file",
+            "cpu",
+            decoded=True,
         ),
         Contender(
             "nvjpeg",
@@ -304,6 +315,7 @@ class Runner:
                 num_workers=w,
                 multiprocessing_context=self.c.context,
                 worker_init_fn=worker_init_fn,
+                decoded=self.cfg.decoded if self.c.decoded else None,
             )
         self.batch_size = bs
 
