@@ -159,7 +159,7 @@ def check_masks(cache, *, threads: int | None = None, progress: bool = True) -> 
     """Problems found by decoding every mask in full: each must decode to the kind, height and
     width its record (``masks.info``) states. The mask bytes' section CRC is checked at open."""
     from ..ingest._masks import decode_mask
-    from ..store._masks import MaskKind
+    from ..store._masks import MaskKind, check_png_header
 
     masks = cache.masks
     n = len(masks)
@@ -170,6 +170,7 @@ def check_masks(cache, *, threads: int | None = None, progress: bool = True) -> 
         for i in range(first, min(first + DECODE_CHUNK, n)):
             kind, h, w = MaskKind(int(masks.kinds[i])), int(masks.heights[i]), int(masks.widths[i])
             try:
+                check_png_header(masks[i], int(masks.kinds[i]), h, w)  # before any pixel
                 got = decode_mask(masks[i])
                 if got.shape != (h, w) or got.dtype != kind.dtype:
                     raise ValueError(

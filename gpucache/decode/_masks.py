@@ -32,7 +32,7 @@ import torch
 
 from .._plan import Col
 from ..ingest._masks import decode_mask
-from ..store._masks import MaskKind
+from ..store._masks import MaskKind, check_png_header
 from ..transforms._device import to_device
 from ._jpeg import quiet_torchvision_deprecation
 
@@ -64,6 +64,9 @@ def decode_one(cache, i: int, dtype: torch.dtype) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_png
 
     masks = cache.masks
+    expected = (int(masks.heights[i]), int(masks.widths[i]))
+    # the header against the record first: a lying record is refused before any pixel decodes
+    check_png_header(masks[i], int(masks.kinds[i]), *expected)
     quiet_torchvision_deprecation()
     try:
         x = decode_png(masks._bytes_tensor(i), ImageReadMode.UNCHANGED)
@@ -74,9 +77,10 @@ def decode_one(cache, i: int, dtype: torch.dtype) -> torch.Tensor:
             decode_mask(masks[i]).astype(np.int32 if dtype != torch.uint8 else np.uint8)
         )
         x = m[None]
-    expected = (int(masks.heights[i]), int(masks.widths[i]))
     if tuple(x.shape[1:]) != expected:
         raise ValueError(f"its mask decoded at {tuple(x.shape[1:])}, the store says {expected}")
+    if dtype == torch.uint8 and x.dtype != torch.uint8:  # never cut values to 8 bits
+        raise ValueError(f"its mask decoded as {x.dtype}, the store records 8-bit masks only")
     return x[0] if x.dtype == dtype else x[0].to(dtype)
 
 

@@ -35,10 +35,16 @@ import socket
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from contextlib import contextmanager
 from multiprocessing.connection import wait
+
+try:
+    import resource
+except ImportError:  # not on Windows (nor are the memory files whose loss it explains)
+    resource = None  # type: ignore[assignment]
 
 import numpy as np
 import torch
@@ -47,7 +53,7 @@ from .._cores import affinity, usable_cores
 from .._errors import SampleError, WorkerError
 from ..store._oom import FIX, raise_if_out_of_memory
 from . import _roi, _shared
-from ._core import Decoded
+from ._core import Decoded, decode_task
 from ._options import DecodeOptions
 from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
 
@@ -86,6 +92,19 @@ class _Link:
                 self.out[0] = self.out[0][n:]
 
 
+class _DescriptorLost(Exception):
+    """A batch's memory file did not arrive: this process had no descriptor left for it (the
+    kernel truncates the message's control data, ``MSG_CTRUNC``, and drops the descriptor)."""
+
+
+def _open_files_limit() -> tuple[int, int]:
+    """This process's open-file limit (soft, hard; -1 where it cannot be read). ``resource`` is
+    imported with the module: out of descriptors, an import could not open its file."""
+    if resource is None:
+        return -1, -1
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
 class WorkerPool:
     """``num_workers`` persistent decode processes fed round-robin."""
 
@@ -97,6 +116,8 @@ class WorkerPool:
         num_workers, timeout, pin_memory = options.num_workers, options.timeout, options.pin_memory
         self.method = ctx.get_start_method()
         self.cache, self.timeout, self.pin_memory = cache, timeout, pin_memory
+        self._options = options  # a batch whose memory file was lost is decoded here with them
+        self._warned_fds = False
         if self.method != "fork" and not cache.is_shared:
             cache.share()  # spawn/forkserver attach to shared pages; room checked first
         armed = threading.current_thread() is threading.main_thread()
@@ -144,7 +165,8 @@ class WorkerPool:
             if thaw:
                 gc.unfreeze()
         self._finalizer = weakref.finalize(self, _stop, self._links, self._wake)
-        self._pending: deque[tuple[int, int, np.ndarray]] = deque()  # (worker, task, indices)
+        # (worker, task, indices, (plans, stack, key)): the task, should it be decoded here
+        self._pending: deque[tuple[int, int, np.ndarray, tuple]] = deque()
         self._next = self._task = 0
         self._cv = threading.Condition()
         self._closed, self._active = False, 0
@@ -160,7 +182,7 @@ class WorkerPool:
     def ready(self) -> int:
         """Workers with a result arrived for their oldest task: at most the batches in flight,
         one a worker (a worker's later results queue behind its first)."""
-        socks = {self._links[w].sock for w, _, _ in self._pending}
+        socks = {self._links[w].sock for w, _, _, _ in self._pending}
         if not socks:
             return 0
         try:
@@ -192,7 +214,7 @@ class WorkerPool:
             link = self._links[w]
             link.out.append(memoryview(frame((self._task, indices, plans, stack, key))))
             link.flush()
-            self._pending.append((w, self._task, indices))
+            self._pending.append((w, self._task, indices, (plans, stack, key)))
 
     def get(self) -> Decoded:
         """The oldest batch; a failure closes the pool and raises ``WorkerError``."""
@@ -209,7 +231,7 @@ class WorkerPool:
             self.get()
 
     def _get(self) -> Decoded:
-        w, task, indices = self._pending.popleft()
+        w, task, indices, args = self._pending.popleft()
         link = self._links[w]
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
@@ -247,7 +269,12 @@ class WorkerPool:
         shapes = msg["shapes"]
         dtype = getattr(torch, msg.get("dtype", "uint8"))
         if msg.get("fd"):  # a stacked batch in a memory file: mapped, not copied
-            fd = self._recv_fd(link, indices, deadline)
+            try:
+                fd = self._recv_fd(link, indices, deadline)
+            except _DescriptorLost:  # out of descriptors here: the batch is decoded here
+                lost = self._with_masks(self._decoded(msg, w, []), msg, link, indices, deadline)
+                del lost  # its masks were read to keep the link in step; made again below
+                return self._decode_here(indices, *args)
             try:
                 shared = _shared.attach(fd, msg["nbytes"], dtype, tuple(shapes[0]))
             except (OSError, ValueError) as err:
@@ -308,12 +335,34 @@ class WorkerPool:
             rng_state=msg.get("rng_state"),
         )
 
+    def _decode_here(self, indices, plans, stack: bool, key) -> Decoded:
+        """A batch decoded in this process (its worker's memory file could not be received),
+        with the same plans and seed: the same pixels the worker made. Said once a pool."""
+        if not self._warned_fds:
+            self._warned_fds = True
+            soft, hard = _open_files_limit()
+            warnings.warn(
+                "gpucache: this process ran out of file descriptors (the open-file limit, "
+                f"RLIMIT_NOFILE, is {soft} here, at most {hard}), so a worker's batch could not "
+                "be received as a memory file; such batches are decoded in this process "
+                "instead (slower, nothing lost). Fix: raise the limit (`ulimit -n "
+                f"{max(hard, 4096) if hard > 0 else 4096}` before starting, or "
+                "resource.setrlimit(resource.RLIMIT_NOFILE, ...)), or close the files and "
+                "batches the process keeps open (a memory-file batch holds one descriptor "
+                "until it is freed).",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        log.info("gpucache: decoding samples %s here: no descriptor left", _span(indices))
+        return decode_task(self.cache, indices, plans, stack, key, self._options)
+
     def _recv_fd(self, link: _Link, indices, deadline) -> int:
-        """The memory file a worker sends after a batch's header (``_shared``)."""
+        """The memory file a worker sends after a batch's header (``_shared``); raises
+        :class:`_DescriptorLost` when this process has no descriptor left to receive it."""
         exited = False
         while True:
             try:
-                data, fds, _, _ = socket.recv_fds(link.sock, 1, 1)
+                data, fds, flags, _ = socket.recv_fds(link.sock, 1, 1)
             except BlockingIOError:
                 if exited:
                     raise self._died(link, indices, 0, 1) from None
@@ -325,6 +374,8 @@ class WorkerPool:
                 for fd in fds:
                     os.close(fd)
                 raise self._died(link, indices, 0, 1)
+            if not fds and flags & socket.MSG_CTRUNC:  # the kernel dropped it: no fd left
+                raise _DescriptorLost()
             if len(fds) != 1:
                 for fd in fds:
                     os.close(fd)
