@@ -16,7 +16,9 @@ store at batch time, so it behaves exactly as it does without the tier.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import zlib
 from collections.abc import Callable
 
@@ -109,7 +111,19 @@ def build(
                 progress(done, n)
     finally:
         shown.close()
+        _trim()
     return status, crc
+
+
+def _trim() -> None:
+    """Give the build's freed decode buffers back to the system (glibc's ``malloc_trim``): the
+    training process would otherwise keep them in its heap for the rest of the run."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # another C library (musl has none)
+        pass
 
 
 def _chunk_task(
