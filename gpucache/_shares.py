@@ -114,16 +114,23 @@ class Share:
     """The share one node builds: node ``node`` of ``nodes``, of ``partitions`` partitions.
 
     ``folder`` (not part of the key or the repr): where the node's store will live, for the
-    budget check made before any byte is read or fetched."""
+    budget check made before any byte is read or fetched. ``extra``: global ranks of other
+    nodes' shares the node holds too (ascending), the few samples it plays to finish an epoch
+    resumed at another node count (``loader._nodes``: the nodes' remainders rebalanced)."""
 
     nodes: int
     node: int
     partitions: int = PARTITIONS
     folder: str | None = field(default=None, compare=False, repr=False)
+    extra: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.node < self.nodes:
             raise ValueError(f"node {self.node} is not in [0, {self.nodes})")
+        if any(b <= a for a, b in zip(self.extra, self.extra[1:])) or any(
+            r < 0 for r in self.extra
+        ):
+            raise ValueError(f"extra ranks must ascend and be >= 0, got {self.extra[:8]}...")
 
     def likely(self, hashes: np.ndarray, total: int, sigmas: float = 4.0) -> np.ndarray:
         """Which identity hashes (:func:`identity_hashes`) are likely in this share of a listing
@@ -146,7 +153,10 @@ class Share:
         """This node's samples of the whole listing ``names``."""
         ranks, fingerprint = global_ranks(names)
         lo, hi = node_bounds(len(names), self.nodes, self.partitions)[self.node : self.node + 2]
-        keep = np.flatnonzero((ranks >= lo) & (ranks < hi))
+        mine = (ranks >= lo) & (ranks < hi)
+        if self.extra:  # the other shares' samples it plays to finish a resumed epoch
+            mine |= np.isin(ranks, np.asarray(self.extra, dtype=np.int64))
+        keep = np.flatnonzero(mine)
         return Selected(keep, ranks[keep], len(names), fingerprint)
 
 

@@ -343,6 +343,47 @@ def test_resumed_at_three_nodes_and_back_the_epoch_ends_with_every_sample_once(
     assert play(last[0], 1) and last[0].epoch == 1  # the next pass is epoch 1
 
 
+def test_resumed_at_three_nodes_the_remainders_are_rebalanced_and_repeat_less_than_the_ranks(
+    tmp_path,
+):
+    """2 nodes -> 3 mid-epoch (a rank a node): the nodes' remainders differ (7 repeats of 120
+    here before they were rebalanced); the longer ones hand their last samples to the shorter,
+    which fetch those few from the source (``node_share.fetched``), so the repeats are fewer
+    than the ranks, every sample comes, and the loaders count every repeat."""
+    n, root = 120, tmp_path / "many"
+    for i in range(n):
+        (root / f"c{i:03d}").mkdir(parents=True)
+        (root / f"c{i:03d}" / "x.jpg").write_bytes(make_jpeg_bytes(16, 16, seed=i))
+    first = loaders(layout(root, 2, tmp_path), per_node=1, batch_size=4)
+    before = [play(lo, 5) for lo in first]
+    state = first[0].state_dict()
+    three = layout(root, 3, tmp_path)
+    after = loaders(three, per_node=1, batch_size=4)
+    for k, lo in enumerate(after):
+        with as_node(3, k, per_node=1):
+            lo.load_state_dict(state)
+    rest = [play(lo) for lo in after]
+    flat = [x for s in before + rest for x in s]
+    assert sorted(set(flat)) == list(range(n)), "every sample"
+    repeats = len(flat) - n
+    assert repeats == sum(lo.epoch_padding for lo in after) and repeats < len(after)
+    assert len({len(s) for s in rest}) == 1  # as many samples on every rank
+    handed = 0
+    for lo, built in zip(after, three):
+        share, own = lo.cache.node_share, built.node_share
+        assert share is not None and own is not None
+        more = len(lo.cache) - len(built)
+        handed += more
+        if more:  # built again: its own samples taken from its store, the handed ones read
+            assert share.fetched[0] == more and share.fetched[2] == len(built)
+            assert set(own.ranks.tolist()) < set(share.ranks.tolist())
+        else:
+            assert lo.cache is built
+    assert handed > 0
+    for lo in after:  # the next epoch plays the node's own share again
+        assert sorted(set(play(lo))) == sorted(set(three[after.index(lo)].labels.tolist()))
+
+
 def test_a_sample_the_build_left_out_is_padded_by_its_node(data, tmp_path):
     root = tmp_path / "data"
     for p in data.rglob("*.jpg"):

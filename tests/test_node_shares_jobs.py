@@ -13,8 +13,9 @@ Images are of one size and quality, so a share's bytes follow its sample count.
    the 4 ranks apart from the padding the loaders count, and the epochs' orders differ.
 2. the local job resumed at 3 nodes (nodes 0 and 1 in the TMPDIRs of the 2-node job, node 2 in a
    new one) for the rest of the saved epoch: before and after the save, every sample once
-   (padding aside); node 0 takes its whole new share from its 2-node store, node 1 the part its
-   2-node share held, node 2 reads all of its share.
+   (padding aside, fewer repeats than ranks: the nodes' remainders rebalanced); node 0 takes
+   its whole new share from its 2-node store, node 1 the part its 2-node share held, node 2
+   reads all of its share.
 3. a share larger than ``cache_max_bytes``: every rank stops at once with a ``ShareError`` naming
    the numbers, and the node cache holds the listing's scan only (no store, lock or temporary
    file).
@@ -288,7 +289,9 @@ def test_a_job_resumed_at_three_nodes_finishes_the_epoch_and_reuses_the_stores(t
     assert len({len(rank[0]) for rank in seen}) == 1  # lockstep at 3 nodes too
     rest = [x for rank in seen for x in rank[0]]
     assert not set(rest) & set(consumed)  # nothing consumed before the save played again
-    _check_once(consumed + rest, sum(p[0] for p in _padding(record, 3)), len(consumed + rest))
+    padding = sum(p[0] for p in _padding(record, 3))
+    _check_once(consumed + rest, padding, len(consumed + rest))
+    assert padding < 3 * RANKS  # the remainders rebalanced: fewer repeats than ranks
 
 
 # Each rank, once refused, waits (a deadline, polled) until every rank of the job has been, then

@@ -65,6 +65,8 @@ class BuildOptions:
     shard: Literal["node"] | None = None
     # set by the node layer from shard="node" and the job's nodes: the share this node builds
     share: Share | None = field(default=None, metadata={"internal": True})
+    # set by the node layer for a resumed epoch: global ranks of other shares to hold too
+    share_extra: tuple[int, ...] = field(default=(), metadata={"internal": True})
 
     def __post_init__(self) -> None:
         check_on_error(self.on_error)

@@ -419,6 +419,11 @@ class GpuCachedLoader:
             state, samples=self._global_size(), shuffle=self.shuffle, store=store, sampling=sampling
         )
         segments = [Segment(*s) for s in _state.segments(state, self._nodes is not None)]
+        if self._nodes is not None:  # the few samples of other shares this node is handed
+            held = _nodes.holding(self, seed, epoch, segments)
+            if held is not None:
+                self._stop_backend()  # its workers hold the store the bigger one replaces
+                self.cache, self._nodes = held
         if seed != self.seed:
             self._stop_backend()  # workers are seeded from the loader's seed: restart them with it
             self.seed = seed

@@ -24,7 +24,7 @@ node's samples (counted as padding).
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -93,34 +93,58 @@ class NodeOrder:
             return np.arange(lo, hi, dtype=np.int64)
         return lo + np.random.default_rng([seed, epoch, nodes, k]).permutation(hi - lo)
 
-    def _rests(
-        self, seed: int, epoch: int, shuffle: bool, prior: list[Segment], nodes: int
-    ) -> tuple[list[np.ndarray], np.ndarray | None]:
-        """Each node's remaining slots at ``nodes`` nodes after ``prior`` (and the consumed
-        mask, None when nothing was consumed)."""
-        done = self.consumed(seed, epoch, shuffle, prior)
+    def _left(
+        self, seed: int, epoch: int, shuffle: bool, done: np.ndarray, nodes: int, per_node: int
+    ) -> list[np.ndarray]:
+        """Each node's slots at ``nodes`` nodes of ``per_node`` ranks once the ranks ``done``
+        were consumed: its stream's unconsumed samples, rebalanced (:func:`balanced`)."""
         rests = []
         for k in range(nodes):
             s = self.stream(seed, epoch, nodes, k, shuffle)
-            rests.append(s if done is None else s[~done[s]])
-        return rests, done
+            rests.append(s[~done[s]])
+        return balanced(rests, per_node)
+
+    def _rests(
+        self, seed: int, epoch: int, shuffle: bool, prior: list[Segment], nodes: int
+    ) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """Each node's remaining slots at ``nodes`` nodes (of this layout's ranks) after
+        ``prior`` (and the consumed mask, None when nothing was consumed)."""
+        done = self.consumed(seed, epoch, shuffle, prior)
+        if done is None:
+            return [self.stream(seed, epoch, nodes, k, shuffle) for k in range(nodes)], None
+        return self._left(seed, epoch, shuffle, done, nodes, self.per_node), done
 
     def consumed(
         self, seed: int, epoch: int, shuffle: bool, segments: list[Segment]
     ) -> np.ndarray | None:
-        """Which global ranks the ``segments`` consumed (None: none yet)."""
+        """Which global ranks the ``segments`` consumed (None: none yet). A segment after
+        another that consumed samples played the rebalanced remainders (:func:`balanced`)."""
         if not any(s.batches_done for s in segments):
             return None
         done = np.zeros(self.total, dtype=bool)
+        started = False  # an earlier segment consumed samples: this one was rebalanced
         for seg in segments:
             take = seg.batches_done * seg.batch_size * seg.per_node
-            picked = []
-            for k in range(seg.nodes):
-                s = self.stream(seed, epoch, seg.nodes, k, shuffle)
-                picked.append(s[~done[s]][:take])
-            for p in picked:
+            if started:
+                slots = self._left(seed, epoch, shuffle, done, seg.nodes, seg.per_node)
+            else:
+                slots = [self.stream(seed, epoch, seg.nodes, k, shuffle) for k in range(seg.nodes)]
+            for p in [x[:take] for x in slots]:
                 done[p] = True
+            started = started or take > 0
         return done
+
+    def foreign(self, seed: int, epoch: int, shuffle: bool, prior: list[Segment]) -> np.ndarray:
+        """Global ranks of other nodes' shares that this node plays in the rest of ``epoch``
+        after ``prior`` (its remainder rebalanced) and that its store does not hold, ascending;
+        none for an epoch from its start."""
+        if not any(s.batches_done for s in prior):
+            return np.zeros(0, dtype=np.int64)
+        rests, _ = self._rests(seed, epoch, shuffle, prior, self.nodes)
+        mine = rests[self.node]
+        lo, hi = node_bounds(self.total, self.nodes, self.partitions)[self.node : self.node + 2]
+        out = np.sort(mine[(mine < lo) | (mine >= hi)])
+        return out[~np.isin(out, self._sorted)]
 
     def consumed_count(self, seed: int, epoch: int, shuffle: bool, segments: list[Segment]) -> int:
         """Samples of the epoch the ``segments`` consumed (a closed form for one segment, the
@@ -195,6 +219,72 @@ class NodeOrder:
         repeats = int((np.arange(self.local, slots, r) >= len(mine)).sum()) if padded else 0
         left = int((np.arange(slots, len(mine)) % r == self.local).sum()) if dropped else 0
         return RankPlan(index.astype(np.int64), t, repeats + holes, left)
+
+
+def balanced(rests: list[np.ndarray], per_node: int) -> list[np.ndarray]:
+    """The nodes' remainders of a resumed epoch rebalanced, so that the repeats that pad the
+    shorter ones are fewer than the ranks (``DistributedSampler``'s bound): each node keeps at
+    most ``ceil(L / W)`` samples a rank of its own (``L`` left in all, ``W`` ranks) and the
+    nodes with more hand their last ones (those they would have played last), in node order,
+    to the nodes with room, each placed after the receiver's own. A node then needs the few
+    samples handed to it from outside its share (``NodeOrder.foreign``, fetched by the build:
+    ``Store._holding``). The remainders of a full layout differ by one sample at most, so an
+    epoch from its start moves nothing."""
+    world = max(1, len(rests) * per_node)
+    cap = -(-sum(len(x) for x in rests) // world) * per_node
+    handed = [x[cap:] for x in rests]
+    spare = np.concatenate(handed) if handed else np.zeros(0, dtype=np.int64)
+    out, at = [], 0
+    for x in rests:
+        own = x[:cap]
+        room = cap - len(own)
+        out.append(np.concatenate([own, spare[at : at + room]]))
+        at += min(room, len(spare) - at)
+    return out
+
+
+def holding(
+    loader: Any, seed: int, epoch: int, prior: list[Segment]
+) -> tuple[Any, NodeOrder] | None:
+    """The store (and its order) that holds what the ``loader``'s node plays in the rest of
+    ``epoch`` after ``prior``: None when its store holds it all, else its store built again
+    with the samples of other shares handed to this node (``Store._holding``); a
+    :class:`ShareError` with the fix where the store cannot have them."""
+    order, cache = loader._nodes, loader.cache
+    need = order.foreign(seed, epoch, loader.shuffle, prior)
+    if not len(need):
+        return None
+    tier = getattr(loader, "_tier", None)
+    if getattr(tier, "pixels", None) is not None:  # indexed by the store the new one replaces
+        raise ShareError(
+            f"node {order.node} of {order.nodes}: to finish epoch {epoch}, resumed from a state "
+            f"saved at another node count, this node plays {len(need)} samples of other "
+            "nodes' shares, which its store is built again to hold; the loader's decoded "
+            "pixels belong to the store it replaces. Make the loader with decoded=False for "
+            "the rest of this epoch, or resume at the node count the state was saved at."
+        )
+    bigger = cache._holding(need)
+    if bigger is None:
+        raise ShareError(
+            f"node {order.node} of {order.nodes}: to finish epoch {epoch}, resumed from a state "
+            f"saved at another node count, this node plays {len(need)} samples of other "
+            "nodes' shares (the nodes' remainders are rebalanced so that every rank plays as "
+            "many), and its store cannot fetch them: it was not made by a builder in this "
+            "process (JpegCache.open of a share). Build it with JpegCache.from_...(..., "
+            "shard='node') in every rank of the job, which fetches them from the source, or "
+            "resume at the node count the state was saved at."
+        )
+    share = bigger.node_share
+    if share is None or fingerprint(share) != fingerprint(order.share):
+        raise ShareError(
+            f"node {order.node} of {order.nodes}: the store built to hold the {len(need)} "
+            "samples this node plays of other shares lists other data than the loader's "
+            "(the source changed since the job started); restart the epoch (set_epoch) or "
+            "rebuild every node's store from the unchanged source."
+        )
+    world = order.nodes * order.per_node
+    rank = order.node * order.per_node + order.local
+    return bigger, NodeOrder(share, num_replicas=world, rank=rank)
 
 
 def check_job(share: StoreShare, num_replicas: int, rank: int) -> None:

@@ -48,7 +48,8 @@ def placed(options: BuildOptions, *, remote: bool = False) -> BuildOptions:
         folder = os.fspath(options.cache_dir)
     elif remote or several_ranks():
         folder = os.fspath(default_dir())
-    return dataclasses.replace(options, share=Share(nodes, node, folder=folder))
+    share = Share(nodes, node, folder=folder, extra=options.share_extra)
+    return dataclasses.replace(options, share=share)
 
 
 def from_folder(

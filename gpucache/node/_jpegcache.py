@@ -13,8 +13,9 @@ them); they make one ``BuildOptions`` of them and hand it to ``_builders``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -37,6 +38,23 @@ class JpegCache(Store):
     ``cache.report`` is the build's report (what was kept, what was skipped and why); it is saved
     in the store file, so :meth:`open` gives it back (None for a store saved without one).
     """
+
+    #: how a node share was built (builder, its arguments, its options), so that the loader can
+    #: have the samples of other shares it plays to finish a resumed epoch (``_holding``)
+    _recipe: tuple[Callable[..., JpegCache], tuple[Any, ...], BuildOptions] | None = None
+
+    def _holding(self, ranks: np.ndarray) -> JpegCache | None:
+        """This node's share built again with the samples of the other shares' global
+        ``ranks`` beside its own: the same builder over the same source, in the node cache
+        (once a node); its own samples are taken from this store, so only those are read from
+        the source (``node_share.fetched``). None for a store not made by a builder here."""
+        share = self.node_share
+        if self._recipe is None or share is None:
+            return None
+        build, args, options = self._recipe
+        extra = np.union1d(np.asarray(ranks, dtype=np.int64), options.share_extra)
+        more = dataclasses.replace(options, share_extra=tuple(int(r) for r in extra))
+        return _made(build, args, more)
 
     @classmethod
     def from_folder(
@@ -87,7 +105,7 @@ class JpegCache(Store):
         ``GpuCachedLoader`` then plays every sample once per epoch across the job, and resumes
         at another node count, taking what the node's earlier stores hold
         (docs/guides/nodes.md). One node (or one process): the whole data set."""
-        return _builders.from_folder(cls, root, masks, BuildOptions.of(locals()))
+        return _made(_builders.from_folder, (cls, root, masks), BuildOptions.of(locals()))
 
     @classmethod
     def from_files(
@@ -119,8 +137,10 @@ class JpegCache(Store):
         (``cache.masks``); an image whose mask is missing or unusable is a bad input
         (``on_error``; docs/guides/segmentation.md). Object URLs of masks go with object URLs
         of images, fetched with them."""
-        return _builders.from_files(
-            cls, paths, labels, metadata, classes, masks, BuildOptions.of(locals())
+        return _made(
+            _builders.from_files,
+            (cls, paths, labels, metadata, classes, masks),
+            BuildOptions.of(locals()),
         )
 
     @classmethod
@@ -153,8 +173,10 @@ class JpegCache(Store):
         ``mask_column``: a column of segmentation mask paths (named in a header row, or its
         0-based index), taken out before the row is read as above; masks as in from_files
         (URLs in a CSV of URLs, as the images)."""
-        return _builders.from_csv(
-            cls, path, classes, delimiter, header, mask_column, BuildOptions.of(locals())
+        return _made(
+            _builders.from_csv,
+            (cls, path, classes, delimiter, header, mask_column),
+            BuildOptions.of(locals()),
         )
 
     @classmethod
@@ -186,8 +208,10 @@ class JpegCache(Store):
         ``mask_ext``: the member extension of each sample's segmentation mask (``"png"`` beside
         a ``jpg``, or ``"seg.png"``), read in place like the image; masks as in from_files
         (shards in storage too)."""
-        return _builders.from_webdataset(
-            cls, shards, classes, metadata_ext, mask_ext, BuildOptions.of(locals())
+        return _made(
+            _builders.from_webdataset,
+            (cls, shards, classes, metadata_ext, mask_ext),
+            BuildOptions.of(locals()),
         )
 
     @classmethod
@@ -215,12 +239,18 @@ class JpegCache(Store):
         files to key a saved store on; save the store and open it instead).
         ``mask_column``: another ``Image`` column holding each row's segmentation mask,
         taken as stored; masks as in from_files."""
-        return _builders.from_hf(
-            cls,
-            dataset,
-            image_column,
-            label_column,
-            classes,
-            mask_column,
+        return _made(
+            _builders.from_hf,
+            (cls, dataset, image_column, label_column, classes, mask_column),
             BuildOptions.of(locals()),
         )
+
+
+def _made(
+    build: Callable[..., JpegCache], args: tuple[Any, ...], options: BuildOptions
+) -> JpegCache:
+    """``build(*args, options)``; a node share remembers how it was made (``_holding``)."""
+    cache: JpegCache = build(*args, options)
+    if options.shard == "node" and isinstance(cache, JpegCache):
+        cache._recipe = (build, args, options)
+    return cache

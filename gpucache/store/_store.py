@@ -220,6 +220,13 @@ class Store:
         of the whole data set (docs/guides/nodes.md)."""
         return share_of(self._extra)
 
+    def _holding(self: S, ranks: np.ndarray) -> S | None:
+        """A store of this node's share that also holds the samples of the other shares'
+        global ``ranks`` (the loader asks, to finish an epoch resumed at another node count),
+        or None: a store opened from a file cannot fetch them (the public ``JpegCache`` made by
+        a builder can: ``node/_jpegcache.py``)."""
+        return None
+
     @property
     def masks(self) -> Masks | None:
         """The samples' segmentation masks (``masks[i]``: sample ``i``'s encoded mask bytes, a
