@@ -305,3 +305,16 @@ def test_arguments_are_checked(cache):
     ):
         with pytest.raises(ValueError, match=match):
             GpuCachedLoader(cache, batch_size=2, **bad)
+
+
+def test_info_lists_the_stores_decoded_tiers(cache, tmp_path, capsys):
+    from gpucache.cli import main
+
+    store = cache.save(tmp_path / "s.gpucache")
+    opened = JpegCache.open(store)
+    assert main(["info", str(store), "--cache-dir", str(tmp_path / "nc")]) == 0
+    assert "decoded tiers: none" in capsys.readouterr().out
+    with GpuCachedLoader(opened, batch_size=4, decoded=40, cache_dir=tmp_path / "nc"):
+        pass
+    assert main(["info", str(store), "--cache-dir", str(tmp_path / "nc")]) == 0
+    assert "decoded tier: short side 40, 20 images" in capsys.readouterr().out

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from ..store._checksum import default_threads as check_threads
 from ..store._store import classes_text
 from . import _build as _build_cli
 from . import _cache as _cache_cli
+from . import _tiers
 from ._build import ON_ERROR_FLAG
 
 DESCRIPTION = (
@@ -119,6 +121,8 @@ def _info(args) -> int:
             "sections: "
             + ", ".join(f"{name} {arr.dtype.str} {arr.shape}" for name, arr in cache.extra.items())
         )
+    for line in _tiers.tier_lines(cache, _tiers.folders_for(Path(args.file), args.cache_dir)):
+        print(line)
     return 0
 
 
@@ -233,6 +237,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_build)
     p = sub.add_parser("info", help="summarize a store file (reads no image data)")
     p.add_argument("file")
+    p.add_argument(
+        "--cache-dir",
+        help="also look for the store's decoded tiers in this node cache folder (they are "
+        "looked for beside the store and in the default node cache folder)",
+    )
     p.add_argument(
         "--skipped", action="store_true", help="list every file the build skipped, with the reason"
     )
