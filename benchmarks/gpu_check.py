@@ -34,16 +34,23 @@ crashes the process then costs only its own parts):
 (c) images/s of the train pipeline: nvjpeg threaded and synchronous, torchvision's per-image GPU
     decode, the cpu backend with every core; dali's in a part of its own;
 (d) overlap: the nvjpeg epoch with a training step, threaded vs synchronous (benchmarks/overlap.py);
-(e) GPU memory, allocated and reserved (each stream keeps its own pool), after each epoch.
+(e) GPU memory, allocated and reserved (each stream keeps its own pool), after each epoch;
+(s), (f), (y), (d) (:mod:`benchmarks.gpu_check_parts`): each backend with masks on outputs taller
+    than wide, wider than tall and square, every sample flipped, batched against the cpu decode
+    and (nvjpeg) its per-image path, with the alignment IoU of image and mask; ``fill`` and
+    ``mask_fill`` not 0 through the loader; host syncs a batch with masks, by thread; and
+    decode-only images/s of each batched GPU decoder available at 1, 2 and 4 concurrent calls.
 ``--emulate`` runs all of it on the CPU under :class:`~tests.support.emulated_cuda.EmulatedCuda`
 (two emulated GPUs): the same ``device="cuda"`` code paths, streams and device indices, with
 torchvision's decoder, which ignores EXIF there as on CUDA; DALI, which cannot run its GPU graph
 without a GPU, runs its CPU mode, and the overlap part a CPU device. Exit 0 all passed, 1 a check
-failed or a part raised, 2 no CUDA (not emulating). The parts' shares add up to 0.58 of
---budget-s without DALI and 0.82 with it (110 s by default), the rest being the stores' builds,
+failed or a part raised, 2 no CUDA (not emulating). The parts' shares add up to 0.86 of
+--budget-s without DALI and 1.2 with it (120 s by default; a part stops at its share once it
+did its minimum, and on a GPU most parts end well before it), the rest being the stores' builds,
 warm-ups and the minimum work a part does past its share (one epoch, the memory part's five).
 ``--emulate`` defaults to
-64 images in batches of 16 (the data parts on 32 of them) and --budget-s 60: the same code paths
+64 images in batches of 16 (the data parts on 32 of them, the mask parts on 16 masked ones in
+batches of 8) and --budget-s 60: the same code paths
 and checks (every kind of sample: gray, CMYK, progressive, EXIF-rotated; four batches an epoch,
 three in flight), sized for
 the nvjpeg backend's batched transforms on CPU tensors (about 50-100 ms a photo on a 2-core VM),
@@ -66,6 +73,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import gpu_check_parts as parts  # noqa: E402
 from benchmarks._record import run_info  # noqa: E402
 from benchmarks.gpu_check_out import Outputs, system  # noqa: E402
 from benchmarks.overlap import measure as measure_overlap  # noqa: E402
@@ -74,13 +82,17 @@ from gpucache import transforms as T  # noqa: E402
 from gpucache.decode import dali_available, normalize_device  # noqa: E402
 from gpucache.decode._base import GPU_IN_FLIGHT  # noqa: E402
 from gpucache.decode._batched import default_decoder, torchvision_decoder  # noqa: E402
-from gpucache.decode._core import decode_batch, quiet_torchvision_deprecation  # noqa: E402
+from gpucache.decode._core import (  # noqa: E402
+    MaskOptions,
+    decode_batch,
+    quiet_torchvision_deprecation,
+)
 from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
 from gpucache.transforms._orientation import orient  # noqa: E402
 from tests.support.emulated_cuda import EmulatedCuda  # noqa: E402
 
-TOLERANCE = 3.0  # mean absolute difference in levels, decoder IDCT/upsampling differences
+TOLERANCE = parts.TOLERANCE  # mean absolute difference in levels, decoder IDCT/upsampling
 TRAIN = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])
 VAL = T.Compose([T.Resize(256), T.CenterCrop(224)])
 NORMALIZE = T.Normalize((0.5,) * 3, (0.25,) * 3)
@@ -93,6 +105,10 @@ SHARES = {
     "cpu rate": 0.06,
     "overlap": 0.1,
     "memory": 0.07,
+    "shapes": 0.05,
+    "fill": 0.03,
+    "syncs": 0.02,
+    "decoders": 0.06,
 }
 #: The parts' kinds, by name (a backend's name stripped), for their shares and hang watch.
 _KIND = {
@@ -102,6 +118,10 @@ _KIND = {
     "throughput": "rate",
     "overlap": "overlap",
     "memory": "memory",
+    "shapes": "shapes",
+    "fill": "fill",
+    "syncs": "syncs",
+    "decoders": "decoders",
 }
 DALI_DISTRIBUTIONS = ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110")
 
@@ -125,6 +145,8 @@ class Check:
         self.t0 = time.perf_counter()
         self.cache: JpegCache  # the synthetic photos (or --folder): correctness, ordering
         self.data: JpegCache  # PHOTOS (else the same): transforms, throughput, overlap, memory
+        self.masked: JpegCache  # synthetic photos with masks: shapes, fill, syncs
+        self.default_decoders: int | None = None  # the nvjpeg backend's, once throughput ran
 
     def deadline(self, part: str) -> float:
         return time.perf_counter() + SHARES[part] * self.args.budget_s
@@ -145,7 +167,16 @@ class Check:
             return torchvision_decoder(self.device)
         return default_decoder(self.device)
 
-    def backend(self, name: str, *, threaded: bool = True, batch: int | None = None, cache=None):
+    def backend(
+        self,
+        name: str,
+        *,
+        threaded: bool = True,
+        batch: int | None = None,
+        cache=None,
+        masks: MaskOptions | None = None,
+        decoders: int | None = None,
+    ):
         cache = self.cache if cache is None else cache
         if name == "nvjpeg":
             return NvjpegBackend(
@@ -154,6 +185,8 @@ class Check:
                 on_error="skip",
                 decoder=self.decoder(),
                 threaded=threaded,
+                masks=masks,
+                decode_threads=decoders,
             )
         from gpucache.decode._dali import DaliBackend
 
@@ -164,6 +197,7 @@ class Check:
             on_error="skip",
             seed=0,
             num_threads=4,
+            masks=masks,
         )
 
     def device_for(self, name: str) -> torch.device:
@@ -431,9 +465,7 @@ def ordering(c: Check, name: str) -> dict:
     }
 
 
-#: Batched against per-image transforms, levels: what the manual states (the float filter both
-#: run, in different orders of arithmetic).
-TRANSFORM_MAX_DIFF = 1.0
+TRANSFORM_MAX_DIFF = parts.TRANSFORM_MAX_DIFF  # batched against per-image transforms, levels
 
 
 def transforms(c: Check) -> dict:
@@ -528,13 +560,20 @@ def _rate(c: Check, batches, part: str) -> float:
 
 
 def _backend_rates(c: Check, name: str) -> dict:
-    """Images/s of a backend on the PHOTOS store (nvjpeg: threaded and synchronous)."""
+    """Images/s of a backend on the PHOTOS store (nvjpeg: threaded and synchronous; on CUDA also
+    threaded at each of the decode stage's concurrencies other than its default)."""
     out, b = {}, c.args.batch
-    for threaded in (True, False) if name == "nvjpeg" else (True,):
-        be = c.backend(name, threaded=threaded, cache=c.data)
-        label = f"gpucache {name}" + (
-            "" if name != "nvjpeg" else " threaded" if threaded else " sync"
-        )
+    runs: list[tuple[str, bool, int | None]] = [(f"gpucache {name}", True, None)]
+    if name == "nvjpeg":
+        runs = [("gpucache nvjpeg threaded", True, None), ("gpucache nvjpeg sync", False, None)]
+        if not c.args.emulate:
+            runs += [
+                (f"gpucache nvjpeg threaded, {k} decoders", True, k)
+                for k in parts.CONCURRENCY
+                if k != c.default_decoders
+            ]
+    for label, threaded, decoders in runs:
+        be = c.backend(name, threaded=threaded, cache=c.data, decoders=decoders)
         out[label] = _rate(
             c,
             lambda e, be=be, b=b: (
@@ -551,6 +590,9 @@ def dali_throughput(c: Check) -> dict:
 
 
 def throughput(c: Check) -> dict:
+    probe = c.backend("nvjpeg", threaded=True, cache=c.data)
+    c.default_decoders = probe.decoders  # the decode stage's concurrency for this decoder
+    probe.close()
     out, b = _backend_rates(c, "nvjpeg"), c.args.batch
     out["torchvision per-image decode"] = _rate(c, lambda e: _per_image(c, e), "rate")
     workers = os.cpu_count() if not c.args.emulate else 1
@@ -568,7 +610,12 @@ def throughput(c: Check) -> dict:
         c, lambda e: (x for x, _ in loader), "cpu rate"
     )
     loader.close()
-    return {"img_s": out, "batch": b, "photos": len(c.data)}
+    return {
+        "img_s": out,
+        "batch": b,
+        "photos": len(c.data),
+        "decoders_default": c.default_decoders,
+    }
 
 
 def _per_image(c: Check, epoch: int):
@@ -710,21 +757,29 @@ def main(argv: list[str] | None = None) -> int:
         help="GPU backends to check (dali only when importable)",
     )
     ap.add_argument(
-        "--budget-s", type=float, help="time for all parts (110; 60 emulated); see SHARES"
+        "--budget-s", type=float, help="time for all parts (120; 60 emulated); see SHARES"
     )
     ap.add_argument("--correctness-batches", type=int, default=4)
     ap.add_argument("--iterations", type=int, default=200, help="ordering-stress batches")
     ap.add_argument("--epochs", type=int, default=2, help="timed epochs per contender")
     ap.add_argument("--overlap-runs", type=int, default=3)
     ap.add_argument("--memory-epochs", type=int, help="memory part's epochs (12; 8 emulated)")
+    ap.add_argument(
+        "--masked",
+        type=int,
+        help="synthetic photos with masks for the mask parts (192; 16 emulated)",
+    )
+    ap.add_argument("--mask-batch", type=int, help="the mask parts' batch size (64; 8 emulated)")
     ap.add_argument("--skip", default="", help="parts to leave out, e.g. throughput,overlap")
     args = ap.parse_args(argv)
     for name, cuda, emulated in (
         ("images", 512, 64),
         ("batch", 256, 16),
-        ("budget_s", 110.0, 60.0),
+        ("budget_s", 120.0, 60.0),
         ("max_photos", 2048, 32),
         ("memory_epochs", 12, 8),
+        ("masked", 192, 16),
+        ("mask_batch", 64, 8),
     ):
         if getattr(args, name) is None:
             setattr(args, name, emulated if args.emulate else cuda)
@@ -785,6 +840,7 @@ def _run(c: Check) -> int:
         c.data = c.cache
         if args.photos or len(c.cache) > args.max_photos:  # emulated: 32 of the 64
             c.data = photo_store(args.photos or str(root), args.max_photos)
+        c.masked = parts.masked_store(args.masked, emulated=args.emulate)
     except Exception as err:  # noqa: BLE001 - recorded in the JSON, then the run stops
         c.result["errors"]["start"] = c.out.error("start", err)
         c.write(finished=True)
@@ -800,11 +856,18 @@ def _run(c: Check) -> int:
         c.part("throughput", throughput)
         c.part("overlap", overlap)
         c.part("nvjpeg memory", memory, "nvjpeg")
+        c.part("nvjpeg shapes", parts.shapes, "nvjpeg")
+        c.part("nvjpeg fill", parts.fill, "nvjpeg")
+        c.part("nvjpeg syncs", parts.syncs, "nvjpeg")
+    c.part("decoders", parts.decoders)
     if "dali" in names:
         c.part("dali vs cpu", correctness, "dali")
         c.part("dali ordering", ordering, "dali")
         c.part("dali throughput", dali_throughput)
         c.part("dali memory", memory, "dali")
+        c.part("dali shapes", parts.shapes, "dali")
+        c.part("dali fill", parts.fill, "dali")
+        c.part("dali syncs", parts.syncs, "dali")
     c.write(finished=True)
     for name, seconds in c.result["seconds_per_part"].items():
         state = (

@@ -23,6 +23,7 @@ from benchmarks import gpu_check
 from gpucache.decode import dali_available
 from gpucache.decode._batched import make_decoder
 from gpucache.decode._core import Decoded
+from gpucache.decode._nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder
 from tests.support.emulated_cuda import EmulatedCuda
 
@@ -42,14 +43,33 @@ FAST = [
     "3",
     "--budget-s",
     "30",
+    "--masked",
+    "8",
+    "--mask-batch",
+    "4",
 ]
 ROOT = Path(__file__).resolve().parents[1]
-ONLY_ENV = [
-    "--backends",
-    "nvjpeg",
-    "--skip",
-    "nvjpeg vs cpu,nvjpeg ordering,transforms,throughput,overlap,nvjpeg memory",
+NVJPEG_PARTS = [
+    "env",
+    "nvjpeg vs cpu",
+    "nvjpeg ordering",
+    "transforms",
+    "throughput",
+    "overlap",
+    "nvjpeg memory",
+    "nvjpeg shapes",
+    "nvjpeg fill",
+    "nvjpeg syncs",
+    "decoders",
 ]
+
+
+def only(*names: str) -> list[str]:
+    """The arguments that run the nvjpeg backend's ``names`` parts alone."""
+    return ["--backends", "nvjpeg", "--skip", ",".join(p for p in NVJPEG_PARTS if p not in names)]
+
+
+ONLY_ENV = only("env")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +88,7 @@ def test_emulated_run_writes_every_part(folder, tmp_path, device, backend_device
     args = (
         ["--backends", "nvjpeg,dali"]
         if full
-        else ["--backends", "nvjpeg", "--skip", "transforms,throughput,overlap"]
+        else only("env", "nvjpeg vs cpu", "nvjpeg ordering", "nvjpeg memory", "nvjpeg syncs")
     )
     assert (
         gpu_check.main(
@@ -106,6 +126,22 @@ def test_emulated_run_writes_every_part(folder, tmp_path, device, backend_device
         assert set(parts["overlap"]["median_s"]) == {"decode", "train", "sync", "threaded"}
         if dali_available():  # DALI runs its CPU mode under the emulation
             assert parts["dali vs cpu"]["ok"] and "skipped" in parts["dali memory"]
+            assert parts["dali shapes"]["ok"] and parts["dali fill"]["ok"]
+            assert parts["dali syncs"]["ok"]
+        for size in ("224x160", "160x224", "224x224"):  # flipped, with masks, both paths
+            shape = parts["nvjpeg shapes"][size]
+            assert shape["ok"] and shape["samples"] >= 8 and shape["iou_mean"] >= 0.9
+            assert shape["batched_vs_per_image_mask_values_differing"] == 0
+        fill = parts["nvjpeg fill"]
+        assert fill["ok"] and all(fill[k]["padded_pixels"] > 0 for k in ("224x160", "160x224"))
+        syncs = parts["nvjpeg syncs"]["host_syncs_per_batch"]
+        assert parts["nvjpeg syncs"]["ok"] and "MainThread" not in syncs
+        assert "gpucache-nvjpeg-transform" not in syncs
+        dec = parts["decoders"]
+        assert dec["ok"] and {"torchvision x1", "torchvision x2", "torchvision x4"} <= set(
+            dec["img_s"]
+        )
+        assert [dec["calls_at_once"][f"torchvision x{k}"] for k in (1, 2, 4)] == [1, 1, 1]
     mem = parts["nvjpeg memory"]
     assert mem["ok"] and len(mem["allocated_mib"]) == len(mem["reserved_mib"]) >= 3
     assert mem["reserved_growth_mib"] is not None
@@ -151,8 +187,7 @@ def test_the_memory_part_sees_a_decoder_that_leaks_outside_torch(folder, tmp_pat
     leaking = functools.partial(EmulatedCuda, decoder_leak=48 * 2**20)
     monkeypatch.setattr(gpu_check, "EmulatedCuda", leaking)
     out = tmp_path / "check.json"
-    args = ["--backends", "nvjpeg", "--memory-epochs", "4", "--skip"]
-    args += ["nvjpeg vs cpu,nvjpeg ordering,transforms,throughput,overlap"]
+    args = ["--memory-epochs", "4", *only("env", "nvjpeg memory")]
     code = gpu_check.main(FAST + args + ["--folder", str(folder), "--json", str(out)])
     mem = json.loads(out.read_text())["parts"]["nvjpeg memory"]
     assert code == 1 and not mem["ok"], mem
@@ -173,8 +208,8 @@ def test_a_failing_part_is_recorded_whole_and_the_rest_still_run(folder, tmp_pat
 
     monkeypatch.setattr(gpu_check, "throughput", boom)
     out = tmp_path / "check.json"
-    args = FAST + ["--backends", "nvjpeg", "--folder", str(folder), "--json", str(out)]
-    args += ["--skip", "nvjpeg vs cpu,nvjpeg ordering,transforms,overlap"]
+    args = FAST + ["--folder", str(folder), "--json", str(out)]
+    args += only("env", "throughput", "nvjpeg memory")
     assert gpu_check.main(args) == 1
     r = json.loads(out.read_text())
     error = r["errors"]["throughput"]
@@ -199,8 +234,7 @@ def test_a_hung_part_leaves_every_threads_stack(folder, tmp_path, monkeypatch):
         return {"ok": True}
 
     monkeypatch.setattr(gpu_check, "overlap", stuck_in_overlap)
-    args = ["--emulate", "--backends", "nvjpeg", "--budget-s", "1", "--folder", str(folder)]
-    args += ["--skip", "nvjpeg vs cpu,nvjpeg ordering,transforms,throughput,nvjpeg memory"]
+    args = ["--emulate", "--budget-s", "1", "--folder", str(folder), *only("env", "overlap")]
     assert gpu_check.main(args + ["--out", str(tmp_path / "out")]) == 0
     text = stacks.read_text()
     assert "===== overlap" in text and "in stuck_in_overlap" in text
@@ -218,8 +252,8 @@ def test_a_folder_of_photos_feeds_the_data_parts(folder, tmp_path):
     for k in range(8):
         (photos / f"p{k}.jpg").write_bytes(make_jpeg_bytes(48 + 8 * k, 40, seed=k))
     out = tmp_path / "out"
-    args = FAST + ["--backends", "nvjpeg", "--folder", str(folder), "--out", str(out)]
-    args += ["--skip", "nvjpeg ordering,overlap", "--max-photos", "5", str(photos)]
+    args = FAST + ["--folder", str(folder), "--out", str(out), "--max-photos", "5", str(photos)]
+    args += only("env", "nvjpeg vs cpu", "transforms", "throughput", "nvjpeg memory")
     assert gpu_check.main(args) == 0
     r = json.loads((out / "gpu_check.json").read_text())
     assert r["photos"] == str(photos) and r["photos_in_store"] == 5
@@ -259,8 +293,7 @@ def test_a_gpu_decoder_that_always_fails_fails_the_run(folder, tmp_path, monkeyp
         lambda device: make_decoder("broken", device, _broken, applies_exif=False),
     )
     out = tmp_path / "check.json"
-    args = ["--backends", "nvjpeg"]
-    args += ["--skip", "nvjpeg ordering,transforms,throughput,overlap,nvjpeg memory"]
+    args = only("env", "nvjpeg vs cpu")
     code = gpu_check.main(FAST + args + ["--folder", str(folder), "--json", str(out)])
     r = json.loads(out.read_text())
     part = r["parts"]["nvjpeg vs cpu"]
@@ -324,14 +357,16 @@ def test_every_decoder_call_gets_one_indexed_device(folder, tmp_path, monkeypatc
 
     monkeypatch.setattr(gpu_check, "EmulatedCuda", Recording)
     out = tmp_path / "check.json"
-    args = [
-        "--backends",
-        "nvjpeg",
-        "--skip",
-        "nvjpeg ordering,transforms,overlap,nvjpeg memory",
-        "--device",
-        "cuda",
-    ]
+    args = ["--device", "cuda"]
+    args += only(
+        "env",
+        "nvjpeg vs cpu",
+        "throughput",
+        "nvjpeg shapes",
+        "nvjpeg fill",
+        "nvjpeg syncs",
+        "decoders",
+    )
     assert gpu_check.main(FAST + args + ["--folder", str(folder), "--json", str(out)]) == 0
     assert (
         "torchvision per-image decode"
@@ -340,21 +375,196 @@ def test_every_decoder_call_gets_one_indexed_device(folder, tmp_path, monkeypatc
     assert seen and set(seen) == {"cuda:0"}, sorted(set(seen))
 
 
-def test_documented_device_command_diagnoses_on_the_first_try():
-    """The one-call command in docs/guides/backends.md: ``python3`` (the device machine's
-    interpreter with torch), stacks on a crash or a hang (``-X faulthandler``, ``timeout -s
-    ABRT``, unbuffered output), every failing GPU test run (no ``-x``), everything under $OUT
-    (what comes back from the device machine), and about 200 s in all, so that a 15-minute
-    device budget, machine start included, leaves time to run it again."""
+def _device_command() -> str:
     text = (ROOT / "docs" / "guides" / "backends.md").read_text()
     blocks = [b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "gpu_check.py" in b]
     assert len(blocks) == 1, blocks
-    cmd = " ".join(blocks[0].replace("\\\n", " ").split())
+    return blocks[0]
+
+
+def test_documented_device_command_diagnoses_on_the_first_try():
+    """The one-call command in docs/guides/backends.md: ``python3`` (the device machine's
+    interpreter with torch), the machine printed first (gpu_env.py), stacks on a crash or a
+    hang (``-X faulthandler``, ``timeout -s ABRT``, unbuffered output), every failing GPU test
+    run (no ``-x``), everything under $OUT (what comes back from the device machine), and at
+    most 300 s in all (every timeout and its kill delay added), so that a 15-minute device
+    budget, machine start included, leaves time to run it again."""
+    cmd = " ".join(_device_command().replace("\\\n", " ").split())
     runs = re.findall(r"timeout -s ABRT -k (\d+) (\d+) python3 -X faulthandler ", cmd)
-    assert len(runs) == 2 and sum(int(k) + int(t) for k, t in runs) <= 230, runs
+    assert len(runs) == 2, runs
+    every = re.findall(r"(?<![-\w])timeout (?:-s \w+ )?(?:-k (\d+) )?(\d+) ", cmd)
+    assert len(every) == 4 and sum(int(k or 0) + int(t) for k, t in every) <= 300, every
     assert not re.search(r"\bpython\b", cmd) and "PYTHONUNBUFFERED=1" in cmd
     budget = float(re.search(r"--budget-s (\d+)", cmd).group(1))
     assert budget <= int(runs[0][1]) - 30
     assert '--out "$OUT"' in cmd and 'tee "$OUT/gpu_check.log"' in cmd
-    tests = cmd.split("pytest", 1)[1]
+    assert cmd.index("gpu_env.py") < cmd.index("gpu_check.py")  # the machine first
+    assert cmd.startswith("set -o pipefail;") and "pytest_timeout" in cmd
+    tests = cmd.split("-m pytest", 1)[1]
     assert "tests/gpu" in tests and 'tee "$OUT/' in tests and not re.search(r" -x\b", tests)
+
+
+FAKE_PYTHON = """#!/bin/sh
+# stands in for the device machine's python3: each step of the command says what it is
+case "$*" in
+  *gpu_env.py*) echo "torch.cuda.is_available(): True"; echo "gpucache imported: False" ;;
+  *"import pytest_timeout"*) exit 0 ;;
+  *gpu_check.py*) echo "gpu_check: ${CHECK_SAYS}"; exit "${CHECK_EXIT}" ;;
+  *"-m pytest"*) echo "pytest tests/gpu: ${TESTS_EXIT}"; exit "${TESTS_EXIT}" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(
+    "check, tests, want",
+    [(0, 0, 0), (1, 0, 1), (0, 1, 1), (134, 0, 134)],
+    ids=["both-pass", "check-fails", "gpu-tests-fail", "check-aborted"],
+)
+def test_the_device_command_returns_the_checks_status_not_tees(tmp_path, check, tests, want):
+    """Run as written, with a stand-in python3: piped into ``tee``, a failing check would still
+    have ended the command with 0; with ``pipefail`` the command ends with the check's status
+    (a timeout's SIGABRT, 134, included), else the GPU tests', and each step's output is in its
+    log under $OUT, the machine's printed first."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "OUT": str(out),
+        "CHECK_EXIT": str(check),
+        "CHECK_SAYS": "FAIL" if check else "PASS",
+        "TESTS_EXIT": str(tests),
+    }
+    env.pop("PHOTOS", None)
+    p = subprocess.run(
+        ["bash", "-c", _device_command()],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert p.returncode == want, (p.returncode, p.stdout, p.stderr)
+    assert p.stdout.index("is_available") < p.stdout.index("gpu_check:")
+    assert "gpucache imported: False" in (out / "gpu_env.log").read_text()
+    assert "gpu_check:" in (out / "gpu_check.log").read_text()
+    assert "pytest tests/gpu" in (out / "pytest_gpu.log").read_text()
+
+
+def test_gpu_env_prints_the_machine_before_gpucache_is_imported():
+    """The command's first step, run for real: nvidia-smi (or why not), the versions and
+    torch.cuda.is_available() on stdout, with no gpucache import, and exit 0."""
+    import subprocess
+
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_env.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr
+    text = p.stdout
+    assert text.index("===== nvidia-smi") < text.index("===== versions")
+    for line in (
+        f"torch: torch=={metadata.version('torch')}",
+        f"torchvision: torchvision=={metadata.version('torchvision')}",
+        "torch.cuda.is_available(): False",  # no GPU here (the emulation is in-process only)
+        "gpucache imported: False",
+    ):
+        assert line in text, text
+    assert re.search(r"^torchcodec: ", text, re.M) and re.search(r"^dali: ", text, re.M)
+    assert re.search(r"^pytest-timeout: pytest-timeout==", text, re.M)  # the test extra's
+
+
+def test_the_shapes_part_fails_on_a_flip_mirrored_over_the_longer_side(
+    folder, tmp_path, monkeypatch
+):
+    """The batched resample's flip as it once was (mirrored over max(H, W)): on the output taller
+    than wide the images' columns shift and their masks do not, so the part fails there (the
+    difference from the cpu decode and from the per-image path, and the alignment IoU); the
+    other two shapes pass."""
+    from gpucache.transforms import _resample
+
+    real = _resample._taps_host
+
+    def longer_side(length, resized, start2, out, flip, span):
+        return real(length, resized, start2, out, flip, out)
+
+    monkeypatch.setattr(_resample, "_taps_host", longer_side)
+    out = tmp_path / "check.json"
+    code = gpu_check.main(
+        FAST + only("nvjpeg shapes") + ["--folder", str(folder), "--json", str(out)]
+    )
+    shapes = json.loads(out.read_text())["parts"]["nvjpeg shapes"]
+    assert code == 1 and not shapes["ok"]
+    tall = shapes["224x160"]
+    assert not tall["ok"] and tall["mean_abs_diff_max"] > 3 and tall["iou_gap_max"] > 0.05
+    assert tall["batched_vs_per_image_max_abs_diff"] > 1
+    assert shapes["160x224"]["ok"] and shapes["224x224"]["ok"]
+
+
+def test_the_fill_and_syncs_parts_fail_on_what_they_guard(folder, tmp_path, monkeypatch):
+    """Padding left at zero fails the fill part; a host sync a batch on the loader's thread (a
+    value read from the device, as the mask gather once did) fails the syncs part."""
+    from gpucache.decode import _masks
+
+    monkeypatch.setattr(_masks, "fill_padding", lambda images, plans, fill: images)
+    real_get = NvjpegBackend.get
+
+    def get_and_read(self):
+        out = real_get(self)
+        int(out.images.flatten()[0])  # a device read on the loader's thread
+        return out
+
+    monkeypatch.setattr(NvjpegBackend, "get", get_and_read)
+    out = tmp_path / "check.json"
+    args = (
+        FAST + only("nvjpeg fill", "nvjpeg syncs") + ["--folder", str(folder), "--json", str(out)]
+    )
+    assert gpu_check.main(args) == 1
+    r = json.loads(out.read_text())["parts"]
+    fill = r["nvjpeg fill"]["224x160"]
+    assert not fill["ok"] and fill["fill_pixels_wrong"] > 0 and fill["mask_fill_wrong"] == 0
+    syncs = r["nvjpeg syncs"]
+    assert not syncs["ok"] and syncs["host_syncs_per_batch"]["MainThread"] >= 1
+
+
+def test_the_decoders_part_records_a_decoder_that_fails_and_measures_the_rest(
+    folder, tmp_path, monkeypatch
+):
+    """A decoder of its own (nvImageCodec, DALI) that fails is recorded, not a failed check;
+    torchvision's calls never overlap (its mutex), at every concurrency."""
+    from benchmarks import gpu_check_parts
+
+    real = gpu_check_parts.available_decoders
+
+    def with_a_broken_one(c):
+        makers = real(c)
+
+        def broken():
+            def decode(data):
+                raise RuntimeError("nvimgcodec: no hardware decoder (emulated)")
+
+            return decode
+
+        makers["nvimgcodec"] = broken
+        return makers
+
+    monkeypatch.setattr(gpu_check_parts, "available_decoders", with_a_broken_one)
+    out = tmp_path / "check.json"
+    assert (
+        gpu_check.main(FAST + only("decoders") + ["--folder", str(folder), "--json", str(out)]) == 0
+    )
+    dec = json.loads(out.read_text())["parts"]["decoders"]
+    assert dec["ok"] and "no hardware decoder" in dec["errors"]["nvimgcodec x1"]
+    assert dec["fastest"] in dec["img_s"] and dec["photos"] >= 5
+    assert all(dec["calls_at_once"][f"torchvision x{k}"] == 1 for k in (1, 2, 4))
