@@ -18,7 +18,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("gpucache.cli", "gpucache.bench", "gpucache.__main__")),  # the commands (and
     # `python -m gpucache`); the benchmark users run
     ("api", ("gpucache",)),  # the package's __init__: it wires the public names, nothing else
-    ("integrations", ("gpucache.lightning",)),  # imported by users who train with Lightning
+    # imported by users who train with Lightning or Ultralytics (each needs its extra)
+    ("integrations", ("gpucache.lightning", "gpucache.ultralytics")),
     # synthetic photos for tests and benchmarks: public (gpucache.testing, imported on first use),
     # used by nothing in the library below
     ("testing", ("gpucache.testing",)),

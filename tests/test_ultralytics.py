@@ -1,0 +1,176 @@
+"""gpucache.ultralytics: Ultralytics' YOLO trains from a store, and its images are Ultralytics'.
+
+Generated photos in YOLO layout in tmp_path; Ultralytics' settings, runs and fonts kept there
+and nothing downloaded (plots off, the font check and the network check stubbed, AMP's check
+runs only on CUDA). Skipped where Ultralytics is not installed (the ``test`` extra has it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpucache.testing import make_jpeg_bytes
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ultralytics") is None,
+    reason="ultralytics is not installed (pip install 'gpucache-loader[ultralytics]'; the test "
+    "extra has it)",
+)
+
+#: (width, height, EXIF orientation): landscape, portrait, square, smaller than imgsz (enlarged),
+#: rotated by EXIF, grayscale and progressive among them
+PHOTOS = [(200, 150, None), (150, 220, None), (180, 180, None), (96, 64, None), (210, 140, 6)]
+
+
+def _photos(root: Path, split: str, n: int, seed: int) -> None:
+    (root / "images" / split).mkdir(parents=True)
+    (root / "labels" / split).mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    for k in range(n):
+        w, h, orient = PHOTOS[k % len(PHOTOS)]
+        data = make_jpeg_bytes(
+            w,
+            h,
+            seed=seed * 100 + k,
+            mode="L" if k == 2 else "RGB",
+            progressive=k == 1,
+            exif_orientation=orient,
+        )
+        (root / "images" / split / f"im{k}.jpg").write_bytes(data)
+        rows = []
+        for _ in range(2):
+            cx, cy = rng.uniform(0.3, 0.7, 2)
+            bw, bh = rng.uniform(0.1, 0.4, 2)
+            rows.append(f"{int(rng.integers(2))} {cx:.4f} {cy:.4f} {bw:.4f} {bh:.4f}")
+        (root / "labels" / split / f"im{k}.txt").write_text("\n".join(rows) + "\n")
+
+
+@pytest.fixture(scope="module")
+def yolo(tmp_path_factory):
+    """Ultralytics imported with its settings in a temporary folder, offline, no font download."""
+    home = tmp_path_factory.mktemp("ultralytics")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("YOLO_CONFIG_DIR", str(home / "config"))
+        mp.setenv("YOLO_OFFLINE", "1")
+        ultralytics = importlib.import_module("ultralytics")
+        from ultralytics.data import utils as data_utils
+
+        mp.setattr(data_utils, "check_font", lambda *a, **k: None)  # fonts are for plots only
+        yield ultralytics, home
+
+
+@pytest.fixture
+def data(tmp_path):
+    root = tmp_path / "set"
+    _photos(root, "train", 6, seed=1)
+    _photos(root, "val", 3, seed=2)
+    yaml = tmp_path / "data.yaml"
+    yaml.write_text(
+        f"path: {root}\ntrain: images/train\nval: images/val\nnames:\n  0: ant\n  1: bee\n"
+    )
+    return yaml
+
+
+def _cfg(yolo, tmp_path, **kw):
+    from ultralytics.cfg import get_cfg
+
+    return get_cfg(overrides={"imgsz": 160, "task": "detect", "plots": False, **kw})
+
+
+def test_importing_gpucache_does_not_import_ultralytics():
+    code = "import sys, gpucache; assert 'ultralytics' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("cache", [False, "ram"])
+def test_load_image_is_ultralytics_own_for_every_image(yolo, data, tmp_path, cache):
+    """Same original and resized shapes, BGR pixels within the two JPEG decoders' rounding."""
+    from ultralytics.data.build import build_yolo_dataset as theirs
+    from ultralytics.data.utils import check_det_dataset
+
+    import gpucache.ultralytics as gu
+
+    info = check_det_dataset(str(data))
+    cfg = _cfg(yolo, tmp_path, cache=cache)
+    ours = gu.build_yolo_dataset(
+        cfg, info["train"], 4, info, mode="train", cache_dir=str(tmp_path / "node")
+    )
+    assert ours.gpucache_tier == ("decoded" if cache else "raw"), ours.gpucache_reason
+    ref = theirs(_cfg(yolo, tmp_path, cache=False), info["train"], 4, info, mode="train")
+    assert ours.im_files == ref.im_files and len(ours.im_files) == 6
+    for i in range(len(ref.im_files)):
+        a, hw0, hw = ours.load_image(i)
+        b, rhw0, rhw = ref.load_image(i)
+        assert (hw0, hw) == (rhw0, rhw) and a.shape == b.shape and a.dtype == b.dtype, i
+        diff = np.abs(a.astype(np.int16) - b.astype(np.int16))
+        assert diff.max() <= 2 and diff.mean() <= 0.5, (i, diff.max(), diff.mean())
+    if cache:  # one file mapped, reused by the next dataset (no second build)
+        (tier,) = (tmp_path / "node").glob("*.pixels")
+        again = gu.build_yolo_dataset(
+            cfg, info["train"], 4, info, mode="train", cache_dir=str(tmp_path / "node")
+        )
+        assert again.gpucache_pixels.pixels.path == tier
+        assert again.gpucache_tier == "decoded"
+
+
+def test_decoded_tier_over_budget_falls_back_to_raw(yolo, data, tmp_path, monkeypatch):
+    from ultralytics.data.utils import check_det_dataset
+
+    import gpucache.ultralytics as gu
+    from gpucache.ultralytics import _pixels
+
+    monkeypatch.setattr(_pixels, "default_budget", lambda: 1000)
+    info = check_det_dataset(str(data))
+    with pytest.warns(RuntimeWarning, match="more than its budget"):
+        ds = gu.build_yolo_dataset(
+            _cfg(yolo, tmp_path, cache="ram"),
+            info["train"],
+            4,
+            info,
+            cache_dir=str(tmp_path / "node"),
+        )
+    assert ds.gpucache_tier == "raw" and "budget" in ds.gpucache_reason
+    im, _, hw = ds.load_image(0)
+    assert im.shape[:2] == hw and max(hw) == 160
+
+
+def test_one_epoch_of_yolo_trains_from_the_store(yolo, data, tmp_path):
+    from ultralytics import YOLO
+
+    import gpucache.ultralytics as gu
+
+    class Trainer(gu.DetectionTrainer):
+        gpucache_cache_dir = str(tmp_path / "node")
+
+    model = YOLO("yolo11n.yaml")  # built from its config: no weights downloaded
+    model.train(
+        data=str(data),
+        trainer=Trainer,
+        epochs=1,
+        imgsz=64,
+        batch=4,
+        workers=2,
+        device="cpu",
+        cache="ram",
+        plots=False,
+        val=True,
+        project=str(tmp_path / "runs"),
+        name="t",
+        exist_ok=True,
+        verbose=False,
+    )
+    trainer = model.trainer
+    assert isinstance(trainer, gu.DetectionTrainer)
+    for loader in (trainer.train_loader, trainer.test_loader):
+        assert isinstance(loader.dataset, gu.YOLODataset)
+        assert loader.dataset.gpucache_tier == "decoded"
+    assert (tmp_path / "runs" / "t" / "weights" / "last.pt").is_file()
+    assert os.listdir(tmp_path / "node")
