@@ -35,7 +35,7 @@ crashes the process then costs only its own parts):
     decode, the cpu backend with every core; dali's in a part of its own;
 (d) overlap: the nvjpeg epoch with a training step, threaded vs synchronous (benchmarks/overlap.py);
 (e) GPU memory, allocated and reserved (each stream keeps its own pool), after each epoch;
-(s), (f), (y), (d) (:mod:`benchmarks.gpu_check_parts`): each backend with masks on outputs taller
+(s), (f), (y) (:mod:`benchmarks.gpu_check_parts`), (d) (:mod:`benchmarks.gpu_check_decoders`): each backend with masks on outputs taller
     than wide, wider than tall and square, every sample flipped, batched against the cpu decode
     and (nvjpeg) its per-image path, with the alignment IoU of image and mask; ``fill`` and
     ``mask_fill`` not 0 through the loader; host syncs a batch with masks, by thread; and
@@ -73,7 +73,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import gpu_check_parts as parts  # noqa: E402
+from benchmarks import gpu_check_decoders  # noqa: E402
+from benchmarks import gpu_check_parts as parts
 from benchmarks._record import run_info  # noqa: E402
 from benchmarks.gpu_check_out import Outputs, system  # noqa: E402
 from benchmarks.overlap import measure as measure_overlap  # noqa: E402
@@ -569,7 +570,7 @@ def _backend_rates(c: Check, name: str) -> dict:
         if not c.args.emulate:
             runs += [
                 (f"gpucache nvjpeg threaded, {k} decoders", True, k)
-                for k in parts.CONCURRENCY
+                for k in gpu_check_decoders.CONCURRENCY
                 if k != c.default_decoders
             ]
     for label, threaded, decoders in runs:
@@ -859,7 +860,7 @@ def _run(c: Check) -> int:
         c.part("nvjpeg shapes", parts.shapes, "nvjpeg")
         c.part("nvjpeg fill", parts.fill, "nvjpeg")
         c.part("nvjpeg syncs", parts.syncs, "nvjpeg")
-    c.part("decoders", parts.decoders)
+    c.part("decoders", gpu_check_decoders.decoders)
     if "dali" in names:
         c.part("dali vs cpu", correctness, "dali")
         c.part("dali ordering", ordering, "dali")

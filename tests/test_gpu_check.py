@@ -543,9 +543,9 @@ def test_the_decoders_part_records_a_decoder_that_fails_and_measures_the_rest(
 ):
     """A decoder of its own (nvImageCodec, DALI) that fails is recorded, not a failed check;
     torchvision's calls never overlap (its mutex), at every concurrency."""
-    from benchmarks import gpu_check_parts
+    from benchmarks import gpu_check_decoders
 
-    real = gpu_check_parts.available_decoders
+    real = gpu_check_decoders.available_decoders
 
     def with_a_broken_one(c):
         makers = real(c)
@@ -559,7 +559,7 @@ def test_the_decoders_part_records_a_decoder_that_fails_and_measures_the_rest(
         makers["nvimgcodec"] = broken
         return makers
 
-    monkeypatch.setattr(gpu_check_parts, "available_decoders", with_a_broken_one)
+    monkeypatch.setattr(gpu_check_decoders, "available_decoders", with_a_broken_one)
     out = tmp_path / "check.json"
     assert (
         gpu_check.main(FAST + only("decoders") + ["--folder", str(folder), "--json", str(out)]) == 0
