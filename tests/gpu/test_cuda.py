@@ -235,3 +235,26 @@ def test_emptying_torchs_cache_between_decodes(cache):
     backend.submit(idx, plans, True)
     assert torch.equal(backend.get().images, first)
     backend.close()
+
+
+@pytest.mark.parametrize("decoders", [1, 2, 4])
+def test_concurrent_decoder_calls_give_one_calls_pixels(cache, decoders):
+    """The decode stage's sub-batches, decoded at once (TorchCodec: a decoder a call;
+    torchvision: queued on its mutex), give the pixels of one call for the whole batch, every
+    sample on the GPU decoder, with the backend's streams distinct from one another."""
+    idx = np.flatnonzero(cache.gpu_decodable())[:32]
+    plans = _plans(
+        cache, idx, T.Compose([T.RandomResizedCrop((48, 32)), T.RandomHorizontalFlip(1)])
+    )
+    ref_backend = NvjpegBackend(cache, device=CUDA, on_error="raise", decode_threads=1)
+    ref_backend.submit(idx, plans, stack=True)
+    ref = ref_backend.get().images.cpu()
+    ref_backend.close()
+    backend = NvjpegBackend(cache, device=CUDA, on_error="raise", decode_threads=decoders)
+    backend.submit(idx, plans, stack=True)
+    out = backend.get()
+    mine = backend._streams._mine  # the side stream, the EXIF probe's, each decoding thread's
+    assert len({s.cuda_stream for s in mine}) == len(mine) and 2 <= len(mine) <= 2 + decoders
+    backend.close()
+    assert backend.decoders == decoders and out.failed == []
+    assert torch.equal(out.images.cpu(), ref)
