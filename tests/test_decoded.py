@@ -6,6 +6,7 @@ the emulated GPU."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import subprocess
@@ -318,3 +319,18 @@ def test_info_lists_the_stores_decoded_tiers(cache, tmp_path, capsys):
         pass
     assert main(["info", str(store), "--cache-dir", str(tmp_path / "nc")]) == 0
     assert "decoded tier: short side 40, 20 images" in capsys.readouterr().out
+
+
+def test_cache_clean_removes_unused_tiers_and_keeps_one_in_use(cache, tmp_path):
+    from gpucache.node._clean import clean, entries
+
+    kw = dict(batch_size=4, num_workers=0, device="cpu", cache_dir=tmp_path)
+    GpuCachedLoader(cache, decoded=40, **kw).close()
+    old = next(tmp_path.glob("*.pixels"))
+    gc.collect()  # the closed loader's tier is no longer mapped
+    with GpuCachedLoader(cache, decoded=48, **kw) as held:
+        listed = {e.path: e for e in entries(tmp_path)}
+        assert listed[held._tier.pixels.path].in_use and not listed[old].in_use
+        removed = clean(tmp_path, everything=True)
+        assert [e.path for e in removed.stores] == [old]
+        assert held._tier.pixels.path.exists() and not old.exists()

@@ -326,6 +326,10 @@ def _open(path: Path, digest: bytes, req: TierRequest) -> DecodedPixels | None:
         if not hold_shared(fd):  # removed meanwhile
             os.close(fd)
             return None
+        try:
+            os.utime(fd)  # the last use, for `gpucache cache list` and the size cap
+        except OSError:  # a read-only file system: the tier opens all the same
+            pass
         pixels = _decoded.open_tier(path, fd)
     except CacheFormatError as err:
         log.warning("gpucache: rebuilding %s: %s", path, err)

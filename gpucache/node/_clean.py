@@ -8,7 +8,8 @@ The folder may also hold files that gpucache never wrote (a ``cache_dir=`` share
 a store saved there by hand). Only files that are provably the node cache's own are listed or
 removed: a regular file of this user whose name is exactly one that the cache writes, built on a
 32-hex-digit key (``<key>.gpucache``, ``<key>.info``, ``<key>.lock``, ``<key>.scan``,
-``<key>.scan.lock`` and the ``.<name>.<8 characters>.tmp`` temporary names of its atomic writes),
+``<key>.scan.lock``, the loader's decoded tiers ``<key>.pixels`` and their ``<key>.pixels.lock``,
+and the ``.<name>.<8 characters>.tmp`` temporary names of its atomic writes),
 and whose content is what the cache puts there (a store's magic, the JSON fields of its records).
 Anything else is left alone, whatever its extension. The objects a build fetched from storage
 (``<key>.fetch``, ``<key>.fetched``) stay after a killed build, so the next one resumes, as do
@@ -26,24 +27,28 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..store._decoded import MAGIC as PIXELS_MAGIC
 from ..store._format import MAGIC
 from ._dir import in_use, open_own, read_json
 
 log = logging.getLogger(__name__)
 
 _KEY = "[0-9a-f]{32}"
-_STORE = re.compile(rf"({_KEY})\.gpucache")
-_RECORD = re.compile(rf"({_KEY})\.(info|lock|scan|scan\.lock)")
+_STORE = re.compile(rf"({_KEY})\.(gpucache|pixels)")  # a store, or a decoded tier of one
+_RECORD = re.compile(rf"({_KEY})\.(info|lock|scan|scan\.lock|pixels\.lock)")
 _SPOOL = re.compile(
     rf"({_KEY})\.(fetch|fetched|kept)"
 )  # objects fetched for a build (ingest.storage._fetch)
-_TEMP = re.compile(rf"\.({_KEY})\.(gpucache|info|scan)\.[a-z0-9_]{{8}}\.tmp")  # mkstemp's names
+_TEMP = re.compile(
+    rf"\.({_KEY})\.(gpucache|info|scan|pixels)\.[a-z0-9_]{{8}}\.tmp"
+)  # mkstemp's names
 # the JSON fields each record holds (node/_cache.py writes .info and .scan, node/_lock.py locks)
 _FIELDS = {
     "info": {"source", "samples", "created"},
     "scan": {"key", "written", "nonce"},
     "lock": {"pid", "host", "phase"},
     "scan.lock": {"pid", "host", "phase"},
+    "pixels.lock": {"pid", "host", "phase"},
 }
 
 
@@ -89,14 +94,19 @@ def _is_record(path: Path, kind: str) -> bool:
 
 
 def entries(folder: Path) -> list[Entry]:
-    """Every store of the node cache in ``folder``, least recently used first."""
+    """Every store of the node cache in ``folder``, and every decoded tier (``<key>.pixels``, the
+    loader's), least recently used first."""
     out = []
-    for path in folder.glob("*.gpucache"):
+    for path in [*folder.glob("*.gpucache"), *folder.glob("*.pixels")]:
         m = _STORE.fullmatch(path.name)
-        st = _own_file(path, MAGIC) if m else None
+        st = _own_file(path, MAGIC if path.suffix == ".gpucache" else PIXELS_MAGIC) if m else None
         if m is None or st is None:
             continue
         key = m[1]
+        if m[2] == "pixels":  # a decoded tier: in use while mapped or being built
+            busy = in_use(path) or in_use(folder / f"{key}.pixels.lock")
+            out.append(Entry(key, path, st.st_size, st.st_mtime, busy, "decoded tier"))
+            continue
         info = read_json(folder / f"{key}.info") or {}
         source, layouts = info.get("source"), info.get("layouts")
         out.append(
@@ -208,7 +218,9 @@ def _tidy(folder: Path) -> list[Path]:
                 doomed = not in_use(p)
         elif m := _TEMP.fullmatch(name):
             key, kind = m[1], m[2]
-            lock = folder / (f"{key}.scan.lock" if kind == "scan" else f"{key}.lock")
+            lock = folder / {"scan": f"{key}.scan.lock", "pixels": f"{key}.pixels.lock"}.get(
+                kind, f"{key}.lock"
+            )
             doomed = _own_file(p) is not None and not in_use(p) and not in_use(lock)
         else:
             continue
