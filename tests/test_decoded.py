@@ -334,3 +334,32 @@ def test_cache_clean_removes_unused_tiers_and_keeps_one_in_use(cache, tmp_path):
         removed = clean(tmp_path, everything=True)
         assert [e.path for e in removed.stores] == [old]
         assert held._tier.pixels.path.exists() and not old.exists()
+
+
+def test_device_tier_batches_cost_ops_that_do_not_grow_with_the_batch(cache):
+    """Every aten op (views excluded) while the device tier makes a batch on the emulated GPU:
+    the batched resample's few chunks, never ops an image, and no upload after the first."""
+    from benchmarks.batched_transforms import CountOps
+    from gpucache.decode._options import DecodeOptions
+    from gpucache.decode._pixels import PixelBackend
+    from tests.support.emulated_cuda import EmulatedCuda
+
+    with GpuCachedLoader(cache, batch_size=4, num_workers=0, decoded=64) as host:
+        pixels = host._tier.pixels
+    with EmulatedCuda(devices=1), CountOps() as counter:
+        backend = PixelBackend(
+            cache, pixels, device=torch.device("cuda", 0), resident=True, options=DecodeOptions()
+        )
+        ops = {}
+        for n in (4, 16, 16):
+            idx = np.arange(n)
+            rows = np.asarray(T.Compose(TRAIN).plan(
+                pixels.heights[idx].astype(np.int64), pixels.widths[idx].astype(np.int64),
+                np.random.default_rng(n),
+            ))  # fmt: skip
+            counter.counts.clear()
+            backend.submit(idx, rows, True)
+            out = backend.get().images
+            assert out.shape == (n, 3, 48, 48) and out.device.type == "cuda"
+            ops[n] = sum(counter.counts.values())
+    assert ops[16] < 4 * 16 and ops[16] <= 2 * ops[4], ops
