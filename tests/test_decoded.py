@@ -181,19 +181,18 @@ def test_a_folder_it_cannot_write_falls_back(cache, tmp_path):
     ro.mkdir(mode=0o500)  # read-only for its owner
     if os.geteuid() == 0:  # root writes anywhere: a folder of another user's is refused instead
         os.chown(ro, 65534, 65534)
+    kw = dict(batch_size=4, num_workers=0, device="cpu", decoded=64, cache_dir=ro)
+    # one rank of two: a copy in each rank's memory is not one copy a node, so the raw tier
     with pytest.warns(RuntimeWarning, match="cannot be used|failed"):
-        loader = GpuCachedLoader(
-            cache,
-            batch_size=8,
-            num_workers=2,
-            multiprocessing_context="spawn",
-            device="cpu",
-            decoded=64,
-            cache_dir=ro,
-        )
+        loader = GpuCachedLoader(cache, num_replicas=2, rank=0, **kw)
     with loader:
         assert loader.tier == "raw" and str(ro) in loader.tier_reason
-        assert sum(len(y) for _, y in loader) == len(cache)
+        assert sum(len(y) for _, y in loader) == len(cache) // 2
+    with pytest.warns(RuntimeWarning, match="held in this process's memory instead"):
+        alone = GpuCachedLoader(cache, **kw)  # one process, no workers: in memory
+    with alone:
+        assert alone.tier == "decoded" and alone._tier.pixels.path is None
+        assert sum(len(y) for _, y in alone) == len(cache)
 
 
 def test_a_corrupt_tier_file_is_rebuilt_and_the_format_is_checked(cache, tmp_path):
