@@ -155,7 +155,7 @@ def test_one_epoch_of_yolo_trains_from_the_store(yolo, data, tmp_path):
         data=str(data),
         trainer=Trainer,
         epochs=1,
-        imgsz=64,
+        imgsz=160,
         batch=4,
         workers=2,
         device="cpu",
@@ -174,3 +174,84 @@ def test_one_epoch_of_yolo_trains_from_the_store(yolo, data, tmp_path):
         assert loader.dataset.gpucache_tier == "decoded"
     assert (tmp_path / "runs" / "t" / "weights" / "last.pt").is_file()
     assert os.listdir(tmp_path / "node")
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_read_the_same_tier_file(yolo, data, tmp_path, context):
+    """The dataset pickles without its pixels (spawn workers map the node's file) and its
+    batches through Ultralytics' collate are the same under fork and spawn workers."""
+    import pickle
+
+    import torch
+    from ultralytics.data.utils import check_det_dataset
+
+    import gpucache.ultralytics as gu
+
+    info = check_det_dataset(str(data))
+    ds = gu.build_yolo_dataset(
+        _cfg(yolo, tmp_path, cache="ram"),
+        info["val"],
+        3,
+        info,
+        mode="val",
+        rect=True,
+        cache_dir=str(tmp_path / "node"),
+    )
+    assert ds.gpucache_tier == "decoded"
+    assert len(pickle.dumps(ds.gpucache_pixels)) < 64 << 10  # handles, not pixels
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=3,
+        num_workers=2,
+        multiprocessing_context=context,
+        collate_fn=ds.collate_fn,
+    )
+    (batch,) = list(loader)
+    inline = ds.collate_fn([ds[i] for i in range(3)])
+    assert torch.equal(batch["img"], inline["img"]) and batch["img"].shape[0] == 3
+    assert torch.equal(batch["bboxes"], inline["bboxes"])
+
+
+def test_segmentation_and_classification_train_from_the_store(yolo, tmp_path):
+    from ultralytics import YOLO
+
+    import gpucache.ultralytics as gu
+
+    root = tmp_path / "seg"
+    for split, n in (("train", 4), ("val", 2)):
+        _photos(root, split, n, seed=3 if split == "train" else 4)
+        for txt in (root / "labels" / split).glob("*.txt"):  # a polygon an object
+            txt.write_text("0 0.2 0.2 0.6 0.25 0.5 0.7 0.25 0.6\n1 0.6 0.6 0.9 0.6 0.8 0.9\n")
+    yaml = tmp_path / "seg.yaml"
+    yaml.write_text(f"path: {root}\ntrain: images/train\nval: images/val\nnames:\n  0: a\n  1: b\n")
+    cls_root = tmp_path / "cls"
+    for split in ("train", "val"):
+        for c, name in enumerate(("ant", "bee")):
+            (cls_root / split / name).mkdir(parents=True)
+            for k in range(2):
+                jpeg = make_jpeg_bytes(90 + 10 * k, 70, seed=10 * c + k)
+                (cls_root / split / name / f"{k}.jpg").write_bytes(jpeg)
+
+    common = dict(
+        epochs=1,
+        imgsz=64,
+        batch=4,
+        workers=0,
+        device="cpu",
+        plots=False,
+        project=str(tmp_path / "runs"),
+        exist_ok=True,
+        verbose=False,
+    )
+    for cfg, data_, base, name in (
+        ("yolo11n-seg.yaml", str(yaml), gu.SegmentationTrainer, "seg"),
+        ("yolo11n-cls.yaml", str(cls_root), gu.ClassificationTrainer, "cls"),
+    ):
+        trainer_cls = type("T", (base,), {"gpucache_cache_dir": str(tmp_path / "node")})
+        model = YOLO(cfg)
+        model.train(data=data_, trainer=trainer_cls, name=name, **common)
+        ds = model.trainer.train_loader.dataset
+        assert isinstance(model.trainer, base) and ds.gpucache_tier == "raw"
+        assert (tmp_path / "runs" / name / "weights" / "last.pt").is_file()
+    labels = ds.gpucache_store.labels[ds.gpucache_index]
+    assert labels.tolist() == [s[1] for s in ds.samples]  # the classes the store holds
