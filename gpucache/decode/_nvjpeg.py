@@ -150,7 +150,8 @@ class NvjpegBackend(Backend):
         #: threads of the CPU stage, among which a batch's CPU samples are split
         self.cpu_threads = max(1, default_cpu_threads() if cpu_threads is None else cpu_threads)
         #: concurrent decoder calls a batch is split among (threaded only; one unthreaded)
-        self.decoders = self._decode_threads(decode_threads) if threaded else 1
+        decoders = self._decode_threads(decode_threads)  # checked whether threaded or not
+        self.decoders = decoders if threaded else 1
         if threaded:
             self._pools = {
                 "cpu": ThreadPoolExecutor(self.cpu_threads, "gpucache-nvjpeg-cpu"),
