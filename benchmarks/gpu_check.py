@@ -39,13 +39,15 @@ crashes the process then costs only its own parts):
     than wide, wider than tall and square, every sample flipped, batched against the cpu decode
     and (nvjpeg) its per-image path, with the alignment IoU of image and mask; ``fill`` and
     ``mask_fill`` not 0 through the loader; host syncs a batch with masks, by thread; and
-    decode-only images/s of each batched GPU decoder available at 1, 2 and 4 concurrent calls.
+    decode-only images/s of each batched GPU decoder available at 1, 2 and 4 concurrent calls;
+(p) (:mod:`benchmarks.gpu_check_tier`) the device tier: ``decoded=`` pixels held on the GPU,
+    against the cpu backend on the same tier, its device bytes, host syncs a batch, images/s.
 ``--emulate`` runs all of it on the CPU under :class:`~tests.support.emulated_cuda.EmulatedCuda`
 (two emulated GPUs): the same ``device="cuda"`` code paths, streams and device indices, with
 torchvision's decoder, which ignores EXIF there as on CUDA; DALI, which cannot run its GPU graph
 without a GPU, runs its CPU mode, and the overlap part a CPU device. Exit 0 all passed, 1 a check
-failed or a part raised, 2 no CUDA (not emulating). The parts' shares add up to 0.86 of
---budget-s without DALI and 1.2 with it (120 s by default; a part stops at its share once it
+failed or a part raised, 2 no CUDA (not emulating). The parts' shares add up to 0.9 of
+--budget-s without DALI and 1.24 with it (120 s by default; a part stops at its share once it
 did its minimum, and on a GPU most parts end well before it), the rest being the stores' builds,
 warm-ups and the minimum work a part does past its share (one epoch, the memory part's five).
 ``--emulate`` defaults to
@@ -73,7 +75,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import gpu_check_decoders  # noqa: E402
+from benchmarks import gpu_check_decoders, gpu_check_tier  # noqa: E402
 from benchmarks import gpu_check_parts as parts
 from benchmarks._record import run_info  # noqa: E402
 from benchmarks.gpu_check_out import Outputs, system  # noqa: E402
@@ -110,6 +112,7 @@ SHARES = {
     "fill": 0.03,
     "syncs": 0.02,
     "decoders": 0.06,
+    "tier": 0.04,
 }
 #: The parts' kinds, by name (a backend's name stripped), for their shares and hang watch.
 _KIND = {
@@ -123,6 +126,7 @@ _KIND = {
     "fill": "fill",
     "syncs": "syncs",
     "decoders": "decoders",
+    "device tier": "tier",
 }
 DALI_DISTRIBUTIONS = ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110")
 
@@ -860,6 +864,7 @@ def _run(c: Check) -> int:
         c.part("nvjpeg shapes", parts.shapes, "nvjpeg")
         c.part("nvjpeg fill", parts.fill, "nvjpeg")
         c.part("nvjpeg syncs", parts.syncs, "nvjpeg")
+        c.part("device tier", gpu_check_tier.device_tier)
     c.part("decoders", gpu_check_decoders.decoders)
     if "dali" in names:
         c.part("dali vs cpu", correctness, "dali")
