@@ -362,3 +362,31 @@ def test_device_tier_batches_cost_ops_that_do_not_grow_with_the_batch(cache):
             assert out.shape == (n, 3, 48, 48) and out.device.type == "cuda"
             ops[n] = sum(counter.counts.values())
     assert ops[16] < 4 * 16 and ops[16] <= 2 * ops[4], ops
+
+
+def test_node_shares_play_every_sample_once_from_their_tiers(tmp_path, monkeypatch):
+    from gpucache.testing import make_jpeg_bytes
+
+    root = tmp_path / "train"
+    for i in range(11):  # one sample a class: a label names its sample
+        (root / f"c{i:02d}").mkdir(parents=True)
+        (root / f"c{i:02d}" / "x.jpg").write_bytes(make_jpeg_bytes(40 + i, 30, seed=i))
+    stores = []
+    for node in range(2):
+        env = dict(WORLD_SIZE=4, LOCAL_WORLD_SIZE=2, GROUP_RANK=node, RANK=2 * node, LOCAL_RANK=0)
+        with monkeypatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, str(v))
+            stores.append(
+                JpegCache.from_folder(
+                    root, shard="node", cache_dir=tmp_path / f"n{node}", progress=False
+                )
+            )
+    kw = dict(batch_size=2, shuffle=True, seed=7, num_workers=0, transform=TRAIN, decoded=24)
+    seen, padding = [], 0
+    for r in range(4):
+        with GpuCachedLoader(stores[r // 2], num_replicas=4, rank=r, **kw) as lo:
+            assert lo.tier == "decoded" and lo._tier.pixels.path.parent == tmp_path / f"n{r // 2}"
+            seen += [int(y) for _, labels in lo for y in labels]
+            padding += lo.epoch_padding
+    assert sorted(set(seen)) == list(range(11)) and len(seen) == 11 + padding
