@@ -14,32 +14,28 @@ Choosing never fails a run: a tier that does not fit its budget, or whose file c
 written (full disk, ``RLIMIT_FSIZE``, a read-only folder), falls back (device -> decoded ->
 raw) with one warning that names the bytes it needs and the fix; ``loader.tier_reason`` keeps
 it. Under several ranks one rank of the node builds (the node lock, as for the store) while the
-others wait, then all map the same file.
+others wait, then all map the same file (:mod:`._tier_file`); :mod:`._tier_build` decodes and
+writes the pixels, :mod:`._tier_key` names the file.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import torch
 
-from .._errors import CacheFormatError
 from .._plan import Col
-from ..node._dir import checked_dir, default_dir, hold_shared, open_own
-from ..node._lock import NodeLock
+from ..node._dir import default_dir
 from ..store import _decoded
 from ..store._decoded import FROM_STORE, DecodedPixels
-from ..store._save import write_atomic
 from ..store._store import Store
-from . import _tier_build
+from . import _tier_build, _tier_file
 from ._tier_key import decoder_version, tier_key
 
 log = logging.getLogger(__name__)
@@ -47,8 +43,6 @@ log = logging.getLogger(__name__)
 #: The default ``decoded_budget``: this share of the node's available memory (``MemAvailable``)
 #: when the loader is made.
 DEFAULT_SHARE = 0.5
-STALL_S = 900.0  # ranks waiting for the node's build give up when it reports nothing this long
-_WRITE_ERRORS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 _NODE_STORE = re.compile(r"[0-9a-f]{32}\.gpucache")
 
 
@@ -175,7 +169,20 @@ def choose(
     folder = _folder(cache, req, private_ok and not several)
     pixels, why = None, None
     if folder is not None:
-        pixels, why = _once_per_node(cache, folder, key, digest, decoder, req, th, tw, need)
+        side, mode = req.side, req.mode
+        pixels, why = _tier_file.once_per_node(
+            folder,
+            key,
+            digest=digest,
+            side=side,
+            mode=mode,
+            need=need,
+            samples=len(cache),
+            write=lambda fd, progress: _tier_build.into_file(
+                fd, cache, th, tw, side=side, mode=mode, key=digest, decoder=decoder,
+                progress=progress,
+            ),
+        )  # fmt: skip
     if pixels is None and private_ok and not several:
         pixels = _tier_build.into_memory(
             cache, th, tw, side=req.side, mode=req.mode, key=digest, decoder=decoder
@@ -236,108 +243,14 @@ def _folder(cache: Store, req: TierRequest, private_ok: bool) -> Path | None:
     return None if private_ok else default_dir()
 
 
-def _once_per_node(
-    cache: Store,
-    folder: Path,
-    key: str,
-    digest: bytes,
-    decoder: str,
-    req: TierRequest,
-    th: np.ndarray,
-    tw: np.ndarray,
-    need: int,
-) -> tuple[DecodedPixels | None, str | None]:
-    """The tier's file in ``folder``, opened, or built by the first rank of the node (the
-    others wait); ``(None, why)`` when it cannot be written there."""
-    assert req.side is not None
-    try:
-        real = checked_dir(folder)
-    except OSError as err:
-        return None, f"the cache folder {folder} cannot be used: {err.strerror or err}"
-    path = real / f"{key}.pixels"
-    found = _open(path, digest, req)
-    if found is not None:
-        return found, None
-    try:
-        with NodeLock(real / f"{key}.pixels.lock", path, STALL_S) as lock:
-            found = _open(path, digest, req)  # built by another rank while this one waited
-            if found is not None:
-                return found, None
-            why = _no_room(real, need)
-            if why is not None:
-                return None, why
-            lock.phase("decoding", len(cache))
-
-            side = req.side
-
-            def write(f: BinaryIO) -> None:
-                _tier_build.into_file(
-                    f.fileno(),
-                    cache,
-                    th,
-                    tw,
-                    side=side,
-                    mode=req.mode,
-                    key=digest,
-                    decoder=decoder,
-                    progress=lambda done, total: lock.progress("decoding", done, total),
-                )
-
-            write_atomic(path, write, mode=0o600)
-            log.info("gpucache: built the decoded tier %s (%.1f MB)", path, need / 1e6)
-            found = _open(path, digest, req)
-    except OSError as err:
-        if err.errno not in _WRITE_ERRORS:
-            raise
-        return None, f"writing it in {real} failed: {err.strerror} (errno {err.errno})"
-    if found is None:
-        raise CacheFormatError(f"{path}: the decoded tier just written does not open again")
-    return found, None
-
-
-def _no_room(folder: Path, need: int) -> str | None:
-    """Why a ``need``-byte file cannot be written in ``folder`` (free space, RLIMIT_FSIZE)."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if soft != resource.RLIM_INFINITY and need > soft:
-            return (
-                f"the file-size limit (ulimit -f / RLIMIT_FSIZE) is {soft:,} bytes, less than "
-                "the file's"
-            )
-    except ImportError:  # not on Windows
-        pass
-    st = os.statvfs(folder)
-    free = st.f_bavail * st.f_frsize
-    if need + (8 << 20) > free:
-        return f"{folder} has {free:,} bytes free, less than the file's and 8 MiB to spare"
-    return None
+# the file's helpers, by the names other tiers of the format import them (gpucache.ultralytics)
+STALL_S = _tier_file.STALL_S
+_no_room = _tier_file.no_room
 
 
 def _open(path: Path, digest: bytes, req: TierRequest) -> DecodedPixels | None:
-    """The tier at ``path`` if it is this user's own and of this store, side and decoder."""
-    fd, why = open_own(path)
-    if fd is None:
-        if why != "missing":
-            log.warning("gpucache: rebuilding %s, which %s", path, why)
-        return None
-    try:
-        if not hold_shared(fd):  # removed meanwhile
-            os.close(fd)
-            return None
-        try:
-            os.utime(fd)  # the last use, for `gpucache cache list` and the size cap
-        except OSError:  # a read-only file system: the tier opens all the same
-            pass
-        pixels = _decoded.open_tier(path, fd)
-    except CacheFormatError as err:
-        log.warning("gpucache: rebuilding %s: %s", path, err)
-        return None
-    if (pixels.key, pixels.side, pixels.mode) != (digest, req.side, req.mode):
-        log.warning("gpucache: rebuilding %s, which is another store's or side's", path)
-        return None
-    return pixels
+    assert req.side is not None
+    return _tier_file.open_file(path, digest, req.side, req.mode)
 
 
 def store_plans(tier: Tier, indices: np.ndarray, plans: np.ndarray, cache: Store) -> np.ndarray:
