@@ -35,12 +35,13 @@ from typing import BinaryIO
 
 import cv2
 import numpy as np
+import torch
 
 from .._cores import usable_cores
 from .._threads import ordered_map
 from ..decode._core import decode_sample
 from ..loader._tier import STALL_S, TierRequest, _no_room, _open, default_budget
-from ..loader._tier_build import file_sink
+from ..loader._tier_build import _trim, file_sink
 from ..loader._tier_key import decoder_version, store_digest
 from ..node._dir import checked_dir
 from ..node._lock import NodeLock
@@ -63,19 +64,32 @@ def resized_size(h0: int, w0: int, imgsz: int) -> tuple[int, int]:
     return min(math.ceil(h0 * r), imgsz), min(math.ceil(w0 * r), imgsz)
 
 
-def to_bgr_resized(rgb_chw: np.ndarray, imgsz: int) -> np.ndarray:
-    """An RGB (3, H, W) uint8 image as Ultralytics' ``load_image`` returns it: BGR HWC, resized."""
-    bgr = np.ascontiguousarray(rgb_chw[::-1].transpose(1, 2, 0))
-    h0, w0 = bgr.shape[:2]
+def _hwc(rgb: torch.Tensor) -> np.ndarray:
+    """A (3, H, W) uint8 tensor as an (H, W, 3) array (a view where its memory is HWC)."""
+    hwc = rgb.permute(1, 2, 0).numpy()
+    return hwc if hwc.flags.c_contiguous else np.ascontiguousarray(hwc)
+
+
+def resized_rgb(rgb: torch.Tensor, imgsz: int) -> np.ndarray:
+    """An RGB (3, H, W) uint8 image at Ultralytics' size, RGB HWC (``cv2.resize`` works on each
+    channel alone, so resizing before Ultralytics' BGR swap gives the same pixels)."""
+    hwc = _hwc(rgb)
+    h0, w0 = hwc.shape[:2]
     h, w = resized_size(h0, w0, imgsz)
     if (h, w) != (h0, w0):
-        bgr = cv2.resize(bgr, (w, h), interpolation=cv2.INTER_LINEAR)
-    return bgr
+        hwc = cv2.resize(hwc, (w, h), interpolation=cv2.INTER_LINEAR)
+    return hwc
+
+
+def to_bgr_resized(rgb: torch.Tensor, imgsz: int) -> np.ndarray:
+    """An RGB (3, H, W) uint8 image as Ultralytics' ``load_image`` returns it: BGR HWC, resized,
+    a new array."""
+    return cv2.cvtColor(resized_rgb(rgb, imgsz), cv2.COLOR_RGB2BGR)
 
 
 def decode_bgr(cache: Store, j: int, imgsz: int) -> np.ndarray:
     """Store sample ``j`` decoded from its bytes, as Ultralytics' ``load_image`` returns it."""
-    return to_bgr_resized(decode_sample(cache, j).numpy(), imgsz)
+    return to_bgr_resized(decode_sample(cache, j), imgsz)
 
 
 class Pixels:
@@ -89,8 +103,11 @@ class Pixels:
         """Store sample ``j``, BGR HWC at Ultralytics' size (a private, writable array)."""
         p = self.pixels
         if p is not None and p.status[j] == IN_TIER:
-            rgb = p.image(j).numpy()  # (3, H, W) over the tier's read-only memory
-            return np.ascontiguousarray(rgb[::-1].transpose(1, 2, 0))
+            if p.handle is not None and not p.handle.intact():
+                p.image(j)  # raises the tier's error: its file was truncated while in use
+            h, w, at = int(p.heights[j]), int(p.widths[j]), int(p.offsets[j])
+            hwc = p.data[at : at + h * w * 3].reshape(h, w, 3)  # the tier's read-only memory
+            return cv2.cvtColor(hwc, cv2.COLOR_RGB2BGR)  # the caller's own copy
         return decode_bgr(self.cache, j, self.imgsz)
 
 
@@ -223,16 +240,15 @@ def _into_file(
         failed = []
         for j in range(start, stop):
             try:
-                rgb = decode_sample(cache, j).numpy()
-                bgr = to_bgr_resized(rgb, imgsz)
+                rgb = resized_rgb(decode_sample(cache, j), imgsz)
             except Exception:  # decoded from the store at load time, as without the tier
                 failed.append(j)
                 continue
-            if bgr.shape[:2] != (th[j], tw[j]):  # the store's record disagrees with the pixels
+            if rgb.shape[:2] != (th[j], tw[j]):  # the store's record disagrees with the pixels
                 failed.append(j)
                 continue
             at = int(lay.offsets[j]) - lo
-            chunk[at : at + bgr.size] = bgr[..., ::-1].reshape(-1)  # stored RGB, as the format says
+            chunk[at : at + rgb.size].reshape(rgb.shape)[...] = rgb  # RGB, as the format says
         return start, chunk, failed
 
     threads = max(1, usable_cores())
@@ -244,6 +260,7 @@ def _into_file(
         sink(lay.data[0] + int(lay.offsets[start]), view)
         done = min(n, start + CHUNK)
         progress(done, n)
+    _trim()  # the decode buffers freed, given back (the training process keeps running)
     index = _decoded.index_bytes(lay, th, tw, status)
     sink(lay.index[0], memoryview(index))
     head = _decoded.header_bytes(
