@@ -47,7 +47,9 @@ class BatchInfo(NamedTuple):
     paths: list[str]
     metadata: list[str] | None
     skipped: list[tuple[int, str]]  # (store index, reason) of samples left out of this batch
-    plans: np.ndarray | None = None  # (N, 11) geometric plan of each sample (transforms.map_boxes)
+    #: (N, 11) geometric plan of each sample (transforms.map_boxes), in the store's image
+    #: coordinates (float64 on the decoded tier: its first crop scaled by the image's factor)
+    plans: np.ndarray | None = None
     targets: list[torch.Tensor] | None = None  # per-sample ragged targets (K_i, C), as stored
     #: the batch's class labels when masks take their place in the batch (a store with masks)
     labels: torch.Tensor | None = None
@@ -84,7 +86,7 @@ class GpuCachedLoader:
     integer masks aligned pixel for pixel with the images (``masks=False`` for labels instead;
     the labels are in ``BatchInfo.labels``). ``transform=None`` yields a list of variable-size uint8 CHW tensors;
     a transform that fixes the output size yields one (N, C, H, W) batch. Every argument but the
-    store is keyword-only; they come in four groups.
+    store is keyword-only; they come in groups, each named in italics at its first argument.
 
     Args:
         cache: The store to read (``JpegCache.from_folder``, ``JpegCache.open``, ...).
