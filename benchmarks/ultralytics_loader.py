@@ -16,7 +16,7 @@ split (``mode="train"``: mosaic, random perspective, HSV, flips; batch 16, Ultra
   the store's JPEG bytes every load;
 - ``gpucache-decoded``: the same, ``cache="ram"``: the decoded tier, one file in the node cache.
 
-Each contender runs in a fresh process a worker context (fork, spawn): the dataset's build time
+Each contender runs in a fresh process a worker context (fork, spawn), ``--rounds`` times\n(interleaved): the dataset's build time
 (gpucache: a first run in an empty node cache folder, then a rerun that finds the store and the
 tier there), then ``--epochs`` epochs of a ``torch.utils.data.DataLoader`` with ``--workers``
 persistent workers (images/s of the last epoch, workers warm) and the summed PSS of the process
@@ -161,6 +161,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--contexts", default="fork,spawn")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every run")
     ap.add_argument("--json")
     ap.add_argument(
         "--one", nargs=4, metavar=("NAME", "CONTEXT", "YAML", "NODE"), help=argparse.SUPPRESS
@@ -177,8 +178,10 @@ def main() -> None:
         result["check"] = c = check(yaml, a.imgsz, Path(tmp) / "check-node")
         print("load_image against Ultralytics':", c, flush=True)
         rows = []
-        for context in a.contexts.split(","):
-            for name in CONTENDERS:
+        for context, r, name in (
+            (c, r, n) for r in range(a.rounds) for c in a.contexts.split(",") for n in CONTENDERS
+        ):
+            if True:
                 node = Path(tmp) / f"node-{name}-{context}"  # empty: the first run builds
                 cmd = [sys.executable, __file__, "--imgsz", str(a.imgsz), "--workers"]
                 cmd += [str(a.workers), "--epochs", str(a.epochs), "--one", name, context]
@@ -188,7 +191,7 @@ def main() -> None:
                 lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
                 if p.returncode or not lines:
                     raise SystemExit(f"{name} {context} failed:\n{p.stderr[-3000:]}")
-                rows.append(json.loads(lines[-1]))
+                rows.append({"round": r, **json.loads(lines[-1])})
                 print(rows[-1], flush=True)
                 shutil.rmtree(node, ignore_errors=True)
         result["rows"] = rows
