@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -255,3 +256,48 @@ def test_segmentation_and_classification_train_from_the_store(yolo, tmp_path):
         assert (tmp_path / "runs" / name / "weights" / "last.pt").is_file()
     labels = ds.gpucache_store.labels[ds.gpucache_index]
     assert labels.tolist() == [s[1] for s in ds.samples]  # the classes the store holds
+
+
+RANK_SCRIPT = """
+import json, os, sys
+from ultralytics.cfg import get_cfg
+from ultralytics.data import utils as data_utils
+
+data_utils.check_font = lambda *a, **k: None
+import gpucache.ultralytics as gu
+
+info = data_utils.check_det_dataset(sys.argv[1])
+cfg = get_cfg(overrides={"imgsz": 160, "cache": "ram", "plots": False})
+ds = gu.build_yolo_dataset(cfg, info["train"], 4, info, cache_dir=sys.argv[2])
+path = ds.gpucache_pixels.pixels.path
+im, hw0, hw = ds.load_image(0)
+out = {"tier": ds.gpucache_tier, "pixels": str(path), "store": str(ds.gpucache_store.path),
+       "ino": os.stat(path).st_ino, "shape": list(im.shape)}
+rank = os.environ["RANK"]
+open(os.path.join(sys.argv[3], f"rank{rank}.json"), "w").write(json.dumps(out))
+"""
+
+
+def test_two_ranks_of_a_node_map_one_store_and_one_tier_file(yolo, data, tmp_path):
+    """Under torchrun (CPU, no process group needed) both ranks read the decoded tier from the
+    same file, built once in the node cache folder."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    node, out = tmp_path / "node", tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "YOLO_CONFIG_DIR": str(yolo[1] / "config"), "YOLO_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1])])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    run = subprocess.run(
+        [*cmd, str(script), str(data), str(node), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["tier"] == "decoded" for r in ranks)
+    assert ranks[0]["pixels"] == ranks[1]["pixels"] and ranks[0]["ino"] == ranks[1]["ino"]
+    assert ranks[0]["store"] == ranks[1]["store"] and ranks[0]["shape"] == ranks[1]["shape"]
+    assert len(list(node.glob("*.pixels"))) == 1 and len(list(node.glob("*.gpucache"))) == 1
