@@ -422,6 +422,39 @@ def test_wrong_stores_and_states_are_refused_with_the_fix(data, tmp_path):
         sharded.load_state_dict({k: v for k, v in state.items() if k != "segments"})
 
 
+def _lying(store: JpegCache, path: Path, **sections: np.ndarray) -> Path:
+    """``store`` saved with some share sections replaced (its checksums valid)."""
+    from gpucache.store import _format
+
+    arrays = store._stored()
+    arrays["extra"] = {**arrays["extra"], **sections}
+    with open(path, "wb") as f:
+        _format.write(f, **arrays)
+    return path
+
+
+def test_share_records_that_lie_are_refused_before_an_order_is_drawn(data, tmp_path):
+    """Records altered after the build (checksums valid), as the fuzz harness over the input
+    paths makes them: two samples claiming one rank, bounds whose math would overflow, and a
+    listing claimed 2**31 samples long (the loader's order for that share would take 16 GB)."""
+    from gpucache import CacheFormatError
+    from gpucache.store._share import LAYOUT, RANKS
+
+    store = layout(data, 2, tmp_path)[0]
+    share = store.node_share
+    ranks = np.array(share.ranks)
+    ranks[1] = ranks[0]
+    with pytest.raises(CacheFormatError, match="holds a rank twice"):
+        JpegCache.open(_lying(store, tmp_path / "twice.gpucache", **{RANKS: ranks}))
+    layout_ = np.array([1, 2**40, 2**30, 2, 0], "<i8")
+    with pytest.raises(CacheFormatError, match="beyond any listing"):
+        JpegCache.open(_lying(store, tmp_path / "wide.gpucache", **{LAYOUT: layout_}))
+    layout_ = np.array([1, share.partitions, 2**31, 2, 0], "<i8")
+    lying = JpegCache.open(_lying(store, tmp_path / "long.gpucache", **{LAYOUT: layout_}))
+    with pytest.raises(ShareError, match="record does not describe this store"):
+        GpuCachedLoader(lying, batch_size=2, num_replicas=4, rank=0, num_workers=0)
+
+
 def test_a_state_survives_json(data, tmp_path):
     import json
 

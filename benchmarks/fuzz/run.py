@@ -26,6 +26,13 @@ scan that codes again what an earlier one coded, or more decoding work than the 
 before every decode) is counted as ``refused`` and not run: a 1.7 KB JPEG claiming 35830 x 58024
 would have the transcoder allocate 12 GB and be killed for memory, without a report.
 
+With ``--inputs`` the child runs ``inputs.py`` instead: the library's own input paths through the
+public API, mask PNGs built into stores and decoded by a loader, node-share records that lie,
+listings whose names collide once their common folder is stripped (see that file); each input
+ends in a named outcome (counted in the summary's ``outcomes``) or is a finding; the compiled
+decoder the library calls there is the sanitized build. Its inputs are kept as
+``crash-N.json`` (replay: ``inputs.py LIB --replay FILE``).
+
 A sanitizer report kills the child; the input it was running is saved as ``<out>/crash-N.jpg`` with
 the report in ``crash-N.txt``, and a fresh child goes on. The summary (iterations, calls, crashes,
 pixel mismatches, their inputs) is printed as JSON and written to ``<out>/summary.json``. Exit
@@ -91,6 +98,11 @@ def main() -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--inputs",
+        action="store_true",
+        help="fuzz the mask PNG and node-share paths (inputs.py) instead of the decoder",
+    )
+    ap.add_argument(
         "--photos", type=Path, default=HERE.parents[2] / "shared" / "data" / "hymenoptera"
     )
     args = ap.parse_args()
@@ -110,6 +122,8 @@ def main() -> int:
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
     }
     deadline = time.monotonic() + budget
+    if args.inputs:
+        return _inputs(args, lib, env, budget)
     total = {
         "iterations": 0,
         "refused": 0,
@@ -165,6 +179,59 @@ def main() -> int:
     write_json(args.out / "summary.json", total)
     print(json.dumps(total, indent=1))
     return 1 if total["crashes"] or total["mismatches"] or total["harness_errors"] else 0
+
+
+def _inputs(args: argparse.Namespace, lib: Path, env: dict, budget: float) -> int:
+    """``--inputs``: inputs.py in fresh children until the time is up; a sanitizer report (or
+    any other crash) keeps the child's current input as crash-N.json with its report."""
+    deadline = time.monotonic() + budget
+    total: dict = {"iterations": 0, "outcomes": {}, "findings": [], "crashes": [], "children": 0}
+    total["harness_errors"] = []
+    seed = args.seed
+    # torch and torchvision throw C++ exceptions on bad input; ASan's __cxa_throw interceptor
+    # finds the real one only if libstdc++ is loaded with it (else a CHECK failure, no finding)
+    cxx = subprocess.run(
+        ["gcc", "-print-file-name=libstdc++.so.6"], capture_output=True, text=True
+    ).stdout.strip()
+    preload = env["LD_PRELOAD"] + (f" {cxx}" if os.path.isabs(cxx) and os.path.exists(cxx) else "")
+    env = {**env, "PYTHONPATH": str(HERE.parents[1]), "LD_PRELOAD": preload}
+    while time.monotonic() < deadline:
+        left = deadline - time.monotonic()
+        cmd = [sys.executable, str(HERE / "inputs.py"), str(lib), str(args.out), str(seed)]
+        r = subprocess.run([*cmd, f"{left:.1f}"], env=env, capture_output=True, text=True)
+        total["children"] += 1
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        if lines:
+            part = json.loads(lines[-1])
+            total["iterations"] += part["iterations"]
+            total["findings"] += part["findings"]
+            for k, v in part["outcomes"].items():
+                total["outcomes"][k] = total["outcomes"].get(k, 0) + v
+        sanitizer = "Sanitizer" in r.stderr or "runtime error:" in r.stderr
+        if r.returncode != 0 and not sanitizer and "Traceback" in r.stderr:
+            total["harness_errors"].append(r.stderr.strip().splitlines()[-1])
+            current = args.out / "current.json"
+            if current.exists():  # the input the library raised on, for a replay
+                current.replace(args.out / f"error-{len(total['harness_errors']) - 1}.json")
+        elif r.returncode != 0:
+            n = len(total["crashes"])
+            current, crash = args.out / "current.json", args.out / f"crash-{n}.json"
+            if current.exists():
+                current.replace(crash)
+            (args.out / f"crash-{n}.txt").write_text(r.stderr[-20000:])
+            total["crashes"].append(
+                {
+                    "input": str(crash),
+                    "rc": r.returncode,
+                    "report": r.stderr.strip().splitlines()[-1:],
+                }
+            )
+        seed += 1
+    total["seconds"] = budget
+    total["outcomes"] = dict(sorted(total["outcomes"].items(), key=lambda kv: -kv[1]))
+    write_json(args.out / "summary.json", total)
+    print(json.dumps(total, indent=1))
+    return 1 if total["crashes"] or total["findings"] or total["harness_errors"] else 0
 
 
 if __name__ == "__main__":

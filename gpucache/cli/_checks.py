@@ -160,6 +160,7 @@ def check_masks(cache, *, threads: int | None = None, progress: bool = True) -> 
     width its record (``masks.info``) states. The mask bytes' section CRC is checked at open."""
     from ..ingest._masks import decode_mask
     from ..store._masks import MaskKind, check_png_header
+    from ..store._png import stream_problem
 
     masks = cache.masks
     n = len(masks)
@@ -171,6 +172,9 @@ def check_masks(cache, *, threads: int | None = None, progress: bool = True) -> 
             kind, h, w = MaskKind(int(masks.kinds[i])), int(masks.heights[i]), int(masks.widths[i])
             try:
                 check_png_header(masks[i], int(masks.kinds[i]), h, w)  # before any pixel
+                why = stream_problem(masks[i])  # what the loader's decoder would crash on
+                if why is not None:
+                    raise ValueError(f"its PNG is damaged ({why})")
                 got = decode_mask(masks[i])
                 if got.shape != (h, w) or got.dtype != kind.dtype:
                     raise ValueError(

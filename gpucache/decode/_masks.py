@@ -33,6 +33,7 @@ import torch
 from .._plan import Col
 from ..ingest._masks import decode_mask
 from ..store._masks import MaskKind, check_png_header
+from ..store._png import stream_problem, torchvision_reads
 from ..transforms._device import to_device
 from ._jpeg import quiet_torchvision_deprecation
 
@@ -67,9 +68,14 @@ def decode_one(cache, i: int, dtype: torch.dtype) -> torch.Tensor:
     expected = (int(masks.heights[i]), int(masks.widths[i]))
     # the header against the record first: a lying record is refused before any pixel decodes
     check_png_header(masks[i], int(masks.kinds[i]), *expected)
+    why = stream_problem(masks[i])  # libpng's errors in the image data crash decode_png
+    if why is not None:
+        raise ValueError(f"its stored mask's PNG is damaged ({why}): rebuild the store")
     quiet_torchvision_deprecation()
+    x = None
     try:
-        x = decode_png(masks._bytes_tensor(i), ImageReadMode.UNCHANGED)
+        if torchvision_reads(masks[i]):  # not 1-, 2- or 4-bit palettes, read by PIL below
+            x = decode_png(masks._bytes_tensor(i), ImageReadMode.UNCHANGED)
     except RuntimeError:
         x = None
     if x is None or x.shape[0] != 1:  # not one channel here: PIL's reading is the reference

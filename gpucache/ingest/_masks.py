@@ -28,6 +28,7 @@ from PIL import Image
 
 from ..store._masks import MaskKind
 from ..store._oom import BUILD_FIX, raise_if_out_of_memory
+from ..store._png import stream_problem
 from ._sniff import SniffError
 
 #: The PIL modes a mask may have, and what each is stored as.
@@ -68,6 +69,12 @@ def check_mask(data: bytes | memoryview, height: int, width: int) -> tuple[bytes
         raise_if_out_of_memory(err, "checking a mask at build", fix=BUILD_FIX)
         raise SniffError(f"the mask is not an image PIL can read ({err})") from err
     if fmt == "PNG" and mode != "I;16B":
+        why = stream_problem(data)  # what the loader's PNG decoder would crash on
+        if why is not None:
+            raise SniffError(
+                f"the mask's PNG is damaged: {why}; PIL read its pixels, but they cannot be "
+                "trusted. Save the mask again (or restore it from its source)"
+            )
         return bytes(data), kind
     return _as_png(im), kind
 

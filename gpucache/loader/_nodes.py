@@ -82,6 +82,16 @@ class NodeOrder:
                 "builds its own share."
             )
         self.total, self.partitions = share.total, share.partitions
+        lo, hi = (int(x) for x in node_bounds(self.total, nodes, self.partitions)[self.node :][:2])
+        ranks = np.asarray(share.ranks)
+        own = int(((ranks >= lo) & (ranks < hi)).sum())
+        if hi - lo > 4 * own + 4096:  # an epoch's order costs the share's size: never a lie's
+            raise ShareError(
+                f"this store holds {own:,} samples of node {share.node}'s share, but its share "
+                f"record makes that share {hi - lo:,} samples of a listing of {self.total:,}: "
+                "the record does not describe this store (altered after its build, or another "
+                "build's). Rebuild it in the job that reads it (JpegCache.from_...(shard='node'))."
+            )
         by_rank = np.argsort(share.ranks, kind="stable")
         self._sorted, self._store_index = np.asarray(share.ranks)[by_rank], by_rank
 

@@ -81,9 +81,16 @@ def problem(extra: Mapping[str, np.ndarray]) -> str | None:
             f"section {LAYOUT!r} holds {extra[LAYOUT].tolist()}, not [1, partitions >= 1, "
             "total >= 0, nodes, 0 <= node < nodes]"
         )
+    if partitions * max(total, 1) >= 2**62 or nodes > partitions:  # the bounds' math in int64
+        return (
+            f"section {LAYOUT!r} holds {partitions:,} partitions of {total:,} samples over "
+            f"{nodes:,} nodes, beyond any listing a share is built from"
+        )
     ranks = extra[RANKS]
     if ranks.size and (ranks.min() < 0 or ranks.max() >= total):
         return f"section {RANKS!r} holds ranks outside [0, {total})"
+    if ranks.size > 1 and (np.diff(np.sort(ranks)) == 0).any():  # one sample, one rank
+        return f"section {RANKS!r} holds a rank twice (two samples claim one place in the listing)"
     if (extra[FETCHED] < 0).any():
         return f"section {FETCHED!r} holds negative counts"
     listing = bytes(extra[LISTING])
