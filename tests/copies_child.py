@@ -3,7 +3,13 @@
 python copies_child.py KIND BACKING CONTEXT WORKERS REPEAT SRC
     ->  prints "PSS_BYTES DATA_BYTES PSS_NOLIB_BYTES"
 KIND: gpucache | listbytes (a list-of-bytes Dataset in torch's DataLoader, the usual home-made cache)
-BACKING: memory | file (gpucache only). The same SRC images are repeated REPEAT times, so two runs
+BACKING: memory | file | memory-view (gpucache only; memory-view: an in-memory store of which a
+view, cache[0], is kept from before the loader starts, which keeps the in-memory copy alive
+beside the shared one under spawn/forkserver: the harness's check that it sees a second copy).
+Before the reading, this process reads one byte of every page of the store's data, so that every
+resident page of it is mapped somewhere and counted: PSS leaves out the pages of a shared-memory
+or page-cache file that no process maps, which a decoder that reads only part of a sample (a crop)
+never touches. The same SRC images are repeated REPEAT times, so two runs
 differing only in REPEAT differ only in data bytes: their PSS difference / data difference is the
 number of copies held, with build-time and per-worker overheads cancelled.
 PSS_NOLIB_BYTES is the same sum without the mappings of shared libraries and the interpreter: their
@@ -49,6 +55,7 @@ def main(kind, backing, context, workers, repeat, src):
         from gpucache import GpuCachedLoader, JpegCache
 
         cache = JpegCache.from_files(paths, progress=False)
+        kept = cache[0] if backing == "memory-view" else None  # noqa: F841 - held on purpose
         if backing == "file":
             tmp = tempfile.TemporaryDirectory(prefix="gpucache-copies-")  # removed on return
             cache = JpegCache.open(cache.save(os.path.join(tmp.name, "s.gpucache")))
@@ -58,6 +65,7 @@ def main(kind, backing, context, workers, repeat, src):
         )
         n = sum(len(labels) for _, labels in loader)
         data_bytes = cache.nbytes
+        int(cache._data[::4096].sum())  # every page of the data mapped, so counted once
     else:
         from torch.utils.data import DataLoader
 

@@ -15,6 +15,14 @@ The slope uses the PSS *without shared-library mappings* (the child's third colu
 never scale with the data, but their PSS share moves by tens of MB whenever an unrelated process on
 the machine (a concurrent test run importing torch) maps or unmaps the same libraries.
 
+Each child reads one byte of every page of its store's data before the reading: PSS counts a
+page of a shared-memory or page-cache file only in the processes that map it, and a decoder that
+reads part of a sample (a crop of a JPEG) leaves pages unmapped that still take memory; mapped,
+each resident page is counted once, so a missing page can no more lower the slope than a
+second copy can hide. An in-memory store under spawn counts in the quick run (MAX_COPIES holds
+it under 1.05); a calibration keeps a view of it from before the workers start, which holds
+the in-memory copy beside the shared one: the harness must see about 2.
+
 The children run with MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ at 64 KiB: otherwise glibc
 keeps freed decode buffers in the heap, noise that grows with the number of batches decoded.
 The two REPEAT values are chosen so that, with 2 or 4 workers, every worker decodes in both runs and
@@ -139,9 +147,15 @@ def copies_held(kind, backing, context, workers, src) -> tuple[float, list[str]]
     return copies, details
 
 
-# Every run covers each start method and each backing once; the rest of the 12-cell matrix (the
-# manual's table) is marked slow: `pytest -m slow tests/test_memory.py` measures it (~4 min).
-_QUICK = {("memory", "fork", 2), ("memory", "forkserver", 2), ("file", "spawn", 2)}
+# Every run covers each start method and each backing once, and the in-memory store under
+# spawn; the rest of the 12-cell matrix (the manual's table) is marked slow: `pytest -m slow
+# tests/test_memory.py` measures it (~4 min).
+_QUICK = {
+    ("memory", "fork", 2),
+    ("memory", "spawn", 2),  # an in-memory store moved into shared memory for spawn workers
+    ("memory", "forkserver", 2),
+    ("file", "spawn", 2),
+}
 _MATRIX = [
     pytest.param(b, c, w, marks=() if (b, c, w) in _QUICK else pytest.mark.slow, id=f"{b}-{c}-{w}")
     for b in ("memory", "file")
@@ -158,6 +172,40 @@ def test_loader_holds_one_copy(copies_src, backing, context, workers):
         f"GpuCachedLoader ({backing} store, {context}, {workers} workers) holds {copies:.3f} "
         f"copies of the data (bound {MAX_COPIES}); measurements: " + "; ".join(details)
     )
+
+
+@pytest.mark.slow  # a calibration of the harness, not a contract of the library: pytest -m slow
+def test_a_view_kept_from_the_in_memory_copy_is_seen_as_a_second_copy(copies_src):
+    """Under spawn the in-memory store moves into shared memory; a view of it kept from before
+    (``cache[0]``) keeps the in-memory copy alive too, and the harness sees both."""
+    copies, details = _slope("gpucache", "memory-view", "spawn", 2, copies_src)
+    print(f"copies held: gpucache memory, a view kept, spawn workers=2: {copies:.3f}")
+    assert copies >= 1.8, "the harness should see the second copy: " + "; ".join(details)
+
+
+def test_sharing_warns_when_views_keep_the_in_memory_copy_alive():
+    """The data held twice is said, never silent; a store whose views are gone says nothing."""
+    import warnings
+
+    from gpucache import JpegCache
+    from gpucache.testing import make_jpeg_bytes
+
+    def store() -> JpegCache:
+        return JpegCache.from_files(
+            [make_jpeg_bytes(32, 24, seed=k) for k in range(4)], progress=False
+        )
+
+    quiet = store()
+    labels, paths = quiet.labels, quiet.paths  # other arrays than the data: nothing held twice
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.share()
+    assert quiet.is_shared and labels.tolist() == [-1] * 4 and len(paths) == 4
+    held = store()
+    view = held[1]
+    with pytest.warns(RuntimeWarning, match=r"in-memory copy .* still referenced by views"):
+        held.share()
+    assert bytes(view) == bytes(held[1])  # the view still reads its sample
 
 
 @pytest.mark.slow  # a calibration of the harness, not a contract of the library: pytest -m slow

@@ -124,6 +124,19 @@ def freeze(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     return out  # type: ignore[return-value]  # every entry was filled above
 
 
+def mapping_of(a: np.ndarray) -> mmap.mmap | None:
+    """The anonymous mapping an in-memory store's array lives in (None for other memory)."""
+    base: object = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    if isinstance(base, np.ndarray):  # a ctypes array's numpy view (a build's buffer)
+        return mapping_of(base)
+    held = getattr(base, "mapping", base)  # writable_buffer's ctypes array keeps its mapping
+    return held if isinstance(held, mmap.mmap) else None
+
+
 def tensor_over(a: np.ndarray) -> torch.Tensor:
     """``a`` as a tensor sharing its (read-only) memory, for the decoders; never handed to users,
     since torch ignores numpy's read-only flag (users get read-only numpy views). torch warns

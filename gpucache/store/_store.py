@@ -18,6 +18,7 @@ Backing, and what sharing costs:
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -330,9 +331,10 @@ class Store:
         attach through it) hold it, so it cannot outlive them, however they exit."""
         if self.is_shared:
             return self
-        arrays = self._stored()
-        size = _format.write(None, **arrays)
-        fd, kept = _shm.create(size, lambda f: _format.write(f, **arrays))
+        old = _readonly.mapping_of(self._data)
+        before = None if old is None else weakref.ref(old)  # the in-memory copy, to see it go
+        del old
+        fd, kept, size = self._shared_copy()
         try:
             parsed = _parse.Parsed(
                 Handle(fd, f"shared-memory copy of the store ({size} bytes)", kept)
@@ -346,7 +348,24 @@ class Store:
         if kept is not None:  # no /proc: the name stays until close(), gc or exit
             self._shm_finalizer = weakref.finalize(self, _shm.unlink, kept)
         self._adopt(parsed)
+        if before is not None and before() is not None:
+            warnings.warn(
+                f"gpucache: the store was moved into shared memory, but its in-memory copy "
+                f"({self.nbytes / 2**20:,.1f} MiB) is still referenced by views taken from "
+                "it before (cache[i], or a tensor over one), so the data is held twice while "
+                "they live. Drop those views before the loader starts its workers, or save the "
+                "store (cache.save(path)) and use JpegCache.open(path), which holds it once.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return self
+
+    def _shared_copy(self) -> tuple[int, Path | None, int]:
+        """The store written into shared memory (``_shm.create``): descriptor, name, size."""
+        arrays = self._stored()
+        size = _format.write(None, **arrays)
+        fd, kept = _shm.create(size, lambda f: _format.write(f, **arrays))
+        return fd, kept, size
 
     def _adopt(self, parsed: _parse.Parsed) -> None:
         self._data, self._offsets, self._labels = parsed.data, parsed.offsets, parsed.labels
