@@ -8,8 +8,8 @@ view, cache[0], is kept from before the loader starts, which keeps the in-memory
 beside the shared one under spawn/forkserver: the harness's check that it sees a second copy).
 Before the reading, this process reads one byte of every page of the store's data, so that every
 resident page of it is mapped somewhere and counted: PSS leaves out the pages of a shared-memory
-or page-cache file that no process maps, which a decoder that reads only part of a sample (a crop)
-never touches. The same SRC images are repeated REPEAT times, so two runs
+or page-cache file that no process maps, which a decoder that read only part of a sample (a crop)
+would never touch. The same SRC images are repeated REPEAT times, so two runs
 differing only in REPEAT differ only in data bytes: their PSS difference / data difference is the
 number of copies held, with build-time and per-worker overheads cancelled.
 PSS_NOLIB_BYTES is the same sum without the mappings of shared libraries and the interpreter: their

@@ -17,9 +17,8 @@ the machine (a concurrent test run importing torch) maps or unmaps the same libr
 
 Each child reads one byte of every page of its store's data before the reading: PSS counts a
 page of a shared-memory or page-cache file only in the processes that map it, and a decoder that
-reads part of a sample (a crop of a JPEG) leaves pages unmapped that still take memory; mapped,
-each resident page is counted once, so a missing page can no more lower the slope than a
-second copy can hide. An in-memory store under spawn counts in the quick run (MAX_COPIES holds
+reads part of a sample (a crop of a JPEG) would leave pages unmapped that still take memory;
+mapped, each resident page is counted once, however the decoders read. An in-memory store under spawn counts in the quick run (MAX_COPIES holds
 it under 1.05); a calibration keeps a view of it from before the workers start, which holds
 the in-memory copy beside the shared one: the harness must see about 2.
 
