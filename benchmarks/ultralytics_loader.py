@@ -22,7 +22,9 @@ tier there), then ``--epochs`` epochs of a ``torch.utils.data.DataLoader`` with 
 persistent workers (images/s of the last epoch, workers warm) and the summed PSS of the process
 and its workers after it. Before any timing, ``load_image`` of gpucache's decoded tier is checked
 against Ultralytics' own on every train image (the same shapes; max and mean difference).
-Not measured here: a training run's rate and torchrun ranks.
+``--ranks 2``: each contender (fork workers) again under ``torchrun --nproc_per_node=2`` on the
+CPU, each rank its own dataset and workers as Ultralytics' DDP ranks have: the ranks' PSS summed.
+``--train``: one epoch of ``YOLO("yolo11n.yaml").train(...)`` with each (no validation).
 """
 
 from __future__ import annotations
@@ -130,6 +132,58 @@ def one(name: str, context: str, yaml: Path, imgsz: int, workers: int, epochs: i
     print(json.dumps(out), flush=True)
 
 
+def train(name: str, yaml: Path, imgsz: int, workers: int, node: Path) -> None:
+    """One epoch of ``YOLO("yolo11n.yaml")`` on the train split (no validation), timed from the
+    epoch's start to its end: a JSON line on stdout. (On the CPU Ultralytics trains with
+    ``workers=0`` whatever is asked: the loop loads its own images.)"""
+    _ultralytics(yaml.parent)
+    from ultralytics import YOLO
+
+    import gpucache.ultralytics as gu
+
+    trainer = None
+    if name.startswith("gpucache"):
+        trainer = type("Trainer", (gu.DetectionTrainer,), {"gpucache_cache_dir": str(node)})
+    model = YOLO("yolo11n.yaml")
+    marks: dict[str, float] = {}
+    model.add_callback(
+        "on_train_epoch_start", lambda _: marks.setdefault("start", time.perf_counter())
+    )
+    model.add_callback("on_train_epoch_end", lambda _: marks.setdefault("end", time.perf_counter()))
+    cache = "ram" if name.endswith(("ram", "decoded")) else False
+    t = time.perf_counter()
+    model.train(
+        data=str(yaml),
+        trainer=trainer,
+        epochs=1,
+        imgsz=imgsz,
+        batch=16,
+        workers=workers,
+        device="cpu",
+        cache=cache,
+        plots=False,
+        val=False,
+        project=str(node / "runs"),
+        name="t",
+        exist_ok=True,
+        verbose=False,
+    )
+    n = len(model.trainer.train_loader.dataset)
+    epoch = marks["end"] - marks["start"]
+    print(
+        json.dumps(
+            {
+                "contender": name,
+                "images": n,
+                "epoch_s": round(epoch, 2),
+                "images_s": round(n / epoch, 1),
+                "train_call_s": round(time.perf_counter() - t, 2),
+            }
+        ),
+        flush=True,
+    )
+
+
 def check(yaml: Path, imgsz: int, node: Path) -> dict[str, object]:
     """gpucache's decoded tier's ``load_image`` against Ultralytics' own, every train image."""
     import numpy as np
@@ -162,14 +216,21 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--contexts", default="fork,spawn")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every run")
+    ap.add_argument("--ranks", type=int, default=1, help="also each contender under torchrun")
+    ap.add_argument("--train", action="store_true", help="also one epoch of YOLO training each")
     ap.add_argument("--json")
-    ap.add_argument(
-        "--one", nargs=4, metavar=("NAME", "CONTEXT", "YAML", "NODE"), help=argparse.SUPPRESS
-    )
+    for mode in ("--one", "--train-one"):
+        ap.add_argument(
+            mode, nargs=4, metavar=("NAME", "CONTEXT", "YAML", "NODE"), help=argparse.SUPPRESS
+        )
     a = ap.parse_args()
     if a.one:
         name, context, yaml, node = a.one
         one(name, context, Path(yaml), a.imgsz, a.workers, a.epochs, Path(node))
+        return
+    if a.train_one:
+        name, _, yaml, node = a.train_one
+        train(name, Path(yaml), a.imgsz, a.workers, Path(node))
         return
     run = run_info()
     with tempfile.TemporaryDirectory(prefix="gpucache-yolo-bench-") as tmp:
@@ -177,23 +238,48 @@ def main() -> None:
         result: dict[str, object] = {"src": a.src, "imgsz": a.imgsz, "workers": a.workers}
         result["check"] = c = check(yaml, a.imgsz, Path(tmp) / "check-node")
         print("load_image against Ultralytics':", c, flush=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        common = ["--imgsz", str(a.imgsz), "--workers", str(a.workers), "--epochs", str(a.epochs)]
+
+        def child(pre: list[str], mode: str, name: str, context: str) -> list[dict]:
+            node = Path(tmp) / f"node-{name}-{context}"  # empty: the first run builds
+            cmd = [*pre, __file__, *common, mode, name, context, str(yaml), str(node)]
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            lines = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+            shutil.rmtree(node, ignore_errors=True)
+            if p.returncode or not lines:
+                raise SystemExit(f"{name} {context} failed:\n{p.stderr[-3000:]}")
+            return lines
+
         rows = []
-        for context, r, name in (
-            (c, r, n) for r in range(a.rounds) for c in a.contexts.split(",") for n in CONTENDERS
-        ):
-            if True:
-                node = Path(tmp) / f"node-{name}-{context}"  # empty: the first run builds
-                cmd = [sys.executable, __file__, "--imgsz", str(a.imgsz), "--workers"]
-                cmd += [str(a.workers), "--epochs", str(a.epochs), "--one", name, context]
-                cmd += [str(yaml), str(node)]
-                env = {**os.environ, "PYTHONPATH": str(ROOT)}
-                p = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-                lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-                if p.returncode or not lines:
-                    raise SystemExit(f"{name} {context} failed:\n{p.stderr[-3000:]}")
-                rows.append({"round": r, **json.loads(lines[-1])})
-                print(rows[-1], flush=True)
-                shutil.rmtree(node, ignore_errors=True)
+        for r in range(a.rounds):
+            for context in a.contexts.split(","):
+                for name in CONTENDERS:
+                    rows.append({"round": r, **child([sys.executable], "--one", name, context)[-1]})
+                    print(rows[-1], flush=True)
+        if a.ranks > 1:  # each rank its own dataset and workers, as Ultralytics' DDP ranks
+            run_ranks = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            run_ranks.append(f"--nproc_per_node={a.ranks}")
+            ranked = []
+            for name in CONTENDERS:
+                each = child(run_ranks, "--one", name, "fork")
+                ranked.append(
+                    {
+                        "contender": name,
+                        "ranks": len(each),
+                        "pss_mib_sum": round(sum(float(e["pss_mib"]) for e in each), 1),
+                        "images_s_each": [e["images_s"][-1] for e in each],
+                        "build_s_each": [e["build_s"] for e in each],
+                    }
+                )
+                print(ranked[-1], flush=True)
+            result["ranks"] = ranked
+        if a.train:
+            trained = []
+            for name in CONTENDERS:
+                trained.append(child([sys.executable], "--train-one", name, "fork")[-1])
+                print(trained[-1], flush=True)
+            result["train"] = trained
         result["rows"] = rows
     if a.json:
         write_json(a.json, result, run=run)

@@ -20,6 +20,7 @@ from ultralytics.data.dataset import YOLODataset as _UYOLODataset
 from ultralytics.data.utils import get_split_fraction
 from ultralytics.utils import LOCAL_RANK, colorstr
 
+from .._errors import GpucacheError
 from ..decode._core import decode_sample
 from ..node._dir import default_dir
 from ..node._jpegcache import JpegCache
@@ -73,9 +74,7 @@ class YOLODataset(_UYOLODataset):  # type: ignore[misc]  # ultralytics has no ty
         )
         imgsz = self.imgsz
         side = int(max(imgsz)) if isinstance(imgsz, (tuple, list)) else int(imgsz)
-        pixels = _pixels.choose(
-            self.gpucache_store, side, decoded=decoded, budget=None, progress=LOCAL_RANK <= 0
-        )
+        pixels = _pixels.choose(self.gpucache_store, side, decoded=decoded, budget=None)
         self.gpucache_pixels = pixels
         self.gpucache_tier: str = pixels.tier
         self.gpucache_reason: str | None = pixels.reason
@@ -98,7 +97,10 @@ class YOLODataset(_UYOLODataset):  # type: ignore[misc]  # ultralytics has no ty
             return self.ims[i], self.im_hw0[i], self.im_hw[i]
         s = self.gpucache_store.samples[j]
         h0, w0 = int(s["height"]), int(s["width"])
-        im = self.gpucache_pixels.load(j)
+        try:
+            im = self.gpucache_pixels.load(j)
+        except (GpucacheError, RuntimeError, OSError, ValueError):  # Ultralytics' own read then
+            return super().load_image(i, rect_mode, resize_short)  # type: ignore[no-any-return]
         hw = (int(im.shape[0]), int(im.shape[1]))
         if self.augment and self.cache != "ram":  # Ultralytics' buffer for mosaic, as its own
             self.ims[i], self.im_hw0[i], self.im_hw[i] = im, (h0, w0), hw

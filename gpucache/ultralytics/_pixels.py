@@ -118,9 +118,7 @@ def tier_sizes(cache: Store, imgsz: int) -> tuple[np.ndarray, np.ndarray]:
     return arr[:, 0], arr[:, 1]
 
 
-def choose(
-    cache: Store, imgsz: int, *, decoded: bool, budget: int | None, progress: bool
-) -> Pixels:
+def choose(cache: Store, imgsz: int, *, decoded: bool, budget: int | None) -> Pixels:
     """The tier for ``cache`` at ``imgsz``: the decoded tier's file next to the store when
     ``decoded`` and it fits, else the raw tier (with a warning saying why)."""
     if not decoded:
@@ -144,7 +142,7 @@ def choose(
     h.update(digest)
     h.update(f"long {imgsz}; cv2 {cv2.__version__}; {decoder_version()}".encode())
     pixels, why = _once_per_node(
-        cache, cache.path.parent, h.hexdigest(), digest, imgsz, th, tw, need, progress
+        cache, cache.path.parent, h.hexdigest(), digest, imgsz, th, tw, need
     )
     if pixels is None:
         return _fall(
@@ -171,7 +169,6 @@ def _once_per_node(
     th: np.ndarray,
     tw: np.ndarray,
     need: int,
-    progress: bool,
 ) -> tuple[DecodedPixels | None, str | None]:
     req = TierRequest(side=imgsz, mode="long")
     try:
