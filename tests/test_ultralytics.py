@@ -301,3 +301,31 @@ def test_two_ranks_of_a_node_map_one_store_and_one_tier_file(yolo, data, tmp_pat
     assert ranks[0]["pixels"] == ranks[1]["pixels"] and ranks[0]["ino"] == ranks[1]["ino"]
     assert ranks[0]["store"] == ranks[1]["store"] and ranks[0]["shape"] == ranks[1]["shape"]
     assert len(list(node.glob("*.pixels"))) == 1 and len(list(node.glob("*.gpucache"))) == 1
+
+
+def test_another_imgsz_is_another_tier_file_and_undecodable_images_read_the_file(
+    yolo, data, tmp_path
+):
+    from ultralytics.data.utils import check_det_dataset
+
+    import gpucache
+    import gpucache.ultralytics as gu
+
+    info = check_det_dataset(str(data))
+    node = str(tmp_path / "node")
+    sets = [
+        gu.build_yolo_dataset(
+            _cfg(yolo, tmp_path, cache="ram", imgsz=s), info["train"], 4, info, cache_dir=node
+        )
+        for s in (96, 128)
+    ]
+    assert len(list((tmp_path / "node").glob("*.pixels"))) == 2
+    assert [max(ds.load_image(0)[2]) for ds in sets] == [96, 128]
+    ds = sets[0]
+
+    def broken(j):
+        raise gpucache.SampleError(f"sample {j} does not decode")
+
+    ds.gpucache_pixels.load = broken  # as a store whose bytes fail: Ultralytics' own read
+    im, hw0, hw = ds.load_image(1)
+    assert im.shape[:2] == hw and max(hw) == 96 and hw0 == (220, 150)
