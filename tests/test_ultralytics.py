@@ -57,15 +57,38 @@ def _photos(root: Path, split: str, n: int, seed: int) -> None:
 @pytest.fixture(scope="module")
 def yolo(tmp_path_factory):
     """Ultralytics imported with its settings in a temporary folder, offline, no font download."""
+    import random
+
+    import torch
+
     home = tmp_path_factory.mktemp("ultralytics")
+    # what Ultralytics' training sets process-wide (threads, deterministic mode, seeds, two
+    # variables), put back for the tests that run after these in the same process
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    states = torch.random.get_rng_state(), np.random.get_state(), random.getstate()
     with pytest.MonkeyPatch.context() as mp:
+        for name in ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED"):
+            if name in os.environ:
+                mp.setenv(name, os.environ[name])
+            else:
+                mp.delenv(name, raising=False)
+        mp.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
         mp.setenv("YOLO_CONFIG_DIR", str(home / "config"))
         mp.setenv("YOLO_OFFLINE", "1")
         ultralytics = importlib.import_module("ultralytics")
         from ultralytics.data import utils as data_utils
 
         mp.setattr(data_utils, "check_font", lambda *a, **k: None)  # fonts are for plots only
-        yield ultralytics, home
+        try:
+            yield ultralytics, home
+        finally:
+            torch.set_num_threads(threads)
+            torch.use_deterministic_algorithms(det)
+            torch.utils.deterministic.fill_uninitialized_memory = fill
+            torch.random.set_rng_state(states[0])
+            np.random.set_state(states[1])
+            random.setstate(states[2])
 
 
 @pytest.fixture
