@@ -45,7 +45,7 @@ def test_the_out_of_memory_error_is_one_too():
 
 
 #: Exceptions a module raises and catches within the library; none reaches a user.
-INTERNAL = {"SniffError", "ScaleRefused", "IntervalMismatch", "_Changed"}
+INTERNAL = {"SniffError", "ScaleRefused", "IntervalMismatch", "_Changed", "_DescriptorLost"}
 
 
 def test_every_exception_class_lives_in_the_errors_module():
