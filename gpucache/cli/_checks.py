@@ -159,8 +159,8 @@ def check_masks(cache, *, threads: int | None = None, progress: bool = True) -> 
     """Problems found by decoding every mask in full: each must decode to the kind, height and
     width its record (``masks.info``) states. The mask bytes' section CRC is checked at open."""
     from ..ingest._masks import decode_mask
-    from ..store._masks import MaskKind, check_png_header
-    from ..store._png import stream_problem
+    from ..store._masks import MaskKind
+    from ..store._png import check_stored
 
     masks = cache.masks
     n = len(masks)
@@ -171,10 +171,7 @@ def check_masks(cache, *, threads: int | None = None, progress: bool = True) -> 
         for i in range(first, min(first + DECODE_CHUNK, n)):
             kind, h, w = MaskKind(int(masks.kinds[i])), int(masks.heights[i]), int(masks.widths[i])
             try:
-                check_png_header(masks[i], int(masks.kinds[i]), h, w)  # before any pixel
-                why = stream_problem(masks[i])  # what the loader's decoder would crash on
-                if why is not None:
-                    raise ValueError(f"its PNG is damaged ({why})")
+                check_stored(masks[i], int(masks.kinds[i]), h, w)  # before any pixel
                 got = decode_mask(masks[i])
                 if got.shape != (h, w) or got.dtype != kind.dtype:
                     raise ValueError(

@@ -32,8 +32,8 @@ import torch
 
 from .._plan import Col
 from ..ingest._masks import decode_mask
-from ..store._masks import MaskKind, check_png_header
-from ..store._png import stream_problem, torchvision_reads
+from ..store._masks import MaskKind
+from ..store._png import check_stored, torchvision_reads
 from ..transforms._device import to_device
 from ._jpeg import quiet_torchvision_deprecation
 
@@ -66,11 +66,8 @@ def decode_one(cache, i: int, dtype: torch.dtype) -> torch.Tensor:
 
     masks = cache.masks
     expected = (int(masks.heights[i]), int(masks.widths[i]))
-    # the header against the record first: a lying record is refused before any pixel decodes
-    check_png_header(masks[i], int(masks.kinds[i]), *expected)
-    why = stream_problem(masks[i])  # libpng's errors in the image data crash decode_png
-    if why is not None:
-        raise ValueError(f"its stored mask's PNG is damaged ({why}): rebuild the store")
+    # a record that lies, or a damaged PNG, is refused before any pixel decodes
+    check_stored(masks[i], int(masks.kinds[i]), *expected)
     quiet_torchvision_deprecation()
     x = None
     try:

@@ -42,46 +42,6 @@ class MaskKind(IntEnum):
 
 _KINDS = np.array([int(k) for k in MaskKind], dtype=np.uint32)
 
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-#: Per kind, the PNG colour type and the bit depths that decode to it (PIL reads 2- and 4-bit
-#: greyscale as "L", 1- to 8-bit palette images as "P"; the build refuses 1-bit greyscale).
-_PNG_FORMS = {
-    MaskKind.L: (0, (2, 4, 8)),
-    MaskKind.P: (3, (1, 2, 4, 8)),
-    MaskKind.I16: (0, (16,)),
-}
-_COLOUR_TYPES = {0: "greyscale", 2: "RGB", 3: "palette", 4: "greyscale + alpha", 6: "RGBA"}
-
-
-def check_png_header(
-    data: bytes | memoryview | np.ndarray, kind: int, height: int, width: int
-) -> None:
-    """Check a stored mask's PNG header (its IHDR: 33 bytes, nothing decoded) against its record
-    in ``masks.info``: the size and a colour type and bit depth that decode to ``kind``. A
-    ValueError says what differs: a store whose records lie (an altered file with valid
-    checksums) is refused before a pixel is decoded, so a claimed 40000 x 40000 mask costs no
-    memory and a 16-bit mask recorded as 8-bit is never cut to 8 bits."""
-    head = bytes(memoryview(data)[:33])  # type: ignore[arg-type]
-    if len(head) < 33 or head[:8] != _PNG_SIGNATURE or head[12:16] != b"IHDR":
-        raise ValueError("its stored mask is not a PNG (no PNG signature and IHDR header)")
-    w, h = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
-    depth, colour = head[24], head[25]
-    if (h, w) != (height, width):
-        raise ValueError(
-            f"its stored mask's PNG header says {h}x{w} (height x width), the store's record "
-            f"{height}x{width}; the store was altered after its build: rebuild it"
-        )
-    want = MaskKind(kind) if kind in _KINDS else None
-    if want is None:
-        raise ValueError(f"its mask record has kind {kind}, which no mask kind is")
-    colour_type, depths = _PNG_FORMS[want]
-    if colour != colour_type or depth not in depths:
-        what = f"{depth}-bit {_COLOUR_TYPES.get(colour, f'colour type {colour}')}"
-        raise ValueError(
-            f"its stored mask's PNG is {what}, but the store records it as {want.name} "
-            f"({want.dtype} values); the store was altered after its build: rebuild it"
-        )
-
 
 class Masks:
     """The masks of a store (``cache.masks``), read-only: ``masks[i]`` is sample ``i``'s encoded

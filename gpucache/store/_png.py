@@ -15,7 +15,9 @@ It costs one inflate of the mask and a CRC-32 of its bytes: 0.08-0.10 ms for a 3
 of class blocks or of a lesion, where ``decode_png`` takes 0.09-0.20 ms, and 0.74 ms for one of
 noise (1.09), one thread, 2026-12-07 on the 2-core development machine. :func:`torchvision_reads` says where ``decode_png`` gives the
 stored values: not for palette PNGs of 1, 2 or 4 bits, whose indices it does not unpack (it
-returned other bytes than the indices); those are read by PIL.
+returned other bytes than the indices); those are read by PIL. :func:`check_stored` is what the
+loader's decode and ``gpucache verify`` run on a stored mask: its header against its record in
+``masks.info`` (size, and a colour type and bit depth of the recorded kind), then that check.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import struct
 import zlib
 
 import numpy as np
+
+from ._masks import MaskKind
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
@@ -130,3 +134,53 @@ def torchvision_reads(data: bytes | memoryview | np.ndarray) -> bool:
     palette of 1, 2 or 4 bits (read by PIL instead)."""
     head = bytes(memoryview(data)[24:26])  # type: ignore[arg-type]  # IHDR's depth, colour
     return len(head) == 2 and not (head[1] == 3 and head[0] < 8)
+
+
+def check_stored(data: bytes | memoryview | np.ndarray, kind: int, height: int, width: int) -> None:
+    """A stored mask checked before it is decoded (the loader's decode and ``gpucache verify``):
+    its header against its record in ``masks.info`` (:func:`_check_header`), then the whole PNG
+    as libpng will read it (:func:`stream_problem`). A ValueError says what is wrong."""
+    _check_header(data, kind, height, width)
+    why = stream_problem(data)  # libpng's errors in the image data crash decode_png
+    if why is not None:
+        raise ValueError(f"its stored mask's PNG is damaged ({why}): rebuild the store")
+
+
+#: Per kind, the PNG colour type and the bit depths that decode to it (PIL reads 2- and 4-bit
+#: greyscale as "L", 1- to 8-bit palette images as "P"; the build refuses 1-bit greyscale).
+_PNG_FORMS = {
+    MaskKind.L: (0, (2, 4, 8)),
+    MaskKind.P: (3, (1, 2, 4, 8)),
+    MaskKind.I16: (0, (16,)),
+}
+_COLOUR_TYPES = {0: "greyscale", 2: "RGB", 3: "palette", 4: "greyscale + alpha", 6: "RGBA"}
+
+
+def _check_header(
+    data: bytes | memoryview | np.ndarray, kind: int, height: int, width: int
+) -> None:
+    """Check a stored mask's PNG header (its IHDR: 33 bytes, nothing decoded) against its record
+    in ``masks.info``: the size and a colour type and bit depth that decode to ``kind``. A
+    ValueError says what differs: a store whose records lie (an altered file with valid
+    checksums) is refused before a pixel is decoded, so a claimed 40000 x 40000 mask costs no
+    memory and a 16-bit mask recorded as 8-bit is never cut to 8 bits."""
+    head = bytes(memoryview(data)[:33])  # type: ignore[arg-type]
+    if len(head) < 33 or head[:8] != SIGNATURE or head[12:16] != b"IHDR":
+        raise ValueError("its stored mask is not a PNG (no PNG signature and IHDR header)")
+    w, h = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+    depth, colour = head[24], head[25]
+    if (h, w) != (height, width):
+        raise ValueError(
+            f"its stored mask's PNG header says {h}x{w} (height x width), the store's record "
+            f"{height}x{width}; the store was altered after its build: rebuild it"
+        )
+    want = MaskKind(kind) if kind in {int(k) for k in MaskKind} else None
+    if want is None:
+        raise ValueError(f"its mask record has kind {kind}, which no mask kind is")
+    colour_type, depths = _PNG_FORMS[want]
+    if colour != colour_type or depth not in depths:
+        what = f"{depth}-bit {_COLOUR_TYPES.get(colour, f'colour type {colour}')}"
+        raise ValueError(
+            f"its stored mask's PNG is {what}, but the store records it as {want.name} "
+            f"({want.dtype} values); the store was altered after its build: rebuild it"
+        )
