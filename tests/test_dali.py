@@ -285,23 +285,8 @@ def test_cuda_outputs_are_bound_to_the_consumer_stream(jpegs):
     stream their copy runs on), so DALI cannot reuse a buffer before the copy has run. No GPU
     here: DALI runs its CPU graph, torch's side is EmulatedCuda, and the stream DALI is handed
     is recorded (DALI's CPU graph cannot take one)."""
+    from tests.support.dali_cpu_graph import CpuGraph
     from tests.support.emulated_cuda import EmulatedCuda
-
-    class CpuGraph(DaliBackend):
-        def _graph_on_gpu(self):
-            return False
-
-        def _pipeline(self):
-            pipe = super()._pipeline()
-            if not hasattr(pipe, "handed"):
-                real, pipe.handed = pipe.outputs, []
-
-                def outputs(cuda_stream=None):
-                    pipe.handed.append(cuda_stream)
-                    return real()
-
-                pipe.outputs = outputs
-            return pipe
 
     idx = np.arange(8)
     plans = plans_for(jpegs, idx, TRANSFORMS["rrc_flip"])

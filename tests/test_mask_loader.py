@@ -470,19 +470,8 @@ def test_dali_places_its_masks_without_a_host_sync(painted):
     side is the emulated GPU."""
     pytest.importorskip("nvidia.dali")
     from gpucache.decode._core import MaskOptions
-    from gpucache.decode._dali import DaliBackend
+    from tests.support.dali_cpu_graph import CpuGraph
     from tests.support.emulated_cuda import EmulatedCuda
-
-    class CpuGraph(DaliBackend):
-        def _graph_on_gpu(self):
-            return False
-
-        def _pipeline(self):
-            pipe = super()._pipeline()
-            if not hasattr(pipe, "cpu_outputs"):  # a CPU graph takes no stream
-                pipe.cpu_outputs = pipe.outputs
-                pipe.outputs = lambda cuda_stream=None: pipe.cpu_outputs()
-            return pipe
 
     plans = _painted_plans(painted, (40, 28))
     batches = [np.arange(k, k + 8) for k in (0, 8)]
