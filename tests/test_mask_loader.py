@@ -19,6 +19,8 @@ from gpucache.ingest._masks import decode_mask
 from gpucache.testing import make_mask_png, natural_image
 from gpucache.transforms._orientation import orient
 
+CPU = torch.device("cpu")
+
 #: orientation -> the one that undoes it (6 and 8 turn opposite ways, the rest are their own)
 UNDO = {1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 8, 7: 7, 8: 6}
 PAINT = (255, 0, 255)  # magenta: the background never has it (its green is kept >= 128)
@@ -296,9 +298,11 @@ def test_the_batched_gather_equals_the_per_sample_plan(painted):
         s["width"][idx].astype(np.int64),
         np.random.default_rng(4),
     )
-    from gpucache.decode._masks import decode_one, host_masks
+    from gpucache.decode._mask_stage import MaskStage
+    from gpucache.decode._masks import decode_one
 
-    host = host_masks(painted, idx, torch.uint8)
+    stage = MaskStage(painted, fill=200, dtype=torch.uint8, device=CPU, pool=None, chunks=3)
+    host = stage.submit(idx, plans, stack=True).host  # every mask in its top-left corner
     got = gather_masks(host, torch.from_numpy(plans), 200, size=(39, 39))
     for k, i in enumerate(idx.tolist()):
         want = apply_mask_plan(decode_one(painted, i, torch.uint8), plans[k].tolist(), 200)

@@ -159,21 +159,6 @@ def gather_masks(
     return torch.where(ok, out, torch.full((), fill, dtype=out.dtype, device=out.device))
 
 
-def host_masks(cache, indices: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """The masks of ``indices`` decoded into one (N, Hmax, Wmax) host tensor (each in its
-    top-left corner), for :func:`gather_masks` (the GPU backends decode theirs on threads:
-    :mod:`._mask_stage`)."""
-    m = cache.masks
-    idx = np.asarray(indices, dtype=np.int64)
-    hmax = int(m.heights[idx].max()) if len(idx) else 0
-    wmax = int(m.widths[idx].max()) if len(idx) else 0
-    out = torch.zeros((len(idx), hmax, wmax), dtype=dtype)
-    for k, i in enumerate(idx.tolist()):
-        x = decode_one(cache, i, dtype)
-        out[k, : x.shape[0], : x.shape[1]] = x
-    return out
-
-
 def fill_padding(
     images: torch.Tensor | list[torch.Tensor], plans: np.ndarray, fill: int
 ) -> torch.Tensor | list[torch.Tensor]:
