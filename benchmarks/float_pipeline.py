@@ -48,7 +48,7 @@ def main() -> None:
 
     from gpucache import JpegCache
     from gpucache import transforms as T
-    from gpucache._plan import AFTER_BOX1
+    from gpucache.base._plan import AFTER_BOX1
     from gpucache.decode import _core
     from gpucache.testing import make_jpeg_folder
 

@@ -39,15 +39,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "base",
         (
-            "gpucache._dist",
+            "gpucache.base",
             "gpucache._native",
-            "gpucache._progress",
             "gpucache._errors",
-            "gpucache._cores",
-            "gpucache._threads",
-            "gpucache._owned",
             "gpucache._version",
-            "gpucache._plan",
             "gpucache._shares",
         ),
     ),

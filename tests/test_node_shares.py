@@ -524,7 +524,7 @@ def test_the_command_line_builds_a_share_and_info_names_it(data, tmp_path, capsy
     ],
 )
 def test_the_node_layout_comes_from_the_launcher(monkeypatch, env, expected):
-    from gpucache import _dist
+    from gpucache.base import _dist
 
     for name in (
         "WORLD_SIZE",

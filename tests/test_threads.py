@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gpucache._threads import ordered_map
+from gpucache.base._threads import ordered_map
 
 
 def test_results_come_in_order_with_at_most_a_window_in_flight():

@@ -212,7 +212,7 @@ def run(args) -> int:
     """Entry point of ``gpucache bench`` (after argument parsing); returns the exit status."""
     import torch
 
-    from .._cores import usable_cores
+    from ..base._cores import usable_cores
 
     problem = _invalid(args)
     if problem:

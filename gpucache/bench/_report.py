@@ -46,7 +46,7 @@ def machine_info() -> dict:
     import torch
 
     from .. import __version__
-    from .._cores import usable_cores
+    from ..base._cores import usable_cores
     from ..decode._jpeg import jpeg_decoder_name
 
     model = platform.processor() or platform.machine()

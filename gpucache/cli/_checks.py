@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._progress import tqdm
-from .._threads import ordered_map
+from ..base._progress import tqdm
+from ..base._threads import ordered_map
 from ..store import _checksum
 from ..store._format import SAMPLE_CRC
 from ..store._oom import BUILD_FIX, raise_if_out_of_memory

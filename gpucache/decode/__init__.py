@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from .. import _dist
+from ..base import _dist
 
 BACKENDS = ("auto", "cpu", "nvjpeg", "dali")
 

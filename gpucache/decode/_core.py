@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import SampleError
-from .._plan import AFTER_BOX1, BOX1, Col
+from ..base._plan import AFTER_BOX1, BOX1, Col
 from ..ingest._pixels import eight_bit
 from ..ingest._sniff import JPEG_KINDS, Kind
 from ..store._decoded import IN_TIER, DecodedPixels

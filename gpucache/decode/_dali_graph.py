@@ -35,7 +35,7 @@ import numpy as np
 from nvidia.dali import fn, types
 from nvidia.dali.pipeline import Pipeline, pipeline_def
 
-from .._plan import AFTER_BOX1, Col
+from ..base._plan import AFTER_BOX1, Col
 from ..transforms._orientation import steps_of
 
 #: The row fed per sample (int32): crop1 on the stored pixels, the orientation's three steps, then

@@ -25,7 +25,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from .._plan import Col
+from ..base._plan import Col
 from ..store._targets import kept_rows
 from ..transforms._device import to_device
 from . import _masks

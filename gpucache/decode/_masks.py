@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .._plan import Col
+from ..base._plan import Col
 from ..ingest._masks import decode_mask
 from ..store._masks import MaskKind
 from ..store._png import check_stored, torchvision_reads

@@ -49,8 +49,8 @@ except ImportError:  # not on Windows (nor are the memory files whose loss it ex
 import numpy as np
 import torch
 
-from .._cores import affinity, usable_cores
 from .._errors import SampleError, WorkerError
+from ..base._cores import affinity, usable_cores
 from ..store._oom import FIX, raise_if_out_of_memory
 from . import _roi, _shared
 from ._core import Decoded, decode_task
@@ -598,8 +598,8 @@ def default_workers() -> int:
     on the node (LOCAL_WORLD_SIZE, Slurm's tasks per node) that all see every core of the machine
     (torchrun binds none), the usable cores divided among them, at least 1; a rank whose cores
     were bound to it (Slurm's per-task binding: fewer usable cores than the machine's) keeps
-    its own. Cores are :func:`gpucache._cores.usable_cores` (affinity, capped by a CPU quota)."""
-    from .._dist import local
+    its own. Cores are :func:`gpucache.base._cores.usable_cores` (affinity, capped by a CPU quota)."""
+    from ..base._dist import local
 
     size, _ = local()
     if size > 1 and affinity() >= (os.cpu_count() or 1):

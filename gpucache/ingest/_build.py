@@ -23,9 +23,9 @@ from typing import overload
 import numpy as np
 
 from .._errors import BuildError
-from .._progress import tqdm
 from .._shares import Selected
-from .._threads import ordered_map
+from ..base._progress import tqdm
+from ..base._threads import ordered_map
 from ..store._format import MAGIC
 from ..store._report import BuildReport, Skipped
 from . import _pipeline, _share

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._cores import usable_cores
-from .._threads import ordered_map
+from ..base._cores import usable_cores
+from ..base._threads import ordered_map
 from ..store._format import pack_strings
 from ..store._limits import over_budget, over_work
 from ..store._masks import DATA as MASK_DATA

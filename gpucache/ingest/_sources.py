@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .._progress import tqdm
+from ..base._progress import tqdm
 from ._build import BytesSource, FileObjSource, FileRangeSource, Source, build, check_labels
 from ._inputs import Refused
 from ._options import BuildOptions

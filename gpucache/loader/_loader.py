@@ -14,8 +14,8 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import torch
 
-from .. import _dist
 from .. import decode as _decode
+from ..base import _dist
 from ..decode import _masks
 from ..decode._base import GPU_IN_FLIGHT, Backend
 from ..decode._core import TIMED, Decoded, MaskOptions, stage_clock

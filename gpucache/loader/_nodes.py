@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _dist
 from .._errors import ShareError
 from .._shares import node_bounds
+from ..base import _dist
 from ..store._share import StoreShare
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .._plan import Col
+from ..base._plan import Col
 from ..node._dir import default_dir
 from ..store import _decoded
 from ..store._decoded import FROM_STORE, DecodedPixels

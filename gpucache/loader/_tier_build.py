@@ -30,10 +30,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .._cores import usable_cores
-from .._plan import Col
-from .._progress import tqdm
-from .._threads import ordered_map
+from ..base._cores import usable_cores
+from ..base._plan import Col
+from ..base._progress import tqdm
+from ..base._threads import ordered_map
 from ..decode._core import decode_batch
 from ..store import _decoded, _readonly
 from ..store._decoded import FROM_STORE, DecodedPixels, Layout

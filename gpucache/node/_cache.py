@@ -35,9 +35,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .. import _dist
 from .._errors import CacheFormatError
 from .._shares import Share
+from ..base import _dist
 from ..ingest._share import reusing
 from ..ingest.storage._client import Listing as ObjectListing
 from ..ingest.storage._fetch import spool_full

@@ -14,7 +14,7 @@ unless it is sticky (``/tmp``), and each link must belong to root or this user (
 directory already checked, so no one else can change it). Otherwise another user could swap a
 folder of the path, or repoint a link, once it was checked, and plant a store or a spool under
 your key. Missing folders are created (0755, the last 0700) only inside directories already
-checked. Inside, every file is opened with :func:`~gpucache._owned.open_own`.
+checked. Inside, every file is opened with :func:`~gpucache.base._owned.open_own`.
 
 A store in use is held with a shared ``flock`` by every process that mapped it, so ``gpucache
 cache clean`` and the size cap can tell (a non-blocking exclusive lock fails) and leave it.
@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .._owned import NOFOLLOW, open_own
+from ..base._owned import NOFOLLOW, open_own
 
 __all__ = ["NOFOLLOW", "open_own", "checked_dir", "default_dir", "not_writable", "write_private"]
 __all__ += ["read_json", "hold_shared", "in_use"]

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from .._cores import usable_cores
-from .._threads import ordered_map
+from ..base._cores import usable_cores
+from ..base._threads import ordered_map
 
 try:
     from isal.isal_zlib import crc32 as _crc32  # same polynomial and result; holds the GIL
@@ -36,7 +36,7 @@ def crc32_of(buf: bytes | memoryview, crc: int = 0) -> int:
 
 
 def default_threads() -> int:
-    """One thread per usable core (:func:`gpucache._cores.usable_cores`)."""
+    """One thread per usable core (:func:`gpucache.base._cores.usable_cores`)."""
     return usable_cores()
 
 

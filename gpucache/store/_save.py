@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .._owned import NOFOLLOW
+from ..base._owned import NOFOLLOW
 from . import _format
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from typing import Any, Literal, TypeVar, cast
 import numpy as np
 import torch
 
-from .._plan import PLAN_FIELDS as PLAN_FIELDS  # the plan's columns by name
-from .._plan import PLAN_WIDTH, Col
+from ..base._plan import PLAN_FIELDS as PLAN_FIELDS  # the plan's columns by name
+from ..base._plan import PLAN_WIDTH, Col
 from . import _tvcompat
 from ._augment import (
     ColorJitter,

@@ -15,7 +15,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from .._plan import OUT_SIZE, PLAN_WIDTH
+from ..base._plan import OUT_SIZE, PLAN_WIDTH
 
 __all__ = ["map_points", "map_boxes"]
 
@@ -36,7 +36,7 @@ def _plan(plan: Plan) -> list[float]:
 
 def map_points(points: _Coords, plan: Plan) -> _Coords:
     """Map (K, 2) ``x, y`` points of the decoded image into the output image of ``plan``."""
-    # unpacked in the order of gpucache._plan.Col
+    # unpacked in the order of gpucache.base._plan.Col
     t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = _plan(plan)
     xp = torch if isinstance(points, torch.Tensor) else np
     pts = points.double() if isinstance(points, torch.Tensor) else points.astype(np.float64)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._plan import Col
+from ..base._plan import Col
 
 #: Device memory the batched transforms hold at once, every buffer of the stage counted (joined
 #: images, padded crops, filter matrices, products, taps, addresses and the batch's uint8 output):

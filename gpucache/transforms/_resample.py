@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._plan import PLAN_WIDTH, Col
+from ..base._plan import PLAN_WIDTH, Col
 from ._chunks import BUDGET_BYTES, Chunk, Scratch, plan_chunks
 from ._orientation import steps_of
 

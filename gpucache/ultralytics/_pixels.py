@@ -37,8 +37,8 @@ import cv2
 import numpy as np
 import torch
 
-from .._cores import usable_cores
-from .._threads import ordered_map
+from ..base._cores import usable_cores
+from ..base._threads import ordered_map
 from ..decode._core import decode_sample
 from ..loader._tier import STALL_S, TierRequest, _no_room, _open, default_budget
 from ..loader._tier_build import _trim, file_sink

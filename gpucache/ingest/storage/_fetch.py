@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from ..._errors import ObjectStoreError
-from ..._owned import open_own
-from ..._progress import tqdm
+from ...base._owned import open_own
+from ...base._progress import tqdm
 from .._inputs import FileRangeSource, Refused
 from .._options import BuildOptions
 from ._client import Listing, access_error, bucket_of, describe, error_code, filesystem

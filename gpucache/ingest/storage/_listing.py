@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._threads import ordered_map
+from ...base._threads import ordered_map
 from .._build import IMG_EXTENSIONS, PathList
 from .._patterns import expand_braces
 from . import _pages

@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from ..._owned import open_own
-from ..._progress import tqdm
 from ..._shares import common_cut, identity_hashes
+from ...base._owned import open_own
+from ...base._progress import tqdm
 from .. import _share
 from .._build import _memory
 from .._inputs import FileRangeSource, Refused, size_of
