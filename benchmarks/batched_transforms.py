@@ -52,9 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._record import timed, write_json  # noqa: E402
 from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
-from gpucache.decode._batched import make_decoder, torchvision_decoder  # noqa: E402
 from gpucache.decode._core import apply_plan, decode_batch, decode_sample  # noqa: E402
-from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
+from gpucache.decode.gpu._batched import make_decoder, torchvision_decoder  # noqa: E402
+from gpucache.decode.gpu._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
 from gpucache.transforms._chunks import BUDGET_BYTES, flops, plan_chunks  # noqa: E402
 from gpucache.transforms._orientation import orient  # noqa: E402

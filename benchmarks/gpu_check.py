@@ -82,15 +82,16 @@ from benchmarks.gpu_check_out import Outputs, system  # noqa: E402
 from benchmarks.overlap import measure as measure_overlap  # noqa: E402
 from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
-from gpucache.decode import dali_available, normalize_device  # noqa: E402
+from gpucache.decode import dali_available  # noqa: E402
 from gpucache.decode._base import GPU_IN_FLIGHT  # noqa: E402
-from gpucache.decode._batched import default_decoder, torchvision_decoder  # noqa: E402
 from gpucache.decode._core import (  # noqa: E402
     MaskOptions,
     decode_batch,
     quiet_torchvision_deprecation,
 )
-from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
+from gpucache.decode._device import normalize_device  # noqa: E402
+from gpucache.decode.gpu._batched import default_decoder, torchvision_decoder  # noqa: E402
+from gpucache.decode.gpu._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
 from gpucache.transforms._orientation import orient  # noqa: E402
 from tests.support.emulated_cuda import EmulatedCuda  # noqa: E402
@@ -193,7 +194,7 @@ class Check:
                 masks=masks,
                 decode_threads=decoders,
             )
-        from gpucache.decode._dali import DaliBackend
+        from gpucache.decode.gpu._dali import DaliBackend
 
         return DaliBackend(
             cache,
@@ -401,14 +402,14 @@ def correctness(c: Check, name: str) -> dict:
 def gpu_allowed(c: Check, backend) -> np.ndarray:
     """Per sample, whether the backend sends it to its GPU decoder (the rest take the CPU path
     by design): the nvjpeg backend's own mask (it also sends progressive JPEGs to its CPU
-    stage), else what :func:`gpucache.decode._fallback.split` gives a GPU decoder."""
+    stage), else what :func:`gpucache.decode.gpu._fallback.split` gives a GPU decoder."""
     mask = getattr(backend, "gpu_mask", None)
     return np.asarray(mask if mask is not None else c.cache.gpu_decodable(), dtype=bool)
 
 
 def _off_device(images, device: torch.device) -> set[str]:
     """Devices other than the backend's (normalised) that the images are on."""
-    from gpucache.decode import normalize_device
+    from gpucache.decode._device import normalize_device
 
     want = normalize_device(device)
     ims = [images] if isinstance(images, torch.Tensor) else images

@@ -1,7 +1,7 @@
 """The device check's decoders part (for ``gpu_check.py``).
 
 Decode-only images/s of every batched GPU decoder available, at 1, 2 and 4 concurrent calls,
-each call a sub-batch (:func:`gpucache.decode._batched.sub_batches`) on a thread and stream of
+each call a sub-batch (:func:`gpucache.decode.gpu._batched.sub_batches`) on a thread and stream of
 its own, all of a pass's sub-batches queued at once: torchvision's and TorchCodec's
 ``decode_jpeg`` (the nvjpeg backend's), nvImageCodec's batched decoder with its hardware backend,
 and DALI's ``decoders.image`` on ``mixed`` (``hw_decoder_load``), the last two on CUDA only. It
@@ -20,7 +20,7 @@ from importlib import metadata
 import numpy as np
 import torch
 
-from gpucache.decode._batched import sub_batches, torchcodec_decoder, torchvision_decoder
+from gpucache.decode.gpu._batched import sub_batches, torchcodec_decoder, torchvision_decoder
 from gpucache.ingest._sniff import Kind
 from tests.support.emulated_cuda import EmulatedCuda
 

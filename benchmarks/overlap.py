@@ -30,7 +30,7 @@ from benchmarks._record import run_line  # noqa: E402
 from gpucache import JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode._base import GPU_IN_FLIGHT  # noqa: E402
-from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
+from gpucache.decode.gpu._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
 
 TRAIN = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()])

@@ -77,7 +77,7 @@ SCENARIOS = ["none", "workers", "workers+parent", "program froze"]
 # ------------------------------------------------------------------------------ measuring
 def private_dirty(pid: int) -> int:
     """What ``loader.stats.worker_private`` reads (the library's reader), for a live process."""
-    from gpucache.decode._workers import private_dirty as read
+    from gpucache.decode.cpu._pool import private_dirty as read
 
     size = read(pid)
     if size is None:
@@ -175,8 +175,8 @@ def _no_thaw() -> bool:
 def _switch(*, check: bool = True, trim: bool = True, freeze: bool = True) -> None:
     """Switch the worker pool's memory measures off by patching the functions that take them
     (in this benchmark's own process; fork workers inherit the patches)."""
-    import gpucache.decode._worker_main as wm
-    import gpucache.decode._workers as wk
+    import gpucache.decode.cpu._pool as wk
+    import gpucache.decode.cpu._worker as wm
 
     if not check:
         wk._check_decoder = _off

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpucache import JpegCache
 from gpucache import transforms as T
 from gpucache.decode._core import apply_plan, decode_sample
-from gpucache.decode._nvjpeg import NvjpegBackend
+from gpucache.decode.gpu._nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes
 from gpucache.transforms._chunks import BUDGET_BYTES, Scratch, flops
 from gpucache.transforms._resample import resample

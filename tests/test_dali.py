@@ -24,8 +24,8 @@ pytest.importorskip(
 from gpucache import JpegCache, Kind, SampleError  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode._core import decode_batch  # noqa: E402
-from gpucache.decode._dali import DaliBackend  # noqa: E402
-from gpucache.decode._fallback import join, split  # noqa: E402
+from gpucache.decode.gpu._dali import DaliBackend  # noqa: E402
+from gpucache.decode.gpu._fallback import join, split  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
 from tests.support.hostile import after_soi, exif_app1, xmp_app1  # noqa: E402
 
@@ -324,15 +324,15 @@ def test_dali_threads_are_this_ranks_share_of_the_cores(
     """Every rank of a node would otherwise give DALI (and the cpu backend's workers) every core
     of the machine; only the default divides, an explicit num_workers is taken as given."""
     from gpucache import GpuCachedLoader
-    from gpucache.decode import _workers
+    from gpucache.decode.cpu import _pool
 
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS_PER_NODE", "SLURM_LOCALID"):
         monkeypatch.delenv(name, raising=False)
     for name, value in launcher.items():
         monkeypatch.setenv(name, value)
     # the system's answers, not gpucache's helper: whatever reads them sees this machine
-    monkeypatch.setattr(_workers.os, "sched_getaffinity", lambda pid: set(range(usable)))
-    monkeypatch.setattr(_workers.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(_pool.os, "sched_getaffinity", lambda pid: set(range(usable)))
+    monkeypatch.setattr(_pool.os, "cpu_count", lambda: 16)
     loader = GpuCachedLoader(
         jpegs, batch_size=8, seed=0, device="cpu", backend="dali", num_workers=given
     )
@@ -430,7 +430,7 @@ def test_gpu_graph_decodes_whole_images_on_the_gpu():
     (``decoders.image_slice``/``image_crop``/``image_random_crop``, nvImageCodec 0.9's crashing
     ROI path), and every image operator after it on the GPU. DALI accepts the definition
     (serializes it) with no GPU; running it needs one (untested on GPU)."""
-    from gpucache.decode import _dali_graph
+    from gpucache.decode.gpu import _dali_graph
 
     pipe = _dali_graph.define(
         gpu=True, device_id=None, batch_size=8, num_threads=2, seed=0, hw_decoder_load=0.65

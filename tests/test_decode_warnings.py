@@ -113,8 +113,8 @@ def test_damaged_scan_decodes_to_different_pixels(store):
 def _decode_in_a_loop(data: bytes, stop: threading.Event, decoded: threading.Semaphore) -> None:
     """Decode with torchvision's decoders, as the nvjpeg backend's threads do, until told;
     release ``decoded`` after each decode."""
-    from gpucache.decode._batched import torchvision_decoder
     from gpucache.decode._core import decode_jpeg
+    from gpucache.decode.gpu._batched import torchvision_decoder
 
     tv = torchvision_decoder(torch.device("cpu"))
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -168,7 +168,8 @@ def test_decoding_in_a_thread_keeps_the_main_threads_warning_filters():
 def test_torchvisions_notice_never_reaches_the_user(monkeypatch, jpeg_folder):
     """With the strictest filter of the user's ("error" for every warning), decoding with
     torchvision's decoders through the loader neither raises nor shows the notice."""
-    from gpucache.decode import _batched, _jpeg
+    from gpucache.decode import _jpeg
+    from gpucache.decode.gpu import _batched
     from tests.support.emulated_cuda import EmulatedCuda
 
     def no_torchcodec(device):

@@ -340,7 +340,7 @@ def test_device_tier_batches_cost_ops_that_do_not_grow_with_the_batch(cache):
     the batched resample's few chunks, never ops an image, and no upload after the first."""
     from benchmarks.batched_transforms import CountOps
     from gpucache.decode._options import DecodeOptions
-    from gpucache.decode._pixels import PixelBackend
+    from gpucache.decode.gpu._pixels import PixelBackend
     from tests.support.emulated_cuda import EmulatedCuda
 
     with GpuCachedLoader(cache, batch_size=4, num_workers=0, decoded=64) as host:

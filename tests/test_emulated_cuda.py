@@ -17,16 +17,16 @@ import torch
 
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
-from gpucache.decode import normalize_device
-from gpucache.decode._batched import (
+from gpucache.decode._core import decode_batch
+from gpucache.decode._device import normalize_device
+from gpucache.decode.gpu._batched import (
     applies_exif,
     default_decoder,
     make_decoder,
     torchvision_decoder,
 )
-from gpucache.decode._core import decode_batch
-from gpucache.decode._nvjpeg import NvjpegBackend
-from gpucache.decode._streams import CudaStreams
+from gpucache.decode.gpu._nvjpeg import NvjpegBackend
+from gpucache.decode.gpu._streams import CudaStreams
 from tests.support.emulated_cuda import EmulatedCuda
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,9 +126,9 @@ def test_emulation_enforces_cuda_device_rules():
         with pytest.raises(RuntimeError, match="tensor on cuda:0, stream on cuda:1"):
             streams.adopt([a])
         stray = {"__name__": "gpucache.decode.somewhere", "torch": torch}
-        with pytest.raises(RuntimeError, match="belong in gpucache.decode._streams"):
+        with pytest.raises(RuntimeError, match="belong in gpucache.decode.gpu._streams"):
             exec("torch.cuda.Stream()", stray)
-        with pytest.raises(RuntimeError, match="belong in gpucache.decode._streams"):
+        with pytest.raises(RuntimeError, match="belong in gpucache.decode.gpu._streams"):
             exec("torch.cuda.current_stream()", stray)
     from tests.support import emulated_cuda as _emulated_cuda
 
@@ -212,11 +212,11 @@ def test_torchcodec_that_fails_to_load_falls_back_to_torchvision(broken_torchcod
 
 
 def test_local_rank_differing_from_the_current_device_warns_once(cache, monkeypatch):
-    from gpucache import decode
+    from gpucache.decode import _device
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr(decode, "_warned_local_rank", set())
+    monkeypatch.setattr(_device, "_warned_local_rank", set())
     with EmulatedCuda(devices=2):
         with pytest.warns(RuntimeWarning, match=r"LOCAL_RANK=1 .* cuda:0.*torch\.cuda\.set_device"):
             GpuCachedLoader(cache, batch_size=4, seed=0)
@@ -232,11 +232,11 @@ def test_local_rank_differing_from_the_current_device_warns_once(cache, monkeypa
 def test_local_rank_warns_only_when_that_gpu_is_visible(cache, monkeypatch, visible, warns):
     """One GPU visible per rank (Slurm's per-task binding, a per-rank CUDA_VISIBLE_DEVICES):
     every rank rightly decodes on its cuda:0, and there is no cuda:3 to advise."""
-    from gpucache import decode
+    from gpucache.decode import _device
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setattr(decode, "_warned_local_rank", set())
+    monkeypatch.setattr(_device, "_warned_local_rank", set())
     with EmulatedCuda(devices=visible), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         loader = GpuCachedLoader(cache, batch_size=4, seed=0, backend="nvjpeg")

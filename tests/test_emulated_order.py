@@ -13,10 +13,10 @@ import torch
 
 from gpucache import JpegCache
 from gpucache import transforms as T
-from gpucache.decode import _streams
-from gpucache.decode._batched import torchvision_decoder
 from gpucache.decode._jpeg import quiet_torchvision_deprecation
-from gpucache.decode._nvjpeg import NvjpegBackend
+from gpucache.decode.gpu import _streams
+from gpucache.decode.gpu._batched import torchvision_decoder
+from gpucache.decode.gpu._nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes
 from tests.support.emulated_cuda import EmulatedCuda, StreamOrderError
 
@@ -722,7 +722,7 @@ def test_cpu_path_images_cross_in_one_pinned_copy_without_a_host_sync(
         s["height"].astype(np.int64), s["width"].astype(np.int64), np.random.default_rng(0)
     )
     if pageable:  # the join as it was: a plain .to(device)
-        from gpucache.decode import _fallback
+        from gpucache.decode.gpu import _fallback
 
         monkeypatch.setattr(_fallback, "to_device", lambda x, device: x.to(device))
     with EmulatedCuda(devices=1) as emu:

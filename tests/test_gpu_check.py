@@ -21,9 +21,9 @@ import torch
 
 from benchmarks import gpu_check
 from gpucache.decode import dali_available
-from gpucache.decode._batched import make_decoder
 from gpucache.decode._core import Decoded
-from gpucache.decode._nvjpeg import NvjpegBackend
+from gpucache.decode.gpu._batched import make_decoder
+from gpucache.decode.gpu._nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder
 from tests.support.emulated_cuda import EmulatedCuda
 

@@ -298,8 +298,8 @@ def test_the_batched_gather_equals_the_per_sample_plan(painted):
         s["width"][idx].astype(np.int64),
         np.random.default_rng(4),
     )
-    from gpucache.decode._mask_stage import MaskStage
     from gpucache.decode._masks import decode_one
+    from gpucache.decode.gpu._mask_stage import MaskStage
 
     stage = MaskStage(painted, fill=200, dtype=torch.uint8, device=CPU, pool=None, chunks=3)
     host = stage.submit(idx, plans, stack=True).host  # every mask in its top-left corner

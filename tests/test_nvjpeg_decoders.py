@@ -15,9 +15,9 @@ import torch
 
 from gpucache import JpegCache
 from gpucache import transforms as T
-from gpucache.decode import _nvjpeg, _streams
-from gpucache.decode._batched import sub_batches, torchcodec_decoder, torchvision_decoder
-from gpucache.decode._nvjpeg import NvjpegBackend
+from gpucache.decode.gpu import _nvjpeg, _streams
+from gpucache.decode.gpu._batched import sub_batches, torchcodec_decoder, torchvision_decoder
+from gpucache.decode.gpu._nvjpeg import NvjpegBackend
 from tests.support.emulated_cuda import EmulatedCuda, StreamOrderError
 from tests.support.emulated_nvjpeg import DECODER_BYTES
 

@@ -12,10 +12,10 @@ import torch
 
 from gpucache import JpegCache
 from gpucache import transforms as T
-from gpucache.decode._batched import make_decoder, torchvision_decoder
 from gpucache.decode._core import decode_batch
-from gpucache.decode._nvjpeg import NvjpegBackend, default_cpu_threads
-from gpucache.decode._nvjpeg_faults import allocator_failure
+from gpucache.decode.gpu._batched import make_decoder, torchvision_decoder
+from gpucache.decode.gpu._faults import allocator_failure
+from gpucache.decode.gpu._nvjpeg import NvjpegBackend, default_cpu_threads
 from gpucache.ingest._sniff import Kind
 from gpucache.testing import make_jpeg_folder
 from tests.support.emulated_cuda import EmulatedCuda

@@ -1,6 +1,6 @@
 """The nvjpeg backend's device-agnostic code on CPU tensors: staging, batched decode, plans,
 fallback join and ordering, EXIF orientation after a decoder that ignores it, the pixel budget, and
-the hand-over rule on a non-CPU device (meta). The CUDA branches (decode/_streams.CudaStreams,
+the hand-over rule on a non-CPU device (meta). The CUDA branches (decode/gpu/_streams.CudaStreams,
 device indices) run under EmulatedCuda in tests/test_emulated_cuda.py; tests/gpu/ runs them on CUDA."""
 
 import numpy as np
@@ -9,10 +9,10 @@ import torch
 
 from gpucache import GpuCachedLoader, JpegCache, SampleError
 from gpucache import transforms as T
-from gpucache.decode._batched import default_decoder, make_decoder, torchvision_decoder
 from gpucache.decode._core import decode_batch
-from gpucache.decode._nvjpeg import NvjpegBackend
-from gpucache.decode._streams import HostStreams
+from gpucache.decode.gpu._batched import default_decoder, make_decoder, torchvision_decoder
+from gpucache.decode.gpu._nvjpeg import NvjpegBackend
+from gpucache.decode.gpu._streams import HostStreams
 from gpucache.ingest._sniff import Kind
 from gpucache.testing import make_jpeg_bytes
 from gpucache.transforms._orientation import orient

@@ -11,7 +11,7 @@ import torch
 
 from gpucache import GpuCachedLoader, JpegCache, SampleError
 from gpucache import transforms as T
-from gpucache.decode._nvjpeg import NvjpegBackend
+from gpucache.decode.gpu._nvjpeg import NvjpegBackend
 
 CPU = torch.device("cpu")
 

@@ -105,7 +105,7 @@ def test_verify_takes_the_loader_s_route_and_reports_a_wrong_interval(plain, tmp
 def test_the_gpu_backends_cpu_fallback_decodes_and_warns_too(plain, tmp_path):
     """A GPU backend hands the samples its decoder does not take to the CPU, one at a time
     (``_fallback.decode_on_cpu``): a wrong interval there is decoded and warned about too."""
-    from gpucache.decode._fallback import decode_on_cpu
+    from gpucache.decode.gpu._fallback import decode_on_cpu
 
     bad = _with_rst(plain, np.ones(N), tmp_path / "bad.gpucache")
     idx = np.arange(3)

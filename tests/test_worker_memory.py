@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-import gpucache.decode._workers as workers
+import gpucache.decode.cpu._pool as workers
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
-from gpucache.decode._workers import private_dirty
+from gpucache.decode.cpu._pool import private_dirty
 
 pytestmark = [
     pytest.mark.skipif(

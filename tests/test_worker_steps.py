@@ -164,16 +164,16 @@ def _too_big(fd: int, size: int) -> None:
 
 @pytest.mark.parametrize("how", ["memory files", "socket", "memfd refused", "file-size rlimit"])
 def test_batches_come_back_whole_by_memory_file_or_socket(photos, monkeypatch, how):
-    """A worker sends a stacked batch as a memory file where it can (``decode/_shared.py``),
+    """A worker sends a stacked batch as a memory file where it can (``decode/cpu/_batch_files.py``),
     through the socket otherwise; the batches are the same either way, uint8 and float."""
-    from gpucache.decode import _shared
+    from gpucache.decode.cpu import _batch_files
 
     if how == "socket":
-        monkeypatch.setattr(_shared, "available", lambda: False)
+        monkeypatch.setattr(_batch_files, "available", lambda: False)
     elif how == "memfd refused":  # fork workers inherit the patch
-        monkeypatch.setattr(_shared.os, "memfd_create", _refused)
+        monkeypatch.setattr(_batch_files.os, "memfd_create", _refused)
     elif how == "file-size rlimit":
-        monkeypatch.setattr(_shared.os, "ftruncate", _too_big)
+        monkeypatch.setattr(_batch_files.os, "ftruncate", _too_big)
     for transform in (README[:2], README, MIXED):
         got = _batches(photos, transform, 2)
         want = _batches(photos, transform, 0)

@@ -115,11 +115,11 @@ def test_big_batches_never_deadlock(big_cache, batch_size, prefetch):
 
 @pytest.fixture
 def through_the_socket(monkeypatch):
-    """Batches sent on the socket, as without memory files (gpucache/decode/_shared.py: not
+    """Batches sent on the socket, as without memory files (gpucache/decode/cpu/_batch_files.py: not
     Linux, or into pinned memory): a worker that sends a large one blocks until it is read."""
-    from gpucache.decode import _shared
+    from gpucache.decode.cpu import _batch_files
 
-    monkeypatch.setattr(_shared, "available", lambda: False)
+    monkeypatch.setattr(_batch_files, "available", lambda: False)
 
 
 def _blocked_mid_send(cache, *, timeout):

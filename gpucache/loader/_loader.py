@@ -20,8 +20,9 @@ from ..decode import _masks
 from ..decode._base import GPU_IN_FLIGHT, Backend
 from ..decode._core import TIMED, Decoded, MaskOptions, stage_clock
 from ..decode._core import stage_range as _range
+from ..decode._device import resolve_device
 from ..decode._options import DecodeOptions
-from ..decode._workers import default_workers
+from ..decode.cpu._pool import default_workers
 from ..store._store import Store
 from ..store._targets import dense_targets, kept_rows, ragged_targets
 from ..transforms import (
@@ -258,7 +259,7 @@ class GpuCachedLoader:
         self.transform = as_compose(transform)
         self._masks_dtype = _mask_setup(cache, masks, mask_fill, fill, self.transform)
         self.mask_fill, self.fill = mask_fill, fill
-        self.device = _decode._resolve_device(device)  # normalised: cuda -> cuda:<current>
+        self.device = resolve_device(device)  # normalised: cuda -> cuda:<current>
         self.backend_name = _decode.resolve(backend, self.device)
         self.num_workers = default_workers() if num_workers is None else num_workers
         self.prefetch_factor = prefetch_factor
@@ -766,7 +767,7 @@ def _check_int(name: str, value: object, low: int, fix: str) -> None:
 def _make_backend(loader: GpuCachedLoader) -> Backend:
     name = loader.backend_name
     if name == "pixels":  # the decoded tier on a CUDA device
-        from ..decode._pixels import PixelBackend
+        from ..decode.gpu._pixels import PixelBackend
 
         assert loader._tier.pixels is not None
         return PixelBackend(
@@ -777,11 +778,11 @@ def _make_backend(loader: GpuCachedLoader) -> Backend:
             options=loader.decode_options,
         )
     if name == "cpu":
-        from ..decode._cpu import CpuBackend
+        from ..decode.cpu._backend import CpuBackend
 
         return CpuBackend(loader.cache, loader.decode_options)
     if name == "nvjpeg":
-        from ..decode._nvjpeg import NvjpegBackend
+        from ..decode.gpu._nvjpeg import NvjpegBackend
 
         return NvjpegBackend(
             loader.cache,
@@ -789,7 +790,7 @@ def _make_backend(loader: GpuCachedLoader) -> Backend:
             on_error=loader.on_error,
             masks=MaskOptions.of(loader.decode_options),
         )
-    from ..decode._dali import DaliBackend
+    from ..decode.gpu._dali import DaliBackend
 
     return DaliBackend(
         loader.cache,

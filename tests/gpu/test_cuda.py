@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
 from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode import dali_available  # noqa: E402
-from gpucache.decode._batched import default_decoder, make_decoder  # noqa: E402
 from gpucache.decode._core import decode_batch  # noqa: E402
-from gpucache.decode._nvjpeg import NvjpegBackend  # noqa: E402
+from gpucache.decode.gpu._batched import default_decoder, make_decoder  # noqa: E402
+from gpucache.decode.gpu._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
 
 BACKENDS = ["nvjpeg"] + (["dali"] if dali_available() else [])

@@ -5,7 +5,7 @@ graph cannot take one). Needs DALI: import it after ``pytest.importorskip("nvidi
 
 from __future__ import annotations
 
-from gpucache.decode._dali import DaliBackend
+from gpucache.decode.gpu._dali import DaliBackend
 
 
 class CpuGraph(DaliBackend):

@@ -16,7 +16,7 @@ Devices:
 - **stream calls**: current streams are per thread and per device; ``torch.cuda.stream``,
   ``Stream``, ``Event`` (and their waits, records, ``synchronize`` and ``query``),
   ``current_stream`` and ``record_stream`` called from any ``gpucache`` module but
-  :mod:`gpucache.decode._streams` raise (the stream helper is the one place for them). A
+  :mod:`gpucache.decode.gpu._streams` raise (the stream helper is the one place for them). A
   device's default stream is one per process, as on CUDA.
 
 Stream order (vector clocks; a violation raises :class:`StreamOrderError`):

@@ -205,7 +205,7 @@ def emulated_decode_jpeg(cpu_decode, *, library: str):
                 f"emulated CUDA: nvJPEG decode called on the default stream of "
                 f"{dev}; torchvision allocates its outputs on the current stream "
                 "and writes them from its own, so gpucache must decode under its "
-                "allocation stream (decode/_streams.py)."
+                "allocation stream (decode/gpu/_streams.py)."
             )
         mutex = emu._tv_mutex if library == "torchvision" else contextlib.nullcontext()
         with mutex:

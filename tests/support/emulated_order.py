@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 #: Modules allowed to call stream and event APIs (besides code outside the gpucache package).
-STREAM_HELPER = "gpucache.decode._streams"
+STREAM_HELPER = "gpucache.decode.gpu._streams"
 _SKIP_FRAMES = ("torch", "contextlib", "threading", "concurrent.futures")
 _PACKAGE = __name__.rpartition(".")[0]  # the emulation's own frames, wherever it is imported from
 _HERE = tuple(f"{_PACKAGE}.{m}" for m in ("emulated_cuda", "emulated_order", "emulated_nvjpeg"))

@@ -17,9 +17,9 @@ from typing import cast
 import numpy as np
 import torch
 
-from ..store._limits import check_pixels
-from ..transforms._device import to_device
-from ._core import Decoded, decode_batch, failure
+from ...store._limits import check_pixels
+from ...transforms._device import to_device
+from .._core import Decoded, decode_batch, failure
 
 #: One sample's outcome: its image (uint8 CHW), or why it failed (see :func:`.cpu.describe`).
 Result = torch.Tensor | str

@@ -25,13 +25,13 @@ from collections import deque
 import numpy as np
 import torch
 
-from ..store._decoded import IN_TIER, DecodedPixels
-from ..store._readonly import tensor_over
-from ..transforms._chunks import BUDGET_BYTES, Scratch
-from ..transforms._resample import resample
-from ._base import Backend
-from ._core import Decoded, MaskOptions, apply_plan, decode_batch, no_autocast, out_size
-from ._options import DecodeOptions
+from ...store._decoded import IN_TIER, DecodedPixels
+from ...store._readonly import tensor_over
+from ...transforms._chunks import BUDGET_BYTES, Scratch
+from ...transforms._resample import resample
+from .._base import Backend
+from .._core import Decoded, MaskOptions, apply_plan, decode_batch, no_autocast, out_size
+from .._options import DecodeOptions
 
 
 class PixelBackend(Backend):

@@ -9,7 +9,7 @@ alive until that batch's outputs are back; the plan and the orientation go in as
 per sample (:func:`._dali_graph.rows`). Outputs
 reach torch through DLPack and are copied out of DALI's buffers at once; on CUDA they are taken
 bound to the stream that copy runs on (``pipe.outputs(cuda_stream=...)``, the current stream of the
-backend's device, :func:`~gpucache.decode._streams.consumer_stream`), so DALI reuses a buffer only
+backend's device, :func:`~gpucache.decode.gpu._streams.consumer_stream`), so DALI reuses a buffer only
 after the copy is done, not merely after it was queued. Samples the GPU decoder
 does not take (PNG, GIF, WebP, CMYK, arithmetic JPEG) are decoded on the CPU and joined back in;
 samples over the pixel budget are refused before DALI or the CPU fallback sees them.
@@ -38,9 +38,10 @@ except ImportError as err:  # pragma: no cover - depends on what is installed
         "clone's extra: pip install -e '.[dali]'), or use backend='nvjpeg' or 'cpu'."
     ) from err
 
-from . import _dali_graph, normalize_device
-from ._base import Backend
-from ._core import ON_ERROR, Decoded, MaskOptions, out_size
+from .._base import Backend
+from .._core import ON_ERROR, Decoded, MaskOptions, out_size
+from .._device import normalize_device
+from . import _dali_graph
 from ._fallback import Part, decode_on_cpu, join, out_of_memory, split, stage_times
 from ._mask_stage import MaskStage, PendingMasks
 from ._streams import consumer_stream

@@ -1,4 +1,4 @@
-"""The worker-process side of the CPU worker pool (the protocol is described in ``decode/_workers.py``).
+"""The worker-process side of the CPU worker pool (the protocol is described in ``decode/cpu/_pool.py``).
 
 A worker runs two threads: a reader that drains every task the parent sends into a local queue, so
 the parent's sends always make progress, and the main thread that decodes and sends results. The
@@ -30,12 +30,12 @@ import traceback
 import numpy as np
 import torch
 
-from .._errors import OutOfMemory, SampleError, said
-from ..store._oom import is_out_of_memory
-from . import _shared
-from ._core import Decoded, decode_task
-from ._jpeg import quiet_torchvision_deprecation
-from ._options import DecodeOptions
+from ..._errors import OutOfMemory, SampleError, said
+from ...store._oom import is_out_of_memory
+from .._core import Decoded, decode_task
+from .._jpeg import quiet_torchvision_deprecation
+from .._options import DecodeOptions
+from . import _batch_files
 
 LEN = struct.Struct("<Q")  # every message: 8-byte little-endian length, then a pickle
 _PR_SET_PDEATHSIG = 1
@@ -91,7 +91,7 @@ def worker_main(
         os._exit(1)
     _send(sock, {"kind": "ready"})
     trim = _malloc_trim()
-    alloc = _shared.Allocator() if options.share_batches else None
+    alloc = _batch_files.Allocator() if options.share_batches else None
     while True:
         item = tasks.get()
         if item is None:  # the reader could not allocate a task it received
@@ -112,7 +112,7 @@ def _serve(
     key: tuple[int, ...],
     *,
     options: DecodeOptions,
-    alloc: _shared.Allocator | None,
+    alloc: _batch_files.Allocator | None,
 ) -> None:
     """Decode one task and send its result, or report why not. Everything the result needs is
     allocated before its first byte is sent, so a failure is reported in place of the result.
@@ -268,7 +268,7 @@ def _send_bytes(sock: socket.socket, payload: bytes, data: memoryview | None = N
 
 
 def _result(
-    task: int, out: Decoded, alloc: _shared.Allocator | None
+    task: int, out: Decoded, alloc: _batch_files.Allocator | None
 ) -> tuple[bytes, memoryview | None, int | None]:
     """The header of a decoded batch and its one raw buffer, or the memory file that holds it
     (a stacked batch is sent as it is, uint8 or the dtype its steps made, its bytes as they

@@ -8,7 +8,7 @@ step consumes batch k-1; the loader keeps at least three batches in flight
 1. **CPU** (a pool of threads, the rank's cores less two: :func:`default_cpu_threads`): samples the batched decoder does not take (PNG, GIF, WebP,
    CMYK, arithmetic JPEG) and progressive JPEGs (whose Huffman decoding nvJPEG would run on the
    host, one image at a time, inside the batched call) are decoded and planned on the CPU
-   (:func:`~gpucache.decode._fallback.decode_on_cpu`, region decode included), ahead of and
+   (:func:`~gpucache.decode.gpu._fallback.decode_on_cpu`, region decode included), ahead of and
    beside the GPU work, a batch's samples split among the threads; the pixel budget refuses
    oversized samples before any decoder sees them;
 2. **decode** (``decoders`` concurrent calls: :meth:`NvjpegBackend._decode_threads`): batched
@@ -29,7 +29,7 @@ step consumes batch k-1; the loader keeps at least three batches in flight
    constant number of ops each, in at most 256 MiB of the device
    (:func:`gpucache.transforms._resample.resample`, EXIF orientation folded in) — per image
    only for a variable-size batch; the CPU stage's results cross in one pinned ``non_blocking``
-   copy and join in batch order (:func:`~gpucache.decode._fallback.join`); an event marks the
+   copy and join in batch order (:func:`~gpucache.decode.gpu._fallback.join`); an event marks the
    batch done.
 
 :meth:`get` makes the consumer's stream wait on that event and ``record_stream``\\s the outputs:
@@ -38,7 +38,7 @@ no host synchronisation on the training stream.
 There is no pinned staging copy of the compressed bytes: nvJPEG (torchvision, TorchCodec) reads
 them through host pointers and copies them with its own pinned buffers. On a CPU device the very
 same code runs with no streams: that is how CI covers everything but
-:class:`~gpucache.decode._streams.CudaStreams`.
+:class:`~gpucache.decode.gpu._streams.CudaStreams`.
 """
 
 from __future__ import annotations
@@ -53,14 +53,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..ingest._sniff import Kind
-from ..transforms._chunks import BUDGET_BYTES, Scratch
-from ..transforms._orientation import orient, steps
-from ..transforms._resample import resample
-from . import normalize_device
-from ._base import Backend
-from ._batched import BatchDecoder, applies_exif, default_decoder, sub_batches
-from ._core import (
+from ...ingest._sniff import Kind
+from ...transforms._chunks import BUDGET_BYTES, Scratch
+from ...transforms._orientation import orient, steps
+from ...transforms._resample import resample
+from .._base import Backend
+from .._core import (
     Decoded,
     MaskOptions,
     apply_plan,
@@ -69,11 +67,13 @@ from ._core import (
     no_autocast,
     out_size,
 )
+from .._device import normalize_device
+from ..cpu._pool import default_workers
+from ._batched import BatchDecoder, applies_exif, default_decoder, sub_batches
 from ._fallback import Part, Result, decode_on_cpu, join, split, stage_times
+from ._faults import allocator_failure, raise_if_broken, raise_if_out_of_memory
 from ._mask_stage import MaskStage, PendingMasks
-from ._nvjpeg_faults import allocator_failure, raise_if_broken, raise_if_out_of_memory
 from ._streams import CudaStreams, HostStreams
-from ._workers import default_workers
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 
 import torch
 
-from . import normalize_device
+from .._device import normalize_device
 
 #: The priority of gpucache's streams: not the default (0), whose pool of streams torchvision's
 #: decoder and user code share; -1 is the next pool (a higher priority: CUDA's lower numbers).

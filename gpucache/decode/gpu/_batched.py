@@ -22,7 +22,7 @@ from typing import Literal, cast
 import numpy as np
 import torch
 
-from . import normalize_device
+from .._device import normalize_device
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def torchvision_decoder(device: torch.device) -> BatchDecoder:
     """torchvision's ``decode_jpeg`` (batched nvJPEG on CUDA, libjpeg-turbo on the CPU), no EXIF."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from ._jpeg import quiet_torchvision_deprecation
+    from .._jpeg import quiet_torchvision_deprecation
 
     device = normalize_device(device)
 

@@ -25,10 +25,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..base._plan import Col
-from ..store._targets import kept_rows
-from ..transforms._device import to_device
-from . import _masks
+from ...base._plan import Col
+from ...store._targets import kept_rows
+from ...transforms._device import to_device
+from .. import _masks
 
 
 @dataclass

@@ -49,13 +49,14 @@ except ImportError:  # not on Windows (nor are the memory files whose loss it ex
 import numpy as np
 import torch
 
-from .._errors import SampleError, WorkerError
-from ..base._cores import affinity, usable_cores
-from ..store._oom import FIX, raise_if_out_of_memory
-from . import _roi, _shared
-from ._core import Decoded, decode_task
-from ._options import DecodeOptions
-from ._worker_main import LEN, PARENT_ENDS, frame, worker_main
+from ..._errors import SampleError, WorkerError
+from ...base._cores import affinity, usable_cores
+from ...store._oom import FIX, raise_if_out_of_memory
+from .. import _roi
+from .._core import Decoded, decode_task
+from .._options import DecodeOptions
+from . import _batch_files
+from ._worker import LEN, PARENT_ENDS, frame, worker_main
 
 log = logging.getLogger(__name__)
 _GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and again after SIGTERM
@@ -110,7 +111,7 @@ class WorkerPool:
 
     def __init__(self, cache, options: DecodeOptions):
         # batches come back as memory files where there are (not into pinned memory)
-        share = _shared.available() and not options.pin_memory
+        share = _batch_files.available() and not options.pin_memory
         options = dataclasses.replace(options, share_batches=share)
         ctx = mp.get_context(options.context)
         num_workers, timeout, pin_memory = options.num_workers, options.timeout, options.pin_memory
@@ -276,7 +277,7 @@ class WorkerPool:
                 del lost  # its masks were read to keep the link in step; made again below
                 return self._decode_here(indices, *args)
             try:
-                shared = _shared.attach(fd, msg["nbytes"], dtype, tuple(shapes[0]))
+                shared = _batch_files.attach(fd, msg["nbytes"], dtype, tuple(shapes[0]))
             except (OSError, ValueError) as err:
                 raise_if_out_of_memory(err, f"mapping a batch from {link}")
                 raise WorkerError(f"{link} sent a batch that could not be mapped: {err}") from err
@@ -599,7 +600,7 @@ def default_workers() -> int:
     (torchrun binds none), the usable cores divided among them, at least 1; a rank whose cores
     were bound to it (Slurm's per-task binding: fewer usable cores than the machine's) keeps
     its own. Cores are :func:`gpucache.base._cores.usable_cores` (affinity, capped by a CPU quota)."""
-    from ..base._dist import local
+    from ...base._dist import local
 
     size, _ = local()
     if size > 1 and affinity() >= (os.cpu_count() or 1):

@@ -21,8 +21,8 @@ import re
 
 import torch
 
-from ..store._oom import is_out_of_memory
-from ._base import GPU_IN_FLIGHT
+from ...store._oom import is_out_of_memory
+from .._base import GPU_IN_FLIGHT
 from ._fallback import out_of_memory
 
 #: What decoders say when nvJPEG cannot start (torchvision: "Failed to initialize nvjpeg with

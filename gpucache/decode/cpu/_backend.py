@@ -10,11 +10,11 @@ from collections import deque
 
 import numpy as np
 
-from ..store._oom import raise_if_out_of_memory
-from ._base import Backend
-from ._core import Decoded, decode_task
-from ._options import DecodeOptions
-from ._workers import WorkerPool
+from ...store._oom import raise_if_out_of_memory
+from .._base import Backend
+from .._core import Decoded, decode_task
+from .._options import DecodeOptions
+from ._pool import WorkerPool
 
 
 class CpuBackend(Backend):

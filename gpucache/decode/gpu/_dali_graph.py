@@ -35,8 +35,8 @@ import numpy as np
 from nvidia.dali import fn, types
 from nvidia.dali.pipeline import Pipeline, pipeline_def
 
-from ..base._plan import AFTER_BOX1, Col
-from ..transforms._orientation import steps_of
+from ...base._plan import AFTER_BOX1, Col
+from ...transforms._orientation import steps_of
 
 #: The row fed per sample (int32): crop1 on the stored pixels, the orientation's three steps, then
 #: the plan's resize, crop2 and flip (see gpucache.transforms).
