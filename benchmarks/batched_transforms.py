@@ -53,6 +53,7 @@ from benchmarks._record import timed, write_json  # noqa: E402
 from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode._core import apply_plan, decode_batch, decode_sample  # noqa: E402
+from gpucache.decode._options import DecodeOptions  # noqa: E402
 from gpucache.decode.gpu._batched import make_decoder, torchvision_decoder  # noqa: E402
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
@@ -153,7 +154,7 @@ def count_ops(cache: JpegCache, batch: int, *, per_image: bool, batches: int = 3
         dev = torch.device("cuda", 0)
         tv = torchvision_decoder(dev)
         decoder = make_decoder("counted", dev, counter.pause(tv.decode), applies_exif=False)
-        backend = NvjpegBackend(cache, device=dev, on_error="skip", decoder=decoder)
+        backend = NvjpegBackend(cache, device=dev, decoder=decoder)
         for b in range(batches):
             idx = idx_all[b * batch : (b + 1) * batch]
             plans = _plans(cache, idx, b)
@@ -309,7 +310,9 @@ def pixels(cache: JpegCache) -> dict:
         stored = [decode_sample(cache, int(i)) for i in idx.tolist()]  # EXIF applied
         got = resample(stored, plans)
         ref_float = torch.stack([float_plan(im, p) for im, p in zip(stored, plans)])
-        ref_uint8 = decode_batch(cache, idx, plans, on_error="raise", stack=True).images
+        ref_uint8 = decode_batch(
+            cache, idx, plans, DecodeOptions(on_error="raise"), stack=True
+        ).images
         for name, ref in (("float", ref_float), ("uint8", ref_uint8)):
             d = (got.int() - ref.int()).abs()
             out[name].append((int(d.max()), float((d > 0).float().mean()), float(d.float().mean())))

@@ -48,6 +48,7 @@ def main() -> None:
     from gpucache import transforms as T
     from gpucache.decode import _roi, _roi_rst
     from gpucache.decode._core import apply_plan, decode_batch, decode_sample
+    from gpucache.decode._options import DecodeOptions
     from gpucache.ingest._restart import restart_store
 
     cache = JpegCache.from_folder(args.src, progress=False)
@@ -84,7 +85,9 @@ def main() -> None:
 
     def batch(store, exact=True):
         def run():
-            out = decode_batch(store, idx, plans, on_error="raise", stack=True, exact=exact)
+            out = decode_batch(
+                store, idx, plans, DecodeOptions(on_error="raise", exact=exact), stack=True
+            )
             assert out.images.shape == (len(idx), 3, 224, 224)
 
         return run
@@ -92,7 +95,7 @@ def main() -> None:
     rows = {"pil (DataLoader+PIL per-image work)": pil, "gpucache full decode + plan": ours}
     ref = torch.stack([apply_plan(decode_sample(cache, i), p) for i, p in zip(idx, plans)])
     if _roi.route() is not None:  # checked: ROI output is the full path's, bit for bit
-        got = decode_batch(cache, idx, plans, on_error="raise", stack=True)
+        got = decode_batch(cache, idx, plans, DecodeOptions(on_error="raise"), stack=True)
         assert torch.equal(got.images, ref) and got.roi_decoded > 0
         rows[f"gpucache ROI decode + plan ({_roi.route()})"] = batch(cache)
         if _roi.route() == "libjpeg-turbo":  # reduced-size decode (not bit-exact: see docs)
@@ -102,7 +105,7 @@ def main() -> None:
         if _roi_rst.transcoder_available():
             rst = restart_store(cache)
             print(f"restart-marker store: {rst.nbytes / cache.nbytes - 1:+.1%} bytes")
-            got = decode_batch(rst, idx, plans, on_error="raise", stack=True)
+            got = decode_batch(rst, idx, plans, DecodeOptions(on_error="raise"), stack=True)
             assert torch.equal(got.images, ref) and got.roi_decoded > 0
             rows["gpucache restart-marker ROI + plan"] = batch(rst)
             rows["gpucache restart-marker ROI + scaled decode"] = batch(rst, exact=False)

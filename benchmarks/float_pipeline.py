@@ -50,6 +50,7 @@ def main() -> None:
     from gpucache import transforms as T
     from gpucache.base._plan import AFTER_BOX1
     from gpucache.decode import _core
+    from gpucache.decode._options import DecodeOptions
     from gpucache.testing import make_jpeg_folder
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -94,7 +95,7 @@ def main() -> None:
             t0 = time.perf_counter()
             for b, (idx, plans) in enumerate(batches):
                 d = _core.decode_batch(
-                    cache, idx, plans, on_error="skip", stack=True, steps=steps, key=(0, 0, b)
+                    cache, idx, plans, DecodeOptions(steps=tuple(steps)), stack=True, key=(0, 0, b)
                 )
                 outs.append(d.images)
             took = time.perf_counter() - t0
@@ -118,19 +119,19 @@ def main() -> None:
         for i, plan in zip(idx.tolist(), plans.tolist()):
             img = _core.decode_sample(cache, i)
             t1, l1, h1, w1 = plan[:4]
-            crops.append((img[:, t1 : t1 + h1, l1 : l1 + w1].contiguous(), plan[AFTER_BOX1]))
+            crops.append((img[:, t1 : t1 + h1, l1 : l1 + w1].contiguous(), plan))
     scale = (1 / 255) / torch.tensor(STD).view(3, 1, 1)
     bias = -torch.tensor(MEAN).view(3, 1, 1) / torch.tensor(STD).view(3, 1, 1)
     out = torch.empty((len(crops), 3, 224, 224))
 
     def uint8_resize():
         for k, (x, rest) in enumerate(crops):
-            y = _core.finish_plan(x, *rest)
+            y = _core.finish_plan(x, rest)
             torch.addcmul(bias, y, scale, out=out[k])
 
     def float_resize():
         for k, (x, rest) in enumerate(crops):
-            rh, rw, t2, l2, h2, w2, flip = rest
+            rh, rw, t2, l2, h2, w2, flip = rest[AFTER_BOX1]
             y = F.interpolate(x[None].float(), size=(rh, rw), mode="bilinear", antialias=True)[0]
             y = y[:, t2 : t2 + h2, l2 : l2 + w2]
             y = y.flip(-1) if flip else y

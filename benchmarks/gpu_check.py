@@ -85,11 +85,11 @@ from gpucache import transforms as T  # noqa: E402
 from gpucache.decode import dali_available  # noqa: E402
 from gpucache.decode._base import GPU_IN_FLIGHT  # noqa: E402
 from gpucache.decode._core import (  # noqa: E402
-    MaskOptions,
     decode_batch,
     quiet_torchvision_deprecation,
 )
 from gpucache.decode._device import normalize_device  # noqa: E402
+from gpucache.decode._options import DEFAULTS, DecodeOptions  # noqa: E402
 from gpucache.decode.gpu._batched import default_decoder, torchvision_decoder  # noqa: E402
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402
@@ -180,7 +180,7 @@ class Check:
         threaded: bool = True,
         batch: int | None = None,
         cache=None,
-        masks: MaskOptions | None = None,
+        options: DecodeOptions = DEFAULTS,
         decoders: int | None = None,
     ):
         cache = self.cache if cache is None else cache
@@ -188,10 +188,9 @@ class Check:
             return NvjpegBackend(
                 cache,
                 device=self.device,
-                on_error="skip",
+                options=options,
                 decoder=self.decoder(),
                 threaded=threaded,
-                masks=masks,
                 decode_threads=decoders,
             )
         from gpucache.decode.gpu._dali import DaliBackend
@@ -199,11 +198,9 @@ class Check:
         return DaliBackend(
             cache,
             device=self.device_for(name),
+            options=options,
             batch_size=batch or self.args.batch,
-            on_error="skip",
-            seed=0,
             num_threads=4,
-            masks=masks,
         )
 
     def device_for(self, name: str) -> torch.device:
@@ -361,7 +358,7 @@ def correctness(c: Check, name: str) -> dict:
         diffs, maxes, lost, kept, wrong = [], [], [], [], set()
         gpu_decoded = allowed = cpu_decoded = 0
         for k, (idx, plans, got) in enumerate(c.batches(backend, tf, batch=c.args.batch, seed=0)):
-            ref = decode_batch(c.cache, idx, plans, on_error="skip", stack=True)  # as drawn
+            ref = decode_batch(c.cache, idx, plans, stack=True)  # as drawn
             wrong |= _off_device(got.images, c.device_for(name))
             r = compare(ref, got)
             diffs += r["mean_abs_diff"]

@@ -36,7 +36,8 @@ from PIL import Image, ImageDraw
 
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
-from gpucache.decode._core import MaskOptions, decode_batch
+from gpucache.decode._core import decode_batch
+from gpucache.decode._options import DecodeOptions
 from gpucache.testing import natural_image
 from tests.support.emulated_cuda import EmulatedCuda
 
@@ -156,22 +157,22 @@ def _iou(images: torch.Tensor, masks: torch.Tensor) -> list[float]:
 def shapes(c, name: str) -> dict:
     """See the module doc, (s)."""
     cache, out = c.masked, {}
-    opts = MaskOptions(MASK_FILL, torch.uint8)
+    opts = DecodeOptions(masks=True, mask_fill=MASK_FILL)
     for h, w in SIZES:
         tf = T.Compose([T.RandomResizedCrop((h, w), scale=(0.4, 1.0)), T.RandomHorizontalFlip(1.0)])
         b = c.args.mask_batch
-        be = c.backend(name, cache=cache, masks=opts, batch=b)
+        be = c.backend(name, cache=cache, options=opts, batch=b)
         batched = list(c.batches(be, tf, batch=b, seed=11))
         be.close()
         single = None
         if name == "nvjpeg":
-            be = c.backend(name, cache=cache, masks=opts)
+            be = c.backend(name, cache=cache, options=opts)
             single = [d for *_, d in c.batches(be, tf, batch=b, seed=11, stack=False)]
             be.close()
         means, worst, mask_diff, values, gpu_iou, cpu_iou = [], 0.0, 0, 0, [], []
         per_image_max, per_image_masks, lost = 0.0, 0, []
         for k, (idx, plans, got) in enumerate(batched):
-            ref = decode_batch(cache, idx, plans, on_error="skip", stack=True, masks=opts)
+            ref = decode_batch(cache, idx, plans, opts, stack=True)
             if not np.array_equal(ref.indices, got.indices):
                 lost += sorted(set(ref.indices.tolist()) ^ set(got.indices.tolist()))
                 continue

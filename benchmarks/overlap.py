@@ -105,7 +105,7 @@ def measure(
     """Median epoch seconds of decode alone, train alone, sync and threaded; ratios."""
     batches = [np.arange(k, min(k + batch, len(cache))) for k in range(0, len(cache), batch)]
     backends = {
-        m: NvjpegBackend(cache, device=device, on_error="skip", threaded=m == "threaded")
+        m: NvjpegBackend(cache, device=device, threaded=m == "threaded")
         for m in ("sync", "threaded")
     }
     epoch(backends["sync"], cache, batches, None, device)  # warm-up: decoder, allocator

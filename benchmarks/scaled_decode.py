@@ -90,9 +90,12 @@ def _set_variant(margin: float, context: int, shift: float) -> None:
 
 def _timed(cache, idx, plans, exact: bool) -> tuple[torch.Tensor, float]:
     from gpucache.decode._core import decode_batch
+    from gpucache.decode._options import DecodeOptions
 
     t0 = time.process_time()
-    out = decode_batch(cache, idx, plans, on_error="raise", stack=True, exact=exact).images
+    out = decode_batch(
+        cache, idx, plans, DecodeOptions(on_error="raise", exact=exact), stack=True
+    ).images
     return out, (time.process_time() - t0) / len(idx) * 1e3
 
 

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpucache import JpegCache
 from gpucache import transforms as T
 from gpucache.decode._core import apply_plan, decode_sample
+from gpucache.decode._options import DecodeOptions
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes
 from gpucache.transforms._chunks import BUDGET_BYTES, Scratch, flops
@@ -50,7 +51,10 @@ def _batch(cache, products=None):
     plans = EVAL.plan(cache.samples["height"], cache.samples["width"], np.random.default_rng(0))
     with EmulatedCuda(devices=1, total_memory=H200):
         backend = NvjpegBackend(
-            cache, device=torch.device("cuda", 0), on_error="raise", threaded=False
+            cache,
+            options=DecodeOptions(on_error="raise"),
+            device=torch.device("cuda", 0),
+            threaded=False,
         )
         before = torch.cuda.memory_reserved()
         mode = products if products is not None else Products()

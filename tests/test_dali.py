@@ -24,6 +24,7 @@ pytest.importorskip(
 from gpucache import JpegCache, Kind, SampleError  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode._core import decode_batch  # noqa: E402
+from gpucache.decode._options import DecodeOptions  # noqa: E402
 from gpucache.decode.gpu._dali import DaliBackend  # noqa: E402
 from gpucache.decode.gpu._fallback import join, split  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
@@ -38,9 +39,9 @@ TRANSFORMS = {
 }
 
 
-def backend(cache, **kw):
-    args = dict(device=CPU, batch_size=32, on_error="skip", seed=0, num_threads=2)
-    return DaliBackend(cache, **{**args, **kw})
+def backend(cache, on_error="skip", **kw):
+    args = dict(device=CPU, batch_size=32, num_threads=2)
+    return DaliBackend(cache, options=DecodeOptions(on_error=on_error), **{**args, **kw})
 
 
 def plans_for(cache, indices, transform, seed=0):
@@ -85,7 +86,7 @@ def test_matches_cpu_decoder(jpegs, name):
     plans = plans_for(jpegs, idx, TRANSFORMS[name])
     be = backend(jpegs)
     out = decode(be, idx, plans)
-    ref = decode_batch(jpegs, idx, plans, on_error="skip", stack=True)
+    ref = decode_batch(jpegs, idx, plans, stack=True)
     assert out.images.shape == ref.images.shape == (len(idx), 3, 64, 64)
     assert out.images.device == CPU and out.images.is_contiguous()
     assert_close(out.images, ref.images)
@@ -102,7 +103,7 @@ def test_list_output_padding_and_identity(small_folder):
     for transform in (T.Compose([T.CenterCrop(100)]), T.Compose([])):
         plans = plans_for(cache, idx, transform)
         out = decode(be, idx, plans, stack=False)
-        ref = decode_batch(cache, idx, plans, on_error="skip", stack=False)
+        ref = decode_batch(cache, idx, plans, stack=False)
         assert isinstance(out.images, list) and out.indices.tolist() == idx.tolist()
         assert_close(out.images, ref.images)
         for im, p in zip(out.images, plans.tolist()):  # zeros exactly where crop2 leaves the image
@@ -135,7 +136,7 @@ def test_cpu_path_and_corrupt_sample(bad, caplog):
     assert out.cpu_decoded == 2
     kept = [i for i in idx.tolist() if i != corrupt]
     assert out.indices.tolist() == kept  # batch order preserved
-    ref = decode_batch(bad, np.array(kept), plans[kept], on_error="skip", stack=True)
+    ref = decode_batch(bad, np.array(kept), plans[kept], stack=True)
     assert_close(out.images, ref.images)
     assert "DALI failed a batch" in caplog.text
     be.close()
@@ -273,7 +274,9 @@ def test_pixel_budget_refuses_before_dali_and_the_cpu_fallback(jpeg_folder):
     out = decode(be, idx, plans)
     assert [i for i, _ in out.failed] == over and all("max_pixels" in r for _, r in out.failed)
     assert out.cpu_decoded == 0 and out.indices.tolist() == [i for i in idx if i not in over]
-    ref = decode_batch(cache, out.indices, plans[out.indices], on_error="raise", stack=True)
+    ref = decode_batch(
+        cache, out.indices, plans[out.indices], DecodeOptions(on_error="raise"), stack=True
+    )
     assert_close(out.images, ref.images)
     with pytest.raises(SampleError, match="max_pixels"):
         decode(backend(cache, on_error="raise"), idx, plans)
@@ -290,14 +293,12 @@ def test_cuda_outputs_are_bound_to_the_consumer_stream(jpegs):
 
     idx = np.arange(8)
     plans = plans_for(jpegs, idx, TRANSFORMS["rrc_flip"])
-    ref = decode_batch(jpegs, idx, plans, on_error="skip", stack=True)
+    ref = decode_batch(jpegs, idx, plans, stack=True)
     with EmulatedCuda(devices=2):  # cuda:0 is current; the backend is on cuda:1
         be = CpuGraph(
             jpegs,
             device=torch.device("cuda", 1),
             batch_size=8,
-            on_error="skip",
-            seed=0,
             num_threads=2,
         )
         out = decode(be, idx, plans)
@@ -406,7 +407,7 @@ def test_orientation_matches_the_cpu_backend_on_every_header(oriented, name):
     plans = plans_for(oriented, idx, transform, seed=7)
     be = backend(oriented, batch_size=len(idx))
     out = decode(be, idx, plans, stack=False)
-    ref = decode_batch(oriented, idx, plans, on_error="raise", stack=False)
+    ref = decode_batch(oriented, idx, plans, DecodeOptions(on_error="raise"), stack=False)
     assert out.indices.tolist() == idx.tolist() and out.failed == [] and out.cpu_decoded == 0
     assert_close(out.images, ref.images)
     if transform is IDENTITY:  # the same libjpeg-turbo decode on both sides: no resize between
@@ -472,9 +473,31 @@ def test_gpu_graph_orients_as_the_cpu_backend(oriented):  # pragma: no cover - n
     plans = plans_for(oriented, idx, TRANSFORMS["rrc_flip"], seed=7)
     be = backend(oriented, device=torch.device("cuda", torch.cuda.current_device()))
     out = decode(be, idx, plans, stack=False)
-    ref = decode_batch(oriented, idx, plans, on_error="raise", stack=False)
+    ref = decode_batch(oriented, idx, plans, DecodeOptions(on_error="raise"), stack=False)
     assert out.indices.tolist() == idx.tolist() and out.failed == [] and out.cpu_decoded == 0
     for a, b in zip(out.images, ref.images):
         assert a.is_cuda and a.shape == b.shape
         assert (a.cpu().float() - b.float()).abs().mean().item() <= 3.0
     be.close()
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_padding_is_the_fill_on_dali_and_its_cpu_path(bad, stack):
+    """The graph's padding and the CPU path's (PNG, CMYK) are ``fill`` in the backend's own
+    output: nothing after it paints them."""
+    idx = np.array([i for i in range(len(bad)) if not bad.paths[i].endswith("corrupt_scan.jpg")])
+    s = bad.samples
+    side = int(max(s["height"].max(), s["width"].max())) + 16
+    plans = plans_for(bad, idx, T.Compose([T.CenterCrop(side)]))  # larger than every image
+    options = DecodeOptions(fill=9)
+    be = DaliBackend(bad, device=CPU, options=options, batch_size=len(idx), num_threads=2)
+    out = decode(be, idx, plans, stack=stack)
+    be.close()
+    ref = decode_batch(bad, idx, plans, options, stack=stack)
+    assert out.indices.tolist() == idx.tolist() and out.cpu_decoded == 2
+    assert_close(out.images, ref.images)
+    for im, p in zip(out.images, plans.tolist()):
+        rh, rw, t2, l2 = p[4], p[5], p[6], p[7]
+        inside = torch.zeros(im.shape[1:], dtype=torch.bool)
+        inside[max(0, -t2) : rh - t2, max(0, -l2) : rw - l2] = True
+        assert (~inside).any() and (im[:, ~inside] == 9).all()

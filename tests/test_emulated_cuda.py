@@ -19,6 +19,7 @@ from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.decode._core import decode_batch
 from gpucache.decode._device import normalize_device
+from gpucache.decode._options import DecodeOptions
 from gpucache.decode.gpu._batched import (
     applies_exif,
     default_decoder,
@@ -58,11 +59,15 @@ def test_nvjpeg_backend_on_indexed_and_unindexed_devices(cache, given, threaded)
     both normalise it to the current GPU; cuda:1 works while cuda:0 is current."""
     idx = np.arange(len(cache))
     plans = _plans(cache, idx)
-    ref = decode_batch(cache, idx, plans, on_error="raise", stack=True).images
+    ref = decode_batch(cache, idx, plans, DecodeOptions(on_error="raise"), stack=True).images
     with EmulatedCuda(devices=2):
         dev = torch.device(given)
         backend = NvjpegBackend(
-            cache, device=dev, on_error="raise", threaded=threaded, decoder=torchvision_decoder(dev)
+            cache,
+            options=DecodeOptions(on_error="raise"),
+            device=dev,
+            threaded=threaded,
+            decoder=torchvision_decoder(dev),
         )
         want = normalize_device(dev)
         assert backend.device == want and isinstance(backend._streams, CudaStreams)
@@ -78,7 +83,7 @@ def test_nvjpeg_backend_on_indexed_and_unindexed_devices(cache, given, threaded)
 def test_unindexed_device_follows_set_device(cache):
     with EmulatedCuda(devices=2):
         torch.cuda.set_device(1)
-        backend = NvjpegBackend(cache, device="cuda", on_error="raise")
+        backend = NvjpegBackend(cache, options=DecodeOptions(on_error="raise"), device="cuda")
         assert backend.device == torch.device("cuda", 1)
         backend.submit(np.arange(4), _plans(cache, np.arange(4)), stack=True)
         assert backend.get().images.device == torch.device("cuda", 1)
@@ -88,8 +93,8 @@ def test_unindexed_device_follows_set_device(cache):
         ):
             NvjpegBackend(
                 cache,
+                options=DecodeOptions(on_error="raise"),
                 device="cuda",
-                on_error="raise",
                 decoder=torchvision_decoder(torch.device("cuda", 0)),
             )
 
@@ -148,9 +153,13 @@ def test_exif_probe_runs_under_the_backends_allocation_stream(cache):
             return real.decode(data)
 
         decoder = make_decoder("spy", "cuda", spy)  # applies_exif unknown: measured
-        backend = NvjpegBackend(cache, device="cuda", on_error="raise", decoder=decoder)
+        backend = NvjpegBackend(
+            cache, options=DecodeOptions(on_error="raise"), device="cuda", decoder=decoder
+        )
         assert seen == [backend._streams.alloc] and backend.applies_exif is False
-        default = NvjpegBackend(cache, device="cuda", on_error="raise")  # TorchCodec's applies it
+        default = NvjpegBackend(
+            cache, options=DecodeOptions(on_error="raise"), device="cuda"
+        )  # TorchCodec's applies it
         assert default.applies_exif is (default.decoder.name == "torchcodec")
         default.close()
         backend.close()
@@ -161,10 +170,7 @@ def test_out_of_memory_is_raised_with_advice(cache):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     backend = NvjpegBackend(
-        cache,
-        device="cpu",
-        on_error="skip",
-        decoder=make_decoder("oom", "cpu", oom, applies_exif=False),
+        cache, device="cpu", decoder=make_decoder("oom", "cpu", oom, applies_exif=False)
     )
     idx = np.arange(8)
     backend.submit(idx, _plans(cache, idx), stack=True)

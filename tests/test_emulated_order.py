@@ -14,6 +14,7 @@ import torch
 from gpucache import JpegCache
 from gpucache import transforms as T
 from gpucache.decode._jpeg import quiet_torchvision_deprecation
+from gpucache.decode._options import DecodeOptions
 from gpucache.decode.gpu import _streams
 from gpucache.decode.gpu._batched import torchvision_decoder
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend
@@ -412,7 +413,11 @@ def _two_batches(cache, *, threaded: bool = True):
     )
     dev = torch.device("cuda", 0)
     backend = NvjpegBackend(
-        cache, device="cuda", on_error="raise", threaded=threaded, decoder=torchvision_decoder(dev)
+        cache,
+        options=DecodeOptions(on_error="raise"),
+        device="cuda",
+        threaded=threaded,
+        decoder=torchvision_decoder(dev),
     )
     try:
         backend.submit(idx, plans, stack=True)
@@ -436,8 +441,8 @@ def test_the_backend_makes_no_host_sync_on_the_consumer_thread(cache):
         )
         backend = NvjpegBackend(
             cache,
+            options=DecodeOptions(on_error="raise"),
             device="cuda",
-            on_error="raise",
             decoder=torchvision_decoder(torch.device("cuda", 0)),
         )
         backend.submit(idx, plans, stack=True)
@@ -468,10 +473,7 @@ def test_the_backend_reports_the_decoders_out_of_memory_as_such(cache):
     )
     with EmulatedCuda(devices=2, decoder_fault="oom"):
         backend = NvjpegBackend(
-            cache,
-            device="cuda",
-            on_error="skip",
-            decoder=torchvision_decoder(torch.device("cuda", 0)),
+            cache, device="cuda", decoder=torchvision_decoder(torch.device("cuda", 0))
         )
         backend.submit(idx, plans, stack=True)
         with pytest.raises(
@@ -594,8 +596,8 @@ def test_the_allocation_stream_is_synchronised_before_decoding_even_when_pooled(
             dev = torch.device("cuda", 0)
             backend = NvjpegBackend(
                 cache,
+                options=DecodeOptions(on_error="raise"),
                 device=dev,
-                on_error="raise",
                 threaded=False,
                 decoder=torchvision_decoder(dev),
             )
@@ -644,8 +646,8 @@ def test_two_decoding_threads_keep_order_each_under_its_own_allocation_stream(ca
             dev = torch.device("cuda", 0)
             backend = NvjpegBackend(
                 cache,
+                options=DecodeOptions(on_error="raise"),
                 device=dev,
-                on_error="raise",
                 decode_threads=threads,
                 decoder=torchvision_decoder(dev),
             )
@@ -660,7 +662,9 @@ def test_two_decoding_threads_keep_order_each_under_its_own_allocation_stream(ca
     names = {name for name, _ in two}
     assert len(names) == 2 and len({sid for _, sid in two}) == 2  # one stream a thread
     with pytest.raises(ValueError, match="decode_threads should be >= 1"):
-        NvjpegBackend(cache, device="cpu", on_error="raise", decode_threads=0)
+        NvjpegBackend(
+            cache, options=DecodeOptions(on_error="raise"), device="cpu", decode_threads=0
+        )
 
 
 def test_a_decoder_that_cannot_start_is_an_error_not_a_bad_sample(cache):
@@ -675,9 +679,7 @@ def test_a_decoder_that_cannot_start_is_an_error_not_a_bad_sample(cache):
     )
     with EmulatedCuda(devices=1, decoder_fault="init"):
         dev = torch.device("cuda", 0)
-        backend = NvjpegBackend(
-            cache, device=dev, on_error="skip", decoder=torchvision_decoder(dev)
-        )
+        backend = NvjpegBackend(cache, device=dev, decoder=torchvision_decoder(dev))
         backend.submit(idx, plans, True)
         with pytest.raises(
             RuntimeError, match="failed to start.*Failed to initialize nvjpeg.*backend='cpu'"
@@ -727,9 +729,7 @@ def test_cpu_path_images_cross_in_one_pinned_copy_without_a_host_sync(
         monkeypatch.setattr(_fallback, "to_device", lambda x, device: x.to(device))
     with EmulatedCuda(devices=1) as emu:
         dev = torch.device("cuda", 0)
-        backend = NvjpegBackend(
-            cache, device=dev, on_error="skip", decoder=torchvision_decoder(dev)
-        )
+        backend = NvjpegBackend(cache, device=dev, decoder=torchvision_decoder(dev))
         backend.submit(idx, plans, True)
         out = backend.get()
         assert out.cpu_decoded >= on_cpu and out.images.shape[0] == len(out.indices)

@@ -94,8 +94,8 @@ HUGE = """
     big = 2**31 - 5
     for box in [(big, 0, 10, 8), (0, big, 8, 10), (big, big, 8, 8), (-1, 0, 4, 4), (0, 0, 0, 4)]:
         for name, call in [
-            ("segments", lambda b: _roi_rst.decode_crop(data, k, b, orientation=1, height=120,
-                                                       width=160, region=_roi._c_region)),
+            ("segments", lambda b: _roi_rst.decode_crop(data, k, b, _roi.Oriented(120, 160),
+                                                       region=_roi._c_region)),
             ("region", lambda b: _roi._c_region(data, *b, height=120, width=160))]:
             try:
                 call(box)

@@ -15,8 +15,9 @@ from PIL import Image
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.decode._masks import apply_mask_plan, gather_masks
+from gpucache.decode._options import DecodeOptions
 from gpucache.ingest._masks import decode_mask
-from gpucache.testing import make_mask_png, natural_image
+from gpucache.testing import make_jpeg_bytes, make_mask_png, natural_image
 from gpucache.transforms._orientation import orient
 
 CPU = torch.device("cpu")
@@ -473,7 +474,6 @@ def test_dali_places_its_masks_without_a_host_sync(painted):
     loop's thread) with no host synchronisation. No GPU here: DALI runs its CPU graph, torch's
     side is the emulated GPU."""
     pytest.importorskip("nvidia.dali")
-    from gpucache.decode._core import MaskOptions
     from tests.support.dali_cpu_graph import CpuGraph
     from tests.support.emulated_cuda import EmulatedCuda
 
@@ -482,12 +482,12 @@ def test_dali_places_its_masks_without_a_host_sync(painted):
     with EmulatedCuda(devices=1) as emu:
         be = CpuGraph(
             painted,
+            options=DecodeOptions(
+                on_error="raise", seed=0, masks=True, mask_fill=200, mask_dtype="uint8"
+            ),
             device=torch.device("cuda", 0),
             batch_size=8,
-            on_error="raise",
-            seed=0,
             num_threads=2,
-            masks=MaskOptions(200, torch.uint8),
         )
         for idx in batches:
             be.submit(idx, plans[idx], stack=True)
@@ -502,3 +502,113 @@ def test_dali_places_its_masks_without_a_host_sync(painted):
                 for i in idx.tolist()
             ]
             assert torch.equal(out.masks.cpu(), torch.stack(want))
+
+
+#: the kinds of the mixed store's samples: the emulated GPU decodes the baseline JPEGs; the PNGs
+#: and the progressive JPEGs take the nvjpeg backend's CPU path
+KINDS = ["jpeg", "progressive", "png", "jpeg", "png", "progressive", "jpeg", "jpeg"]
+ON_CPU = [k for k, kind in enumerate(KINDS) if kind != "jpeg"]
+
+
+@pytest.fixture(scope="module")
+def mixed_kinds(tmp_path_factory) -> JpegCache:
+    """Baseline JPEGs, progressive JPEGs and PNGs, each with its mask, large enough that a
+    resize to 20 pixels decodes the JPEGs at a reduced DCT scale with ``exact=False``."""
+    root = tmp_path_factory.mktemp("mixed")
+    files, masks = [], []
+    for k, kind in enumerate(KINDS):
+        h, w = (192, 256) if k % 2 else (240, 176)
+        path = root / f"{k}.{'png' if kind == 'png' else 'jpg'}"
+        if kind == "png":
+            Image.fromarray(natural_image(w, h, seed=k)).save(path)
+        else:
+            path.write_bytes(make_jpeg_bytes(w, h, seed=k, progressive=kind == "progressive"))
+        files.append(path)
+        masks.append(make_mask_png(_shape(h, w, k), "L"))
+    return JpegCache.from_files(files, masks=masks, progress=False)
+
+
+def _padded(plan: np.ndarray) -> torch.Tensor:
+    """(h2, w2) bool: where ``plan``'s second crop leaves the resized image (its padding)."""
+    rh, rw, t2, l2, h2, w2 = (int(v) for v in plan[4:10])
+    inside = torch.zeros((h2, w2), dtype=torch.bool)
+    inside[max(0, -t2) : rh - t2, max(0, -l2) : rw - l2] = True
+    return ~inside
+
+
+@pytest.mark.parametrize(
+    "tf, pads",
+    [([T.Resize(20), T.CenterCrop(20)], False), ([T.CenterCrop(280)], True)],
+    ids=["shrink", "pad"],
+)
+def test_a_sample_on_the_cpu_path_keeps_fill_mask_and_exact_on_the_emulated_nvjpeg_backend(
+    mixed_kinds, tf, pads
+):
+    """The nvjpeg backend's CPU path (PNGs, progressive JPEGs) decodes with the loader's whole
+    options, as the cpu backend does: ``fill`` where a plan pads, ``exact=False``'s reduced DCT
+    scale, and its mask through its plan."""
+    from tests.support.emulated_cuda import EmulatedCuda
+
+    kw = dict(batch_size=8, seed=0, transform=tf, fill=9, mask_fill=77, exact=False)
+    with GpuCachedLoader(mixed_kinds, device="cpu", backend="cpu", num_workers=0, **kw) as cpu:
+        rx, rm = next(iter(cpu))
+    with EmulatedCuda(devices=1):
+        with GpuCachedLoader(mixed_kinds, device="cuda", backend="nvjpeg", **kw) as gpu:
+            x, m = next(iter(gpu))
+            x, m = x.cpu(), m.cpu()
+        assert gpu.stats.cpu_decoded == len(ON_CPU)
+    for k in ON_CPU:
+        assert torch.equal(x[k], rx[k]), (k, KINDS[k])
+    assert torch.equal(m, rm)
+    pad = (m == 77)[:, None].expand_as(x)
+    assert (x[pad] == 9).all() and (rx[pad] == 9).all()
+    assert bool(pad.any()) is pads
+
+
+def test_exact_false_changes_the_progressive_samples_the_cpu_path_takes(mixed_kinds):
+    """What the test above holds the CPU path to: with the compiled region decoder, a
+    progressive JPEG shrunk to 20 pixels decodes at a reduced DCT scale (other pixels)."""
+    from gpucache.decode import _roi
+    from gpucache.decode._core import decode_batch
+
+    if _roi.route() != "libjpeg-turbo":
+        pytest.skip("the reduced DCT scale needs the compiled region decoder")
+    idx = np.array([k for k in ON_CPU if KINDS[k] == "progressive"])
+    s = mixed_kinds.samples
+    plans = T.Compose([T.Resize(20), T.CenterCrop(20)]).plan(
+        s["height"][idx].astype(np.int64),
+        s["width"][idx].astype(np.int64),
+        np.random.default_rng(0),
+    )
+    exact = decode_batch(mixed_kinds, idx, plans, stack=True)
+    fast = decode_batch(mixed_kinds, idx, plans, DecodeOptions(exact=False), stack=True)
+    assert fast.routes["scaled"] == len(idx) and exact.routes["scaled"] == 0
+    assert not torch.equal(fast.images, exact.images)
+
+
+@pytest.mark.parametrize("stack", [True, False])
+def test_the_emulated_nvjpeg_backend_pads_with_fill_itself(mixed_kinds, stack):
+    """No loader: the backend's own output has ``fill`` wherever a plan pads, on the batched
+    path (the baseline JPEGs) and the CPU path (the rest) alike."""
+    from gpucache.decode._core import decode_batch
+    from gpucache.decode.gpu._nvjpeg import NvjpegBackend
+    from tests.support.emulated_cuda import EmulatedCuda
+
+    idx = np.arange(len(mixed_kinds))
+    s = mixed_kinds.samples
+    plans = T.Compose([T.CenterCrop(280)]).plan(
+        s["height"].astype(np.int64), s["width"].astype(np.int64), np.random.default_rng(0)
+    )
+    options = DecodeOptions(fill=9)
+    ref = decode_batch(mixed_kinds, idx, plans, options, stack=stack)
+    with EmulatedCuda(devices=1):
+        be = NvjpegBackend(mixed_kinds, device=torch.device("cuda", 0), options=options)
+        be.submit(idx, plans, stack)
+        out = be.get()
+        be.close()
+        images = [im.cpu() for im in out.images]
+    assert out.indices.tolist() == idx.tolist() and out.cpu_decoded == len(ON_CPU)
+    for k, (a, b) in enumerate(zip(images, ref.images, strict=True)):
+        pad = _padded(plans[k])
+        assert pad.any() and (a[:, pad] == 9).all() and (b[:, pad] == 9).all(), k
+        assert (a.int() - b.int()).abs().max() <= 4

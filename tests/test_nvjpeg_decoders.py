@@ -15,6 +15,7 @@ import torch
 
 from gpucache import JpegCache
 from gpucache import transforms as T
+from gpucache.decode._options import DecodeOptions
 from gpucache.decode.gpu import _nvjpeg, _streams
 from gpucache.decode.gpu._batched import sub_batches, torchcodec_decoder, torchvision_decoder
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend
@@ -63,7 +64,11 @@ def _one_batch(cache, idx, *, decoder: str, decoders: int | None, emu=None, time
     """One threaded batch on the emulated GPU, the rendezvous of two calls armed after the
     backend was made (its EXIF probe is a call of its own)."""
     backend = NvjpegBackend(
-        cache, device=DEV, on_error="raise", decoder=_decoder(decoder), decode_threads=decoders
+        cache,
+        options=DecodeOptions(on_error="raise"),
+        device=DEV,
+        decoder=_decoder(decoder),
+        decode_threads=decoders,
     )
     try:
         if emu is not None:
@@ -84,7 +89,11 @@ def test_torchcodec_decodes_a_batchs_sub_batches_at_once(cache):
     idx = np.arange(16)
     with EmulatedCuda(devices=1) as emu:
         ref = NvjpegBackend(
-            cache, device=DEV, on_error="raise", decoder=_decoder("torchcodec"), threaded=False
+            cache,
+            options=DecodeOptions(on_error="raise"),
+            device=DEV,
+            decoder=_decoder("torchcodec"),
+            threaded=False,
         )
         ref.submit(idx, _plans(cache, idx), True)
         want = ref.get().images.cpu()
@@ -139,11 +148,17 @@ def test_a_decode_stage_that_serialises_never_overlaps(
 def test_decoders_is_one_for_torchvision_and_two_for_torchcodec(cache):
     with EmulatedCuda(devices=1):
         for name, want in (("torchvision", 1), ("torchcodec", 2)):
-            backend = NvjpegBackend(cache, device=DEV, on_error="raise", decoder=_decoder(name))
+            backend = NvjpegBackend(
+                cache, options=DecodeOptions(on_error="raise"), device=DEV, decoder=_decoder(name)
+            )
             assert backend.decoders == want and ("decoders" in backend._pools) == (want > 1)
             backend.close()
         sync = NvjpegBackend(
-            cache, device=DEV, on_error="raise", decoder=_decoder("torchcodec"), threaded=False
+            cache,
+            options=DecodeOptions(on_error="raise"),
+            device=DEV,
+            decoder=_decoder("torchcodec"),
+            threaded=False,
         )
         assert sync.decoders == 1 and not sync._pools
         sync.close()
@@ -174,9 +189,7 @@ def test_a_status_5_retry_waits_for_the_failed_calls_work(cache, monkeypatch, de
     total = DECODER_BYTES + held + work // 2
     race = decoder == "torchcodec" and not fixed
     with EmulatedCuda(devices=1, total_memory=total, fail_mid_decode=True) as emu:
-        backend = NvjpegBackend(
-            cache, device=DEV, on_error="skip", decoder=_decoder(decoder), threaded=False
-        )
+        backend = NvjpegBackend(cache, device=DEV, decoder=_decoder(decoder), threaded=False)
         x = torch.empty(held, dtype=torch.uint8, device=DEV)
         del x  # cached by torch's allocator, not used
         calls = emu.decode_calls
@@ -206,7 +219,7 @@ def test_a_violation_of_the_unsynchronised_retry_fails_the_block(cache, monkeypa
             devices=1, total_memory=DECODER_BYTES + 8 * MiB + work // 2, fail_mid_decode=True
         ):
             backend = NvjpegBackend(
-                cache, device=DEV, on_error="skip", decoder=_decoder("torchcodec"), threaded=False
+                cache, device=DEV, decoder=_decoder("torchcodec"), threaded=False
             )
             x = torch.empty(8 * MiB, dtype=torch.uint8, device=DEV)
             del x
@@ -221,7 +234,11 @@ def _side_is_the_decoders_stream(cache) -> bool:
     streams, the decoder's is the pool's first again."""
     with EmulatedCuda(devices=1, stream_pool=2, decoder_stream_from_pool=True) as emu:
         backend = NvjpegBackend(
-            cache, device=DEV, on_error="raise", decoder=_decoder("torchvision"), threaded=False
+            cache,
+            options=DecodeOptions(on_error="raise"),
+            device=DEV,
+            decoder=_decoder("torchvision"),
+            threaded=False,
         )
         idx = np.arange(8)
         backend.submit(idx, _plans(cache, idx), True)

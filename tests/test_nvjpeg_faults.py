@@ -13,6 +13,7 @@ import torch
 from gpucache import JpegCache
 from gpucache import transforms as T
 from gpucache.decode._core import decode_batch
+from gpucache.decode._options import DecodeOptions
 from gpucache.decode.gpu._batched import make_decoder, torchvision_decoder
 from gpucache.decode.gpu._faults import allocator_failure
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend, default_cpu_threads
@@ -76,9 +77,7 @@ def test_status_5_empties_torchs_cache_once_and_the_batch_decodes(cache, caplog)
     total = DECODER_BYTES + held + _work(cache, idx) // 2
     with EmulatedCuda(devices=1, total_memory=total) as emu:
         dev = torch.device("cuda", 0)
-        backend = NvjpegBackend(
-            cache, device=dev, on_error="skip", decoder=torchvision_decoder(dev)
-        )
+        backend = NvjpegBackend(cache, device=dev, decoder=torchvision_decoder(dev))
         x = torch.empty(held, dtype=torch.uint8, device=dev)
         del x  # cached by torch's allocator, not used
         with caplog.at_level(logging.WARNING, logger="gpucache"):
@@ -89,7 +88,7 @@ def test_status_5_empties_torchs_cache_once_and_the_batch_decodes(cache, caplog)
         images = got.images.cpu()
         backend.close()
     assert not [r for r in caplog.records if "could not decode" in r.getMessage()]
-    ref = decode_batch(cache, idx, plans, on_error="raise", stack=True)
+    ref = decode_batch(cache, idx, plans, DecodeOptions(on_error="raise"), stack=True)
     assert (images.float() - ref.images.float()).abs().max() <= 1
 
 
@@ -106,9 +105,7 @@ def test_status_5_again_is_out_of_memory_not_bad_samples(cache, how):
     )
     with EmulatedCuda(devices=1, **kw) as emu:
         dev = torch.device("cuda", 0)
-        backend = NvjpegBackend(
-            cache, device=dev, on_error="skip", decoder=torchvision_decoder(dev)
-        )
+        backend = NvjpegBackend(cache, device=dev, decoder=torchvision_decoder(dev))
         x = torch.empty(held, dtype=torch.uint8, device=dev)  # in use: emptying frees nothing
         backend.submit(idx, plans, True)
         with pytest.raises(torch.OutOfMemoryError) as info:
@@ -129,7 +126,7 @@ def test_out_of_memory_in_the_exif_probe_is_said_so(cache, fault):
         dev = torch.device("cuda", 0)
         probed = make_decoder("custom", dev, torchvision_decoder(dev).decode)
         with pytest.raises(torch.OutOfMemoryError, match="EXIF orientation.*lower batch_size"):
-            NvjpegBackend(cache, device=dev, on_error="skip", decoder=probed)
+            NvjpegBackend(cache, device=dev, decoder=probed)
         assert emu.decode_calls == (2 if fault == "alloc" else 1)
 
 
@@ -137,7 +134,9 @@ def test_autocast_around_the_synchronous_path_leaves_the_pixels_alone(cache):
     """threaded=False runs the transforms on the caller's thread: a bfloat16 autocast region
     there must not reach the batched resize's matrix products."""
     idx, plans = _batch(cache, 8, T.Compose([T.RandomResizedCrop(40)]))
-    backend = NvjpegBackend(cache, device=CPU, on_error="raise", threaded=False)
+    backend = NvjpegBackend(
+        cache, options=DecodeOptions(on_error="raise"), device=CPU, threaded=False
+    )
     backend.submit(idx, plans, True)
     ref = backend.get().images
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -162,7 +161,7 @@ def test_the_cpu_stage_scales_with_the_ranks_cores(cache, monkeypatch, cores, ma
         monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
         monkeypatch.setenv("LOCAL_RANK", "0")
     assert default_cpu_threads() == want
-    backend = NvjpegBackend(cache, device=CPU, on_error="raise")
+    backend = NvjpegBackend(cache, options=DecodeOptions(on_error="raise"), device=CPU)
     assert backend.cpu_threads == want and backend._pools["cpu"]._max_workers == want
     backend.close()
 
@@ -178,8 +177,8 @@ def test_a_batchs_cpu_samples_split_among_threads_keep_their_order(jpeg_folder):
         s["width"][idx].astype(np.int64),
         np.random.default_rng(1),
     )
-    sync = NvjpegBackend(cache, device=CPU, on_error="skip", threaded=False)
-    threaded = NvjpegBackend(cache, device=CPU, on_error="skip", cpu_threads=3)
+    sync = NvjpegBackend(cache, device=CPU, threaded=False)
+    threaded = NvjpegBackend(cache, device=CPU, cpu_threads=3)
     assert (~threaded.gpu_mask).sum() >= 3  # the stage has something to split
     for be in (sync, threaded):
         be.submit(idx, plans, True)

@@ -10,6 +10,7 @@ import torch
 from gpucache import GpuCachedLoader, JpegCache, SampleError
 from gpucache import transforms as T
 from gpucache.decode._core import decode_batch
+from gpucache.decode._options import DecodeOptions
 from gpucache.decode.gpu._batched import default_decoder, make_decoder, torchvision_decoder
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend
 from gpucache.decode.gpu._streams import HostStreams
@@ -43,11 +44,10 @@ def _plans(cache, indices, seed=0):
 
 def test_matches_cpu_backend_and_keeps_order(jpeg_folder):
     cache = JpegCache.from_folder(jpeg_folder, progress=False)
-    backend = NvjpegBackend(cache, device=CPU, on_error="skip")
+    backend = NvjpegBackend(cache, device=CPU)
     batches = [np.arange(k, k + 6) for k in range(0, 18, 6)]
     refs = [
-        decode_batch(cache, idx, _plans(cache, idx, b), on_error="skip", stack=True)
-        for b, idx in enumerate(batches)
+        decode_batch(cache, idx, _plans(cache, idx, b), stack=True) for b, idx in enumerate(batches)
     ]
     for b, idx in enumerate(batches):  # three batches in flight before the first is taken
         backend.submit(idx, _plans(cache, idx, b), stack=True)
@@ -73,8 +73,8 @@ def test_fallback_join_for_png_cmyk_and_corrupt(bad_folder):
         cache.samples["width"].astype(np.int64),
         np.random.default_rng(0),
     )
-    ref = decode_batch(cache, idx, plans, on_error="skip", stack=True)
-    backend = NvjpegBackend(cache, device=CPU, on_error="skip")
+    ref = decode_batch(cache, idx, plans, stack=True)
+    backend = NvjpegBackend(cache, device=CPU)
     backend.submit(idx, plans, stack=True)
     out = backend.get()
     corrupt = [i for i, p in enumerate(cache.paths) if p.endswith("corrupt_scan.jpg")]
@@ -84,7 +84,7 @@ def test_fallback_join_for_png_cmyk_and_corrupt(bad_folder):
     non_gpu = (~cache.gpu_decodable()).sum()
     assert out.cpu_decoded == non_gpu + _progressive(cache, idx)
     _within_one_level(out.images, ref.images)
-    strict = NvjpegBackend(cache, device=CPU, on_error="raise")
+    strict = NvjpegBackend(cache, options=DecodeOptions(on_error="raise"), device=CPU)
     strict.submit(idx, plans, stack=False)  # decoded in the background thread
     with pytest.raises(SampleError, match="corrupt_scan.jpg"):
         strict.get()
@@ -99,7 +99,7 @@ def test_list_output_when_sizes_vary(jpeg_folder):
         cache.samples["width"][idx].astype(np.int64),
         np.random.default_rng(0),
     )
-    backend = NvjpegBackend(cache, device=CPU, on_error="skip")
+    backend = NvjpegBackend(cache, device=CPU)
     backend.submit(idx, plans, stack=False)
     out = backend.get()
     assert isinstance(out.images, list) and [min(im.shape[1:]) for im in out.images] == [40] * 5
@@ -156,9 +156,11 @@ def test_decoder_that_ignores_exif_still_orients_every_sample(rotated):
     assert not emulated.applies_exif  # measured by decoding a tagged probe, not assumed
     idx = np.arange(len(rotated))
     plans = _plans(rotated, idx)
-    ref = decode_batch(rotated, idx, plans, on_error="raise", stack=True)
+    ref = decode_batch(rotated, idx, plans, DecodeOptions(on_error="raise"), stack=True)
     for decoder in (emulated, default_decoder(CPU)):
-        backend = NvjpegBackend(rotated, device=CPU, on_error="raise", decoder=decoder)
+        backend = NvjpegBackend(
+            rotated, options=DecodeOptions(on_error="raise"), device=CPU, decoder=decoder
+        )
         backend.submit(idx, plans, stack=True)
         out = backend.get()
         backend.close()
@@ -188,7 +190,10 @@ def test_cpu_retry_result_reaches_hand_over_on_the_device(jpeg_folder):
     gray = [cache[i].tobytes() for i in np.flatnonzero(cache.samples["components"] == 1)]
     assert gray  # rejected by the decoder, rescued on the CPU
     backend = NvjpegBackend(
-        cache, device=meta, on_error="raise", decoder=_emulated_gpu_decoder(meta, gray)
+        cache,
+        options=DecodeOptions(on_error="raise"),
+        device=meta,
+        decoder=_emulated_gpu_decoder(meta, gray),
     )
     idx = np.arange(len(cache))
     backend.submit(idx, _plans(cache, idx), stack=True)
@@ -220,7 +225,7 @@ def test_pixel_budget_refuses_before_any_decoder(jpeg_folder):
         "spy", CPU, lambda data: seen.extend(len(d) for d in data) or real.decode(data)
     )
     idx = np.arange(len(cache))
-    backend = NvjpegBackend(cache, device=CPU, on_error="skip", decoder=spy)
+    backend = NvjpegBackend(cache, device=CPU, decoder=spy)
     backend.submit(idx, _plans(cache, idx), stack=True)
     out = backend.get()
     assert {i for i, _ in out.failed} == over
@@ -232,7 +237,7 @@ def test_pixel_budget_refuses_before_any_decoder(jpeg_folder):
         len(cache[i]) for i in idx.tolist() if i not in over and not cpu_path[i]
     )
     assert out.cpu_decoded == int((cpu_path & (pixels <= cache.max_pixels)).sum())
-    strict = NvjpegBackend(cache, device=CPU, on_error="raise", decoder=spy)
+    strict = NvjpegBackend(cache, options=DecodeOptions(on_error="raise"), device=CPU, decoder=spy)
     strict.submit(idx, _plans(cache, idx), stack=True)
     with pytest.raises(SampleError, match="max_pixels"):
         strict.get()
@@ -258,7 +263,6 @@ def test_out_of_memory_inside_the_batched_decode_is_never_a_bad_sample(jpeg_fold
         backend = NvjpegBackend(
             cache,
             device=CPU,
-            on_error="skip",
             threaded=threaded,
             decoder=make_decoder("oom", CPU, oom, applies_exif=False),
         )

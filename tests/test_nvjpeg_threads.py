@@ -11,6 +11,7 @@ import torch
 
 from gpucache import GpuCachedLoader, JpegCache, SampleError
 from gpucache import transforms as T
+from gpucache.decode._options import DecodeOptions
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend
 
 CPU = torch.device("cpu")
@@ -51,8 +52,8 @@ def test_threaded_path_returns_the_same_batches_in_order(cache, stack):
         )
         for k, b in enumerate(batches)
     ]
-    sync = NvjpegBackend(cache, device=CPU, on_error="raise", threaded=False)
-    threaded = NvjpegBackend(cache, device=CPU, on_error="raise")
+    sync = NvjpegBackend(cache, options=DecodeOptions(on_error="raise"), device=CPU, threaded=False)
+    threaded = NvjpegBackend(cache, options=DecodeOptions(on_error="raise"), device=CPU)
     ref, got = _run(sync, batches, plans, stack), _run(threaded, batches, plans, stack)
     assert threaded.thread_alive and not sync.thread_alive
     for r, g, b in zip(ref, got, batches):
@@ -77,7 +78,7 @@ def test_error_propagates_and_stops_the_thread(bad_folder):
         bad.samples["width"].astype(np.int64),
         np.random.default_rng(0),
     )
-    backend = NvjpegBackend(bad, device=CPU, on_error="raise")
+    backend = NvjpegBackend(bad, options=DecodeOptions(on_error="raise"), device=CPU)
     good = np.array([i for i in idx if i != corrupt])
     backend.submit(good, plans[good], True)
     backend.submit(idx, plans, True)  # fails in the thread
@@ -95,7 +96,7 @@ def test_drain_and_garbage_collection_stop_work(cache):
         cache.samples["width"][idx].astype(np.int64),
         np.random.default_rng(0),
     )
-    backend = NvjpegBackend(cache, device=CPU, on_error="raise")
+    backend = NvjpegBackend(cache, options=DecodeOptions(on_error="raise"), device=CPU)
     for _ in range(4):
         backend.submit(idx, plans, True)
     backend.drain()
@@ -118,7 +119,7 @@ def test_loader_break_and_close_leave_no_thread(cache, monkeypatch):
     monkeypatch.setattr(
         _loader,
         "_make_backend",
-        lambda ld: NvjpegBackend(ld.cache, device=CPU, on_error=ld.on_error),
+        lambda ld: NvjpegBackend(ld.cache, options=DecodeOptions(on_error=ld.on_error), device=CPU),
     )
     before = set(_threads())  # an earlier test's thread may still be ending: count only ours
     loader = GpuCachedLoader(

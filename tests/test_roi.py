@@ -18,6 +18,7 @@ from PIL import Image
 from gpucache import JpegCache
 from gpucache.decode import _roi, _roi_rst
 from gpucache.decode._core import apply_plan, decode_batch, decode_jpeg, decode_sample
+from gpucache.decode._options import DecodeOptions
 from gpucache.ingest._restart import restart_store
 from gpucache.testing import natural_image
 
@@ -116,7 +117,9 @@ def _plans(h: int, w: int, rng: np.random.Generator, n: int) -> np.ndarray:
 
 def _check_exact(cache, i: int, plans: np.ndarray) -> int:
     full = decode_sample(cache, i)
-    got = decode_batch(cache, np.full(len(plans), i), plans, on_error="raise", stack=False)
+    got = decode_batch(
+        cache, np.full(len(plans), i), plans, DecodeOptions(on_error="raise"), stack=False
+    )
     for plan, img in zip(plans, got.images):
         ref = apply_plan(full, plan)
         assert img.shape == ref.shape and torch.equal(img, ref), (cache.paths[i], plan.tolist())
@@ -149,7 +152,7 @@ def test_uncropped_and_non_jpeg_samples_are_decoded_in_full(cache, tmp_path):
         [[2, 3, 20, 20, 20, 20, 0, 0, 20, 20, 0], [0, 0, h, w, 20, 20, 0, 0, 20, 20, 1]],
         dtype=np.int64,
     )
-    got = decode_batch(store, np.arange(2), plans, on_error="raise", stack=True)
+    got = decode_batch(store, np.arange(2), plans, DecodeOptions(on_error="raise"), stack=True)
     assert got.roi_decoded == 0 and got.images.shape == (2, 3, 20, 20)
     for k in range(2):
         assert torch.equal(got.images[k], apply_plan(decode_sample(store, k), plans[k]))
@@ -176,13 +179,14 @@ FALLBACK = textwrap.dedent("""
     from gpucache import _native
     from gpucache.decode import _roi
     from gpucache.decode._core import decode_batch
+    from gpucache.decode._options import DecodeOptions
     _native._state["lib"] = None  # the compiled part was not built (no compiler at install)
     assert _roi.route() is None
     cache = JpegCache.open(sys.argv[1])
     plans = np.load(sys.argv[2])
     for _ in range(2):  # the notice is logged once, not per batch
-        d = decode_batch(cache, np.zeros(len(plans), dtype=np.int64), plans, on_error="raise",
-                         stack=True)
+        idx = np.zeros(len(plans), dtype=np.int64)
+        d = decode_batch(cache, idx, plans, DecodeOptions(on_error="raise"), stack=True)
     assert d.roi_decoded == 0 and d.cpu_decoded == len(plans)
     np.save(sys.argv[3], d.images.numpy())
 """)
@@ -211,7 +215,11 @@ def test_fallback_without_nvimgcodec_gives_the_same_output(cache, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("decoded at full size before cropping") == 1, r.stderr
     here = decode_batch(
-        cache, np.ones(len(plans), dtype=np.int64), plans, on_error="raise", stack=True
+        cache,
+        np.ones(len(plans), dtype=np.int64),
+        plans,
+        DecodeOptions(on_error="raise"),
+        stack=True,
     )
     assert np.array_equal(np.load(tmp_path / "out.npy"), here.images.numpy())
 
@@ -223,12 +231,18 @@ def test_threads_decode_at_once(cache, use_c):
     i = list(CASES).index("420")
     h, w = int(cache.samples["height"][i]), int(cache.samples["width"][i])
     plans = _plans(h, w, np.random.default_rng(3), 30)
-    ref = decode_batch(cache, np.full(len(plans), i), plans, on_error="raise", stack=False)
+    ref = decode_batch(
+        cache, np.full(len(plans), i), plans, DecodeOptions(on_error="raise"), stack=False
+    )
     with ThreadPoolExecutor(4) as pool:
         outs = list(
             pool.map(
                 lambda _: decode_batch(
-                    cache, np.full(len(plans), i), plans, on_error="raise", stack=False
+                    cache,
+                    np.full(len(plans), i),
+                    plans,
+                    DecodeOptions(on_error="raise"),
+                    stack=False,
                 ),
                 range(8),
             )
@@ -267,9 +281,7 @@ def test_restart_segments_decode_bit_exact(cache, name, use_c):
             restart,
             k,
             (t, l, bh, bw),
-            orientation=CASES[name].get("orientation", 1),
-            height=h,
-            width=w,
+            _roi.Oriented(h, w, CASES[name].get("orientation", 1)),
             region=region,
         )
         assert torch.equal(got, full[:, t : t + bh, l : l + bw]), plan.tolist()
@@ -296,9 +308,9 @@ def test_restart_marker_store_gives_the_plain_stores_output(cache, tmp_path):
     plans = T.Compose([T.RandomResizedCrop(48), T.RandomHorizontalFlip()]).plan(
         h.astype(np.int64), w.astype(np.int64), rng
     )
-    want = decode_batch(plain, idx, plans, on_error="raise", stack=True)
+    want = decode_batch(plain, idx, plans, DecodeOptions(on_error="raise"), stack=True)
     for store in (rst, reopened):
-        got = decode_batch(store, idx, plans, on_error="raise", stack=True)
+        got = decode_batch(store, idx, plans, DecodeOptions(on_error="raise"), stack=True)
         assert torch.equal(got.images, want.images)
         assert got.roi_decoded >= len(idx) - 3  # all but the PNG and uncropped fallbacks
 
@@ -312,6 +324,7 @@ NO_TRANSCODER = textwrap.dedent("""
     from gpucache import _native
     from gpucache.decode import _roi, _roi_rst
     from gpucache.decode._core import decode_batch
+    from gpucache.decode._options import DecodeOptions
     _native._state["lib"] = None  # the compiled part was not built
     plain = JpegCache.open(sys.argv[1])
     try:
@@ -322,7 +335,7 @@ NO_TRANSCODER = textwrap.dedent("""
     rst = JpegCache.open(sys.argv[2])  # a restart-marker store still decodes (in full)
     plans = np.load(sys.argv[3])
     idx = np.arange(len(plans)) % len(rst)
-    d = decode_batch(rst, idx, plans, on_error="raise", stack=True)
+    d = decode_batch(rst, idx, plans, DecodeOptions(on_error="raise"), stack=True)
     assert d.roi_decoded == 0
     np.save(sys.argv[4], d.images.numpy())
 """)
@@ -353,5 +366,7 @@ def test_restart_markers_without_the_optional_parts(cache, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     idx = np.arange(len(plans)) % len(plain)
-    want = decode_batch(plain, idx, plans, on_error="raise", stack=True).images.numpy()
+    want = decode_batch(
+        plain, idx, plans, DecodeOptions(on_error="raise"), stack=True
+    ).images.numpy()
     assert np.array_equal(np.load(tmp_path / "out.npy"), want)

@@ -79,9 +79,7 @@ def test_restart_marker_crops_in_a_narrow_last_segment_column(route, width):
     for bw in range(1, width - 95):
         for top, bh in ((0, 40), (17, 3)):
             box = (top, width - bw, bh, bw)
-            got = _roi_rst.decode_crop(
-                arr, k, box, orientation=1, height=40, width=width, region=region
-            )
+            got = _roi_rst.decode_crop(arr, k, box, _roi.Oriented(40, width), region=region)
             assert torch.equal(got, full[:, top : top + bh, width - bw :]), box
 
 

@@ -18,6 +18,7 @@ from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.decode import _roi, _roi_rst
 from gpucache.decode._core import apply_plan, decode_batch, decode_sample
+from gpucache.decode._options import DecodeOptions
 from gpucache.decode._scaled import fast_plan, reduced_scale
 from gpucache.testing import natural_image
 
@@ -66,9 +67,7 @@ def test_scaled_crops_equal_the_crop_of_the_scaled_image(kw):
                 arr,
                 k,
                 (t * d, l * d, bh * d, bw * d),
-                orientation=1,
-                height=203,
-                width=301,
+                _roi.Oriented(203, 301),
                 region=_roi._c_region,
                 denom=d,
             )
@@ -111,8 +110,10 @@ def test_scaled_decode_is_within_the_stated_tolerance(big, transform, aligned):
     if aligned:
         for p, d in zip(plans, scales):
             p[:4] -= p[:4] % d
-    exact = decode_batch(big, idx, plans, on_error="raise", stack=True).images
-    fast = decode_batch(big, idx, plans, on_error="raise", stack=True, exact=False).images
+    exact = decode_batch(big, idx, plans, DecodeOptions(on_error="raise"), stack=True).images
+    fast = decode_batch(
+        big, idx, plans, DecodeOptions(on_error="raise", exact=False), stack=True
+    ).images
     diff = (fast.int() - exact.int()).abs().float().mean(dim=(1, 2, 3))
     assert diff.max() <= (1.5 if aligned else 3), diff.tolist()
     assert (diff[torch.tensor(scales) > 1] > 0).all()  # and they were decoded scaled
@@ -126,8 +127,16 @@ def test_sampling_it_cannot_scale_exactly_takes_the_exact_path():
     store = JpegCache.from_files([ODD], progress=False)
     plans = np.asarray([[0, 0, 96, 160, 10, 15, 0, 0, 10, 15, 0]], dtype=np.int64)
     assert reduced_scale(96, 160, 10, 15) == 4
-    a = decode_batch(store, np.zeros(1, np.int64), plans, on_error="raise", stack=True)
-    b = decode_batch(store, np.zeros(1, np.int64), plans, on_error="raise", stack=True, exact=False)
+    a = decode_batch(
+        store, np.zeros(1, np.int64), plans, DecodeOptions(on_error="raise"), stack=True
+    )
+    b = decode_batch(
+        store,
+        np.zeros(1, np.int64),
+        plans,
+        DecodeOptions(on_error="raise", exact=False),
+        stack=True,
+    )
     assert torch.equal(a.images, b.images)
 
 
@@ -174,8 +183,10 @@ def test_scaled_decode_follows_exif_orientation(tmp_path, transform):
         store.samples["width"][idx].astype(np.int64),
     )
     plans = transform.plan(*hw, np.random.default_rng(2))
-    exact = decode_batch(store, idx, plans, on_error="raise", stack=True).images
-    fast = decode_batch(store, idx, plans, on_error="raise", stack=True, exact=False).images
+    exact = decode_batch(store, idx, plans, DecodeOptions(on_error="raise"), stack=True).images
+    fast = decode_batch(
+        store, idx, plans, DecodeOptions(on_error="raise", exact=False), stack=True
+    ).images
     diff = (fast.int() - exact.int()).abs().float().mean(dim=(1, 2, 3))
     scaled = torch.tensor(
         [
@@ -282,11 +293,12 @@ def test_eval_decodes_only_the_centre_crop_without_exact(tmp_path):
     ]
     assert all(d == 1 for _, d in cut)
     fused = np.asarray([p for p, _ in cut], dtype=np.int64)
-    exact = decode_batch(store, idx, plans, on_error="raise", stack=True)
-    fast = decode_batch(store, idx, plans, on_error="raise", stack=True, exact=False)
+    exact = decode_batch(store, idx, plans, DecodeOptions(on_error="raise"), stack=True)
+    fast = decode_batch(store, idx, plans, DecodeOptions(on_error="raise", exact=False), stack=True)
     assert fast.roi_decoded == 3 and exact.roi_decoded == 0  # only the crop's box was decoded
     assert torch.equal(
-        fast.images, decode_batch(store, idx, fused, on_error="raise", stack=True).images
+        fast.images,
+        decode_batch(store, idx, fused, DecodeOptions(on_error="raise"), stack=True).images,
     )
     diff = (fast.images.int() - exact.images.int()).abs().float().mean(dim=(1, 2, 3))
     assert (diff > 0).all() and diff.max() <= 1.5, diff.tolist()

@@ -12,6 +12,7 @@ from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.cli import main
 from gpucache.decode import _roi, _roi_rst
+from gpucache.decode._options import DecodeOptions
 from gpucache.testing import make_jpeg_bytes
 
 needs_c = pytest.mark.skipif(
@@ -114,8 +115,8 @@ def test_the_gpu_backends_cpu_fallback_decodes_and_warns_too(plain, tmp_path):
         h.astype(np.int64), w.astype(np.int64), np.random.default_rng(0)
     )
     with pytest.warns(RuntimeWarning) as caught:
-        got = decode_on_cpu(bad, idx, plans, range(3), on_error="raise")
-    want = decode_on_cpu(plain, idx, plans, range(3), on_error="raise")
+        got = decode_on_cpu(bad, idx, plans, range(3), DecodeOptions(on_error="raise"))
+    want = decode_on_cpu(plain, idx, plans, range(3), DecodeOptions(on_error="raise"))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     said = [str(w.message) for w in caught if "restart interval of 1 MCUs" in str(w.message)]
     assert [f"sample {i} (" in m for i, m in enumerate(said)] == [True] * 3

@@ -16,6 +16,7 @@ from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.decode import _roi
 from gpucache.decode._core import decode_batch
+from gpucache.decode._options import DecodeOptions
 from gpucache.decode._scaled import fast_plan
 from gpucache.testing import make_jpeg_bytes
 
@@ -126,8 +127,10 @@ def test_photo_size_images_are_within_the_stated_tolerance(photos, name, transfo
     hs = photos.samples["height"][idx].astype(np.int64)
     ws = photos.samples["width"][idx].astype(np.int64)
     plans = transform.plan(hs, ws, np.random.default_rng(5))
-    exact = decode_batch(photos, idx, plans, on_error="raise", stack=True).images
-    fast = decode_batch(photos, idx, plans, on_error="raise", stack=True, exact=False).images
+    exact = decode_batch(photos, idx, plans, DecodeOptions(on_error="raise"), stack=True).images
+    fast = decode_batch(
+        photos, idx, plans, DecodeOptions(on_error="raise", exact=False), stack=True
+    ).images
     diff = _diffs(fast, exact)
     assert diff.max() <= bound, [(PHOTOS[i], round(x, 2)) for i, x in zip(idx, diff.tolist())]
     scales = [

@@ -19,6 +19,7 @@ from PIL import Image
 from gpucache import CacheFormatError, GpuCachedLoader, JpegCache, SampleError, with_targets
 from gpucache.cli import main
 from gpucache.decode._core import decode_batch, decode_sample
+from gpucache.decode._options import DecodeOptions
 from gpucache.store import _format, _save
 from gpucache.testing import make_jpeg_bytes
 
@@ -249,7 +250,7 @@ def test_a_sample_record_smaller_than_its_image_is_a_clear_error_at_decode(cache
     half = _half_record(cache)
     path = _craft(tmp_path, cache, samples=half)
     opened = JpegCache.open(path)
-    d = decode_batch(opened, np.arange(N), _whole(half), on_error="skip", stack=False)
+    d = decode_batch(opened, np.arange(N), _whole(half), stack=False)
     assert len(d.indices) == 0 and [i for i, _ in d.failed] == list(range(N))
     h, w = int(cache.samples["height"][0]), int(cache.samples["width"][0])
     assert (
@@ -262,9 +263,11 @@ def test_a_sample_record_smaller_than_its_image_is_a_clear_error_at_decode(cache
     crop = _whole(half)
     crop[:, 2:4] //= 2  # a crop inside the recorded size: decoded from the real image before
     crop[:, 4:6] = crop[:, 8:10] = crop[:, 2:4]
-    assert len(decode_batch(opened, np.arange(N), crop, on_error="skip", stack=False).failed) == N
+    assert len(decode_batch(opened, np.arange(N), crop, stack=False).failed) == N
     with pytest.raises(SampleError, match="sample 1 .*record of sample 1 says"):
-        decode_batch(opened, np.array([1]), _whole(half)[1:2], on_error="raise", stack=False)
+        decode_batch(
+            opened, np.array([1]), _whole(half)[1:2], DecodeOptions(on_error="raise"), stack=False
+        )
     with pytest.raises(CacheFormatError, match="record of sample 3"):
         decode_sample(opened, 3)
     loader = GpuCachedLoader(opened, batch_size=N, num_workers=0, device="cpu")

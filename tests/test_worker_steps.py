@@ -16,6 +16,7 @@ from torchvision.transforms import v2
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.decode import _core
+from gpucache.decode._options import DecodeOptions
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 #: the largest difference allowed between one pass and two: the one pass multiplies, then adds,
@@ -111,10 +112,14 @@ def test_one_pass_is_within_the_tolerance_of_two_passes(photos):
         s["width"][idx].astype(np.int64),
         np.random.default_rng(0),
     )
-    one = _core.decode_batch(photos, idx, plans, on_error="raise", stack=True, steps=(norm,))
+    one = _core.decode_batch(
+        photos, idx, plans, DecodeOptions(on_error="raise", steps=(norm,)), stack=True
+    )
     with mock.patch.object(_core, "fused_steps", lambda steps: 0):
-        two = _core.decode_batch(photos, idx, plans, on_error="raise", stack=True, steps=(norm,))
-    plain = _core.decode_batch(photos, idx, plans, on_error="raise", stack=True)
+        two = _core.decode_batch(
+            photos, idx, plans, DecodeOptions(on_error="raise", steps=(norm,)), stack=True
+        )
+    plain = _core.decode_batch(photos, idx, plans, DecodeOptions(on_error="raise"), stack=True)
     assert isinstance(one.images, torch.Tensor) and one.images.dtype == torch.float32
     assert one.images.shape == (len(photos), 3, 224, 224)
     assert float((one.images - two.images).abs().max()) <= ONE_PASS_TOLERANCE
@@ -128,9 +133,8 @@ def test_an_empty_batch_keeps_the_steps_dtype(photos):
         photos,
         np.zeros(0, dtype=np.int64),
         np.zeros((0, 11), dtype=np.int64),
-        on_error="raise",
+        DecodeOptions(on_error="raise", steps=(norm,)),
         stack=True,
-        steps=(norm,),
     )
     assert isinstance(out.images, torch.Tensor) and out.images.dtype == torch.float32
     assert out.images.shape[0] == 0 and out.rng_state is not None

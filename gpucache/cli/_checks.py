@@ -102,13 +102,12 @@ def _decode_noting(cache, i: int, k: int):
         ):
             check_pixels(cache, i)
             _roi.take_warning()
-            kw = dict(orientation=int(rec["orientation"]), height=height, width=width)
+            image = _roi.Oriented(height, width, int(rec["orientation"]))
+            whole = (0, 0, height, width)
             if k:
-                img = _roi_rst.decode_crop(
-                    cache[i], k, (0, 0, height, width), region=_roi._c_region, **kw
-                )
+                img = _roi_rst.decode_crop(cache[i], k, whole, image, region=_roi._c_region)
             else:
-                img = _roi.decode_crop(cache[i], (0, 0, height, width), region=_roi._c_region, **kw)
+                img = _roi.decode_crop(cache[i], whole, image, region=_roi._c_region)
             return img, _roi.take_warning()
         if k:
             _roi_rst.check_interval(cache[i], k)

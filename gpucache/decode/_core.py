@@ -26,7 +26,7 @@ from .._errors import SampleError
 from ..base._plan import AFTER_BOX1, BOX1, Col
 from ..ingest._pixels import eight_bit
 from ..ingest._sniff import JPEG_KINDS, Kind
-from ..store._decoded import IN_TIER, DecodedPixels
+from ..store._decoded import IN_TIER
 from ..store._limits import check_pixels
 from ..store._oom import raise_if_out_of_memory
 from ..transforms import apply_steps, batch_generator, elementwise_into, elementwise_prefix
@@ -37,7 +37,7 @@ from ._jpeg import (  # noqa: F401 - the full JPEG decode, shared with the regio
     jpeg_decoder_name,
     quiet_torchvision_deprecation,
 )
-from ._options import DecodeOptions
+from ._options import DEFAULTS, DecodeOptions
 from ._scaled import fast_plan
 
 _ROI_KINDS = (Kind.JPEG, Kind.JPEG_PROGRESSIVE)  # not arithmetic-coded
@@ -67,27 +67,19 @@ def _decode_full(cache, i: int, kind: int) -> torch.Tensor:
     return decode_pil(cache[i])
 
 
-def apply_plan(img: torch.Tensor, plan) -> torch.Tensor:
-    """Run one sample's plan (see :mod:`gpucache.transforms`) on a decoded CHW uint8 image.
+def apply_plan(img: torch.Tensor, plan: Sequence[int], fill: int = 0) -> torch.Tensor:
+    """Run one sample's plan (see :mod:`gpucache.transforms`) on a decoded CHW uint8 image,
+    ``fill`` where it pads.
 
     Device-agnostic: the GPU backends run this same function on CUDA tensors."""
-    t1, l1, h1, w1, rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan)
-    return finish_plan(img[:, t1 : t1 + h1, l1 : l1 + w1], rh, rw, t2, l2, h2, w2, flip)
+    t1, l1, h1, w1 = (int(v) for v in plan[BOX1])
+    return finish_plan(img[:, t1 : t1 + h1, l1 : l1 + w1], plan, fill)
 
 
-def finish_plan(
-    x: torch.Tensor,
-    rh: int,
-    rw: int,
-    t2: int,
-    l2: int,
-    h2: int,
-    w2: int,
-    flip: int,
-    fill: int = 0,
-) -> torch.Tensor:
-    """The plan after its first crop: resize ``x`` to (rh, rw), crop (padded with ``fill``
-    where the crop leaves the image), flip."""
+def finish_plan(x: torch.Tensor, plan: Sequence[int], fill: int = 0) -> torch.Tensor:
+    """The rest of ``plan`` (a plan row) after its first crop, ``x``: resize to (rh, rw), crop
+    (padded with ``fill`` where the crop leaves the image), flip."""
+    rh, rw, t2, l2, h2, w2, flip = (int(v) for v in plan[AFTER_BOX1])
     h1, w1 = x.shape[-2:]
     if (rh, rw) != (h1, w1):
         if x.device.type == "cpu":  # uint8 in, uint8 out: torch's vectorized CPU kernel
@@ -227,22 +219,24 @@ def _decode_box(
         and l1 + w1 <= width
     ):
         denom = denom if region is _roi._c_region else 1
-        kw = dict(orientation=s.orientation, height=height, width=width, region=region)
+        image = _roi.Oriented(height, width, s.orientation)
         whole = (h1, w1) == (height, width)
         if whole and denom == 1:  # no crop: whole, but through the compiled decoder,
             if region is not _roi._c_region:  # which reports libjpeg's warnings per sample
                 return _decode_full(cache, i, s.kind), False, 1
-            return _roi.decode_crop(cache[i], (0, 0, height, width), **kw), False, 1
+            return _roi.decode_crop(cache[i], (0, 0, height, width), image, region=region), False, 1
         try:
             x = None
             if s.restart:
                 try:
-                    x = _roi_rst.decode_crop(cache[i], s.restart, box, denom=denom, **kw)
+                    x = _roi_rst.decode_crop(
+                        cache[i], s.restart, box, image, region=region, denom=denom
+                    )
                 except _roi_rst.IntervalMismatch as err:  # decoded as a plain store would
                     why = _roi_rst.mismatch_reason(s.restart, err)
                     mismatched.append((i, f"sample {i} ({cache.paths[i]}): {why}"))
             if x is None:
-                x = _roi.decode_crop(cache[i], box, denom=denom, **kw)
+                x = _roi.decode_crop(cache[i], box, image, region=region, denom=denom)
         except _roi.ScaleRefused:  # sampling factors it does not scale: the exact path
             if mismatched and mismatched[-1][0] == i:
                 s = s._replace(restart=0)
@@ -256,27 +250,25 @@ def decode_batch(
     cache,
     indices: np.ndarray,
     plans: np.ndarray,
+    options: DecodeOptions = DEFAULTS,
     *,
-    on_error: str,
     stack: bool,
-    exact: bool = True,
-    steps: Sequence[Any] = (),
     key: Sequence[int] = (),
     alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
-    masks: MaskOptions | None = None,
-    fill: int = 0,
-    pixels: DecodedPixels | None = None,
 ) -> Decoded:
-    """Decode and transform ``indices`` on the CPU; failed samples are left out (or raise).
+    """Decode and transform ``indices`` on the CPU as ``options`` say (the loader's
+    :class:`DecodeOptions`, whole: the cpu backend's workers, its inline decode and the GPU
+    backends' CPU fallback all decode through here); failed samples are left out, or raise
+    (``options.on_error``).
 
     A JPEG whose plan crops is decoded only inside the crop box when ROI decode is available
     (:mod:`._roi`; same output, less work), from its restart segments in a restart-marker store
-    (:mod:`._roi_rst`); anything else is decoded in full, then cropped. ``exact=False`` lets a
+    (:mod:`._roi_rst`); anything else is decoded in full, then cropped. ``options.exact=False`` lets a
     JPEG whose plan shrinks its box enough decode at 1/2, 1/4 or 1/8 scale (DCT scaling), and
     cuts a crop that follows a resize before it (:func:`._scaled.fast_plan`); neither is
     bit-exact: within the tolerance docs/guides/backends.md states.
 
-    ``steps`` are batch steps that act on each sample alone (:func:`gpucache.transforms.
+    ``options.steps`` are batch steps that act on each sample alone (:func:`gpucache.transforms.
     per_sample_prefix`), run here on the batch as the loop's process would, drawing from the
     generator of the batch's ``key`` (:func:`gpucache.transforms.batch_generator`); the
     generator's state after them comes back in ``Decoded.rng_state``, for the steps that follow.
@@ -287,17 +279,19 @@ def decode_batch(
     ``alloc(shape, dtype)`` makes the stacked batch's tensor (``torch.empty`` by default; a cpu
     worker's puts it in a memory file it can send whole, :mod:`._shared`).
 
-    ``fill`` is the image value where a plan pads. ``masks`` (fill, dtype): each sample's mask is decoded beside its image and sent through
-    the sample's plan as drawn (:mod:`._masks`; nearest neighbour, ``fill`` where it pads); a
-    mask that fails fails its sample.
+    ``options.fill`` is the image value where a plan pads. With ``options.masks`` each sample's
+    mask is decoded beside its image and sent through the sample's plan as drawn (:mod:`._masks`;
+    nearest neighbour, ``options.mask_fill`` where it pads); a mask that fails fails its sample.
 
-    ``pixels``: the loader's decoded tier (:mod:`gpucache.store._decoded`): a sample held there
+    ``options.pixels``: the loader's decoded tier (:mod:`gpucache.store._decoded`): a sample held there
     is not decoded but cut from its pixels (its plan drawn for the tier's size; the time counts
     as ``read``); one the tier marks as decoded from the store is decoded here as without it.
 
     The result carries the seconds each stage took (``Decoded.times``): ``read`` touches one byte
     a page of the sample's bytes, so that a store read from disk is seen there and not in decode.
     """
+    on_error, steps, pixels = options.on_error, options.steps, options.pixels
+    masks = MaskOptions.of(options)
     clock = stage_clock
     profiled = torch.autograd._profiler_enabled()
     started = clock()
@@ -338,7 +332,7 @@ def decode_batch(
         tier_size = None  # the sample's size in the decoded tier, where it is held there
         if held == IN_TIER and pixels is not None:
             tier_size = (int(pixels.heights[i]), int(pixels.widths[i]))
-        elif not exact:  # the scale only where the compiled decoder takes the sample
+        elif not options.exact:  # the scale only where the compiled decoder takes the sample
             plan, denom = fast_plan(
                 plan,
                 s.height,
@@ -385,8 +379,7 @@ def decode_batch(
                         failed.append((i, f"{warned[-1][1]}; left out (on_error='skip_warned')"))
                         continue
             with stage_range("gpucache.resize", profiled):
-                rh, rw, top2, left2, h2, w2, flip = plan[AFTER_BOX1]
-                y = finish_plan(x, rh, rw, top2, left2, h2, w2, flip, fill)
+                y = finish_plan(x, plan, options.fill)
                 if masks is not None:
                     mask_out.append(masks.apply(cache, i, drawn, tier_size))
                 images.append(y)
@@ -450,33 +443,6 @@ def decode_batch(
         mismatched=mismatched,
         rng_state=rng_state,
         masks=None if masks is None else _stack_masks(mask_out, plans, masks.dtype, stack),
-    )
-
-
-def decode_task(
-    cache,
-    indices: np.ndarray,
-    plans: np.ndarray,
-    stack: bool,
-    key: tuple[int, ...],
-    options: DecodeOptions,
-    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
-) -> Decoded:
-    """One task of the cpu backend (a worker's, or its inline decode): :func:`decode_batch` with
-    the loader's decode options, the batch's ``key`` and where its batch tensor goes."""
-    return decode_batch(
-        cache,
-        indices,
-        plans,
-        on_error=options.on_error,
-        stack=stack,
-        exact=options.exact,
-        steps=options.steps,
-        key=key,
-        alloc=alloc,
-        masks=MaskOptions.of(options),
-        fill=options.fill,
-        pixels=options.pixels,
     )
 
 

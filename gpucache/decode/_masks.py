@@ -26,6 +26,7 @@ read the same indices, so they agree exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import overload
 
 import numpy as np
 import torch
@@ -159,14 +160,20 @@ def gather_masks(
     return torch.where(ok, out, torch.full((), fill, dtype=out.dtype, device=out.device))
 
 
+@overload
+def fill_padding(images: torch.Tensor, plans: np.ndarray, fill: int) -> torch.Tensor: ...
+@overload
+def fill_padding(
+    images: list[torch.Tensor], plans: np.ndarray, fill: int
+) -> list[torch.Tensor]: ...
 def fill_padding(
     images: torch.Tensor | list[torch.Tensor], plans: np.ndarray, fill: int
 ) -> torch.Tensor | list[torch.Tensor]:
-    """``images`` (uint8, as a backend decoded them with zero padding) with ``fill`` where
-    their plans pad: the rows and columns :func:`plan_indices` finds outside the resized image.
-    A constant number of ops for a batch tensor, on its device; for the GPU backends, whose
-    batched resize pads with zeros. The plans cross to the device in a pinned ``non_blocking``
-    copy: the calling thread (the training loop's) never waits for the device."""
+    """``images`` (uint8, as the batched resize made them, with zero padding) with ``fill``
+    where their plans pad: the rows and columns :func:`plan_indices` finds outside the resized
+    image. A constant number of ops for a batch tensor, on its device; the GPU backends run it
+    on their batched resize's output. The plans cross to the device in a pinned
+    ``non_blocking`` copy: the calling thread never waits for the device."""
     if not fill or not len(plans):
         return images
     p = np.ascontiguousarray(plans, dtype=np.int64)

@@ -62,3 +62,7 @@ class DecodeOptions:
     def worker_seed(self, wid: int) -> int:
         """Worker ``wid``'s seed: ``SeedSequence(seed).spawn(num_workers)[wid]``'s first word."""
         return int(np.random.SeedSequence(self.seed).spawn(wid + 1)[wid].generate_state(1)[0])
+
+
+#: The options of a loader made with every default (on_error="skip", exact decodes, no masks).
+DEFAULTS = DecodeOptions()

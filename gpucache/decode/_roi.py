@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,6 +48,15 @@ _state: dict[str, object] = {}  # per process: the compiled library, its self-ch
 _lock = threading.Lock()
 _local = threading.local()  # per thread (a decoder is not thread-safe): pid, decoder, params
 Region = Callable[..., torch.Tensor]
+
+
+class Oriented(NamedTuple):
+    """A stored JPEG's size as displayed (after its EXIF orientation) and that orientation:
+    what maps a displayed box to the coded pixels (:func:`coded_box`)."""
+
+    height: int
+    width: int
+    orientation: int = 1
 
 
 def clib():
@@ -214,17 +224,16 @@ def scaled_box(
 def decode_crop(
     data: np.ndarray | bytes,
     box: tuple[int, int, int, int],
+    image: Oriented,
     *,
-    orientation: int,
-    height: int,
-    width: int,
     region: Region,
     denom: int = 1,
 ) -> torch.Tensor:
-    """The ``box`` (top, left, h, w) of the oriented image, decoded with ``region`` from the JPEG
-    ``data`` alone (``region`` from :func:`region_decoder`); with ``denom`` > 1 (compiled decoder
-    only), the box decoded at 1/``denom`` scale (about ``h / denom`` x ``w / denom``; raises
-    :class:`ScaleRefused` for sampling factors it does not scale)."""
+    """The ``box`` (top, left, h, w) of the oriented ``image``, decoded with ``region`` from the
+    JPEG ``data`` alone (``region`` from :func:`region_decoder`); with ``denom`` > 1 (compiled
+    decoder only), the box decoded at 1/``denom`` scale (about ``h / denom`` x ``w / denom``;
+    raises :class:`ScaleRefused` for sampling factors it does not scale)."""
+    height, width, orientation = image
     t, l, hh, ww = coded_box(*box, orientation, height, width)
     ch, cw = (width, height) if steps(orientation)[0] else (height, width)
     if denom > 1:

@@ -172,16 +172,16 @@ def decode_crop(
     data: np.ndarray,
     k: int,
     box: tuple[int, int, int, int],
+    image: _roi.Oriented,
     *,
-    orientation: int,
-    height: int,
-    width: int,
     region: _roi.Region,
     denom: int = 1,
 ) -> torch.Tensor:
-    """The ``box`` (top, left, h, w) of the oriented image, from a restart-marker JPEG's segments
-    (decoded with ``region``, from :func:`._roi.region_decoder`); ``denom`` > 1 (compiled
-    decoder only) as in :func:`._roi.decode_crop`."""
+    """The ``box`` (top, left, h, w) of the oriented ``image``, from a restart-marker JPEG's
+    segments (restart interval ``k``; decoded with ``region``, from
+    :func:`._roi.region_decoder`); ``denom`` > 1 (compiled decoder only) as in
+    :func:`._roi.decode_crop`."""
+    height, width, orientation = image
     t, l, hh, ww = coded_box(*box, orientation, height, width)
     if denom > 1:
         transpose = steps(orientation)[0]
@@ -216,15 +216,7 @@ def decode_crop(
     check_interval(data, k)  # what is wrong, if the C decoder said "not such a JPEG" (ret 2)
     lay = Layout(data, k)  # for the Python segment cut (any region decoder)
     if denom > 1:  # the plain region decoder scales it
-        return _roi.decode_crop(
-            data,
-            box,
-            orientation=orientation,
-            height=height,
-            width=width,
-            region=region,
-            denom=denom,
-        )
+        return _roi.decode_crop(data, box, image, region=region, denom=denom)
     sub, y0, x0, sub_h, sub_w = segment_jpeg(data, lay, t, l, hh, ww)
     part = region(sub, t - y0, l - x0, hh, ww, height=sub_h, width=sub_w)
     return orient(part, orientation)

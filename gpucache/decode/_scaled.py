@@ -22,6 +22,7 @@ None of it is bit-exact; docs/guides/backends.md states the difference measured 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 from ..transforms._orientation import steps
 
@@ -82,17 +83,27 @@ def _edge(
     return best[1], best[2], best[0]
 
 
+class Axis(NamedTuple):
+    """One axis of a plan: crop1 [t1, t1 + h1) of the image, resized to ``r``, then crop2
+    [t2, t2 + h2) (its rows, or its columns)."""
+
+    t1: int
+    h1: int
+    r: int
+    t2: int
+    h2: int
+
+
 @functools.lru_cache(maxsize=4096)  # eval plans repeat per image size
-def _cut(
-    t1: int, h1: int, r: int, t2: int, h2: int, size: int, d: int, g: int
-) -> tuple[int, int, int, int, float]:
-    """One axis of :func:`fast_plan`: crop1 [t1, t1 + h1) of an axis of ``size`` source
-    pixels, resized to ``r``, then crop2 [t2, t2 + h2). Returns the box (start, length),
+def _cut(axis: Axis, size: int, d: int, g: int) -> tuple[int, int, int, int, float]:
+    """One axis of :func:`fast_plan`: the plan's ``axis`` of an axis of ``size`` source
+    pixels, decoded at 1/``d`` on a grid at ``g`` (:func:`_edge`). Returns the box (start, length),
     (n, offset): the box resized to n holds crop2 at offset, sampled where the plan samples
     it to within a small fraction of a source pixel (:func:`_edge` for each side), and the
     larger of its edges' shifts, in output pixels. The box holds every source pixel crop2's
     resize reads, so it is never empty, even for an image a pixel or two across enlarged many
     times, whose crop would otherwise round to nothing."""
+    t1, h1, r, t2, h2 = axis
     s = h1 / r
     support = max(s, 1.0)  # the antialiased bilinear filter's half-width, in source pixels
     first = t1 + max(int((t2 + 0.5) * s - support + 0.5), 0)  # its taps, as torch takes them
@@ -120,8 +131,9 @@ def fast_plan(
     while True:
         if d == 1 and (t2, l2, h2, w2) == (0, 0, rh, rw):
             return plan, 1  # decoded as it is, exactly
-        top, hb, nh, ot, e1 = _cut(t1, h1, rh, t2, h2, height, d, height % d if flip_h else 0)
-        left, wb, nw, ol, e2 = _cut(l1, w1, rw, l2, w2, width, d, width % d if flip_w else 0)
+        rows, cols = Axis(t1, h1, rh, t2, h2), Axis(l1, w1, rw, l2, w2)
+        top, hb, nh, ot, e1 = _cut(rows, height, d, height % d if flip_h else 0)
+        left, wb, nw, ol, e2 = _cut(cols, width, d, width % d if flip_w else 0)
         if d == 1 or max(e1, e2) <= _MAX_SHIFT:
             return [top, left, hb, wb, nh, nw, ot, ol, h2, w2, flip], d
         d //= 2

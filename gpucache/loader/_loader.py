@@ -18,7 +18,7 @@ from .. import decode as _decode
 from ..base import _dist
 from ..decode import _masks
 from ..decode._base import GPU_IN_FLIGHT, Backend
-from ..decode._core import TIMED, Decoded, MaskOptions, stage_clock
+from ..decode._core import TIMED, Decoded, stage_clock
 from ..decode._core import stage_range as _range
 from ..decode._device import resolve_device
 from ..decode._options import DecodeOptions
@@ -634,8 +634,6 @@ class GpuCachedLoader:
         if self._masks_dtype is not None:
             with _range("gpucache.masks", profiled):
                 masks = self._batch_masks(out)
-        if self.fill and self.backend_name != "cpu":  # the GPU backends pad with zeros
-            images = _masks.fill_padding(images, kept, self.fill)
         with _range("gpucache.transform", profiled):
             images, labels = apply_steps(rest, images, labels, generator)
             if masks is not None:
@@ -784,22 +782,15 @@ def _make_backend(loader: GpuCachedLoader) -> Backend:
     if name == "nvjpeg":
         from ..decode.gpu._nvjpeg import NvjpegBackend
 
-        return NvjpegBackend(
-            loader.cache,
-            device=loader.device,
-            on_error=loader.on_error,
-            masks=MaskOptions.of(loader.decode_options),
-        )
+        return NvjpegBackend(loader.cache, device=loader.device, options=loader.decode_options)
     from ..decode.gpu._dali import DaliBackend
 
     return DaliBackend(
         loader.cache,
         device=loader.device,
+        options=loader.decode_options,
         batch_size=loader.batch_size,
         num_threads=max(1, loader.num_workers),
         prefetch=max(2, loader.prefetch_factor),
         hw_decoder_load=loader.hw_decoder_load,
-        seed=loader.seed,
-        on_error=loader.on_error,
-        masks=MaskOptions.of(loader.decode_options),
     )

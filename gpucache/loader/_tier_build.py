@@ -146,7 +146,7 @@ def _chunk_task(
         plans = identity_plans(s["height"].astype(np.int64), s["width"].astype(np.int64))
         plans[:, Col.RH], plans[:, Col.RW] = heights[idx], widths[idx]
         plans[:, Col.HEIGHT2], plans[:, Col.WIDTH2] = heights[idx], widths[idx]
-        out = decode_batch(cache, idx, plans, on_error="skip", stack=False, exact=True)
+        out = decode_batch(cache, idx, plans, stack=False)  # skip, exact: the defaults
         warned = {i for i, _ in out.warned}
         pairs = [(i, y) for i, y in zip(out.indices.tolist(), out.images) if i not in warned]
         kept = [i for i, _ in pairs]

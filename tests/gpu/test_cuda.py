@@ -15,6 +15,7 @@ from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode import dali_available  # noqa: E402
 from gpucache.decode._core import decode_batch  # noqa: E402
+from gpucache.decode._options import DecodeOptions  # noqa: E402
 from gpucache.decode.gpu._batched import default_decoder, make_decoder  # noqa: E402
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
@@ -58,7 +59,9 @@ def test_gpu_matches_cpu_decode(cache, backend):
     )
     for images, _labels, info in loader:
         idx = info.indices.numpy()
-        ref = decode_batch(cache, idx, loader.plans(0, 0, idx), on_error="raise", stack=True)
+        ref = decode_batch(
+            cache, idx, loader.plans(0, 0, idx), DecodeOptions(on_error="raise"), stack=True
+        )
         assert images.dtype == torch.uint8
         _assert_close(images, ref.images)
     loader.close()
@@ -73,13 +76,14 @@ def test_every_exif_orientation_on_the_gpu_decoder(tmp_path):
     rotated = JpegCache.from_files(paths, progress=False)
     idx = np.arange(len(rotated))
     plans = _plans(rotated, idx, T.Compose([T.RandomResizedCrop(24)]))
-    backend = NvjpegBackend(rotated, device=CUDA, on_error="raise")
+    backend = NvjpegBackend(rotated, options=DecodeOptions(on_error="raise"), device=CUDA)
     backend.submit(idx, plans, stack=True)
     out = backend.get()
     backend.close()
     assert out.failed == [] and out.cpu_decoded == 0
     _assert_close(
-        out.images, decode_batch(rotated, idx, plans, on_error="raise", stack=True).images
+        out.images,
+        decode_batch(rotated, idx, plans, DecodeOptions(on_error="raise"), stack=True).images,
     )
 
 
@@ -96,26 +100,37 @@ def test_cpu_retry_joins_on_the_device(cache):
     idx = np.arange(len(cache))
     plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(32)]))
     backend = NvjpegBackend(
-        cache, device=CUDA, on_error="raise", decoder=make_decoder("picky", CUDA, picky)
+        cache,
+        options=DecodeOptions(on_error="raise"),
+        device=CUDA,
+        decoder=make_decoder("picky", CUDA, picky),
     )
     backend.submit(idx, plans, stack=True)
     out = backend.get()
     backend.close()
     assert out.images.is_cuda and out.failed == [] and out.cpu_decoded >= 2
-    _assert_close(out.images, decode_batch(cache, idx, plans, on_error="raise", stack=True).images)
+    _assert_close(
+        out.images,
+        decode_batch(cache, idx, plans, DecodeOptions(on_error="raise"), stack=True).images,
+    )
 
 
 def test_unindexed_cuda_device_given_to_decoder_and_backend(cache):
     """torch.device("cuda") for both (what a user, and gpu_check, passes): normalised alike."""
     dev = torch.device("cuda")
-    backend = NvjpegBackend(cache, device=dev, on_error="raise", decoder=default_decoder(dev))
+    backend = NvjpegBackend(
+        cache, options=DecodeOptions(on_error="raise"), device=dev, decoder=default_decoder(dev)
+    )
     idx = np.arange(8)
     plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(32)]))
     backend.submit(idx, plans, True)
     out = backend.get()
     backend.close()
     assert backend.device == CUDA and out.images.device == CUDA
-    _assert_close(out.images, decode_batch(cache, idx, plans, on_error="raise", stack=True).images)
+    _assert_close(
+        out.images,
+        decode_batch(cache, idx, plans, DecodeOptions(on_error="raise"), stack=True).images,
+    )
 
 
 @pytest.mark.parametrize("threaded", [True, False])
@@ -125,13 +140,17 @@ def test_busy_side_stream_never_lets_the_decoder_reuse_live_memory(cache, thread
     tf = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip()])
     batches = [np.arange(k, k + 8) for k in range(0, len(cache) - 7, 8)]
     plans = [_plans(cache, b, tf, k) for k, b in enumerate(batches)]
-    ref_backend = NvjpegBackend(cache, device=CUDA, on_error="raise", threaded=False)
+    ref_backend = NvjpegBackend(
+        cache, options=DecodeOptions(on_error="raise"), device=CUDA, threaded=False
+    )
     ref = []
     for b, p in zip(batches, plans):
         ref_backend.submit(b, p, True)
         ref.append(ref_backend.get().images.to(torch.int64).sum().item())
         torch.cuda.synchronize()
-    backend = NvjpegBackend(cache, device=CUDA, on_error="raise", threaded=threaded)
+    backend = NvjpegBackend(
+        cache, options=DecodeOptions(on_error="raise"), device=CUDA, threaded=threaded
+    )
     side = backend._streams.side
     heavy = torch.randn(4096, 4096, device=CUDA)
     sums = []
@@ -156,12 +175,15 @@ def test_backend_on_another_device_than_the_current_one(cache):
     plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(32)]))
     dev = torch.device("cuda", 1)
     with torch.cuda.device(0):
-        backend = NvjpegBackend(cache, device=dev, on_error="raise")
+        backend = NvjpegBackend(cache, options=DecodeOptions(on_error="raise"), device=dev)
         backend.submit(idx, plans, True)
         out = backend.get()
         backend.close()
     assert out.images.device == dev
-    _assert_close(out.images, decode_batch(cache, idx, plans, on_error="raise", stack=True).images)
+    _assert_close(
+        out.images,
+        decode_batch(cache, idx, plans, DecodeOptions(on_error="raise"), stack=True).images,
+    )
 
 
 def test_gpu_memory_is_flat_across_epochs(cache):
@@ -190,7 +212,9 @@ def test_batched_and_per_image_transforms_agree_with_tf32_off_and_on(cache, tf32
     at most 1 level apart, TF32 matmuls or not (gpu_check's transforms part does it at scale)."""
     idx = np.arange(len(cache))
     plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(40), T.RandomHorizontalFlip()]))
-    backend = NvjpegBackend(cache, device=CUDA, on_error="raise", threaded=False)
+    backend = NvjpegBackend(
+        cache, options=DecodeOptions(on_error="raise"), device=CUDA, threaded=False
+    )
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32
     try:
@@ -209,7 +233,9 @@ def test_batched_and_per_image_transforms_agree_with_tf32_off_and_on(cache, tf32
 def test_autocast_around_the_synchronous_path_leaves_the_pixels_alone(cache):
     idx = np.arange(8)
     plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(40)]))
-    backend = NvjpegBackend(cache, device=CUDA, on_error="raise", threaded=False)
+    backend = NvjpegBackend(
+        cache, options=DecodeOptions(on_error="raise"), device=CUDA, threaded=False
+    )
     backend.submit(idx, plans, True)
     ref = backend.get().images
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -222,7 +248,7 @@ def test_autocast_around_the_synchronous_path_leaves_the_pixels_alone(cache):
 def test_emptying_torchs_cache_between_decodes(cache):
     """What the backend does on nvJPEG's status 5: torch's cached blocks go back, and the
     decoder and the streams work on."""
-    backend = NvjpegBackend(cache, device=CUDA, on_error="raise")
+    backend = NvjpegBackend(cache, options=DecodeOptions(on_error="raise"), device=CUDA)
     idx = np.arange(8)
     plans = _plans(cache, idx, T.Compose([T.RandomResizedCrop(32)]))
     backend.submit(idx, plans, True)
@@ -246,11 +272,15 @@ def test_concurrent_decoder_calls_give_one_calls_pixels(cache, decoders):
     plans = _plans(
         cache, idx, T.Compose([T.RandomResizedCrop((48, 32)), T.RandomHorizontalFlip(1)])
     )
-    ref_backend = NvjpegBackend(cache, device=CUDA, on_error="raise", decode_threads=1)
+    ref_backend = NvjpegBackend(
+        cache, options=DecodeOptions(on_error="raise"), device=CUDA, decode_threads=1
+    )
     ref_backend.submit(idx, plans, stack=True)
     ref = ref_backend.get().images.cpu()
     ref_backend.close()
-    backend = NvjpegBackend(cache, device=CUDA, on_error="raise", decode_threads=decoders)
+    backend = NvjpegBackend(
+        cache, options=DecodeOptions(on_error="raise"), device=CUDA, decode_threads=decoders
+    )
     backend.submit(idx, plans, stack=True)
     out = backend.get()
     mine = backend._streams._mine  # the side stream, the EXIF probe's, each decoding thread's

@@ -12,7 +12,7 @@ import numpy as np
 
 from ...store._oom import raise_if_out_of_memory
 from .._base import Backend
-from .._core import Decoded, decode_task
+from .._core import Decoded, decode_batch
 from .._options import DecodeOptions
 from ._pool import WorkerPool
 
@@ -38,7 +38,7 @@ class CpuBackend(Backend):
             return self.pool.get()
         indices, plans, stack, key = self._inline.popleft()
         try:
-            out = decode_task(self.cache, indices, plans, stack, key, self.options)
+            out = decode_batch(self.cache, indices, plans, self.options, stack=stack, key=key)
         except RuntimeError as err:  # the batch's own (the stack); a sample's is OutOfMemory
             raise_if_out_of_memory(err, f"while decoding a batch of {len(indices)} samples")
             raise

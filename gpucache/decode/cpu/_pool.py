@@ -53,10 +53,10 @@ from ..._errors import SampleError, WorkerError
 from ...base._cores import affinity, usable_cores
 from ...store._oom import FIX, raise_if_out_of_memory
 from .. import _roi
-from .._core import Decoded, decode_task
+from .._core import Decoded, decode_batch
 from .._options import DecodeOptions
 from . import _batch_files
-from ._worker import LEN, PARENT_ENDS, frame, worker_main
+from ._worker import LEN, PARENT_ENDS, Task, frame, worker_main
 
 log = logging.getLogger(__name__)
 _GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and again after SIGTERM
@@ -213,7 +213,7 @@ class WorkerPool:
             self._next = (w + 1) % len(self._links)
             self._task += 1
             link = self._links[w]
-            link.out.append(memoryview(frame((self._task, indices, plans, stack, key))))
+            link.out.append(memoryview(frame(Task(self._task, indices, plans, stack, key))))
             link.flush()
             self._pending.append((w, self._task, indices, (plans, stack, key)))
 
@@ -355,7 +355,7 @@ class WorkerPool:
                 stacklevel=4,
             )
         log.info("gpucache: decoding samples %s here: no descriptor left", _span(indices))
-        return decode_task(self.cache, indices, plans, stack, key, self._options)
+        return decode_batch(self.cache, indices, plans, self._options, stack=stack, key=key)
 
     def _recv_fd(self, link: _Link, indices, deadline) -> int:
         """The memory file a worker sends after a batch's header (``_shared``); raises

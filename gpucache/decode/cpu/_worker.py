@@ -26,13 +26,14 @@ import sys
 import threading
 import time
 import traceback
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ..._errors import OutOfMemory, SampleError, said
 from ...store._oom import is_out_of_memory
-from .._core import Decoded, decode_task
+from .._core import Decoded, decode_batch
 from .._jpeg import quiet_torchvision_deprecation
 from .._options import DecodeOptions
 from . import _batch_files
@@ -43,6 +44,16 @@ _PR_SET_PDEATHSIG = 1
 # The parent-side sockets of every live pool in this process. A fork child closes all of them at
 # start, so that it holds no reference to another worker's (or its own) parent end.
 PARENT_ENDS: dict[int, socket.socket] = {}
+
+
+class Task(NamedTuple):
+    """One batch for a worker, as the pool sends it (pickled in one frame)."""
+
+    number: int  # the pool's count of tasks sent, which its result carries back
+    indices: np.ndarray
+    plans: np.ndarray
+    stack: bool
+    key: tuple[int, ...]  # the batch's (seed, epoch, batch[, rank]): its steps' generator
 
 
 def frame(obj) -> bytes:
@@ -97,7 +108,7 @@ def worker_main(
         if item is None:  # the reader could not allocate a task it received
             _report(sock, _no_memory(None, "while receiving a task", "MemoryError"))
             os._exit(1)
-        _serve(sock, cache, *item, options=options, alloc=alloc)
+        _serve(sock, cache, item, options, alloc)
         if trim is not None and tasks.empty():
             trim(0)  # idle: give the freed decode buffers back (see _malloc_trim)
 
@@ -105,12 +116,7 @@ def worker_main(
 def _serve(
     sock: socket.socket,
     cache,
-    task: int,
-    indices,
-    plans,
-    stack: bool,
-    key: tuple[int, ...],
-    *,
+    task: Task,
     options: DecodeOptions,
     alloc: _batch_files.Allocator | None,
 ) -> None:
@@ -122,21 +128,27 @@ def _serve(
     out = head = data = report = fd = masks = None
     where = "while decoding"
     try:
-        out = decode_task(
-            cache, indices, plans, stack, key, options, alloc.empty if alloc else None
+        out = decode_batch(
+            cache,
+            task.indices,
+            task.plans,
+            options,
+            stack=task.stack,
+            key=task.key,
+            alloc=alloc.empty if alloc else None,
         )
         where = "while copying its result for sending"
-        head, data, fd = _result(task, out, alloc)
+        head, data, fd = _result(task.number, out, alloc)
         masks = _mask_bytes(out)
     except BaseException as err:  # noqa: BLE001 - everything is reported to the parent
         if isinstance(err, OutOfMemory):  # decode_batch says which sample
-            report = _no_memory(task, err.what, err.detail)
+            report = _no_memory(task.number, err.what, err.detail)
         elif is_out_of_memory(err):
-            report = _no_memory(task, where, said(err))
+            report = _no_memory(task.number, where, said(err))
         else:
             report = {
                 "kind": "error",
-                "task": task,
+                "task": task.number,
                 "error": f"{type(err).__name__}: {err}",
                 "sample_error": isinstance(err, SampleError),
                 "traceback": traceback.format_exc(),

@@ -41,6 +41,7 @@ except ImportError as err:  # pragma: no cover - depends on what is installed
 from .._base import Backend
 from .._core import ON_ERROR, Decoded, MaskOptions, out_size
 from .._device import normalize_device
+from .._options import DEFAULTS, DecodeOptions
 from . import _dali_graph
 from ._fallback import Part, decode_on_cpu, join, out_of_memory, split, stage_times
 from ._mask_stage import MaskStage, PendingMasks
@@ -69,14 +70,14 @@ class DaliBackend(Backend):
         cache,
         *,
         device: torch.device,
+        options: DecodeOptions = DEFAULTS,
         batch_size: int,
-        on_error: str,
-        seed: int,
         num_threads: int,
         prefetch: int = 2,
         hw_decoder_load: float = 0.65,
-        masks: MaskOptions | None = None,
     ):
+        """``options``: the loader's decode options (``on_error``, ``seed``, ``fill`` where a
+        plan pads, ``exact`` for the CPU fallback, the masks)."""
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"backend='dali' runs on 'cpu' or 'cuda', got device={device}.")
@@ -87,9 +88,10 @@ class DaliBackend(Backend):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} should be an integer >= 1, got {value!r}.")
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}.")
-        self.cache, self.on_error, self.seed = cache, on_error, int(seed) % 2**31
+        if options.on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {options.on_error!r}.")
+        self.cache, self.options = cache, options
+        self.on_error, self.seed = options.on_error, int(options.seed) % 2**31
         self.batch_size, self.num_threads, self.prefetch = batch_size, num_threads, prefetch
         self.hw_decoder_load = hw_decoder_load
         self.device = normalize_device(device)  # cuda -> cuda:<current>, as for every backend
@@ -100,6 +102,7 @@ class DaliBackend(Backend):
         # (the training loop's) thread, and placed on the device in get() without a host sync
         self._mask_pool: ThreadPoolExecutor | None = None
         self._mask_stage: MaskStage | None = None
+        masks = MaskOptions.of(options)
         if masks is not None:
             self._mask_pool = ThreadPoolExecutor(num_threads, "gpucache-dali-masks")
             self._mask_stage = MaskStage(
@@ -128,6 +131,7 @@ class DaliBackend(Backend):
             num_threads=self.num_threads,
             seed=self.seed,
             hw_decoder_load=self.hw_decoder_load,
+            fill=self.options.fill,
         )
         pipe.build()
         self._pipe = pipe
@@ -228,9 +232,7 @@ class DaliBackend(Backend):
                 parts.append(
                     (
                         b.cpu_pos,
-                        decode_on_cpu(
-                            self.cache, b.indices, b.plans, b.cpu_pos, on_error=self.on_error
-                        ),
+                        decode_on_cpu(self.cache, b.indices, b.plans, b.cpu_pos, self.options),
                         True,
                     )
                 )
@@ -292,9 +294,7 @@ class DaliBackend(Backend):
             del views  # DALI read them in place until now
         parts: list[Part] = [(np.asarray(good_pos, dtype=np.int64), good, False)]
         if rejected:  # libjpeg-turbo gets the last word: decoded there, or reported as failed
-            results = decode_on_cpu(
-                self.cache, b.indices, b.plans, rejected, on_error=self.on_error
-            )
+            results = decode_on_cpu(self.cache, b.indices, b.plans, rejected, self.options)
             for p, r in zip(rejected, results):
                 if isinstance(r, torch.Tensor):
                     log.warning(

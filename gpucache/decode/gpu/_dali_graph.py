@@ -4,7 +4,7 @@ Per sample::
 
     decoders.image (whole image, EXIF not applied) -> slice (crop1, mapped to the stored pixels)
     -> transpose (if the store's orientation swaps the axes) -> flip (if it flips)
-    -> resize (antialiased linear) to (rh, rw) -> slice (crop2, zero padding outside the image)
+    -> resize (antialiased linear) to (rh, rw) -> slice (crop2, ``fill`` padding outside the image)
     -> crop_mirror_normalize (flip; uint8 CHW out)
 
 Two choices keep DALI out of decisions the other backends make differently:
@@ -80,7 +80,7 @@ def rows(plans: np.ndarray, orientation: np.ndarray, height: np.ndarray, width: 
 
 
 @pipeline_def(enable_conditionals=True)
-def _graph(gpu: bool, hw_decoder_load: float):
+def _graph(gpu: bool, hw_decoder_load: float, fill: int):
     enc = fn.external_source(name="enc", dtype=types.DALIDataType.UINT8, ndim=1, no_copy=True)
     row = fn.external_source(name="plan", dtype=types.DALIDataType.INT32, ndim=1)
     decoder: dict[str, Any] = (
@@ -110,7 +110,7 @@ def _graph(gpu: bool, hw_decoder_load: float):
         row[9:11],
         row[11:13],
         out_of_bounds_policy="pad",
-        fill_values=0,
+        fill_values=fill,
         **_PIXELS,
     )
     return fn.crop_mirror_normalize(
@@ -126,12 +126,14 @@ def define(
     num_threads: int,
     seed: int,
     hw_decoder_load: float,
+    fill: int = 0,
 ) -> Pipeline:
-    """The graph as a pipeline, not yet built. ``gpu=True`` with ``device_id=None`` defines (and
+    """The graph as a pipeline, not yet built; ``fill`` is the value where a plan pads. ``gpu=True`` with ``device_id=None`` defines (and
     serializes) the GPU graph without a GPU, which is how it is checked where there is none."""
     pipe = _graph(
         gpu=gpu,
         hw_decoder_load=hw_decoder_load,
+        fill=fill,
         batch_size=batch_size,
         num_threads=num_threads,
         device_id=device_id,

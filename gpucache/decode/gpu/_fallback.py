@@ -10,6 +10,7 @@ batch order. Nothing here touches CUDA, so CI runs it on CPU tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import cast
@@ -20,6 +21,7 @@ import torch
 from ...store._limits import check_pixels
 from ...transforms._device import to_device
 from .._core import Decoded, decode_batch, failure
+from .._options import DecodeOptions
 
 #: One sample's outcome: its image (uint8 CHW), or why it failed (see :func:`.cpu.describe`).
 Result = torch.Tensor | str
@@ -52,18 +54,24 @@ def split(cache, indices: np.ndarray, *, on_error: str) -> tuple[np.ndarray, np.
 
 
 def decode_on_cpu(
-    cache, indices: np.ndarray, plans: np.ndarray, positions: Iterable[int], *, on_error: str
+    cache,
+    indices: np.ndarray,
+    plans: np.ndarray,
+    positions: Iterable[int],
+    options: DecodeOptions,
 ) -> list[Result]:
-    """Decode and transform ``indices[positions]`` on the CPU, one result per position.
+    """Decode and transform ``indices[positions]`` on the CPU, one result per position, as
+    the cpu backend would: ``options.fill`` where a plan pads, ``options.exact`` (False: a
+    reduced DCT scale where the plan shrinks enough). Masks are not decoded here: the GPU
+    backends' mask stage (:mod:`._mask_stage`) decodes every sample's, these included.
 
-    Raises :class:`~gpucache.SampleError` for a bad sample when ``on_error="raise"``.
+    Raises :class:`~gpucache.SampleError` for a bad sample when ``options.on_error="raise"``.
     ``decode_batch`` checks the pixel budget itself, so no path into this fallback decodes a
     sample it refuses."""
+    images_only = dataclasses.replace(options, masks=False) if options.masks else options
     out: list[Result] = []
     for p in positions:
-        d = decode_batch(
-            cache, indices[p : p + 1], plans[p : p + 1], on_error=on_error, stack=False
-        )
+        d = decode_batch(cache, indices[p : p + 1], plans[p : p + 1], images_only, stack=False)
         for _, reason in d.mismatched:  # decoded without its restart interval (see ._core)
             warnings.warn(f"gpucache: {reason}", RuntimeWarning, stacklevel=2)
         out.append(d.images[0] if d.images else d.failed[0][1])

@@ -48,7 +48,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -59,6 +59,7 @@ from ...transforms._orientation import orient, steps
 from ...transforms._resample import resample
 from .._base import Backend
 from .._core import (
+    ON_ERROR,
     Decoded,
     MaskOptions,
     apply_plan,
@@ -68,6 +69,8 @@ from .._core import (
     out_size,
 )
 from .._device import normalize_device
+from .._masks import fill_padding
+from .._options import DEFAULTS, DecodeOptions
 from ..cpu._pool import default_workers
 from ._batched import BatchDecoder, applies_exif, default_decoder, sub_batches
 from ._fallback import Part, Result, decode_on_cpu, join, split, stage_times
@@ -89,6 +92,25 @@ def default_cpu_threads() -> int:
 class _Done:
     decoded: Decoded
     event: object | None  # the side stream's event after the batch (None without streams)
+
+
+#: One chunk of a batch's CPU stage: its results and the seconds it took.
+_Chunk = tuple[list[Result], float]
+#: The decode stage's outputs (or why each failed) and what marks them written.
+_Decoding = tuple[list[torch.Tensor | Exception], object]
+
+
+@dataclass
+class _Batch:
+    """One submitted batch as :func:`._fallback.split` and the CPU-stage rule divided it."""
+
+    indices: np.ndarray
+    plans: np.ndarray
+    stack: bool
+    gpu_pos: np.ndarray  # positions the batched decoder takes
+    cpu_pos: np.ndarray  # positions the CPU stage decodes
+    refused: Part  # positions over the pixel budget: never decoded
+    took: dict[str, float] = field(default_factory=dict)  # each stage's seconds, its own keys
 
 
 @dataclass
@@ -118,15 +140,19 @@ class NvjpegBackend(Backend):
         cache,
         *,
         device: torch.device,
-        on_error: str,
+        options: DecodeOptions = DEFAULTS,
         decoder: BatchDecoder | None = None,
         threaded: bool = True,
         cpu_threads: int | None = None,
         decode_threads: int | None = None,
-        masks: MaskOptions | None = None,
     ):
+        """``options``: the loader's decode options (``on_error``, ``fill`` where a plan pads,
+        ``exact`` for the CPU stage's decodes, the masks)."""
         device = normalize_device(device)
-        self.cache, self.device, self.on_error = cache, device, on_error
+        if options.on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {options.on_error!r}.")
+        self.cache, self.device, self.options = cache, device, options
+        self.on_error = options.on_error
         self.decoder = decoder if decoder is not None else default_decoder(device)
         if normalize_device(self.decoder.device) != device:
             raise ValueError(
@@ -167,6 +193,7 @@ class NvjpegBackend(Backend):
                     self.decoders, "gpucache-nvjpeg-decoder"
                 )
         #: the batch's masks, split among the CPU stage's threads (inline when unthreaded)
+        masks = MaskOptions.of(options)
         self._mask_stage = (
             None
             if masks is None
@@ -225,7 +252,7 @@ class NvjpegBackend(Backend):
         """One chunk of the batch's CPU samples: their results and the seconds it took."""
         self._note_thread()
         t0 = time.perf_counter()
-        out = decode_on_cpu(self.cache, indices, plans, positions, on_error=self.on_error)
+        out = decode_on_cpu(self.cache, indices, plans, positions, self.options)
         return out, time.perf_counter() - t0
 
     def _decode_stage(
@@ -322,18 +349,16 @@ class NvjpegBackend(Backend):
 
     def _transform_stage(
         self,
-        indices: np.ndarray,
-        plans: np.ndarray,
-        stack: bool,
-        gpu_pos: np.ndarray,
-        gpu,
-        cpu_pos: np.ndarray,
-        cpu,
-        refused: Part,
-        took: dict,
+        batch: _Batch,
+        gpu: Future[_Decoding] | _Decoding,
+        cpu: list[Future[_Chunk]] | list[_Chunk],
         masks: PendingMasks | None = None,
     ) -> _Done:
+        """The batch's plans on the decoded images, joined with the CPU stage's results (and
+        the refused samples) in batch order; ``fill`` where a plan pads."""
         self._note_thread()
+        indices, plans, stack, took = batch.indices, batch.plans, batch.stack, batch.took
+        gpu_pos, cpu_pos = batch.gpu_pos, batch.cpu_pos
         # float32 pixels whatever autocast region the caller is in (a synchronous submit runs
         # here on the caller's thread; autocast is per thread)
         with self._streams.on_side(), no_autocast(self.device):
@@ -345,7 +370,7 @@ class NvjpegBackend(Backend):
             chunks = [_result(c) for c in cpu]  # the CPU stage's chunks, in batch order
             took["fallback"] = sum(seconds for _, seconds in chunks)
             parts.append((cpu_pos, [r for results, _ in chunks for r in results], True))
-            parts.append(refused)
+            parts.append(batch.refused)
             t2 = time.perf_counter()
             out = join(
                 len(indices),
@@ -402,11 +427,15 @@ class NvjpegBackend(Backend):
             parts.append(
                 (
                     np.asarray(ok, dtype=np.int64),
-                    resample(
-                        kept,
+                    fill_padding(  # the batched resize pads with zeros
+                        resample(
+                            kept,
+                            plans[ok],
+                            orientations=None if self.applies_exif else orientation[rows],
+                            scratch=self._scratch,
+                        ),
                         plans[ok],
-                        orientations=None if self.applies_exif else orientation[rows],
-                        scratch=self._scratch,
+                        self.options.fill,
                     ),
                     False,
                 )
@@ -415,7 +444,7 @@ class NvjpegBackend(Backend):
             parts.append(
                 (
                     np.asarray(ok, dtype=np.int64),
-                    [apply_plan(x, plans[p]) for x, p in zip(kept, ok)],
+                    [apply_plan(x, plans[p], self.options.fill) for x, p in zip(kept, ok)],
                     False,
                 )
             )
@@ -428,7 +457,7 @@ class NvjpegBackend(Backend):
                 )
             )
         if retry:  # libjpeg-turbo gets the last word: decoded there, or reported as failed
-            rescued = decode_on_cpu(self.cache, indices, plans, retry, on_error=self.on_error)
+            rescued = decode_on_cpu(self.cache, indices, plans, retry, self.options)
             for p, r in zip(retry, rescued):
                 if isinstance(r, torch.Tensor):
                     log.warning(
@@ -456,14 +485,13 @@ class NvjpegBackend(Backend):
             return
         on_gpu = self._gpu_mask[indices[gpu_ok]]
         gpu_pos, cpu_pos = gpu_ok[on_gpu], np.sort(np.concatenate([cpu_ok, gpu_ok[~on_gpu]]))
-        took: dict[str, float] = {}  # each stage's seconds, under keys of its own
+        batch = _Batch(indices, plans, stack, gpu_pos, cpu_pos, refused)
+        took = batch.took
         if not self._pools:
             cpu = [self._cpu_stage(indices, plans, cpu_pos)]
             gpu = self._decode_stage(indices, gpu_pos, took)
             masks = self._mask_stage.submit(indices, plans, stack) if self._mask_stage else None
-            done = self._transform_stage(
-                indices, plans, stack, gpu_pos, gpu, cpu_pos, cpu, refused, took, masks
-            )
+            done = self._transform_stage(batch, gpu, cpu, masks)
             self._pending.append(_Job(cpu, gpu, done))
             return
         n = min(self.cpu_threads, len(cpu_pos))  # the batch's CPU samples split among threads
@@ -474,19 +502,7 @@ class NvjpegBackend(Backend):
         # queued after the images' CPU chunks, split among the same threads
         mask_f = self._mask_stage.submit(indices, plans, stack) if self._mask_stage else None
         gpu_f = self._pools["decode"].submit(self._decode_stage, indices, gpu_pos, took)
-        done_f = self._pools["transform"].submit(
-            self._transform_stage,
-            indices,
-            plans,
-            stack,
-            gpu_pos,
-            gpu_f,
-            cpu_pos,
-            cpu_f,
-            refused,
-            took,
-            mask_f,
-        )
+        done_f = self._pools["transform"].submit(self._transform_stage, batch, gpu_f, cpu_f, mask_f)
         self._pending.append(_Job(cpu_f, gpu_f, done_f, mask_f))
 
     def get(self) -> Decoded:

@@ -31,6 +31,7 @@ from ...transforms._chunks import BUDGET_BYTES, Scratch
 from ...transforms._resample import resample
 from .._base import Backend
 from .._core import Decoded, MaskOptions, apply_plan, decode_batch, no_autocast, out_size
+from .._masks import fill_padding
 from .._options import DecodeOptions
 
 
@@ -85,15 +86,7 @@ class PixelBackend(Backend):
         rest = np.flatnonzero(~held)
         store = None
         if len(rest):  # decoded from the store, as without the tier
-            store = decode_batch(
-                self.cache,
-                indices[rest],
-                plans[rest],
-                on_error=self.options.on_error,
-                stack=False,
-                exact=self.options.exact,
-                masks=self.masks,
-            )
+            store = decode_batch(self.cache, indices[rest], plans[rest], self.options, stack=False)
         t1 = time.perf_counter()
         images = self._images(indices[held])
         t2 = time.perf_counter()
@@ -101,13 +94,14 @@ class PixelBackend(Backend):
         keep = np.array([h or int(indices[k]) in kept_store for k, h in enumerate(held)], bool)
         order = np.flatnonzero(keep)
         mine = held[order]  # which of the kept come from the tier
+        fill = self.options.fill
         with no_autocast(self.device):
             if stack:
                 out = self._stacked(images, plans[held], store, mine, out_size(plans))
             else:
                 it, st = iter(images), iter([] if store is None else store.images)
                 out_list = [
-                    apply_plan(next(it), plans[k]) if h else next(st).to(self.device)
+                    apply_plan(next(it), plans[k], fill) if h else next(st).to(self.device)
                     for k, h in zip(order.tolist(), mine.tolist())
                 ]
         t3 = time.perf_counter()
@@ -154,7 +148,11 @@ class PixelBackend(Backend):
         mine: np.ndarray,
         size: tuple[int, int],
     ) -> torch.Tensor:
-        tier = resample(images, plans, scratch=self._scratch) if images else None
+        tier = None
+        if images:  # the batched resize pads with zeros: fill where the plans pad
+            tier = fill_padding(
+                resample(images, plans, scratch=self._scratch), plans, self.options.fill
+            )
         extra = [] if store is None else list(store.images)
         if not extra:
             if tier is not None:
