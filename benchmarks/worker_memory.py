@@ -17,8 +17,8 @@ apart agree: a worker that has just run out of tasks may still be handing memory
 after every batch of epochs 2-4 (busy). At rest after epochs 4 and 10 it is split by mapping
 (``/proc/PID/smaps``). The configurations switch the worker pool's memory measures off and on
 one at a time: the decoder's self-check in the parent before the fork
-(``_workers._check_decoder``), malloc_trim when a worker runs out of tasks
-(``_worker_main._malloc_trim``), ``gc.freeze()`` before the fork (``_workers._freeze``), each
+(``cpu._pool._check_decoder``), malloc_trim when a worker runs out of tasks
+(``cpu._worker._malloc_trim``), ``gc.freeze()`` before the fork (``cpu._pool._freeze``), each
 switched off by patching that function;
 two more run a full ``gc.collect()`` in each worker's ``worker_init_fn`` with and without them.
 Every batch is checked: uint8 (n, 3, 224, 224), n labels, every sample once an epoch.

@@ -4,7 +4,7 @@
 - ``nvjpeg``: batched nvJPEG in background threads with their own CUDA streams (``gpu._nvjpeg``)
 - ``dali``: an NVIDIA DALI pipeline; CPU-only mode on a CPU device (``gpu._dali``)
 
-The shared CPU decode and plan executor (``_core``, ``_jpeg``, ``_roi``, ``_roi_rst``,
+The CPU decode and plan executor every backend uses (``_core``, ``_jpeg``, ``_roi``, ``_roi_rst``,
 ``_scaled``, ``_masks``) sit at this package's top, beside the options and the interface.
 
 ``auto`` picks nvjpeg on CUDA and cpu elsewhere: dali is never chosen for the user, since its GPU

@@ -5,7 +5,7 @@ close to, not the same as, the exact pixels; docs/guides/backends.md). libjpeg's
 corrupt data come back per sample (``Decoded.warned``).
 
 Also the per-sample executor of a geometric plan (crop, antialiased bilinear resize on uint8, crop,
-flip), and :func:`decode_batch`, which the worker processes and the GPU backends' CPU fallback share.
+flip), and :func:`decode_batch`, which the worker processes and the GPU backends' CPU fallback both run.
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ def decode_batch(
     float, the same values as on the batch).
 
     ``alloc(shape, dtype)`` makes the stacked batch's tensor (``torch.empty`` by default; a cpu
-    worker's puts it in a memory file it can send whole, :mod:`._shared`).
+    worker's puts it in a memory file it can send whole, :mod:`.cpu._batch_files`).
 
     ``options.fill`` is the image value where a plan pads. With ``options.masks`` each sample's
     mask is decoded beside its image and sent through the sample's plan as drawn (:mod:`._masks`;

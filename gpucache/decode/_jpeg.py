@@ -1,7 +1,7 @@
 """The full JPEG decode on the CPU (TorchCodec when installed, else torchvision's libjpeg-turbo):
 RGB uint8 CHW with EXIF orientation applied; and keeping torchvision's deprecation notice away.
 Imports nothing of gpucache's, so the decoders above it (``_core``, ``_roi``'s self-check,
-``_batched``) share it without importing each other.
+``_batched``) use it without importing each other.
 """
 
 from __future__ import annotations

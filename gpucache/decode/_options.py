@@ -57,7 +57,7 @@ class DecodeOptions:
     mask_dtype: str = "uint8"
     fill: int = 0
     pixels: DecodedPixels | None = None
-    share_batches: bool = False  # the pool's: workers send batches as memory files (._shared)
+    batch_files: bool = False  # the pool's: workers send batches as memory files (cpu._batch_files)
 
     def worker_seed(self, wid: int) -> int:
         """Worker ``wid``'s seed: ``SeedSequence(seed).spawn(num_workers)[wid]``'s first word."""

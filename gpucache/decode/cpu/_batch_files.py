@@ -110,7 +110,7 @@ def _libc():
 
 
 def _map(fd: int, size: int) -> torch.Tensor:
-    """The ``size`` bytes of memory file ``fd`` mapped shared, as a uint8 tensor that holds no
+    """The ``size`` bytes of memory file ``fd`` mapped ``MAP_SHARED``, as a uint8 tensor that holds no
     descriptor (``fd`` may be closed at once: a batch kept by the caller costs no open file).
     Through ``/proc/self/fd``; ``mmap``, which keeps a copy of the descriptor, where that fails."""
     try:

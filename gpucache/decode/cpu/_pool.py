@@ -2,7 +2,7 @@
 
 Protocol. Each worker owns one socket pair. Every message is an 8-byte length and a pickle; a
 decoded batch is a small header followed by one raw buffer: a stacked batch decoded into a memory
-file goes as the file's descriptor, mapped here as the batch tensor (:mod:`._shared`, Linux, not
+file goes as the file's descriptor, mapped here as the batch tensor (:mod:`._batch_files`, Linux, not
 into pinned memory); otherwise its bytes follow, read straight into the destination tensor (pinned
 when asked) -- no per-sample pickling and nothing in ``/dev/shm``. Tasks go round-robin and
 results are read in the same order, so batch order is deterministic.
@@ -16,8 +16,8 @@ Designed for failure:
   be woken by ``close()`` from another thread. Errors name the worker, its pid and the samples.
 - Out of memory in a worker (decoding, or copying a result to send) is a ``WorkerError`` that
   says so and gives the fix, never a skipped sample (``store/_oom.py``).
-- A worker never outlives the parent: see ``_worker_main``.
-- Shutdown is parallel: close every socket (workers exit on end-of-file), one shared deadline for
+- A worker never outlives the parent: see :mod:`._worker`.
+- Shutdown is parallel: close every socket (workers exit on end-of-file), one deadline for
   all, then terminate the rest, then kill.
 """
 
@@ -111,8 +111,8 @@ class WorkerPool:
 
     def __init__(self, cache, options: DecodeOptions):
         # batches come back as memory files where there are (not into pinned memory)
-        share = _batch_files.available() and not options.pin_memory
-        options = dataclasses.replace(options, share_batches=share)
+        by_file = _batch_files.available() and not options.pin_memory
+        options = dataclasses.replace(options, batch_files=by_file)
         ctx = mp.get_context(options.context)
         num_workers, timeout, pin_memory = options.num_workers, options.timeout, options.pin_memory
         self.method = ctx.get_start_method()
@@ -277,11 +277,11 @@ class WorkerPool:
                 del lost  # its masks were read to keep the link in step; made again below
                 return self._decode_here(indices, *args)
             try:
-                shared = _batch_files.attach(fd, msg["nbytes"], dtype, tuple(shapes[0]))
+                mapped = _batch_files.attach(fd, msg["nbytes"], dtype, tuple(shapes[0]))
             except (OSError, ValueError) as err:
                 raise_if_out_of_memory(err, f"mapping a batch from {link}")
                 raise WorkerError(f"{link} sent a batch that could not be mapped: {err}") from err
-            return self._with_masks(self._decoded(msg, w, shared), msg, link, indices, deadline)
+            return self._with_masks(self._decoded(msg, w, mapped), msg, link, indices, deadline)
         try:
             buf = torch.empty(msg["nbytes"], dtype=torch.uint8, pin_memory=self.pin_memory)
         except RuntimeError as err:
@@ -358,7 +358,7 @@ class WorkerPool:
         return decode_batch(self.cache, indices, plans, self._options, stack=stack, key=key)
 
     def _recv_fd(self, link: _Link, indices, deadline) -> int:
-        """The memory file a worker sends after a batch's header (``_shared``); raises
+        """The memory file a worker sends after a batch's header (:mod:`._batch_files`); raises
         :class:`_DescriptorLost` when this process has no descriptor left to receive it."""
         exited = False
         while True:
@@ -522,7 +522,7 @@ class WorkerPool:
 def _prepare_fork() -> bool:
     """Ready this process to fork workers; returns whether to unfreeze the collector after.
 
-    The compiled decoder's self-check (:func:`._roi.region_decoder`, which imports PIL) runs
+    The compiled decoder's self-check (:func:`.._roi.region_decoder`, which imports PIL) runs
     here once, so the workers inherit its result instead of each importing PIL: 6 MiB less
     private memory a worker. Then ``gc.freeze()``, CPython's remedy for fork: it moves every
     object the collector tracks out of its reach, so a full collection in a worker does not
@@ -548,7 +548,7 @@ def _freeze() -> bool:
 
 
 def _stop(links: list[_Link], wake) -> None:
-    """Close every socket (workers exit on end-of-file), then one shared deadline for all
+    """Close every socket (workers exit on end-of-file), then one deadline for all
     workers, then SIGTERM the rest, then SIGKILL. Idempotent (finalizer)."""
     for end in [lk.sock for lk in links] + list(wake):
         PARENT_ENDS.pop(end.fileno(), None)
@@ -595,7 +595,7 @@ def private_dirty(pid: int) -> int | None:
 
 
 def default_workers() -> int:
-    """``num_workers=None``: this rank's share of the cores. Under a launcher with several ranks
+    """``num_workers=None``: this rank's part of the cores. Under a launcher with several ranks
     on the node (LOCAL_WORLD_SIZE, Slurm's tasks per node) that all see every core of the machine
     (torchrun binds none), the usable cores divided among them, at least 1; a rank whose cores
     were bound to it (Slurm's per-task binding: fewer usable cores than the machine's) keeps

@@ -102,7 +102,7 @@ def worker_main(
         os._exit(1)
     _send(sock, {"kind": "ready"})
     trim = _malloc_trim()
-    alloc = _batch_files.Allocator() if options.share_batches else None
+    alloc = _batch_files.Allocator() if options.batch_files else None
     while True:
         item = tasks.get()
         if item is None:  # the reader could not allocate a task it received
@@ -124,7 +124,7 @@ def _serve(
     allocated before its first byte is sent, so a failure is reported in place of the result.
     Out of memory is reported without a traceback, after the batch and the exception are
     dropped: the report itself then has memory to be made in. A stacked batch decoded into a
-    memory file (``alloc``, :mod:`._shared`) is sent as the file's descriptor."""
+    memory file (``alloc``, :mod:`._batch_files`) is sent as the file's descriptor."""
     out = head = data = report = fd = masks = None
     where = "while decoding"
     try:

@@ -1,1 +1,1 @@
-"""The GPU backends (nvjpeg, dali, the device tier's pixels) and what they share."""
+"""The GPU backends (nvjpeg, dali, the device tier's pixels) and the helpers they have in common."""

@@ -2,7 +2,7 @@
 
 The graph (:mod:`._dali_graph`) decodes each whole image, applies the orientation the store
 recorded (never DALI's own reading of EXIF), then the plan's crops, resize and flip. Normalization
-and dtype stay with the loader's pixel transforms, which every backend shares.
+and dtype stay with the loader's pixel transforms, the same for every backend.
 
 The encoded bytes go in as zero-copy views of the store (``external_source(no_copy=True)``), kept
 alive until that batch's outputs are back; the plan and the orientation go in as one int32 row

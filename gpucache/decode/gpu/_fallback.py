@@ -1,4 +1,4 @@
-"""Device-agnostic helpers the GPU backends share: split a batch, decode the rest on the CPU, join.
+"""Device-agnostic helpers of both GPU backends: split a batch, decode the rest on the CPU, join.
 
 A GPU decoder takes only what :meth:`JpegCache.gpu_decodable` allows (8-bit Huffman JPEG with 1 or 3
 components); PNG, GIF, WebP, CMYK and arithmetic JPEG go to the CPU path. A sample over the store's

@@ -1,12 +1,12 @@
 """The GPU backends' masks: decoded on threads ahead of the batch, placed on the device unawaited.
 
-A batch's mask PNGs cost 0.2-0.4 ms each to decode (:mod:`._masks`), 50-100 ms for 256 of them:
+A batch's mask PNGs cost 0.2-0.4 ms each to decode (:mod:`.._masks`), 50-100 ms for 256 of them:
 on the training loop's thread that would stall every step. :meth:`MaskStage.submit` splits a
 batch's masks among threads (libpng releases the GIL) as soon as the batch is submitted, so they
 decode beside the images; :meth:`MaskStage.place` then puts them on the device without a host
 synchronisation: a fixed-size batch goes into one host buffer (pinned when the device is CUDA),
 crosses in one ``non_blocking`` copy with its plans, and is gathered there in a constant number of
-ops (:func:`._masks.gather_masks`, its output size read from the host plans, never from the
+ops (:func:`.._masks.gather_masks`, its output size read from the host plans, never from the
 device). A variable-size batch's masks go through their plans on the threads, one copy each.
 
 The nvjpeg backend runs it on its CPU stage's threads and places the masks on its transform

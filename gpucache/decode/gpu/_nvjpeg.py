@@ -20,7 +20,7 @@ step consumes batch k-1; the loader keeps at least three batches in flight
    synchronisations) overlaps another's decoding. torchvision keeps one global decoder behind a
    mutex, so it gets one call a batch on one thread. If a call fails (one corrupt JPEG fails it
    all) its sub-batch is decoded one sample at a time, and what the decoder still rejects goes
-   to the CPU; running out of device memory is never a bad sample (:mod:`._nvjpeg_faults`):
+   to the CPU; running out of device memory is never a bad sample (:mod:`._faults`):
    nvJPEG's own allocator failing (status 5) synchronises the device (the failed call's work
    may still be queued), empties torch's caching allocator and retries the call once, then,
    like any out of memory, raises ``torch.OutOfMemoryError`` with advice;
@@ -82,8 +82,8 @@ log = logging.getLogger(__name__)
 
 
 def default_cpu_threads() -> int:
-    """Threads of the CPU stage (libjpeg-turbo and PIL release the GIL): this rank's share of the
-    cores (:func:`._workers.default_workers`) less two, for the training loop's thread and the
+    """Threads of the CPU stage (libjpeg-turbo and PIL release the GIL): this rank's part of the
+    cores (:func:`..cpu._pool.default_workers`) less two, for the training loop's thread and the
     decode and transform stages, and at least 2. A progressive JPEG costs about 8 ms there."""
     return max(2, default_workers() - 2)
 

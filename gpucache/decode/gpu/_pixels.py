@@ -11,7 +11,7 @@ Two ways, one class:
   pinned buffer and cross in one ``non_blocking`` copy, then the same ops run.
 
 A sample the tier marks as decoded from the store (it failed, or libjpeg warned, at build) is
-decoded on the CPU through :func:`._core.decode_batch` as it would be without the tier, and put
+decoded on the CPU through :func:`.._core.decode_batch` as it would be without the tier, and put
 in its place. Masks follow their images' plans on the host (the tier's size first, nearest
 neighbour) and cross beside them. Device-agnostic: CI runs it on CPU tensors and on the
 emulated GPU; it has not run on a real GPU.

@@ -36,7 +36,7 @@ import torch
 from .._device import normalize_device
 
 #: The priority of gpucache's streams: not the default (0), whose pool of streams torchvision's
-#: decoder and user code share; -1 is the next pool (a higher priority: CUDA's lower numbers).
+#: decoder and user code both use; -1 is the next pool (a higher priority: CUDA's lower numbers).
 STREAM_PRIORITY = -1
 #: Streams torch's pool holds a device and priority (``kStreamsPerPool``).
 POOL_SIZE = 32
@@ -114,12 +114,12 @@ class CudaStreams(HostStreams):
                 if not any(stream == mine for mine in self._mine):
                     break
                 stream = torch.cuda.Stream(self.device, priority=STREAM_PRIORITY)
-            self._mine.append(stream)  # a pool all ours (32 decoders): shared, still in order
+            self._mine.append(stream)  # a pool all ours (32 decoders): reused, still in order
             return stream
 
     @property
     def alloc(self) -> torch.cuda.Stream:
-        """The calling thread's allocation stream (several decoding threads never share one)."""
+        """The calling thread's allocation stream (no two decoding threads have the same one)."""
         stream = getattr(self._local, "alloc", None)
         if stream is None:
             alloc = torch.cuda.Stream(self.device, priority=STREAM_PRIORITY)
