@@ -29,6 +29,7 @@ from ..ingest._sniff import JPEG_KINDS, Kind
 from ..store._decoded import IN_TIER
 from ..store._limits import check_pixels
 from ..store._oom import raise_if_out_of_memory
+from ..store._store import Store
 from ..transforms import apply_steps, batch_generator, elementwise_into, elementwise_prefix
 from . import _masks, _roi, _roi_rst
 from ._jpeg import (  # noqa: F401 - the full JPEG decode, shared with the region decoder's check
@@ -50,17 +51,18 @@ def decode_pil(data: np.ndarray) -> torch.Tensor:
 
     # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
     with Image.open(io.BytesIO(data)) as im:  # type: ignore[arg-type]
-        rgb = eight_bit(ImageOps.exif_transpose(im)).convert("RGB")
+        # ingest/_pixels.py's eight_bit (PIL image in, PIL image out) has no annotations yet
+        rgb = eight_bit(ImageOps.exif_transpose(im)).convert("RGB")  # type: ignore[no-untyped-call]
     return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)
 
 
-def decode_sample(cache, i: int) -> torch.Tensor:
+def decode_sample(cache: Store, i: int) -> torch.Tensor:
     """Sample ``i`` of ``cache`` as RGB uint8 CHW (refused before decoding if over the pixel budget)."""
     check_pixels(cache, i)
     return _decode_full(cache, i, cache.samples["kind"][i])
 
 
-def _decode_full(cache, i: int, kind: int) -> torch.Tensor:
+def _decode_full(cache: Store, i: int, kind: int) -> torch.Tensor:
     """Sample ``i`` decoded in full (libjpeg-turbo for JPEG, PIL otherwise); budget not checked."""
     if kind in JPEG_KINDS:
         return decode_jpeg(cache._bytes_tensor(i))
@@ -140,14 +142,14 @@ class Decoded:
     masks: torch.Tensor | list[torch.Tensor] | None = None
 
 
-def describe(cache, i: int, err: BaseException) -> str:
+def describe(cache: Store, i: int, err: BaseException) -> str:
     return (
         f"sample {i} ({cache.paths[i]}) could not be decoded: {type(err).__name__}: "
         f"{str(err).splitlines()[0] if str(err) else ''}"
     )
 
 
-def check_size(cache, i: int, img: torch.Tensor) -> torch.Tensor:
+def check_size(cache: Store, i: int, img: torch.Tensor) -> torch.Tensor:
     """``img`` if it has the size the header promised (plans were drawn for that size)."""
     expected = (int(cache.samples["height"][i]), int(cache.samples["width"][i]))
     if tuple(img.shape[1:]) != expected:
@@ -162,11 +164,11 @@ def check_size(cache, i: int, img: torch.Tensor) -> torch.Tensor:
 ON_ERROR = ("skip", "raise", "skip_warned")
 
 
-def warned_reason(cache, i: int, warning: str) -> str:
+def warned_reason(cache: Store, i: int, warning: str) -> str:
     return f"sample {i} ({cache.paths[i]}) has corrupt JPEG data (decoded anyway): {warning}"
 
 
-def failure(cache, i: int, err: Exception, on_error: str) -> str:
+def failure(cache: Store, i: int, err: Exception, on_error: str) -> str:
     """The loader's policy for a sample that failed: raise ``SampleError``, or return the reason."""
     if on_error == "raise":
         raise SampleError(describe(cache, i, err)) from err
@@ -192,10 +194,10 @@ class _Sample(NamedTuple):
 
 
 def _decode_box(
-    cache,
+    cache: Store,
     s: _Sample,
     plan: list[int],
-    regions: dict,
+    regions: dict[int, _roi.Region | None],
     denom: int,
     mismatched: list[tuple[int, str]],
 ) -> tuple[torch.Tensor, bool, int]:
@@ -247,7 +249,7 @@ def _decode_box(
 
 
 def decode_batch(
-    cache,
+    cache: Store,
     indices: np.ndarray,
     plans: np.ndarray,
     options: DecodeOptions = DEFAULTS,
@@ -467,7 +469,7 @@ class MaskOptions(NamedTuple):
         return cls(options.mask_fill, getattr(torch, options.mask_dtype))
 
     def apply(
-        self, cache, i: int, plan: Sequence[int], size: tuple[int, int] | None = None
+        self, cache: Store, i: int, plan: Sequence[int], size: tuple[int, int] | None = None
     ) -> torch.Tensor:
         """Sample ``i``'s mask through ``plan``; ``size``: the image's size in the decoded tier,
         to which the mask is first resized (nearest neighbour, the image's scale)."""

@@ -61,4 +61,7 @@ def decode_jpeg(data: torch.Tensor, *, use_torchcodec: bool | None = None) -> to
     from torchvision.io import decode_jpeg as tv_decode_jpeg
 
     quiet_torchvision_deprecation()  # thread-safe: no catch_warnings (see there)
-    return tv_decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
+    # torchvision has no type information (read as Any): one tensor in, one out
+    return cast(
+        torch.Tensor, tv_decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
+    )

@@ -33,8 +33,9 @@ import torch
 
 from ..base._plan import Col
 from ..ingest._masks import decode_mask
-from ..store._masks import MaskKind
+from ..store._masks import MaskKind, Masks
 from ..store._png import check_stored, torchvision_reads
+from ..store._store import Store
 from ..transforms._device import to_device
 from ._jpeg import quiet_torchvision_deprecation
 
@@ -45,7 +46,7 @@ def warm() -> None:
     import torchvision.io  # noqa: F401
 
 
-def mask_dtype(masks) -> torch.dtype:
+def mask_dtype(masks: Masks) -> torch.dtype:
     """The dtype of a store's mask batches: int32 when any mask is 16-bit, else uint8."""
     return torch.int32 if bool((masks.kinds == int(MaskKind.I16)).any()) else torch.uint8
 
@@ -61,11 +62,12 @@ def check_fill(fill: int, dtype: torch.dtype) -> None:
         )
 
 
-def decode_one(cache, i: int, dtype: torch.dtype) -> torch.Tensor:
+def decode_one(cache: Store, i: int, dtype: torch.dtype) -> torch.Tensor:
     """Sample ``i``'s mask as an (H, W) tensor of ``dtype``."""
     from torchvision.io import ImageReadMode, decode_png
 
     masks = cache.masks
+    assert masks is not None, "only a store with masks has a mask to decode"
     expected = (int(masks.heights[i]), int(masks.widths[i]))
     # a record that lies, or a damaged PNG, is refused before any pixel decodes
     check_stored(masks[i], int(masks.kinds[i]), *expected)
@@ -113,7 +115,9 @@ def plan_indices(
     return rows, cols, ok_r, ok_c
 
 
-def _axis(first: int, size: int, resized: int, start: int, n: int, flip: int):
+def _axis(
+    first: int, size: int, resized: int, start: int, n: int, flip: int
+) -> tuple[np.ndarray, np.ndarray]:
     """One axis of :func:`plan_indices` for one sample, in numpy (a per-sample call costs a
     few microseconds, where torch's small ops cost 0.3 ms): source indices and inside flags."""
     out = np.arange(n, dtype=np.int64)

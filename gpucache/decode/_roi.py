@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -59,7 +59,7 @@ class Oriented(NamedTuple):
     orientation: int = 1
 
 
-def clib():
+def clib() -> ctypes.CDLL | None:
     """gpucache's compiled helpers (ctypes), or None when they were not built at install."""
     return _native.lib()
 
@@ -175,7 +175,9 @@ def take_warning() -> str | None:
     return text
 
 
-def _nv_decoder():
+def _nv_decoder() -> tuple[Any, Any]:
+    """This thread's nvImageCodec decoder and decode parameters (nvImageCodec has no type
+    information: its objects are Any here)."""
     pid = os.getpid()
     if getattr(_local, "pid", None) != pid:  # one decoder per thread, never inherited by fork
         n = _nvimgcodec

@@ -23,11 +23,12 @@ from .._native import MISSING, transcode, transcoder_available  # noqa: F401 - t
 from ..ingest._restart import (
     SECTION,
 )  # the store's optional section: int32 restart interval per sample
+from ..store._store import Store
 from ..transforms._orientation import coded_box, orient, steps
 from . import _roi
 
 
-def _load():
+def _load() -> ctypes.CDLL | None:
     return _native.lib()
 
 
@@ -192,7 +193,9 @@ def decode_crop(
         err = ctypes.create_string_buffer(200)
         arr = np.ascontiguousarray(data)
         warned = ctypes.c_int()
-        ret = _load().gc_decode_segments(
+        lib = _load()
+        assert lib is not None  # the compiled region decoder is chosen only where it was built
+        ret = lib.gc_decode_segments(
             arr.ctypes.data,
             len(arr),
             k,
@@ -222,7 +225,7 @@ def decode_crop(
     return orient(part, orientation)
 
 
-def intervals(cache) -> np.ndarray | None:
+def intervals(cache: Store) -> np.ndarray | None:
     """The store's restart interval per sample (int32, MCUs; 0 = none), or None (a plain store).
 
     Kept in the store file's optional section ``rst`` (docs/reference/format.md)."""

@@ -11,6 +11,7 @@ from collections import deque
 import numpy as np
 
 from ...store._oom import raise_if_out_of_memory
+from ...store._store import Store
 from .._base import Backend
 from .._core import Decoded, decode_batch
 from .._options import DecodeOptions
@@ -20,7 +21,7 @@ from ._pool import WorkerPool
 class CpuBackend(Backend):
     name = "cpu"
 
-    def __init__(self, cache, options: DecodeOptions):
+    def __init__(self, cache: Store, options: DecodeOptions):
         self.cache, self.options = cache, options
         self.pool = WorkerPool(cache, options) if options.num_workers > 0 else None
         self._inline: deque[tuple[np.ndarray, np.ndarray, bool, tuple[int, ...]]] = deque()

@@ -100,7 +100,7 @@ def _populate(flat: torch.Tensor) -> None:
 
 
 @functools.cache
-def _libc():
+def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

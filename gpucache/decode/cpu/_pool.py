@@ -38,8 +38,10 @@ import time
 import warnings
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
 
 try:
     import resource
@@ -52,11 +54,13 @@ import torch
 from ..._errors import SampleError, WorkerError
 from ...base._cores import affinity, usable_cores
 from ...store._oom import FIX, raise_if_out_of_memory
+from ...store._store import Store
 from .. import _roi
 from .._core import Decoded, decode_batch
 from .._options import DecodeOptions
 from . import _batch_files
-from ._worker import LEN, PARENT_ENDS, Task, frame, worker_main
+from ._messages import LEN, Message, Task, frame
+from ._worker import PARENT_ENDS, worker_main
 
 log = logging.getLogger(__name__)
 _GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and again after SIGTERM
@@ -70,7 +74,8 @@ _SLICE_MS = 1000  # the longest a wait for a worker sleeps before it checks for 
 class _Link:
     """The parent's end of one worker: process, non-blocking socket, unsent task bytes."""
 
-    def __init__(self, wid: int, proc, sock: socket.socket):
+    def __init__(self, wid: int, proc: BaseProcess, sock: socket.socket):
+        assert proc.pid is not None  # started before its link is made
         self.wid, self.proc, self.sock, self.pid = wid, proc, sock, proc.pid
         self.out: deque[memoryview] = deque()
         self.ready = False
@@ -109,7 +114,7 @@ def _open_files_limit() -> tuple[int, int]:
 class WorkerPool:
     """``num_workers`` persistent decode processes fed round-robin."""
 
-    def __init__(self, cache, options: DecodeOptions):
+    def __init__(self, cache: Store, options: DecodeOptions):
         # batches come back as memory files where there are (not into pinned memory)
         by_file = _batch_files.available() and not options.pin_memory
         options = dataclasses.replace(options, batch_files=by_file)
@@ -166,8 +171,8 @@ class WorkerPool:
             if thaw:
                 gc.unfreeze()
         self._finalizer = weakref.finalize(self, _stop, self._links, self._wake)
-        # (worker, task, indices, (plans, stack, key)): the task, should it be decoded here
-        self._pending: deque[tuple[int, int, np.ndarray, tuple]] = deque()
+        # (worker, task): the task, should it be decoded here
+        self._pending: deque[tuple[int, Task]] = deque()
         self._next = self._task = 0
         self._cv = threading.Condition()
         self._closed, self._active = False, 0
@@ -183,7 +188,7 @@ class WorkerPool:
     def ready(self) -> int:
         """Workers with a result arrived for their oldest task: at most the batches in flight,
         one a worker (a worker's later results queue behind its first)."""
-        socks = {self._links[w].sock for w, _, _, _ in self._pending}
+        socks = {self._links[w].sock for w, _ in self._pending}
         if not socks:
             return 0
         try:
@@ -213,9 +218,10 @@ class WorkerPool:
             self._next = (w + 1) % len(self._links)
             self._task += 1
             link = self._links[w]
-            link.out.append(memoryview(frame(Task(self._task, indices, plans, stack, key))))
+            task = Task(self._task, indices, plans, stack, key)
+            link.out.append(memoryview(frame(task)))
             link.flush()
-            self._pending.append((w, self._task, indices, (plans, stack, key)))
+            self._pending.append((w, task))
 
     def get(self) -> Decoded:
         """The oldest batch; a failure closes the pool and raises ``WorkerError``."""
@@ -232,11 +238,11 @@ class WorkerPool:
             self.get()
 
     def _get(self) -> Decoded:
-        w, task, indices, args = self._pending.popleft()
-        link = self._links[w]
+        w, task = self._pending.popleft()
+        indices, link = task.indices, self._links[w]
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
-            msg = pickle.loads(
+            msg: Message = pickle.loads(
                 self._recv(link, self._header(link, indices, deadline), indices, deadline)
             )
             if msg["kind"] != "ready":
@@ -254,10 +260,10 @@ class WorkerPool:
                 f"{_span(indices)} ({msg['error']}). This is not a bad sample: "
                 f"the worker has too little memory for its batch. Fix: {FIX}."
             )
-        if msg.get("task") != task:
+        if msg.get("task") != task.number:
             raise WorkerError(
                 f"{link} sent the result of task {msg.get('task')} while task "
-                f"{task} was expected (protocol error; please report it)."
+                f"{task.number} was expected (protocol error; please report it)."
             )
         if msg["kind"] == "error":
             if msg["sample_error"]:  # on_error="raise": the same error as without workers
@@ -268,14 +274,14 @@ class WorkerPool:
                 f"{msg['traceback']}"
             )
         shapes = msg["shapes"]
-        dtype = getattr(torch, msg.get("dtype", "uint8"))
+        dtype: torch.dtype = getattr(torch, msg.get("dtype", "uint8"))
         if msg.get("fd"):  # a stacked batch in a memory file: mapped, not copied
             try:
                 fd = self._recv_fd(link, indices, deadline)
             except _DescriptorLost:  # out of descriptors here: the batch is decoded here
                 lost = self._with_masks(self._decoded(msg, w, []), msg, link, indices, deadline)
                 del lost  # its masks were read to keep the link in step; made again below
-                return self._decode_here(indices, *args)
+                return self._decode_here(task)
             try:
                 mapped = _batch_files.attach(fd, msg["nbytes"], dtype, tuple(shapes[0]))
             except (OSError, ValueError) as err:
@@ -301,7 +307,14 @@ class WorkerPool:
             images = [t.view(s) for t, s in zip(buf.split(sizes), shapes)]
         return self._with_masks(self._decoded(msg, w, images), msg, link, indices, deadline)
 
-    def _with_masks(self, out: Decoded, msg: dict, link: _Link, indices, deadline) -> Decoded:
+    def _with_masks(
+        self,
+        out: Decoded,
+        msg: Message,
+        link: _Link,
+        indices: np.ndarray,
+        deadline: float | None,
+    ) -> Decoded:
         """``out`` with the masks whose one buffer follows the batch (``masks`` in its header)."""
         layout = msg.get("masks")
         if layout is None:
@@ -311,7 +324,8 @@ class WorkerPool:
             # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on
             into = memoryview(buf.numpy())  # type: ignore[arg-type]
             self._recv(link, bytes_into=into, indices=indices, deadline=deadline)
-        dtype, shapes = getattr(torch, layout["dtype"]), layout["shapes"]
+        dtype: torch.dtype = getattr(torch, layout["dtype"])
+        shapes = layout["shapes"]
         flat = buf.view(dtype)
         if layout["stacked"]:
             out.masks = flat.view(shapes[0])
@@ -321,7 +335,7 @@ class WorkerPool:
         return out
 
     @staticmethod
-    def _decoded(msg: dict, w: int, images: torch.Tensor | list[torch.Tensor]) -> Decoded:
+    def _decoded(msg: Message, w: int, images: torch.Tensor | list[torch.Tensor]) -> Decoded:
         return Decoded(
             images,
             msg["indices"],
@@ -336,7 +350,7 @@ class WorkerPool:
             rng_state=msg.get("rng_state"),
         )
 
-    def _decode_here(self, indices, plans, stack: bool, key) -> Decoded:
+    def _decode_here(self, task: Task) -> Decoded:
         """A batch decoded in this process (its worker's memory file could not be received),
         with the same plans and seed: the same pixels the worker made. Said once a pool."""
         if not self._warned_fds:
@@ -354,10 +368,12 @@ class WorkerPool:
                 RuntimeWarning,
                 stacklevel=4,
             )
-        log.info("gpucache: decoding samples %s here: no descriptor left", _span(indices))
-        return decode_batch(self.cache, indices, plans, self._options, stack=stack, key=key)
+        log.info("gpucache: decoding samples %s here: no descriptor left", _span(task.indices))
+        return decode_batch(
+            self.cache, task.indices, task.plans, self._options, stack=task.stack, key=task.key
+        )
 
-    def _recv_fd(self, link: _Link, indices, deadline) -> int:
+    def _recv_fd(self, link: _Link, indices: np.ndarray, deadline: float | None) -> int:
         """The memory file a worker sends after a batch's header (:mod:`._batch_files`); raises
         :class:`_DescriptorLost` when this process has no descriptor left to receive it."""
         exited = False
@@ -386,12 +402,14 @@ class WorkerPool:
                 )
             return fds[0]
 
-    def _header(self, link: _Link, indices, deadline) -> memoryview:
+    def _header(self, link: _Link, indices: np.ndarray, deadline: float | None) -> memoryview:
         head = bytearray(LEN.size)
         self._recv(link, memoryview(head), indices, deadline)
         return memoryview(bytearray(LEN.unpack(head)[0]))
 
-    def _recv(self, link: _Link, bytes_into: memoryview, indices, deadline) -> memoryview:
+    def _recv(
+        self, link: _Link, bytes_into: memoryview, indices: np.ndarray, deadline: float | None
+    ) -> memoryview:
         """Fill ``bytes_into`` from ``link``, waiting at most until ``deadline``."""
         got, exited = 0, False
         while got < len(bytes_into):
@@ -412,7 +430,9 @@ class WorkerPool:
             got += n
         return bytes_into
 
-    def _wait(self, link: _Link, indices, deadline, got: int, size: int) -> bool:
+    def _wait(
+        self, link: _Link, indices: np.ndarray, deadline: float | None, got: int, size: int
+    ) -> bool:
         """Wait for data from ``link``, its exit, or close(); flush other workers' tasks meanwhile.
 
         Returns True when the worker's process has exited."""
@@ -452,7 +472,7 @@ class WorkerPool:
                 lk.flush()
         return any(fd == link.proc.sentinel for fd, _ in events)
 
-    def _died(self, link: _Link, indices, got: int, size: int) -> WorkerError:
+    def _died(self, link: _Link, indices: np.ndarray, got: int, size: int) -> WorkerError:
         if self._closed:  # close() from another thread shut the socket under this read
             return WorkerError(
                 f"the worker pool was closed (close() from another thread) while "
@@ -484,7 +504,7 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ shutdown
     @contextmanager
-    def _using(self):
+    def _using(self) -> Iterator[None]:
         with self._cv:
             if self._closed:
                 raise WorkerError(
@@ -547,7 +567,7 @@ def _freeze() -> bool:
     return thaw
 
 
-def _stop(links: list[_Link], wake) -> None:
+def _stop(links: list[_Link], wake: tuple[socket.socket, socket.socket]) -> None:
     """Close every socket (workers exit on end-of-file), then one deadline for all
     workers, then SIGTERM the rest, then SIGKILL. Idempotent (finalizer)."""
     for end in [lk.sock for lk in links] + list(wake):

@@ -1,4 +1,5 @@
-"""The worker-process side of the CPU worker pool (the protocol is described in ``decode/cpu/_pool.py``).
+"""The worker-process side of the CPU worker pool (the protocol: ``_pool.py``, its messages:
+``_messages.py``).
 
 A worker runs two threads: a reader that drains every task the parent sends into a local queue, so
 the parent's sends always make progress, and the main thread that decodes and sends results. The
@@ -21,24 +22,24 @@ import queue
 import random
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
 import traceback
-from typing import NamedTuple
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from ..._errors import OutOfMemory, SampleError, said
 from ...store._oom import is_out_of_memory
+from ...store._store import Store
 from .._core import Decoded, decode_batch
 from .._jpeg import quiet_torchvision_deprecation
 from .._options import DecodeOptions
 from . import _batch_files
+from ._messages import LEN, MaskLayout, Message, Task, frame
 
-LEN = struct.Struct("<Q")  # every message: 8-byte little-endian length, then a pickle
 _PR_SET_PDEATHSIG = 1
 
 # The parent-side sockets of every live pool in this process. A fork child closes all of them at
@@ -46,25 +47,10 @@ _PR_SET_PDEATHSIG = 1
 PARENT_ENDS: dict[int, socket.socket] = {}
 
 
-class Task(NamedTuple):
-    """One batch for a worker, as the pool sends it (pickled in one frame)."""
-
-    number: int  # the pool's count of tasks sent, which its result carries back
-    indices: np.ndarray
-    plans: np.ndarray
-    stack: bool
-    key: tuple[int, ...]  # the batch's (seed, epoch, batch[, rank]): its steps' generator
-
-
-def frame(obj) -> bytes:
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return LEN.pack(len(payload)) + payload
-
-
 def worker_main(
     wid: int,
     sock: socket.socket,
-    cache,
+    cache: Store,
     options: DecodeOptions,
     parent_pid: int,
     start_method: str,
@@ -78,7 +64,7 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a handler inherited from the parent
     sock.setblocking(True)
-    tasks: queue.SimpleQueue = queue.SimpleQueue()
+    tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
     threading.Thread(
         target=_read_tasks, args=(sock, tasks), name="gpucache-reader", daemon=True
     ).start()
@@ -115,7 +101,7 @@ def worker_main(
 
 def _serve(
     sock: socket.socket,
-    cache,
+    cache: Store,
     task: Task,
     options: DecodeOptions,
     alloc: _batch_files.Allocator | None,
@@ -174,7 +160,7 @@ def _serve(
         _send_bytes(sock, b"", masks)
 
 
-def _no_memory(task: int | None, where: str, detail: str) -> dict:
+def _no_memory(task: int | None, where: str, detail: str) -> Message:
     return {"kind": "error", "task": task, "memory": True, "where": where, "error": detail}
 
 
@@ -182,7 +168,7 @@ def _no_memory(task: int | None, where: str, detail: str) -> dict:
 _NO_ROOM = frame(_no_memory(None, "(too little memory left to say where)", "MemoryError"))
 
 
-def _report(sock: socket.socket, msg: dict) -> None:
+def _report(sock: socket.socket, msg: Message) -> None:
     try:
         payload = frame(msg)
     except MemoryError:
@@ -204,7 +190,7 @@ def _setup(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _malloc_trim():
+def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, or None (another C library; ``benchmarks/worker_memory.py``
     patches this function to measure a worker without it).
 
@@ -239,7 +225,7 @@ def _die_with_parent(parent_pid: int, start_method: str, armed: bool) -> None:
         os._exit(0)  # the parent died before the signal was armed
 
 
-def _read_tasks(sock: socket.socket, tasks: queue.SimpleQueue) -> None:
+def _read_tasks(sock: socket.socket, tasks: queue.SimpleQueue[Task | None]) -> None:
     """Drain tasks as they come; end-of-file means the pool was closed or the parent died."""
     head = bytearray(LEN.size)
     try:
@@ -266,7 +252,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def _send(sock: socket.socket, msg: dict, data: memoryview | None = None) -> None:
+def _send(sock: socket.socket, msg: Message, data: memoryview | None = None) -> None:
     _send_bytes(sock, frame(msg), data)
 
 
@@ -335,7 +321,7 @@ def _result(
     return head, memoryview(flat.numpy()), None  # type: ignore[arg-type]
 
 
-def _mask_layout(masks: torch.Tensor | list[torch.Tensor]) -> dict:
+def _mask_layout(masks: torch.Tensor | list[torch.Tensor]) -> MaskLayout:
     """How the masks' one buffer is laid out: stacked or not, shapes, dtype, bytes."""
     if isinstance(masks, torch.Tensor):
         shapes, dtype = [tuple(masks.shape)], masks.dtype

@@ -105,8 +105,10 @@ def torchvision_decoder(device: torch.device) -> BatchDecoder:
 
     def decode(data: list[torch.Tensor]) -> list[torch.Tensor]:
         quiet_torchvision_deprecation()  # thread-safe, unlike catch_warnings (see there)
-        return decode_jpeg(
-            data, mode=ImageReadMode.RGB, device=device, apply_exif_orientation=False
+        # torchvision has no type information (read as Any): a list in, a list out
+        return cast(
+            list[torch.Tensor],
+            decode_jpeg(data, mode=ImageReadMode.RGB, device=device, apply_exif_orientation=False),
         )
 
     return make_decoder("torchvision", device, decode, applies_exif=False)

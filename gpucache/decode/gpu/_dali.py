@@ -26,18 +26,20 @@ import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 try:
-    from nvidia.dali.pipeline import Pipeline
+    from nvidia.dali.tensors import TensorListCPU, TensorListGPU
 except ImportError as err:  # pragma: no cover - depends on what is installed
     raise ImportError(
         "backend='dali' needs NVIDIA DALI: pip install nvidia-dali-cuda120 (a "
         "clone's extra: pip install -e '.[dali]'), or use backend='nvjpeg' or 'cpu'."
     ) from err
 
+from ...store._store import Store
 from .._base import Backend
 from .._core import ON_ERROR, Decoded, MaskOptions, out_size
 from .._device import normalize_device
@@ -48,6 +50,21 @@ from ._mask_stage import MaskStage, PendingMasks
 from ._streams import consumer_stream
 
 log = logging.getLogger(__name__)
+
+
+class _Pipe(Protocol):
+    """What this backend calls of the graph's DALI ``Pipeline`` (DALI leaves these methods
+    unannotated)."""
+
+    def build(self) -> None: ...
+
+    def feed_input(self, data_node: str, data: list[np.ndarray] | np.ndarray) -> None: ...
+
+    def schedule_run(self) -> None: ...
+
+    def outputs(
+        self, cuda_stream: torch.cuda.Stream | None = None
+    ) -> tuple[TensorListCPU | TensorListGPU, ...]: ...
 
 
 @dataclass
@@ -67,7 +84,7 @@ class DaliBackend(Backend):
 
     def __init__(
         self,
-        cache,
+        cache: Store,
         *,
         device: torch.device,
         options: DecodeOptions = DEFAULTS,
@@ -96,7 +113,7 @@ class DaliBackend(Backend):
         self.hw_decoder_load = hw_decoder_load
         self.device = normalize_device(device)  # cuda -> cuda:<current>, as for every backend
         self._queue: deque[_Batch] = deque()
-        self._pipe: Pipeline | None = None
+        self._pipe: _Pipe | None = None
         self._closed = False
         # masks are decoded on threads of their own from submit() on, never on the caller's
         # (the training loop's) thread, and placed on the device in get() without a host sync
@@ -120,11 +137,11 @@ class DaliBackend(Backend):
     def _graph_on_gpu(self) -> bool:
         return self.device.type == "cuda"
 
-    def _pipeline(self) -> Pipeline:
+    def _pipeline(self) -> _Pipe:
         if self._pipe is not None:
             return self._pipe
         gpu = self._graph_on_gpu()  # the only CUDA-specific lines of this backend
-        pipe = _dali_graph.define(
+        pipe: _Pipe = _dali_graph.define(
             gpu=gpu,
             device_id=self.device.index if gpu else None,
             batch_size=self.batch_size,
@@ -312,8 +329,8 @@ class DaliBackend(Backend):
         """Drop queued batches; what DALI has in flight is collected and thrown away."""
         try:
             for b in self._queue:
-                if b.views is not None:
-                    (_,) = self._pipe.outputs()  # type: ignore[union-attr]
+                if b.views is not None and self._pipe is not None:  # in flight on it
+                    (_,) = self._pipe.outputs()
         except RuntimeError:
             self._reset()
         for b in self._queue:

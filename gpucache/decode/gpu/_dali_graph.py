@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 from nvidia.dali import fn, types
+from nvidia.dali.data_node import DataNode
 from nvidia.dali.pipeline import Pipeline, pipeline_def
 
 from ...base._plan import AFTER_BOX1, Col
@@ -59,7 +60,9 @@ ROW = (
 _PIXELS: dict[str, Any] = dict(axis_names="HW", normalized_anchor=False, normalized_shape=False)
 
 
-def rows(plans: np.ndarray, orientation: np.ndarray, height: np.ndarray, width: np.ndarray):
+def rows(
+    plans: np.ndarray, orientation: np.ndarray, height: np.ndarray, width: np.ndarray
+) -> np.ndarray:
     """The graph's rows for ``plans`` (N x 11) of samples whose store records give ``orientation``
     and the ``height`` x ``width`` as displayed (orientation applied).
 
@@ -80,7 +83,7 @@ def rows(plans: np.ndarray, orientation: np.ndarray, height: np.ndarray, width: 
 
 
 @pipeline_def(enable_conditionals=True)
-def _graph(gpu: bool, hw_decoder_load: float, fill: int):
+def _graph(gpu: bool, hw_decoder_load: float, fill: int) -> DataNode:
     enc = fn.external_source(name="enc", dtype=types.DALIDataType.UINT8, ndim=1, no_copy=True)
     row = fn.external_source(name="plan", dtype=types.DALIDataType.INT32, ndim=1)
     decoder: dict[str, Any] = (

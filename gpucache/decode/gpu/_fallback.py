@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ...store._limits import check_pixels
+from ...store._store import Store
 from ...transforms._device import to_device
 from .._core import Decoded, decode_batch, failure
 from .._options import DecodeOptions
@@ -30,7 +31,9 @@ Result = torch.Tensor | str
 Part = tuple[np.ndarray, Sequence[Result] | torch.Tensor, bool]
 
 
-def split(cache, indices: np.ndarray, *, on_error: str) -> tuple[np.ndarray, np.ndarray, Part]:
+def split(
+    cache: Store, indices: np.ndarray, *, on_error: str
+) -> tuple[np.ndarray, np.ndarray, Part]:
     """Positions the GPU decoder may take, those that must go to the CPU, and the refused part.
 
     A sample over the pixel budget is refused before any decoder sees it (``SampleError`` when
@@ -54,7 +57,7 @@ def split(cache, indices: np.ndarray, *, on_error: str) -> tuple[np.ndarray, np.
 
 
 def decode_on_cpu(
-    cache,
+    cache: Store,
     indices: np.ndarray,
     plans: np.ndarray,
     positions: Iterable[int],
@@ -140,7 +143,7 @@ def join(
     failed = [(int(indices[p]), r) for p, r in enumerate(filled) if not isinstance(r, torch.Tensor)]
     kept_indices = np.asarray(indices, dtype=np.int64)[kept]
     if not stack:
-        images = [to_device(slots[p], device) for p in kept]  # type: ignore[arg-type]
+        images = [to_device(r, device) for r in filled if isinstance(r, torch.Tensor)]
         return Decoded(images, kept_indices, failed, cpu_decoded)
     if not kept:
         return Decoded(

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ...base._plan import Col
+from ...store._store import Store
 from ...store._targets import kept_rows
 from ...transforms._device import to_device
 from .. import _masks
@@ -69,7 +70,7 @@ class MaskStage:
 
     def __init__(
         self,
-        cache,
+        cache: Store,
         *,
         fill: int,
         dtype: torch.dtype,
@@ -77,7 +78,10 @@ class MaskStage:
         pool: Executor | None,
         chunks: int,
     ) -> None:
+        if cache.masks is None:
+            raise ValueError("a mask stage needs a store with masks (build it with masks=)")
         self.cache, self.fill, self.dtype, self.device = cache, fill, dtype, device
+        self.masks = cache.masks
         self.pool, self.chunks = pool, max(1, chunks)
 
     def _run(self, work: Callable[[], None]) -> Future[None]:
@@ -89,7 +93,7 @@ class MaskStage:
         plans = np.asarray(plans)
         cut = np.array_split(np.arange(len(idx)), min(self.chunks, len(idx))) if len(idx) else []
         if stack:
-            m = self.cache.masks
+            m = self.masks
             hmax = int(m.heights[idx].max()) if len(idx) else 0
             wmax = int(m.widths[idx].max()) if len(idx) else 0
             pinned = self.device.type == "cuda"  # one pinned buffer, one non_blocking copy

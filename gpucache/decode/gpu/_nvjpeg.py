@@ -49,11 +49,13 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from ...ingest._sniff import Kind
+from ...store._store import Store
 from ...transforms._chunks import BUDGET_BYTES, Scratch
 from ...transforms._orientation import orient, steps
 from ...transforms._resample import resample
@@ -76,7 +78,7 @@ from ._batched import BatchDecoder, applies_exif, default_decoder, sub_batches
 from ._fallback import Part, Result, decode_on_cpu, join, split, stage_times
 from ._faults import allocator_failure, raise_if_broken, raise_if_out_of_memory
 from ._mask_stage import MaskStage, PendingMasks
-from ._streams import CudaStreams, HostStreams
+from ._streams import CudaStreams, HostStreams, Ready
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +93,16 @@ def default_cpu_threads() -> int:
 @dataclass
 class _Done:
     decoded: Decoded
-    event: object | None  # the side stream's event after the batch (None without streams)
+    event: torch.cuda.Event | None  # the side stream's event after the batch (None without streams)
 
 
 #: One chunk of a batch's CPU stage: its results and the seconds it took.
 _Chunk = tuple[list[Result], float]
 #: The decode stage's outputs (or why each failed) and what marks them written.
-_Decoding = tuple[list[torch.Tensor | Exception], object]
+_Outputs = tuple[list[torch.Tensor | Exception], Ready]
+#: A stage's future: a CPU chunk's, the decode's, the transform's, a mask chunk's.
+_Stage = Future[_Chunk] | Future[_Outputs] | Future[_Done] | Future[None]
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -117,19 +122,22 @@ class _Batch:
 class _Job:
     """One submitted batch: its three stages' futures (or results, unthreaded)."""
 
-    cpu: list[Future] | list[tuple[list[Result], float]]  # per chunk: results, seconds
-    # (outputs, ready event); [] in a job whose submit failed
-    gpu: Future | tuple[list[torch.Tensor | Exception], object] | list[object]
-    done: Future | _Done
+    cpu: list[Future[_Chunk]] | list[_Chunk]  # per chunk: results, seconds
+    gpu: Future[_Outputs] | _Outputs | None  # None in a job whose submit failed
+    done: Future[_Done] | _Done
     masks: PendingMasks | None = None  # the batch's masks, decoded on the CPU stage's threads
 
-    def futures(self) -> list[Future]:
+    def futures(self) -> list[_Stage]:
         masks = self.masks.futures if self.masks is not None else []
         return [f for f in (self.done, self.gpu, *self.cpu, *masks) if isinstance(f, Future)]
 
 
-def _result(x):
-    return x.result() if isinstance(x, Future) else x
+def _result(x: Future[_T] | _T) -> _T:
+    """A stage's result: its future's (threaded), or the result itself (run inline)."""
+    if isinstance(x, Future):
+        done: _T = x.result()
+        return done
+    return x
 
 
 class NvjpegBackend(Backend):
@@ -137,7 +145,7 @@ class NvjpegBackend(Backend):
 
     def __init__(
         self,
-        cache,
+        cache: Store,
         *,
         device: torch.device,
         options: DecodeOptions = DEFAULTS,
@@ -167,7 +175,7 @@ class NvjpegBackend(Backend):
         )
         kinds = cache.samples["kind"]
         # progressive JPEGs go to the CPU stage: nvJPEG Huffman-decodes them on the host anyway
-        self._gpu_mask = cache.gpu_decodable() & (kinds != Kind.JPEG_PROGRESSIVE)
+        self._gpu_mask: np.ndarray = cache.gpu_decodable() & (kinds != Kind.JPEG_PROGRESSIVE)
         # the transform stage's work buffer (its one thread and stream), within the stage's
         # fixed budget whatever the GPU's size
         self._scratch = Scratch(BUDGET_BYTES)
@@ -256,8 +264,8 @@ class NvjpegBackend(Backend):
         return out, time.perf_counter() - t0
 
     def _decode_stage(
-        self, indices: np.ndarray, positions: np.ndarray, took: dict
-    ) -> tuple[list[torch.Tensor | Exception], object]:
+        self, indices: np.ndarray, positions: np.ndarray, took: dict[str, float]
+    ) -> _Outputs:
         """Batched decode of ``indices[positions]``: the outputs (or why each failed), in
         order, and what marks them written: the event of the one call (None off CUDA), or
         with several decoders a list of them, one a sub-batch. With ``decoders`` > 1 the
@@ -291,7 +299,7 @@ class NvjpegBackend(Backend):
 
     def _decode_part(
         self, indices: np.ndarray, positions: np.ndarray
-    ) -> tuple[list[torch.Tensor | Exception], object, tuple[float, float, float]]:
+    ) -> tuple[list[torch.Tensor | Exception], torch.cuda.Event | None, tuple[float, float, float]]:
         """One decoder call on ``indices[positions]`` under this thread's allocation stream:
         the outputs (or why each failed), the event that marks them written (None off CUDA),
         and the times it started, read the store's views and returned."""
@@ -350,7 +358,7 @@ class NvjpegBackend(Backend):
     def _transform_stage(
         self,
         batch: _Batch,
-        gpu: Future[_Decoding] | _Decoding,
+        gpu: Future[_Outputs] | _Outputs,
         cpu: list[Future[_Chunk]] | list[_Chunk],
         masks: PendingMasks | None = None,
     ) -> _Done:
@@ -400,7 +408,7 @@ class NvjpegBackend(Backend):
         plans: np.ndarray,
         stack: bool,
         positions: np.ndarray,
-        images: list,
+        images: list[torch.Tensor | Exception],
     ) -> list[Part]:
         """The decoded samples' plans (one batched call when ``stack``); samples the decoder
         rejected try the CPU, and a decoded size that differs from the header fails the sample."""
@@ -479,9 +487,9 @@ class NvjpegBackend(Backend):
         try:
             gpu_ok, cpu_ok, refused = split(self.cache, indices, on_error=self.on_error)
         except Exception as err:  # noqa: BLE001 - raised at get(), in batch order
-            failed: Future = Future()
+            failed: Future[_Done] = Future()
             failed.set_exception(err)
-            self._pending.append(_Job([], [], failed))
+            self._pending.append(_Job([], None, failed))
             return
         on_gpu = self._gpu_mask[indices[gpu_ok]]
         gpu_pos, cpu_pos = gpu_ok[on_gpu], np.sort(np.concatenate([cpu_ok, gpu_ok[~on_gpu]]))

@@ -27,6 +27,7 @@ import torch
 
 from ...store._decoded import IN_TIER, DecodedPixels
 from ...store._readonly import tensor_over
+from ...store._store import Store
 from ...transforms._chunks import BUDGET_BYTES, Scratch
 from ...transforms._resample import resample
 from .._base import Backend
@@ -40,7 +41,7 @@ class PixelBackend(Backend):
 
     def __init__(
         self,
-        cache,
+        cache: Store,
         pixels: DecodedPixels,
         *,
         device: torch.device,

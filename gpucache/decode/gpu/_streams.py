@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable
+from types import TracebackType
 
 import torch
 
@@ -40,9 +41,12 @@ from .._device import normalize_device
 STREAM_PRIORITY = -1
 #: Streams torch's pool holds a device and priority (``kStreamsPerPool``).
 POOL_SIZE = 32
+#: What marks a decoder's outputs written: the event of its one call, one event a sub-batch
+#: when several threads decoded them, or None (decoded on the calling thread, or no streams).
+Ready = torch.cuda.Event | list[torch.cuda.Event] | None
 
 
-def consumer_stream(device: torch.device):
+def consumer_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The calling thread's current stream *of ``device``* (not of the current device), where
     torch queues work on that device's tensors; None off CUDA."""
     if device.type != "cuda":
@@ -68,7 +72,7 @@ class HostStreams:
     def __init__(self, device: torch.device):
         self.device = normalize_device(device)
 
-    def on_side(self):
+    def on_side(self) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
 
     def decoding(self) -> _Decoding:
@@ -76,7 +80,7 @@ class HostStreams:
         for (None here: no streams)."""
         return _Decoding(None)
 
-    def adopt(self, tensors: Iterable[torch.Tensor], ready=None) -> None:
+    def adopt(self, tensors: Iterable[torch.Tensor], ready: Ready = None) -> None:
         """Decoder outputs are used on the side stream from now on (``ready``: the
         :meth:`decoding` block's event when the outputs were decoded on another thread, or a
         list of them, one a sub-batch, when several threads decoded them)."""
@@ -89,7 +93,7 @@ class HostStreams:
         give the memory torch's caching allocator holds unused back to the device (for a
         decoder that allocates outside it, such as nvJPEG); nothing off CUDA."""
 
-    def hand_over(self, event, tensors: Iterable[torch.Tensor]) -> None:
+    def hand_over(self, event: torch.cuda.Event | None, tensors: Iterable[torch.Tensor]) -> None:
         check_on_device(tensors, self.device)
 
 
@@ -126,7 +130,7 @@ class CudaStreams(HostStreams):
             stream = self._local.alloc = self._distinct(alloc)
         return stream
 
-    def on_side(self):
+    def on_side(self) -> contextlib.AbstractContextManager[object]:
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.device(self.device))
         stack.enter_context(torch.cuda.stream(self.side))
@@ -141,7 +145,7 @@ class CudaStreams(HostStreams):
         kernel still uses them. After the block, ``ready`` is an event recorded on that stream."""
         return _Decoding(self.alloc, barrier=self.alloc)
 
-    def adopt(self, tensors: Iterable[torch.Tensor], ready=None) -> None:
+    def adopt(self, tensors: Iterable[torch.Tensor], ready: Ready = None) -> None:
         if ready is None:  # decoded on this thread, under its allocation stream
             self.side.wait_stream(self.alloc)
         else:  # decoded on other threads, each under its own stream: one event, or one a part
@@ -166,8 +170,9 @@ class CudaStreams(HostStreams):
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    def hand_over(self, event, tensors: Iterable[torch.Tensor]) -> None:
+    def hand_over(self, event: torch.cuda.Event | None, tensors: Iterable[torch.Tensor]) -> None:
         consumer = consumer_stream(self.device)  # the backend's device, not the current one
+        assert consumer is not None and event is not None  # a CUDA device; record() made it
         consumer.wait_event(event)
         for t in check_on_device(tensors, self.device):
             t.record_stream(consumer)
@@ -177,10 +182,12 @@ class _Decoding:
     """``with streams.decoding() as d:`` runs the decoder under ``stream``, after synchronising
     ``barrier``; afterwards ``d.ready`` is an event recorded on ``stream`` (None without one)."""
 
-    def __init__(self, stream, *, barrier=None) -> None:
+    def __init__(
+        self, stream: torch.cuda.Stream | None, *, barrier: torch.cuda.Stream | None = None
+    ) -> None:
         self.stream, self.barrier = stream, barrier
         self.ready: torch.cuda.Event | None = None
-        self._context: contextlib.AbstractContextManager = contextlib.nullcontext()
+        self._context: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
 
     def __enter__(self) -> _Decoding:
         if self.barrier is not None:
@@ -190,8 +197,13 @@ class _Decoding:
         self._context.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._context.__exit__(*exc)
-        if self.stream is not None and exc[0] is None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        err: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._context.__exit__(kind, err, tb)
+        if self.stream is not None and kind is None:
             self.ready = torch.cuda.Event()
             self.ready.record(self.stream)
