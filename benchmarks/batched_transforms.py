@@ -52,8 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._record import timed, write_json  # noqa: E402
 from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
-from gpucache.decode._core import apply_plan, decode_batch, decode_sample  # noqa: E402
+from gpucache.decode._apply import apply_plan  # noqa: E402
+from gpucache.decode._core import decode_batch  # noqa: E402
 from gpucache.decode._options import DecodeOptions  # noqa: E402
+from gpucache.decode._sample import decode_sample  # noqa: E402
 from gpucache.decode.gpu._batched import make_decoder, torchvision_decoder  # noqa: E402
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend  # noqa: E402
 from gpucache.testing import cached_jpeg_folder  # noqa: E402

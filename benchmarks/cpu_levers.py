@@ -47,8 +47,10 @@ def main() -> None:
     from gpucache import JpegCache
     from gpucache import transforms as T
     from gpucache.decode import _roi, _roi_rst
-    from gpucache.decode._core import apply_plan, decode_batch, decode_sample
+    from gpucache.decode._apply import apply_plan
+    from gpucache.decode._core import decode_batch
     from gpucache.decode._options import DecodeOptions
+    from gpucache.decode._sample import decode_sample
     from gpucache.ingest._restart import restart_store
 
     cache = JpegCache.from_folder(args.src, progress=False)

@@ -49,7 +49,7 @@ def main() -> None:
     from gpucache import JpegCache
     from gpucache import transforms as T
     from gpucache.base._plan import AFTER_BOX1
-    from gpucache.decode import _core
+    from gpucache.decode import _apply, _core, _sample
     from gpucache.decode._options import DecodeOptions
     from gpucache.testing import make_jpeg_folder
 
@@ -117,7 +117,7 @@ def main() -> None:
     crops = []
     for idx, plans in batches[:2]:
         for i, plan in zip(idx.tolist(), plans.tolist()):
-            img = _core.decode_sample(cache, i)
+            img = _sample.decode_sample(cache, i)
             t1, l1, h1, w1 = plan[:4]
             crops.append((img[:, t1 : t1 + h1, l1 : l1 + w1].contiguous(), plan))
     scale = (1 / 255) / torch.tensor(STD).view(3, 1, 1)
@@ -126,7 +126,7 @@ def main() -> None:
 
     def uint8_resize():
         for k, (x, rest) in enumerate(crops):
-            y = _core.finish_plan(x, rest)
+            y = _apply.finish_plan(x, rest)
             torch.addcmul(bias, y, scale, out=out[k])
 
     def float_resize():

@@ -84,11 +84,9 @@ from gpucache import GpuCachedLoader, JpegCache  # noqa: E402
 from gpucache import transforms as T  # noqa: E402
 from gpucache.decode import dali_available  # noqa: E402
 from gpucache.decode._base import GPU_IN_FLIGHT  # noqa: E402
-from gpucache.decode._core import (  # noqa: E402
-    decode_batch,
-    quiet_torchvision_deprecation,
-)
+from gpucache.decode._core import decode_batch  # noqa: E402
 from gpucache.decode._device import normalize_device  # noqa: E402
+from gpucache.decode._jpeg import quiet_torchvision_deprecation  # noqa: E402
 from gpucache.decode._options import DEFAULTS, DecodeOptions  # noqa: E402
 from gpucache.decode.gpu._batched import default_decoder, torchvision_decoder  # noqa: E402
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend  # noqa: E402

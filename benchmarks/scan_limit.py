@@ -41,7 +41,7 @@ import torch
 from PIL import Image
 
 from benchmarks._record import run_line, timed
-from gpucache.decode._core import decode_jpeg
+from gpucache.decode._jpeg import decode_jpeg
 from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, sniff
 from gpucache.store._jpeg import ARITHMETIC_WEIGHT, WORK_PER_PIXEL
 from gpucache.store._limits import DEFAULT_MAX_PIXELS, over_work, work_budget

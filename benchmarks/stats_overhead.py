@@ -68,7 +68,8 @@ def code_cost(store: str, batch: int) -> dict:
     import numpy as np
 
     from gpucache import JpegCache
-    from gpucache.decode._core import Decoded, touch_pages
+    from gpucache.decode._outcome import Decoded
+    from gpucache.decode._timing import touch_pages
     from gpucache.loader._stats import LoaderStats
 
     cache = JpegCache.open(store)

@@ -17,8 +17,8 @@ apart agree: a worker that has just run out of tasks may still be handing memory
 after every batch of epochs 2-4 (busy). At rest after epochs 4 and 10 it is split by mapping
 (``/proc/PID/smaps``). The configurations switch the worker pool's memory measures off and on
 one at a time: the decoder's self-check in the parent before the fork
-(``cpu._pool._check_decoder``), malloc_trim when a worker runs out of tasks
-(``cpu._worker._malloc_trim``), ``gc.freeze()`` before the fork (``cpu._pool._freeze``), each
+(``cpu._procs._check_decoder``), malloc_trim when a worker runs out of tasks
+(``cpu._worker._malloc_trim``), ``gc.freeze()`` before the fork (``cpu._procs._freeze``), each
 switched off by patching that function;
 two more run a full ``gc.collect()`` in each worker's ``worker_init_fn`` with and without them.
 Every batch is checked: uint8 (n, 3, 224, 224), n labels, every sample once an epoch.
@@ -77,7 +77,7 @@ SCENARIOS = ["none", "workers", "workers+parent", "program froze"]
 # ------------------------------------------------------------------------------ measuring
 def private_dirty(pid: int) -> int:
     """What ``loader.stats.worker_private`` reads (the library's reader), for a live process."""
-    from gpucache.decode.cpu._pool import private_dirty as read
+    from gpucache.decode.cpu._procs import private_dirty as read
 
     size = read(pid)
     if size is None:
@@ -175,7 +175,7 @@ def _no_thaw() -> bool:
 def _switch(*, check: bool = True, trim: bool = True, freeze: bool = True) -> None:
     """Switch the worker pool's memory measures off by patching the functions that take them
     (in this benchmark's own process; fork workers inherit the patches)."""
-    import gpucache.decode.cpu._pool as wk
+    import gpucache.decode.cpu._procs as wk
     import gpucache.decode.cpu._worker as wm
 
     if not check:

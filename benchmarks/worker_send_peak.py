@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from benchmarks._record import run_line
-from gpucache.decode._core import Decoded
+from gpucache.decode._outcome import Decoded
 from gpucache.decode.cpu._worker import _result
 from gpucache.testing._memory import reset_peak_rss, status_bytes
 

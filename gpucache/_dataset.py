@@ -20,7 +20,8 @@ from typing import Any, Literal
 import numpy as np
 from torch.utils.data import Dataset
 
-from .decode._core import check_size, decode_sample
+from .decode._outcome import check_size
+from .decode._sample import decode_sample
 from .store._store import Store
 from .store._targets import dense_targets, ragged_targets
 

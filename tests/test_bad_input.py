@@ -91,7 +91,7 @@ def test_odd_jpegs_decode_to_rgb(bad_folder):
     """CMYK, grayscale, progressive, EXIF-rotated and PNG-named-.jpg all come out RGB uint8."""
     from PIL import Image, ImageOps
 
-    from gpucache.decode._core import decode_sample
+    from gpucache.decode._sample import decode_sample
 
     cache = JpegCache.from_files(sorted(bad_folder["cases"]), progress=False)
     for i, path in enumerate(cache.paths):

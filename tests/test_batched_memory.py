@@ -9,8 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpucache import JpegCache
 from gpucache import transforms as T
-from gpucache.decode._core import apply_plan, decode_sample
+from gpucache.decode._apply import apply_plan
 from gpucache.decode._options import DecodeOptions
+from gpucache.decode._sample import decode_sample
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes
 from gpucache.transforms._chunks import BUDGET_BYTES, Scratch, flops

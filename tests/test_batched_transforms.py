@@ -8,7 +8,8 @@ import torch
 from benchmarks.batched_transforms import count_ops, float_plan
 from gpucache import JpegCache
 from gpucache import transforms as T
-from gpucache.decode._core import apply_plan, decode_sample
+from gpucache.decode._apply import apply_plan
+from gpucache.decode._sample import decode_sample
 from gpucache.transforms._orientation import orient
 from gpucache.transforms._resample import resample
 

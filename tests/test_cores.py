@@ -7,7 +7,7 @@ import os
 import pytest
 
 from gpucache.base import _cores
-from gpucache.decode.cpu._pool import default_workers
+from gpucache.decode.cpu._procs import default_workers
 from gpucache.ingest._pipeline import default_threads as read_threads
 from gpucache.store._checksum import default_threads as check_threads
 

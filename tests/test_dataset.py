@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpucache import JpegCache, JpegDataset
-from gpucache.decode._core import decode_sample
+from gpucache.decode._sample import decode_sample
 from gpucache.testing import make_jpeg_folder
 
 REPO = Path(__file__).resolve().parent.parent

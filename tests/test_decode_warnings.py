@@ -102,7 +102,7 @@ def test_unknown_policy_is_refused(store):
 def test_damaged_scan_decodes_to_different_pixels(store):
     """The report matters: the damaged sample's pixels really are wrong."""
     good = JpegCache.from_files([store.paths[0]], progress=False)
-    from gpucache.decode._core import decode_sample
+    from gpucache.decode._sample import decode_sample
 
     bad = decode_sample(store, 2)
     ref = torch.from_numpy(natural_image(96, 64, seed=2)).permute(2, 0, 1)
@@ -113,7 +113,7 @@ def test_damaged_scan_decodes_to_different_pixels(store):
 def _decode_in_a_loop(data: bytes, stop: threading.Event, decoded: threading.Semaphore) -> None:
     """Decode with torchvision's decoders, as the nvjpeg backend's threads do, until told;
     release ``decoded`` after each decode."""
-    from gpucache.decode._core import decode_jpeg
+    from gpucache.decode._jpeg import decode_jpeg
     from gpucache.decode.gpu._batched import torchvision_decoder
 
     tv = torchvision_decoder(torch.device("cpu"))

@@ -21,7 +21,7 @@ import torch
 
 from benchmarks import gpu_check
 from gpucache.decode import dali_available
-from gpucache.decode._core import Decoded
+from gpucache.decode._outcome import Decoded
 from gpucache.decode.gpu._batched import make_decoder
 from gpucache.decode.gpu._nvjpeg import NvjpegBackend
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder

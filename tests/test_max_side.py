@@ -13,7 +13,7 @@ from PIL import Image, ImageOps
 
 from gpucache import JpegCache, Kind
 from gpucache.cli import main as cli_main
-from gpucache.decode._core import decode_sample
+from gpucache.decode._sample import decode_sample
 from gpucache.ingest._resize import QUALITY, max_side_of, resized
 from gpucache.testing import make_jpeg_bytes, natural_image
 

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from gpucache import JpegCache
-from gpucache.decode._core import decode_sample
+from gpucache.decode._sample import decode_sample
 from gpucache.ingest._resize import Budget, Reencode, resized
 from gpucache.ingest._sniff import sniff
 from gpucache.testing import make_jpeg_bytes

@@ -419,7 +419,7 @@ def test_non_utf8_bytes_in_a_string_table_read_back_losslessly(small_store, tmp_
 _TRUNCATE = textwrap.dedent("""
     import os, sys
     from gpucache import CacheFormatError, JpegCache
-    from gpucache.decode._core import decode_sample
+    from gpucache.decode._sample import decode_sample
 
     cache = JpegCache.open(sys.argv[1])
     n = len(cache)

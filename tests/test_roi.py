@@ -17,8 +17,11 @@ from PIL import Image
 
 from gpucache import JpegCache
 from gpucache.decode import _roi, _roi_rst
-from gpucache.decode._core import apply_plan, decode_batch, decode_jpeg, decode_sample
+from gpucache.decode._apply import apply_plan
+from gpucache.decode._core import decode_batch
+from gpucache.decode._jpeg import decode_jpeg
 from gpucache.decode._options import DecodeOptions
+from gpucache.decode._sample import decode_sample
 from gpucache.ingest._restart import restart_store
 from gpucache.testing import natural_image
 

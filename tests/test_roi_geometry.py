@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from gpucache.decode import _roi, _roi_rst
-from gpucache.decode._core import decode_jpeg
+from gpucache.decode._jpeg import decode_jpeg
 from gpucache.testing import natural_image
 
 needs_c = pytest.mark.skipif(not _roi._c_ok(), reason="compiled region decoder not built")

@@ -17,8 +17,10 @@ from PIL import Image
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.decode import _roi, _roi_rst
-from gpucache.decode._core import apply_plan, decode_batch, decode_sample
+from gpucache.decode._apply import apply_plan
+from gpucache.decode._core import decode_batch
 from gpucache.decode._options import DecodeOptions
+from gpucache.decode._sample import decode_sample
 from gpucache.decode._scaled import fast_plan, reduced_scale
 from gpucache.testing import natural_image
 

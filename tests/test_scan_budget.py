@@ -9,7 +9,7 @@ import math
 import pytest
 
 from gpucache import JpegCache
-from gpucache.decode._core import decode_sample
+from gpucache.decode._sample import decode_sample
 from gpucache.ingest._sniff import sniff
 from gpucache.store._jpeg import ARITHMETIC_WEIGHT, WORK_PER_PIXEL
 from gpucache.store._limits import DEFAULT_MAX_PIXELS, check_pixels, over_work

@@ -13,7 +13,8 @@ import torch
 from PIL import Image
 
 from gpucache import JpegCache
-from gpucache.decode._core import decode_jpeg, decode_pil, decode_sample
+from gpucache.decode._jpeg import decode_jpeg
+from gpucache.decode._sample import decode_pil, decode_sample
 from gpucache.ingest._build import BytesSource, FileObjSource, FileRangeSource, build
 from gpucache.ingest._options import BuildOptions
 from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, sniff
@@ -87,7 +88,7 @@ def test_still_refused():
 
 
 def test_hostile_folder_builds_and_decodes_as_promised(tmp_path):
-    from gpucache.decode._core import decode_sample
+    from gpucache.decode._sample import decode_sample
 
     outcomes = make_hostile_folder(tmp_path, fill_bytes=4096)
     cache = JpegCache.from_folder(tmp_path, progress=False)

@@ -12,7 +12,7 @@ import torch
 
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
-from gpucache.decode.cpu._pool import default_workers
+from gpucache.decode.cpu._procs import default_workers
 from gpucache.loader._stats import BOTTLENECKS, COLUMNS, ROUTES, LoaderStats
 
 STEP = 0.25  # seconds: the training step, or the batch transform, that a run is built around

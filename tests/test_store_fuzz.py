@@ -39,7 +39,7 @@ CHILD = textwrap.dedent("""
     import sys, warnings
     warnings.simplefilter("ignore")
     from gpucache import CacheFormatError, JpegCache
-    from gpucache.decode._core import decode_sample
+    from gpucache.decode._sample import decode_sample
 
     for path in sys.argv[1:]:
         print("START", path, flush=True)

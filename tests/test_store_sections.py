@@ -18,8 +18,9 @@ from PIL import Image
 
 from gpucache import CacheFormatError, GpuCachedLoader, JpegCache, SampleError, with_targets
 from gpucache.cli import main
-from gpucache.decode._core import decode_batch, decode_sample
+from gpucache.decode._core import decode_batch
 from gpucache.decode._options import DecodeOptions
+from gpucache.decode._sample import decode_sample
 from gpucache.store import _format, _save
 from gpucache.testing import make_jpeg_bytes
 

@@ -17,7 +17,7 @@ from PIL import Image, ImageDraw
 
 from gpucache import GpuCachedLoader, JpegCache, JpegDataset, with_targets
 from gpucache import transforms as T
-from gpucache.decode._core import apply_plan
+from gpucache.decode._apply import apply_plan
 from gpucache.testing import make_jpeg_bytes
 
 

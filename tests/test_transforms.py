@@ -8,7 +8,8 @@ import torchvision.transforms.v2.functional as TF
 
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
-from gpucache.decode._core import apply_plan, decode_sample
+from gpucache.decode._apply import apply_plan
+from gpucache.decode._sample import decode_sample
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ from gpucache.testing import make_jpeg_bytes  # noqa: E402
 def _photo_batch(n: int = 6, size: int = 64) -> torch.Tensor:
     """Generated photos, resized and cropped."""
     blobs = [make_jpeg_bytes(120, 90, seed=k) for k in range(n)]
-    from gpucache.decode._core import decode_jpeg
+    from gpucache.decode._jpeg import decode_jpeg
 
     imgs = [decode_jpeg(torch.frombuffer(bytearray(b), dtype=torch.uint8)) for b in blobs]
     return torch.stack([TF.center_crop(TF.resize(i, [size], antialias=True), [size]) for i in imgs])

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-import gpucache.decode.cpu._pool as workers
+import gpucache.decode.cpu._procs as procs
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
-from gpucache.decode.cpu._pool import private_dirty
+from gpucache.decode.cpu._procs import private_dirty
 
 pytestmark = [
     pytest.mark.skipif(
@@ -131,7 +131,7 @@ def test_full_collection_in_a_worker_copies_nothing_inherited(cache, tmp_path, m
     assert max(copies) <= COLLECTION_COPIES, f"{[c / MIB for c in copies]} MiB"
     assert gc.get_freeze_count() == 0, "the parent's objects stay frozen after the fork"
     # the control: the same collection without gc.freeze() copies what the worker inherited
-    monkeypatch.setattr(workers, "_freeze", lambda: False)
+    monkeypatch.setattr(procs, "_freeze", lambda: False)
     control = _collection_copies(cache, tmp_path / "control")
     assert min(control) > 4 * COLLECTION_COPIES, f"{[c / MIB for c in control]} MiB"
 

@@ -89,7 +89,7 @@ def _decode_noting(cache, i: int, k: int):
     a sample whose bytes do not match ``k`` fails with the reason), else by the region decoder;
     otherwise as the loader decodes in full (``k`` checked against the bytes all the same)."""
     from ..decode import _roi, _roi_rst
-    from ..decode._core import _ROI_KINDS, decode_sample
+    from ..decode._sample import ROI_KINDS, decode_sample
     from ..store._limits import check_pixels
 
     rec = cache.samples[i]
@@ -97,7 +97,7 @@ def _decode_noting(cache, i: int, k: int):
     try:
         if (
             _roi.region_decoder(int(rec["components"])) is _roi._c_region
-            and rec["kind"] in _ROI_KINDS
+            and rec["kind"] in ROI_KINDS
             and rec["precision"] == 8
         ):
             check_pixels(cache, i)
@@ -121,7 +121,7 @@ def check_decodes(
 ) -> list[Problem]:
     """Problems found by decoding every sample in full (and checking its size). Samples that
     decode with a libjpeg warning (corrupt data decoded anyway) are appended to ``warned``."""
-    from ..decode._core import check_size
+    from ..decode._outcome import check_size
     from ..decode._roi_rst import intervals
 
     n = len(cache)

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ._core import Decoded
+from ._outcome import Decoded
 
 #: Batches the loader keeps in a GPU backend at least: while the loop trains on batch k, batch
 #: k+1 is transformed and batch k+2 decoded (the nvjpeg backend's stages run side by side). With

@@ -26,7 +26,7 @@ read the same indices, so they agree exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import overload
+from typing import NamedTuple, overload
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from ..store._png import check_stored, torchvision_reads
 from ..store._store import Store
 from ..transforms._device import to_device
 from ._jpeg import quiet_torchvision_deprecation
+from ._options import DecodeOptions
 
 
 def warm() -> None:
@@ -196,3 +197,28 @@ def _fill(x: torch.Tensor, plans: torch.Tensor, h2: int, w2: int, fill: int) -> 
     _, _, ok_r, ok_c = plan_indices(plans, h2, w2)
     ok = (ok_r[:, :, None] & ok_c[:, None, :])[:, None]
     return torch.where(ok, x, torch.full((), fill, dtype=x.dtype, device=x.device))
+
+
+class MaskOptions(NamedTuple):
+    """What :func:`decode_batch` needs to bring masks along (from :class:`DecodeOptions`)."""
+
+    fill: int  # mask value where a plan pads
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, options: DecodeOptions) -> MaskOptions | None:
+        if not options.masks:
+            return None
+        return cls(options.mask_fill, getattr(torch, options.mask_dtype))
+
+    def apply(
+        self, cache: Store, i: int, plan: Sequence[int], size: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Sample ``i``'s mask through ``plan``; ``size``: the image's size in the decoded tier,
+        to which the mask is first resized (nearest neighbour, the image's scale)."""
+        mask = decode_one(cache, i, self.dtype)
+        if size is not None and tuple(mask.shape) != size:
+            h, w = mask.shape
+            scaled = [0, 0, h, w, size[0], size[1], 0, 0, size[0], size[1], 0]
+            mask = apply_mask_plan(mask, scaled, self.fill)
+        return apply_mask_plan(mask, plan, self.fill)

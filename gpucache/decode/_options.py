@@ -21,7 +21,7 @@ class DecodeOptions:
     """How batches are decoded, and by what workers (``GpuCachedLoader``'s arguments).
 
     Attributes:
-        on_error: ``"skip"``, ``"raise"`` or ``"skip_warned"`` (:data:`._core.ON_ERROR`).
+        on_error: ``"skip"``, ``"raise"`` or ``"skip_warned"`` (:data:`._outcome.ON_ERROR`).
         exact: True decodes every JPEG in full before its plan; False lets a JPEG decode at a
             reduced DCT scale where its plan shrinks it enough (:mod:`._scaled`).
         seed: The loader's seed; each worker's own comes from it (:meth:`worker_seed`).

@@ -18,11 +18,12 @@ from .. import decode as _decode
 from ..base import _dist
 from ..decode import _masks
 from ..decode._base import GPU_IN_FLIGHT, Backend
-from ..decode._core import TIMED, Decoded, stage_clock
-from ..decode._core import stage_range as _range
 from ..decode._device import resolve_device
 from ..decode._options import DecodeOptions
-from ..decode.cpu._pool import default_workers
+from ..decode._outcome import Decoded
+from ..decode._timing import TIMED, stage_clock
+from ..decode._timing import stage_range as _range
+from ..decode.cpu._procs import default_workers
 from ..store._store import Store
 from ..store._targets import dense_targets, kept_rows, ragged_targets
 from ..transforms import (

@@ -212,7 +212,7 @@ class LoaderStats:
         """The lever of more worker processes, while the CPU workers leave cores idle: this
         rank's share of the usable cores (``num_workers=None``'s default) is the most that
         help; past it they only take turns on the same cores."""
-        from ..decode.cpu._pool import default_workers
+        from ..decode.cpu._procs import default_workers
 
         if self.backend != "cpu":
             return "add workers, "

@@ -1,6 +1,6 @@
 """A whole batch's geometric plans in a constant number of tensor ops a chunk, on any device.
 
-The per-image executor (:func:`gpucache.decode._core.apply_plan`) crops, resizes, crops again and
+The per-image executor (:func:`gpucache.decode._apply.apply_plan`) crops, resizes, crops again and
 flips one image at a time: five to seven ops an image, each a kernel launch on CUDA. Here a chunk
 of the batch (images of similar crop size, below) takes the same plans in a constant number of
 ops whatever its size (about 15 for the batch plus 27 a chunk, measured on the emulated GPU),

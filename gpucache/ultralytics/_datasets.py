@@ -21,7 +21,7 @@ from ultralytics.data.utils import get_split_fraction
 from ultralytics.utils import LOCAL_RANK, colorstr
 
 from .._errors import GpucacheError
-from ..decode._core import decode_sample
+from ..decode._sample import decode_sample
 from ..node._dir import default_dir
 from ..node._jpegcache import JpegCache
 from ..store._store import Store

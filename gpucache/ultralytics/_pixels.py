@@ -39,7 +39,7 @@ import torch
 
 from ..base._cores import usable_cores
 from ..base._threads import ordered_map
-from ..decode._core import decode_sample
+from ..decode._sample import decode_sample
 from ..loader._tier import STALL_S, TierRequest, _no_room, _open, default_budget
 from ..loader._tier_build import _trim, file_sink
 from ..loader._tier_key import decoder_version, store_digest

@@ -13,8 +13,9 @@ import numpy as np
 from ...store._oom import raise_if_out_of_memory
 from ...store._store import Store
 from .._base import Backend
-from .._core import Decoded, decode_batch
+from .._core import decode_batch
 from .._options import DecodeOptions
+from .._outcome import Decoded
 from ._pool import WorkerPool
 
 

@@ -40,8 +40,6 @@ import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from multiprocessing.connection import wait
-from multiprocessing.process import BaseProcess
 
 try:
     import resource
@@ -52,50 +50,22 @@ import numpy as np
 import torch
 
 from ..._errors import SampleError, WorkerError
-from ...base._cores import affinity, usable_cores
 from ...store._oom import FIX, raise_if_out_of_memory
 from ...store._store import Store
-from .. import _roi
-from .._core import Decoded, decode_batch
+from .._core import decode_batch
 from .._options import DecodeOptions
+from .._outcome import Decoded
 from . import _batch_files
 from ._messages import LEN, Message, Task, frame
+from ._procs import Link, prepare_fork, private_dirty, stop
 from ._worker import PARENT_ENDS, worker_main
 
 log = logging.getLogger(__name__)
-_GRACE = 0.25  # seconds a worker gets to exit after its socket closes, and again after SIGTERM
 # Bounds on waits that end as soon as something already under way finishes; they only matter
 # when it never does, so they are generous for a loaded machine (load 15 on 2 cores).
 _REAP = 5.0  # for a worker whose connection ended to be reaped, so its exit code can be named
 _LEAVE = 10.0  # for a get() woken by close() in another thread to leave the pool
 _SLICE_MS = 1000  # the longest a wait for a worker sleeps before it checks for signals
-
-
-class _Link:
-    """The parent's end of one worker: process, non-blocking socket, unsent task bytes."""
-
-    def __init__(self, wid: int, proc: BaseProcess, sock: socket.socket):
-        assert proc.pid is not None  # started before its link is made
-        self.wid, self.proc, self.sock, self.pid = wid, proc, sock, proc.pid
-        self.out: deque[memoryview] = deque()
-        self.ready = False
-
-    def __str__(self) -> str:
-        return f"worker {self.wid} (pid {self.pid})"
-
-    def flush(self) -> None:
-        while self.out:
-            try:
-                n = self.sock.send(self.out[0])
-            except BlockingIOError:
-                return
-            except OSError:  # the worker is gone; get() reports it with the samples it had
-                self.out.clear()
-                return
-            if n == len(self.out[0]):
-                self.out.popleft()
-            else:
-                self.out[0] = self.out[0][n:]
 
 
 class _DescriptorLost(Exception):
@@ -131,8 +101,8 @@ class WorkerPool:
         for end in self._wake:
             end.setblocking(False)
             PARENT_ENDS[end.fileno()] = end
-        self._links: list[_Link] = []
-        thaw = _prepare_fork() if self.method == "fork" else False
+        self._links: list[Link] = []
+        thaw = prepare_fork() if self.method == "fork" else False
         try:
             for wid in range(num_workers):
                 mine, theirs = socket.socketpair()
@@ -163,14 +133,14 @@ class WorkerPool:
                 finally:
                     theirs.close()
                 mine.setblocking(False)
-                self._links.append(_Link(wid, p, mine))
+                self._links.append(Link(wid, p, mine))
         except BaseException:
-            _stop(self._links, self._wake)
+            stop(self._links, self._wake)
             raise
         finally:
             if thaw:
                 gc.unfreeze()
-        self._finalizer = weakref.finalize(self, _stop, self._links, self._wake)
+        self._finalizer = weakref.finalize(self, stop, self._links, self._wake)
         # (worker, task): the task, should it be decoded here
         self._pending: deque[tuple[int, Task]] = deque()
         self._next = self._task = 0
@@ -311,7 +281,7 @@ class WorkerPool:
         self,
         out: Decoded,
         msg: Message,
-        link: _Link,
+        link: Link,
         indices: np.ndarray,
         deadline: float | None,
     ) -> Decoded:
@@ -373,7 +343,7 @@ class WorkerPool:
             self.cache, task.indices, task.plans, self._options, stack=task.stack, key=task.key
         )
 
-    def _recv_fd(self, link: _Link, indices: np.ndarray, deadline: float | None) -> int:
+    def _recv_fd(self, link: Link, indices: np.ndarray, deadline: float | None) -> int:
         """The memory file a worker sends after a batch's header (:mod:`._batch_files`); raises
         :class:`_DescriptorLost` when this process has no descriptor left to receive it."""
         exited = False
@@ -402,13 +372,13 @@ class WorkerPool:
                 )
             return fds[0]
 
-    def _header(self, link: _Link, indices: np.ndarray, deadline: float | None) -> memoryview:
+    def _header(self, link: Link, indices: np.ndarray, deadline: float | None) -> memoryview:
         head = bytearray(LEN.size)
         self._recv(link, memoryview(head), indices, deadline)
         return memoryview(bytearray(LEN.unpack(head)[0]))
 
     def _recv(
-        self, link: _Link, bytes_into: memoryview, indices: np.ndarray, deadline: float | None
+        self, link: Link, bytes_into: memoryview, indices: np.ndarray, deadline: float | None
     ) -> memoryview:
         """Fill ``bytes_into`` from ``link``, waiting at most until ``deadline``."""
         got, exited = 0, False
@@ -431,7 +401,7 @@ class WorkerPool:
         return bytes_into
 
     def _wait(
-        self, link: _Link, indices: np.ndarray, deadline: float | None, got: int, size: int
+        self, link: Link, indices: np.ndarray, deadline: float | None, got: int, size: int
     ) -> bool:
         """Wait for data from ``link``, its exit, or close(); flush other workers' tasks meanwhile.
 
@@ -472,7 +442,7 @@ class WorkerPool:
                 lk.flush()
         return any(fd == link.proc.sentinel for fd, _ in events)
 
-    def _died(self, link: _Link, indices: np.ndarray, got: int, size: int) -> WorkerError:
+    def _died(self, link: Link, indices: np.ndarray, got: int, size: int) -> WorkerError:
         if self._closed:  # close() from another thread shut the socket under this read
             return WorkerError(
                 f"the worker pool was closed (close() from another thread) while "
@@ -539,90 +509,6 @@ class WorkerPool:
         self._finalizer()
 
 
-def _prepare_fork() -> bool:
-    """Ready this process to fork workers; returns whether to unfreeze the collector after.
-
-    The compiled decoder's self-check (:func:`.._roi.region_decoder`, which imports PIL) runs
-    here once, so the workers inherit its result instead of each importing PIL: 6 MiB less
-    private memory a worker. Then ``gc.freeze()``, CPython's remedy for fork: it moves every
-    object the collector tracks out of its reach, so a full collection in a worker does not
-    write to the objects it inherited and copy the pages that hold them (43 MiB a worker with
-    torch imported; docs/guides/memory.md). The parent unfreezes them as soon as the workers
-    are started, unless it had frozen objects itself before (then they all stay frozen: a
-    program that calls ``gc.freeze()`` keeps its choice). ``benchmarks/worker_memory.py``
-    measures a worker without each step by patching :func:`_check_decoder` or :func:`_freeze`."""
-    _check_decoder()
-    return _freeze()
-
-
-def _check_decoder() -> None:
-    """The compiled decoder's self-check, done once here for every worker to inherit."""
-    _roi.region_decoder(3)
-
-
-def _freeze() -> bool:
-    """``gc.freeze()``; whether the parent unfreezes after the fork (see :func:`_prepare_fork`)."""
-    thaw = gc.get_freeze_count() == 0
-    gc.freeze()
-    return thaw
-
-
-def _stop(links: list[_Link], wake: tuple[socket.socket, socket.socket]) -> None:
-    """Close every socket (workers exit on end-of-file), then one deadline for all
-    workers, then SIGTERM the rest, then SIGKILL. Idempotent (finalizer)."""
-    for end in [lk.sock for lk in links] + list(wake):
-        PARENT_ENDS.pop(end.fileno(), None)
-        try:
-            end.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        end.close()
-    procs = [lk.proc for lk in links]
-    for step in (None, "terminate", "kill"):
-        alive = [p for p in procs if p.exitcode is None]
-        for p in alive:
-            if step:
-                getattr(p, step)()
-        deadline = time.monotonic() + _GRACE
-        while alive and (left := deadline - time.monotonic()) > 0:
-            wait([p.sentinel for p in alive], left)
-            alive = [p for p in alive if p.exitcode is None]
-        if not alive:
-            break
-    for p in procs:
-        p.join(5 if p.exitcode is None else None)
-        if p.exitcode is not None:
-            p.close()
-        else:
-            log.warning("gpucache: worker pid %s did not exit after SIGKILL", p.pid)
-
-
 def _span(indices: np.ndarray) -> str:
     idx = indices.tolist()
     return str(idx) if len(idx) <= 8 else f"[{', '.join(map(str, idx[:8]))}, ...] ({len(idx)})"
-
-
-def private_dirty(pid: int) -> int | None:
-    """``Private_Dirty`` of process ``pid`` in bytes, or None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Private_Dirty:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def default_workers() -> int:
-    """``num_workers=None``: this rank's part of the cores. Under a launcher with several ranks
-    on the node (LOCAL_WORLD_SIZE, Slurm's tasks per node) that all see every core of the machine
-    (torchrun binds none), the usable cores divided among them, at least 1; a rank whose cores
-    were bound to it (Slurm's per-task binding: fewer usable cores than the machine's) keeps
-    its own. Cores are :func:`gpucache.base._cores.usable_cores` (affinity, capped by a CPU quota)."""
-    from ...base._dist import local
-
-    size, _ = local()
-    if size > 1 and affinity() >= (os.cpu_count() or 1):
-        return max(1, usable_cores() // size)
-    return usable_cores()

@@ -34,9 +34,10 @@ import torch
 from ..._errors import OutOfMemory, SampleError, said
 from ...store._oom import is_out_of_memory
 from ...store._store import Store
-from .._core import Decoded, decode_batch
+from .._core import decode_batch
 from .._jpeg import quiet_torchvision_deprecation
 from .._options import DecodeOptions
+from .._outcome import Decoded
 from . import _batch_files
 from ._messages import LEN, MaskLayout, Message, Task, frame
 

@@ -41,9 +41,10 @@ except ImportError as err:  # pragma: no cover - depends on what is installed
 
 from ...store._store import Store
 from .._base import Backend
-from .._core import ON_ERROR, Decoded, MaskOptions, out_size
 from .._device import normalize_device
+from .._masks import MaskOptions
 from .._options import DEFAULTS, DecodeOptions
+from .._outcome import ON_ERROR, Decoded, out_size
 from . import _dali_graph
 from ._fallback import Part, decode_on_cpu, join, out_of_memory, split, stage_times
 from ._mask_stage import MaskStage, PendingMasks

@@ -21,8 +21,9 @@ import torch
 from ...store._limits import check_pixels
 from ...store._store import Store
 from ...transforms._device import to_device
-from .._core import Decoded, decode_batch, failure
+from .._core import decode_batch
 from .._options import DecodeOptions
+from .._outcome import Decoded, failure
 
 #: One sample's outcome: its image (uint8 CHW), or why it failed (see :func:`.cpu.describe`).
 Result = torch.Tensor | str

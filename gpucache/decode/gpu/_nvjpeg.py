@@ -59,21 +59,13 @@ from ...store._store import Store
 from ...transforms._chunks import BUDGET_BYTES, Scratch
 from ...transforms._orientation import orient, steps
 from ...transforms._resample import resample
+from .._apply import apply_plan, no_autocast
 from .._base import Backend
-from .._core import (
-    ON_ERROR,
-    Decoded,
-    MaskOptions,
-    apply_plan,
-    check_size,
-    failure,
-    no_autocast,
-    out_size,
-)
 from .._device import normalize_device
-from .._masks import fill_padding
+from .._masks import MaskOptions, fill_padding
 from .._options import DEFAULTS, DecodeOptions
-from ..cpu._pool import default_workers
+from .._outcome import ON_ERROR, Decoded, check_size, failure, out_size
+from ..cpu._procs import default_workers
 from ._batched import BatchDecoder, applies_exif, default_decoder, sub_batches
 from ._fallback import Part, Result, decode_on_cpu, join, split, stage_times
 from ._faults import allocator_failure, raise_if_broken, raise_if_out_of_memory
@@ -85,7 +77,7 @@ log = logging.getLogger(__name__)
 
 def default_cpu_threads() -> int:
     """Threads of the CPU stage (libjpeg-turbo and PIL release the GIL): this rank's part of the
-    cores (:func:`..cpu._pool.default_workers`) less two, for the training loop's thread and the
+    cores (:func:`..cpu._procs.default_workers`) less two, for the training loop's thread and the
     decode and transform stages, and at least 2. A progressive JPEG costs about 8 ms there."""
     return max(2, default_workers() - 2)
 

@@ -30,10 +30,12 @@ from ...store._readonly import tensor_over
 from ...store._store import Store
 from ...transforms._chunks import BUDGET_BYTES, Scratch
 from ...transforms._resample import resample
+from .._apply import apply_plan, no_autocast
 from .._base import Backend
-from .._core import Decoded, MaskOptions, apply_plan, decode_batch, no_autocast, out_size
-from .._masks import fill_padding
+from .._core import decode_batch
+from .._masks import MaskOptions, fill_padding
 from .._options import DecodeOptions
+from .._outcome import Decoded, out_size
 
 
 class PixelBackend(Backend):
