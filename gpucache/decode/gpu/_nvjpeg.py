@@ -48,8 +48,6 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -67,10 +65,12 @@ from .._options import DEFAULTS, DecodeOptions
 from .._outcome import ON_ERROR, Decoded, check_size, failure, out_size
 from ..cpu._procs import default_workers
 from ._batched import BatchDecoder, applies_exif, default_decoder, sub_batches
+from ._calls import DecoderCalls
 from ._fallback import Part, Result, decode_on_cpu, join, split, stage_times
-from ._faults import allocator_failure, raise_if_broken, raise_if_out_of_memory
+from ._faults import raise_if_broken
+from ._jobs import Batch, Chunk, Done, Job, Outputs, stage_result, stop_pools
 from ._mask_stage import MaskStage, PendingMasks
-from ._streams import CudaStreams, HostStreams, Ready
+from ._streams import CudaStreams, HostStreams
 
 log = logging.getLogger(__name__)
 
@@ -80,56 +80,6 @@ def default_cpu_threads() -> int:
     cores (:func:`..cpu._procs.default_workers`) less two, for the training loop's thread and the
     decode and transform stages, and at least 2. A progressive JPEG costs about 8 ms there."""
     return max(2, default_workers() - 2)
-
-
-@dataclass
-class _Done:
-    decoded: Decoded
-    event: torch.cuda.Event | None  # the side stream's event after the batch (None without streams)
-
-
-#: One chunk of a batch's CPU stage: its results and the seconds it took.
-_Chunk = tuple[list[Result], float]
-#: The decode stage's outputs (or why each failed) and what marks them written.
-_Outputs = tuple[list[torch.Tensor | Exception], Ready]
-#: A stage's future: a CPU chunk's, the decode's, the transform's, a mask chunk's.
-_Stage = Future[_Chunk] | Future[_Outputs] | Future[_Done] | Future[None]
-_T = TypeVar("_T")
-
-
-@dataclass
-class _Batch:
-    """One submitted batch as :func:`._fallback.split` and the CPU-stage rule divided it."""
-
-    indices: np.ndarray
-    plans: np.ndarray
-    stack: bool
-    gpu_pos: np.ndarray  # positions the batched decoder takes
-    cpu_pos: np.ndarray  # positions the CPU stage decodes
-    refused: Part  # positions over the pixel budget: never decoded
-    took: dict[str, float] = field(default_factory=dict)  # each stage's seconds, its own keys
-
-
-@dataclass
-class _Job:
-    """One submitted batch: its three stages' futures (or results, unthreaded)."""
-
-    cpu: list[Future[_Chunk]] | list[_Chunk]  # per chunk: results, seconds
-    gpu: Future[_Outputs] | _Outputs | None  # None in a job whose submit failed
-    done: Future[_Done] | _Done
-    masks: PendingMasks | None = None  # the batch's masks, decoded on the CPU stage's threads
-
-    def futures(self) -> list[_Stage]:
-        masks = self.masks.futures if self.masks is not None else []
-        return [f for f in (self.done, self.gpu, *self.cpu, *masks) if isinstance(f, Future)]
-
-
-def _result(x: Future[_T] | _T) -> _T:
-    """A stage's result: its future's (threaded), or the result itself (run inline)."""
-    if isinstance(x, Future):
-        done: _T = x.result()
-        return done
-    return x
 
 
 class NvjpegBackend(Backend):
@@ -160,6 +110,7 @@ class NvjpegBackend(Backend):
                 f"but the backend's device is {device}; make it for {device}."
             )
         self._streams = CudaStreams(device) if device.type == "cuda" else HostStreams(device)
+        self._calls = DecoderCalls(self.decoder, self._streams, device)
         self.applies_exif = (
             self.decoder.applies_exif
             if self.decoder.applies_exif is not None
@@ -171,7 +122,7 @@ class NvjpegBackend(Backend):
         # the transform stage's work buffer (its one thread and stream), within the stage's
         # fixed budget whatever the GPU's size
         self._scratch = Scratch(BUDGET_BYTES)
-        self._pending: list[_Job] = []
+        self._pending: list[Job] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}
         #: threads of the CPU stage, among which a batch's CPU samples are split
         self.cpu_threads = max(1, default_cpu_threads() if cpu_threads is None else cpu_threads)
@@ -209,7 +160,7 @@ class NvjpegBackend(Backend):
         self._closed = False
         self._threads: list[threading.Thread] = []  # the stages' threads, once they ran
         # garbage collection may happen on a pool's own thread: stop them without joining there
-        self._finalizer = weakref.finalize(self, _shutdown, list(self._pools.values()), wait=False)
+        self._finalizer = weakref.finalize(self, stop_pools, list(self._pools.values()), wait=False)
 
     def _decode_threads(self, given: int | None) -> int:
         """Concurrent decoder calls a batch is split among (``decode_threads``, else the
@@ -233,7 +184,7 @@ class NvjpegBackend(Backend):
                 what = "probing whether it applies EXIF orientation (one 16 x 8 image)"
                 try:
                     return applies_exif(
-                        lambda data: self._decode_batch(data, what), adopt=self._streams.adopt
+                        lambda data: self._calls.batch(data, what), adopt=self._streams.adopt
                     )
                 except torch.OutOfMemoryError:
                     raise
@@ -257,7 +208,7 @@ class NvjpegBackend(Backend):
 
     def _decode_stage(
         self, indices: np.ndarray, positions: np.ndarray, took: dict[str, float]
-    ) -> _Outputs:
+    ) -> Outputs:
         """Batched decode of ``indices[positions]``: the outputs (or why each failed), in
         order, and what marks them written: the event of the one call (None off CUDA), or
         with several decoders a list of them, one a sub-batch. With ``decoders`` > 1 the
@@ -300,60 +251,16 @@ class NvjpegBackend(Backend):
         data = [self.cache._bytes_tensor(int(i)) for i in indices[positions].tolist()]
         t1 = time.perf_counter()
         with self._streams.on_side(), self._streams.decoding() as decoding:
-            images = self._decode_all(data)
+            images = self._calls.each(data)
         return images, decoding.ready, (t0, t1, time.perf_counter())
-
-    def _decode_all(self, data: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
-        try:
-            return list(self._decode_batch(data, f"decoding a batch of {len(data)} samples"))
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as err:  # noqa: BLE001 - one bad JPEG fails the batched call: find it
-            raise_if_broken(err, self.decoder.name, self.device)
-            out: list[torch.Tensor | Exception] = []
-            for d in data:
-                try:
-                    out.append(self.decoder.decode([d])[0])
-                except Exception as one:  # noqa: BLE001 - retried on the CPU, then reported
-                    self._raise_if_oom(one, "decoding one sample", retried=False)
-                    out.append(one)
-            return out
-
-    def _decode_batch(self, data: list[torch.Tensor], what: str) -> list[torch.Tensor]:
-        """The decoder's call; nvJPEG's allocator failing (status 5) synchronises the device
-        (the failed call's kernels may still write the outputs it freed, which the retry's
-        outputs would reuse), empties torch's caching allocator and retries once
-        (:meth:`._streams.CudaStreams.release_cached`). Out of memory then (or at first, as
-        torch or CUDA say it) raises ``torch.OutOfMemoryError``; any other error is the
-        caller's."""
-        try:
-            return self.decoder.decode(data)
-        except Exception as err:  # noqa: BLE001 - classified here, re-raised otherwise
-            if not allocator_failure(err):
-                self._raise_if_oom(err, what, retried=False)
-                raise
-            log.info("gpucache: %s on %s; emptying torch's cached memory and retrying", err, what)
-        self._streams.release_cached()
-        try:
-            return self.decoder.decode(data)
-        except Exception as err:  # noqa: BLE001 - classified here, re-raised otherwise
-            self._raise_if_oom(err, what, retried=True)
-            raise
-
-    def _raise_if_oom(self, err: BaseException, what: str, *, retried: bool) -> None:
-        """Out of device memory is not a bad sample, however the decoder says it (torchvision
-        rethrows CUDA's as ``RuntimeError("Error while decoding JPEG images: CUDA out of
-        memory...")``, nvJPEG's own allocator says status 5): ``torch.OutOfMemoryError``
-        with advice, never retries one sample at a time or the CPU."""
-        raise_if_out_of_memory(err, self.decoder.name, self.device, what, retried=retried)
 
     def _transform_stage(
         self,
-        batch: _Batch,
-        gpu: Future[_Outputs] | _Outputs,
-        cpu: list[Future[_Chunk]] | list[_Chunk],
+        batch: Batch,
+        gpu: Future[Outputs] | Outputs,
+        cpu: list[Future[Chunk]] | list[Chunk],
         masks: PendingMasks | None = None,
-    ) -> _Done:
+    ) -> Done:
         """The batch's plans on the decoded images, joined with the CPU stage's results (and
         the refused samples) in batch order; ``fill`` where a plan pads."""
         self._note_thread()
@@ -362,12 +269,12 @@ class NvjpegBackend(Backend):
         # float32 pixels whatever autocast region the caller is in (a synchronous submit runs
         # here on the caller's thread; autocast is per thread)
         with self._streams.on_side(), no_autocast(self.device):
-            decoded, ready = _result(gpu)
+            decoded, ready = stage_result(gpu)
             self._streams.adopt((t for t in decoded if isinstance(t, torch.Tensor)), ready)
             t0 = time.perf_counter()
             parts = self._plan_gpu(indices, plans, stack, gpu_pos, decoded)
             t1 = time.perf_counter()
-            chunks = [_result(c) for c in cpu]  # the CPU stage's chunks, in batch order
+            chunks = [stage_result(c) for c in cpu]  # the CPU stage's chunks, in batch order
             took["fallback"] = sum(seconds for _, seconds in chunks)
             parts.append((cpu_pos, [r for results, _ in chunks for r in results], True))
             parts.append(batch.refused)
@@ -392,7 +299,7 @@ class NvjpegBackend(Backend):
                 },
             )
             out.busy = sum(out.times[k] for k in ("read", "decode", "resize", "collate"))
-            return _Done(out, self._streams.record())
+            return Done(out, self._streams.record())
 
     def _plan_gpu(
         self,
@@ -479,20 +386,20 @@ class NvjpegBackend(Backend):
         try:
             gpu_ok, cpu_ok, refused = split(self.cache, indices, on_error=self.on_error)
         except Exception as err:  # noqa: BLE001 - raised at get(), in batch order
-            failed: Future[_Done] = Future()
+            failed: Future[Done] = Future()
             failed.set_exception(err)
-            self._pending.append(_Job([], None, failed))
+            self._pending.append(Job([], None, failed))
             return
         on_gpu = self._gpu_mask[indices[gpu_ok]]
         gpu_pos, cpu_pos = gpu_ok[on_gpu], np.sort(np.concatenate([cpu_ok, gpu_ok[~on_gpu]]))
-        batch = _Batch(indices, plans, stack, gpu_pos, cpu_pos, refused)
+        batch = Batch(indices, plans, stack, gpu_pos, cpu_pos, refused)
         took = batch.took
         if not self._pools:
             cpu = [self._cpu_stage(indices, plans, cpu_pos)]
             gpu = self._decode_stage(indices, gpu_pos, took)
             masks = self._mask_stage.submit(indices, plans, stack) if self._mask_stage else None
             done = self._transform_stage(batch, gpu, cpu, masks)
-            self._pending.append(_Job(cpu, gpu, done))
+            self._pending.append(Job(cpu, gpu, done))
             return
         n = min(self.cpu_threads, len(cpu_pos))  # the batch's CPU samples split among threads
         cpu_f = [
@@ -503,14 +410,14 @@ class NvjpegBackend(Backend):
         mask_f = self._mask_stage.submit(indices, plans, stack) if self._mask_stage else None
         gpu_f = self._pools["decode"].submit(self._decode_stage, indices, gpu_pos, took)
         done_f = self._pools["transform"].submit(self._transform_stage, batch, gpu_f, cpu_f, mask_f)
-        self._pending.append(_Job(cpu_f, gpu_f, done_f, mask_f))
+        self._pending.append(Job(cpu_f, gpu_f, done_f, mask_f))
 
     def get(self) -> Decoded:
         if not self._pending:
             raise RuntimeError("get() called with no batch submitted.")
         job = self._pending.pop(0)
         try:
-            done = _result(job.done)
+            done = stage_result(job.done)
         except BaseException:
             self.close()  # the threads stop; what was queued behind the failed batch is dropped
             raise
@@ -538,7 +445,7 @@ class NvjpegBackend(Backend):
         self._closed = True
         self._pending = []
         self._finalizer.detach()
-        _shutdown(list(self._pools.values()), wait=True)
+        stop_pools(list(self._pools.values()), wait=True)
 
     @property
     def gpu_mask(self) -> np.ndarray:
@@ -550,11 +457,3 @@ class NvjpegBackend(Backend):
     def thread_alive(self) -> bool:
         """Whether any of the pipeline's threads is running (for shutdown checks)."""
         return any(t.is_alive() for t in self._threads)
-
-
-def _shutdown(pools: list[ThreadPoolExecutor], *, wait: bool) -> None:
-    for pool in pools:  # the transform stage waits on the others: cancel its queue first
-        pool.shutdown(wait=False, cancel_futures=True)
-    if wait:
-        for pool in pools:
-            pool.shutdown(wait=True)
