@@ -30,7 +30,6 @@ import multiprocessing as mp
 import os
 import pickle
 import select
-import signal
 import socket
 import sys
 import threading
@@ -56,21 +55,15 @@ from .._core import decode_batch
 from .._options import DecodeOptions
 from .._outcome import Decoded
 from . import _batch_files
-from ._messages import LEN, Message, Task, frame
+from ._messages import Message, Task, frame
 from ._procs import Link, prepare_fork, private_dirty, stop
+from ._receive import DescriptorLost, Receiving, span
 from ._worker import PARENT_ENDS, worker_main
 
 log = logging.getLogger(__name__)
 # Bounds on waits that end as soon as something already under way finishes; they only matter
 # when it never does, so they are generous for a loaded machine (load 15 on 2 cores).
-_REAP = 5.0  # for a worker whose connection ended to be reaped, so its exit code can be named
 _LEAVE = 10.0  # for a get() woken by close() in another thread to leave the pool
-_SLICE_MS = 1000  # the longest a wait for a worker sleeps before it checks for signals
-
-
-class _DescriptorLost(Exception):
-    """A batch's memory file did not arrive: this process had no descriptor left for it (the
-    kernel truncates the message's control data, ``MSG_CTRUNC``, and drops the descriptor)."""
 
 
 def _open_files_limit() -> tuple[int, int]:
@@ -81,7 +74,7 @@ def _open_files_limit() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-class WorkerPool:
+class WorkerPool(Receiving):
     """``num_workers`` persistent decode processes fed round-robin."""
 
     def __init__(self, cache: Store, options: DecodeOptions):
@@ -227,7 +220,7 @@ class WorkerPool:
         if msg.get("memory"):  # about this task (None: the worker could not say which)
             raise WorkerError(
                 f"{link} ran out of memory {msg['where']}, in its batch of samples "
-                f"{_span(indices)} ({msg['error']}). This is not a bad sample: "
+                f"{span(indices)} ({msg['error']}). This is not a bad sample: "
                 f"the worker has too little memory for its batch. Fix: {FIX}."
             )
         if msg.get("task") != task.number:
@@ -239,7 +232,7 @@ class WorkerPool:
             if msg["sample_error"]:  # on_error="raise": the same error as without workers
                 raise SampleError(f"{msg['error'].split(': ', 1)[1]} (in worker {w})")
             raise WorkerError(
-                f"{link} failed while decoding samples {_span(indices)}: "
+                f"{link} failed while decoding samples {span(indices)}: "
                 f"{msg['error']}\n\nOriginal traceback in the worker:\n"
                 f"{msg['traceback']}"
             )
@@ -248,7 +241,7 @@ class WorkerPool:
         if msg.get("fd"):  # a stacked batch in a memory file: mapped, not copied
             try:
                 fd = self._recv_fd(link, indices, deadline)
-            except _DescriptorLost:  # out of descriptors here: the batch is decoded here
+            except DescriptorLost:  # out of descriptors here: the batch is decoded here
                 lost = self._with_masks(self._decoded(msg, w, []), msg, link, indices, deadline)
                 del lost  # its masks were read to keep the link in step; made again below
                 return self._decode_here(task)
@@ -338,139 +331,10 @@ class WorkerPool:
                 RuntimeWarning,
                 stacklevel=4,
             )
-        log.info("gpucache: decoding samples %s here: no descriptor left", _span(task.indices))
+        log.info("gpucache: decoding samples %s here: no descriptor left", span(task.indices))
         return decode_batch(
             self.cache, task.indices, task.plans, self._options, stack=task.stack, key=task.key
         )
-
-    def _recv_fd(self, link: Link, indices: np.ndarray, deadline: float | None) -> int:
-        """The memory file a worker sends after a batch's header (:mod:`._batch_files`); raises
-        :class:`_DescriptorLost` when this process has no descriptor left to receive it."""
-        exited = False
-        while True:
-            try:
-                data, fds, flags, _ = socket.recv_fds(link.sock, 1, 1)
-            except BlockingIOError:
-                if exited:
-                    raise self._died(link, indices, 0, 1) from None
-                exited = self._wait(link, indices, deadline, 0, 1)
-                continue
-            except OSError as err:  # ConnectionResetError: killed mid-send
-                raise self._died(link, indices, 0, 1) from err
-            if not data:
-                for fd in fds:
-                    os.close(fd)
-                raise self._died(link, indices, 0, 1)
-            if not fds and flags & socket.MSG_CTRUNC:  # the kernel dropped it: no fd left
-                raise _DescriptorLost()
-            if len(fds) != 1:
-                for fd in fds:
-                    os.close(fd)
-                raise WorkerError(
-                    f"{link} sent no memory file after a batch's header (protocol error; "
-                    "please report it)."
-                )
-            return fds[0]
-
-    def _header(self, link: Link, indices: np.ndarray, deadline: float | None) -> memoryview:
-        head = bytearray(LEN.size)
-        self._recv(link, memoryview(head), indices, deadline)
-        return memoryview(bytearray(LEN.unpack(head)[0]))
-
-    def _recv(
-        self, link: Link, bytes_into: memoryview, indices: np.ndarray, deadline: float | None
-    ) -> memoryview:
-        """Fill ``bytes_into`` from ``link``, waiting at most until ``deadline``."""
-        got, exited = 0, False
-        while got < len(bytes_into):
-            try:
-                n = link.sock.recv_into(bytes_into[got:])
-            except BlockingIOError:
-                n = None  # nothing yet: wait below, outside this handler, so that a Ctrl-C
-                # while waiting is a plain KeyboardInterrupt, not one chained to this error
-            except OSError as err:  # ConnectionResetError: killed mid-send
-                raise self._died(link, indices, got, len(bytes_into)) from err
-            if n is None:
-                if exited:  # nothing left to read from a dead worker
-                    raise self._died(link, indices, got, len(bytes_into))
-                exited = self._wait(link, indices, deadline, got, len(bytes_into))
-                continue
-            if n == 0:
-                raise self._died(link, indices, got, len(bytes_into))
-            got += n
-        return bytes_into
-
-    def _wait(
-        self, link: Link, indices: np.ndarray, deadline: float | None, got: int, size: int
-    ) -> bool:
-        """Wait for data from ``link``, its exit, or close(); flush other workers' tasks meanwhile.
-
-        Returns True when the worker's process has exited."""
-        poller = select.poll()
-        flags = {lk.sock.fileno(): select.POLLOUT for lk in self._links if lk.out}
-        flags[link.sock.fileno()] = flags.get(link.sock.fileno(), 0) | select.POLLIN
-        for fd, ev in flags.items():
-            poller.register(fd, ev)
-        poller.register(link.proc.sentinel, select.POLLIN)
-        poller.register(self._wake[0], select.POLLIN)
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            if not link.ready:
-                raise WorkerError(
-                    f"{link} did not start within timeout={self.timeout}s "
-                    f"({self.method} start method; a new worker imports torch "
-                    "first, slow on a busy machine). Raise timeout=."
-                )
-            part = f" (it stopped after {got} of {size} bytes)" if got else ""
-            raise WorkerError(
-                f"{link} returned no batch within timeout={self.timeout}s while "
-                f"decoding samples {_span(indices)}{part}; it is hung or stopped "
-                "(SIGSTOP). Raise timeout= if images are very large."
-            )
-        # at most a second at a time: a signal the kernel hands to another thread of this
-        # process (Ctrl-C while this one sleeps, when this one already had one pending) runs
-        # its Python handler only once this thread runs Python again
-        wait_ms = _SLICE_MS if left is None else min(_SLICE_MS, max(1, int(left * 1000) + 1))
-        events = poller.poll(wait_ms)
-        if self._closed:
-            raise WorkerError(
-                f"the worker pool was closed (close() from another thread) while "
-                f"waiting for samples {_span(indices)} from {link}."
-            )
-        for lk in self._links:
-            if lk.out:
-                lk.flush()
-        return any(fd == link.proc.sentinel for fd, _ in events)
-
-    def _died(self, link: Link, indices: np.ndarray, got: int, size: int) -> WorkerError:
-        if self._closed:  # close() from another thread shut the socket under this read
-            return WorkerError(
-                f"the worker pool was closed (close() from another thread) while "
-                f"reading samples {_span(indices)} from {link}."
-            )
-        link.proc.join(_REAP)
-        code = link.proc.exitcode
-        if code is not None and code < 0:
-            why = f"was killed by signal {signal.Signals(-code).name}"
-        else:
-            why = "closed its connection" if code is None else f"exited with code {code}"
-        doing = (
-            f"while sending its result for samples {_span(indices)} (after {got} of {size} bytes)"
-            if got
-            else f"while decoding samples {_span(indices)}"
-        )
-        if not link.ready and self.method != "fork" and code is not None and code > 0:
-            return WorkerError(
-                f"{link} {why} before it started ({self.method} start method). Likely cause: the "
-                'script that creates the loader has no `if __name__ == "__main__":` guard, so '
-                "each worker re-runs it on import; or worker_init_fn / the store could not be "
-                "unpickled in the worker (define functions at module top level). The worker's "
-                "own traceback is on stderr above."
-            )
-        hint = (
-            f" If the OOM killer killed it (see dmesg): {FIX}." if code == -signal.SIGKILL else ""
-        )
-        return WorkerError(f"{link} {why} {doing}.{hint}")
 
     # ------------------------------------------------------------------ shutdown
     @contextmanager
@@ -507,8 +371,3 @@ class WorkerPool:
                     )
             self._pending.clear()
         self._finalizer()
-
-
-def _span(indices: np.ndarray) -> str:
-    idx = indices.tolist()
-    return str(idx) if len(idx) <= 8 else f"[{', '.join(map(str, idx[:8]))}, ...] ({len(idx)})"
