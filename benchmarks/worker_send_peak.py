@@ -3,7 +3,7 @@
     python benchmarks/worker_send_peak.py [--images 8] [--side 1000]
 
 A batch that is not one stacked tensor (no fixed output size) goes to the socket as one buffer
-that ``gpucache.decode.cpu._worker._result`` fills image by image, before the first byte is sent
+that ``gpucache.decode.cpu._results.packed`` fills image by image, before the first byte is sent
 (so an allocation that fails is reported in place of the result). This prints the peak RSS that
 step adds, as a multiple of the batch's bytes, over ``--images`` CHW views of HWC images (as the
 decoders return them) of ``--side`` x ``--side`` + 10k pixels, and checks the buffer holds each
