@@ -57,7 +57,7 @@ from .._outcome import Decoded
 from . import _batch_files
 from ._messages import Message, Task, frame
 from ._procs import Link, prepare_fork, private_dirty, stop
-from ._receive import DescriptorLost, Receiving, span
+from ._receive import Receiving, _DescriptorLost, span
 from ._worker import PARENT_ENDS, worker_main
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ class WorkerPool(Receiving):
         if msg.get("fd"):  # a stacked batch in a memory file: mapped, not copied
             try:
                 fd = self._recv_fd(link, indices, deadline)
-            except DescriptorLost:  # out of descriptors here: the batch is decoded here
+            except _DescriptorLost:  # out of descriptors here: the batch is decoded here
                 lost = self._with_masks(self._decoded(msg, w, []), msg, link, indices, deadline)
                 del lost  # its masks were read to keep the link in step; made again below
                 return self._decode_here(task)

@@ -27,7 +27,7 @@ def span(indices: np.ndarray) -> str:
     return str(idx) if len(idx) <= 8 else f"[{', '.join(map(str, idx[:8]))}, ...] ({len(idx)})"
 
 
-class DescriptorLost(Exception):
+class _DescriptorLost(Exception):
     """A batch's memory file did not arrive: this process had no descriptor left for it (the
     kernel truncates the message's control data, ``MSG_CTRUNC``, and drops the descriptor)."""
 
@@ -43,7 +43,7 @@ class Receiving:
 
     def _recv_fd(self, link: Link, indices: np.ndarray, deadline: float | None) -> int:
         """The memory file a worker sends after a batch's header (:mod:`._batch_files`); raises
-        :class:`DescriptorLost` when this process has no descriptor left to receive it."""
+        :class:`_DescriptorLost` when this process has no descriptor left to receive it."""
         exited = False
         while True:
             try:
@@ -60,7 +60,7 @@ class Receiving:
                     os.close(fd)
                 raise self._died(link, indices, 0, 1)
             if not fds and flags & socket.MSG_CTRUNC:  # the kernel dropped it: no fd left
-                raise DescriptorLost()
+                raise _DescriptorLost()
             if len(fds) != 1:
                 for fd in fds:
                     os.close(fd)
