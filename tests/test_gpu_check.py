@@ -515,9 +515,9 @@ def test_the_shapes_part_fails_on_a_flip_mirrored_over_the_longer_side(
 def test_the_fill_and_syncs_parts_fail_on_what_they_guard(folder, tmp_path, monkeypatch):
     """Padding left at zero fails the fill part; a host sync a batch on the loader's thread (a
     value read from the device, as the mask gather once did) fails the syncs part."""
-    from gpucache.decode.gpu import _nvjpeg
+    from gpucache.decode.gpu import _decoded_plans
 
-    monkeypatch.setattr(_nvjpeg, "fill_padding", lambda images, plans, fill: images)
+    monkeypatch.setattr(_decoded_plans, "fill_padding", lambda images, plans, fill: images)
     real_get = NvjpegBackend.get
 
     def get_and_read(self):

@@ -54,19 +54,17 @@ import torch
 
 from ...ingest._sniff import Kind
 from ...store._store import Store
-from ...transforms._chunks import BUDGET_BYTES, Scratch
-from ...transforms._orientation import orient, steps
-from ...transforms._resample import resample
-from .._apply import apply_plan, no_autocast
+from .._apply import no_autocast
 from .._base import Backend
 from .._device import normalize_device
-from .._masks import MaskOptions, fill_padding
+from .._masks import MaskOptions
 from .._options import DEFAULTS, DecodeOptions
-from .._outcome import ON_ERROR, Decoded, check_size, failure, out_size
+from .._outcome import ON_ERROR, Decoded, out_size
 from ..cpu._procs import default_workers
 from ._batched import BatchDecoder, applies_exif, default_decoder, sub_batches
 from ._calls import DecoderCalls
-from ._fallback import Part, Result, decode_on_cpu, join, split, stage_times
+from ._decoded_plans import DecodedPlans
+from ._fallback import Result, decode_on_cpu, join, split, stage_times
 from ._faults import raise_if_broken
 from ._jobs import Batch, Chunk, Done, Job, Outputs, stage_result, stop_pools
 from ._mask_stage import MaskStage, PendingMasks
@@ -119,9 +117,10 @@ class NvjpegBackend(Backend):
         kinds = cache.samples["kind"]
         # progressive JPEGs go to the CPU stage: nvJPEG Huffman-decodes them on the host anyway
         self._gpu_mask: np.ndarray = cache.gpu_decodable() & (kinds != Kind.JPEG_PROGRESSIVE)
-        # the transform stage's work buffer (its one thread and stream), within the stage's
-        # fixed budget whatever the GPU's size
-        self._scratch = Scratch(BUDGET_BYTES)
+        # the transform stage's plans, its work buffer within the stage's fixed budget
+        self._plans = DecodedPlans(
+            cache, options, applies_exif=self.applies_exif, decoder_name=self.decoder.name
+        )
         self._pending: list[Job] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}
         #: threads of the CPU stage, among which a batch's CPU samples are split
@@ -272,7 +271,7 @@ class NvjpegBackend(Backend):
             decoded, ready = stage_result(gpu)
             self._streams.adopt((t for t in decoded if isinstance(t, torch.Tensor)), ready)
             t0 = time.perf_counter()
-            parts = self._plan_gpu(indices, plans, stack, gpu_pos, decoded)
+            parts = self._plans.parts(indices, plans, stack, gpu_pos, decoded)
             t1 = time.perf_counter()
             chunks = [stage_result(c) for c in cpu]  # the CPU stage's chunks, in batch order
             took["fallback"] = sum(seconds for _, seconds in chunks)
@@ -300,81 +299,6 @@ class NvjpegBackend(Backend):
             )
             out.busy = sum(out.times[k] for k in ("read", "decode", "resize", "collate"))
             return Done(out, self._streams.record())
-
-    def _plan_gpu(
-        self,
-        indices: np.ndarray,
-        plans: np.ndarray,
-        stack: bool,
-        positions: np.ndarray,
-        images: list[torch.Tensor | Exception],
-    ) -> list[Part]:
-        """The decoded samples' plans (one batched call when ``stack``); samples the decoder
-        rejected try the CPU, and a decoded size that differs from the header fails the sample."""
-        if not len(positions):
-            return []
-        ok, retry, kept, results = [], [], [], []
-        orientation = self.cache.samples["orientation"]
-        for p, img in zip(positions.tolist(), images):
-            i = int(indices[p])
-            if isinstance(img, Exception):
-                retry.append(p)
-                continue
-            o = 1 if self.applies_exif or not 1 <= orientation[i] <= 8 else int(orientation[i])
-            try:  # the displayed size, from the shape alone (orienting is a copy on CUDA)
-                check_size(self.cache, i, img.transpose(-1, -2) if steps(o)[0] else img)
-            except ValueError as err:
-                results.append((p, failure(self.cache, i, err, self.on_error)))
-                continue
-            ok.append(p)
-            kept.append(img if stack else orient(img, o))
-        parts: list[Part] = []
-        if ok and stack:
-            rows = indices[ok]
-            parts.append(
-                (
-                    np.asarray(ok, dtype=np.int64),
-                    fill_padding(  # the batched resize pads with zeros
-                        resample(
-                            kept,
-                            plans[ok],
-                            orientations=None if self.applies_exif else orientation[rows],
-                            scratch=self._scratch,
-                        ),
-                        plans[ok],
-                        self.options.fill,
-                    ),
-                    False,
-                )
-            )
-        elif ok:
-            parts.append(
-                (
-                    np.asarray(ok, dtype=np.int64),
-                    [apply_plan(x, plans[p], self.options.fill) for x, p in zip(kept, ok)],
-                    False,
-                )
-            )
-        if results:
-            parts.append(
-                (
-                    np.asarray([p for p, _ in results], dtype=np.int64),
-                    [r for _, r in results],
-                    False,
-                )
-            )
-        if retry:  # libjpeg-turbo gets the last word: decoded there, or reported as failed
-            rescued = decode_on_cpu(self.cache, indices, plans, retry, self.options)
-            for p, r in zip(retry, rescued):
-                if isinstance(r, torch.Tensor):
-                    log.warning(
-                        "gpucache: %s could not decode sample %d (%s); decoded it on the CPU",
-                        self.decoder.name,
-                        int(indices[p]),
-                        self.cache.paths[int(indices[p])],
-                    )
-            parts.append((np.asarray(retry, dtype=np.int64), rescued, True))
-        return parts
 
     # ------------------------------------------------------------------ Backend
     def submit(
