@@ -29,7 +29,8 @@ from ..ingest._sniff import JPEG_KINDS, Kind
 from ..store._decoded import IN_TIER, DecodedPixels
 from ..store._limits import check_pixels
 from ..store._oom import raise_if_out_of_memory
-from ..transforms import apply_steps, batch_generator, elementwise_into, elementwise_prefix
+from ..transforms._generator import batch_generator
+from ..transforms._steps import apply_steps, elementwise_into, elementwise_prefix
 from . import _masks, _roi, _roi_rst
 from ._jpeg import (  # noqa: F401 - the full JPEG decode, shared with the region decoder's check
     TV_DEPRECATION,

@@ -24,14 +24,11 @@ from ..decode._options import DecodeOptions
 from ..decode._workers import default_workers
 from ..store._store import Store
 from ..store._targets import dense_targets, kept_rows, ragged_targets
-from ..transforms import (
-    Transform,
-    apply_mask_steps,
-    apply_steps,
-    as_compose,
-    batch_generator,
-)
+from ..transforms._compose import as_compose
 from ..transforms._device import to_device
+from ..transforms._generator import batch_generator
+from ..transforms._steps import apply_mask_steps, apply_steps
+from ..transforms._transform import Transform
 from . import _nodes, _state, _tier
 from ._nodes import NodeOrder, RankPlan, Segment
 from ._sampling import Sampling

@@ -38,7 +38,7 @@ from ..decode._core import decode_batch
 from ..store import _decoded, _readonly
 from ..store._decoded import FROM_STORE, DecodedPixels, Layout
 from ..store._store import Store
-from ..transforms import identity_plans
+from ..transforms._geometric import identity_plans
 
 CHUNK = 32  # images a decode task
 Sink = Callable[[int, memoryview], None]  # write(offset in the file, bytes)
