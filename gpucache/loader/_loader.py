@@ -234,10 +234,12 @@ class GpuCachedLoader(Iteration):
 
     @property
     def shuffle(self) -> bool:
+        """A new order every epoch, drawn from ``(seed, epoch)``."""
         return self.sampling.shuffle
 
     @property
     def drop_last(self) -> bool:
+        """The last, short batch (and the samples ranks cannot split evenly) left out."""
         return self.sampling.drop_last
 
     @property
@@ -372,9 +374,8 @@ class GpuCachedLoader(Iteration):
         (node shares: of the whole listing, the same on every node and at any node count)."""
         if self._nodes is not None:
             return _nodes.fingerprint(self._nodes.share), "all"
-        return _state.store_fingerprint(self.cache), _state.sampling_fingerprint(
-            self.sampling.samples
-        )
+        subset = _state.sampling_fingerprint(self.sampling.samples)
+        return _state.store_fingerprint(self.cache), subset
 
     @property
     def tier(self) -> str:

@@ -15,6 +15,11 @@ Batch steps follow the geometry and run on the whole batch, on the output device
 such as a torchvision v2 transform) and ops that also change the labels (:class:`MixUp`,
 :class:`CutMix`, :class:`WithLabels`). Random ones draw per sample from a generator seeded by
 (seed, epoch, batch).
+
+This module re-exports the public names; each kind lives in a module of its own: the base
+classes (``_transform``), the geometric plans (``_geometric``), the pixel steps (``_pixel``), the
+steps that change labels (``_mixing``), the batch generator (``_generator``), ``Compose``
+(``_compose``) and the running of its steps (``_steps``).
 """
 
 from __future__ import annotations
