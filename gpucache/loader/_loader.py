@@ -26,7 +26,7 @@ from ..transforms._transform import Transform
 from . import _nodes, _sampling, _state, _tier
 from ._iteration import Iteration
 from ._nodes import NodeOrder, Segment
-from ._sampling import Samples, Sampling
+from ._sampling import Sampling, Visits
 from ._stats import LoaderStats
 
 
@@ -56,7 +56,7 @@ class GpuCachedLoader(Iteration):
         indices: Iterate this subset of the store (store indices) instead of all of it.
         weights: Draw ``num_samples`` samples an epoch with these probabilities (with
             replacement), like ``WeightedRandomSampler``.
-        num_samples: Samples an epoch with ``weights`` (default: the subset's size).
+        num_samples: Visits an epoch with ``weights`` (default: the subset's size).
         num_workers: *Workers.* CPU decode processes (``backend="cpu"``; DALI's CPU threads
             for ``"dali"``). None: this rank's share of the usable cores. 0 decodes in the
             main process.
@@ -169,10 +169,10 @@ class GpuCachedLoader(Iteration):
         self.cache = cache
         # order and sharding: one value
         num_replicas, rank = _sampling.sharding(num_replicas, rank)
-        samples = Samples(len(cache), indices=indices, weights=weights, num_samples=num_samples)
-        nodes = _sampling.node_order(cache, samples, num_replicas, rank)
+        visits = Visits(len(cache), indices=indices, weights=weights, num_samples=num_samples)
+        nodes = _sampling.node_order(cache, visits, num_replicas, rank)
         self.sampling = Sampling(
-            samples,
+            visits,
             batch_size=batch_size,
             shuffle=shuffle,
             drop_last=drop_last,
@@ -374,7 +374,7 @@ class GpuCachedLoader(Iteration):
         (node shares: of the whole listing, the same on every node and at any node count)."""
         if self._nodes is not None:
             return _nodes.fingerprint(self._nodes.share), "all"
-        subset = _state.sampling_fingerprint(self.sampling.samples)
+        subset = _state.sampling_fingerprint(self.sampling.visits)
         return _state.store_fingerprint(self.cache), subset
 
     @property

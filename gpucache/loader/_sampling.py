@@ -1,6 +1,6 @@
 """The loader's order and sharding, checked once and held as one value (:class:`Sampling`).
 
-Which store samples an epoch visits (:class:`Samples`: all of them, a subset, ``indices=``, or a
+Which store samples an epoch visits (:class:`Visits`: all of them, a subset, ``indices=``, or a
 weighted draw with replacement, ``weights=``), in what order (``shuffle``, from ``seed``), split
 across which ranks (``num_replicas``, ``rank``; a node-sharded store's :class:`NodeOrder`), in
 batches of what size (``batch_size``, ``drop_last``). The loader's passes and its resume state
@@ -21,7 +21,7 @@ from . import _nodes
 from ._nodes import NodeOrder, RankPlan, Segment
 
 
-class Samples:
+class Visits:
     """The global order of an epoch, as store indices, before sharding across ranks.
 
     ``indices``: the store samples to use (a split), in the order an unshuffled epoch visits them;
@@ -97,12 +97,12 @@ class Samples:
 
 @dataclass(frozen=True)
 class Sampling:
-    """Order and sharding: an epoch's global order over ``samples`` (``shuffle``: drawn from
+    """Order and sharding: an epoch's global order over ``visits`` (``shuffle``: drawn from
     ``(seed, epoch)``), split among ``num_replicas`` ranks (``nodes``: a node-sharded store's
     order), in batches of ``batch_size`` per rank (``drop_last``: no short batch, no padding).
     ``load_state_dict`` replaces the seed (and a node share's store) with ``dataclasses.replace``."""
 
-    samples: Samples
+    visits: Visits
     batch_size: int
     shuffle: bool
     drop_last: bool
@@ -116,14 +116,14 @@ class Sampling:
 
     def global_size(self) -> int:
         """Samples in one epoch's global order (before sharding; node shares: every node's)."""
-        return self.samples.size if self.nodes is None else self.nodes.total
+        return self.visits.size if self.nodes is None else self.nodes.total
 
     def global_order(self, epoch: int) -> np.ndarray:
         """The epoch's order over all ranks, as store indices, before sharding.
 
         Everything else (sharding, resume, batches) works on positions in this array, so a subset
         or a weighted draw only has to change this function and ``global_size``."""
-        return self.samples.order(self.seed, epoch, self.shuffle)
+        return self.visits.order(self.seed, epoch, self.shuffle)
 
     def shard(self, order: np.ndarray, start: int) -> np.ndarray:
         """This rank's share of ``order[start:]``: DistributedSampler's rule (pad to a multiple
@@ -203,12 +203,12 @@ def seed_of(
     return int(seed) % 2**63
 
 
-def node_order(cache: Store, samples: Samples, num_replicas: int, rank: int) -> NodeOrder | None:
+def node_order(cache: Store, visits: Visits, num_replicas: int, rank: int) -> NodeOrder | None:
     """The node order of a node-sharded store (None for a whole one), checked against the job."""
     share = cache.node_share
     if share is None:
         return None
-    if samples.indices is not None or samples.weights is not None:
+    if visits.indices is not None or visits.weights is not None:
         raise ValueError(
             "indices= and weights= take store indices of a whole data set; this store holds "
             "one node's share (shard='node'), whose indices differ from node to node. Build "
