@@ -25,7 +25,8 @@ from .ingest._build import (
     FileRangeSource,
     Skipped,
 )
-from .loader._loader import BatchInfo, GpuCachedLoader
+from .loader._iteration import BatchInfo
+from .loader._loader import GpuCachedLoader
 from .loader._stats import LoaderStats
 from .node._jpegcache import JpegCache
 from .store._format import Kind

@@ -13,6 +13,7 @@ import torchvision.transforms.v2 as v2
 
 from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
+from gpucache.transforms._compose import as_compose
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -140,14 +141,14 @@ def test_pad_translates_with_its_sides(cache):
 )
 def test_what_cannot_be_reproduced_is_refused_with_the_fix(bad, fix):
     with pytest.raises(TypeError, match=fix):
-        T.as_compose(bad)
+        as_compose(bad)
 
 
 def test_random_torchvision_op_on_a_batch_warns_unless_wrapped():
     with pytest.warns(UserWarning, match=r"once per batch.*PerSample\(RandomGrayscale"):
         T.Compose([T.RandomResizedCrop(16), v2.RandomGrayscale(p=0.5)])
     with pytest.warns(UserWarning, match="gpucache.transforms.ColorJitter"):
-        T.as_compose(v2.Compose([v2.RandomResizedCrop(16), v2.ColorJitter(0.4)]))
+        as_compose(v2.Compose([v2.RandomResizedCrop(16), v2.ColorJitter(0.4)]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         T.Compose(

@@ -250,7 +250,7 @@ def test_resume_at_another_world_size_sees_each_remaining_sample_once(cache, bef
     assert len(consumed) == len(set(consumed))
     assert set(flat) == remaining  # every remaining sample, none already consumed
     assert len(flat) - len(remaining) == (-len(remaining)) % after  # repeats: padding only
-    order = old[0]._global_order(1)
+    order = old[0].sampling.global_order(1)
     assert sorted(consumed) == sorted(order[: len(consumed)])  # a prefix of the epoch's order
     for loader in new:  # then the next epoch, whole, on the new ranks
         assert loader.epoch == 2

@@ -114,10 +114,10 @@ def test_drain_and_garbage_collection_stop_work(cache):
 
 def test_loader_break_and_close_leave_no_thread(cache, monkeypatch):
     """The loader's GPU wiring with the backend swapped in on a CPU device (no CUDA here)."""
-    from gpucache.loader import _loader
+    from gpucache.loader import _iteration
 
     monkeypatch.setattr(
-        _loader,
+        _iteration,
         "_make_backend",
         lambda ld: NvjpegBackend(ld.cache, options=DecodeOptions(on_error=ld.on_error), device=CPU),
     )

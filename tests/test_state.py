@@ -1,6 +1,7 @@
 """The loader's resume state: values checked with clear errors, a store fingerprint that refuses a
 state of other data, the same fingerprint for every backing and process, old states still load."""
 
+import dataclasses
 import json
 import multiprocessing as mp
 import warnings
@@ -161,6 +162,16 @@ def test_a_state_survives_json_and_torch_load_and_takes_numpy_integers(cache, sa
             warnings.simplefilter("error")  # a complete state loads without a warning
             loader.load_state_dict(copy)
         assert _order(loader) == rest
+
+
+def test_a_state_of_another_seed_reseeds_the_order_and_the_decode_options(cache, saved):
+    state, rest = saved
+    loader = GpuCachedLoader(cache, **{**KW, "seed": 0})
+    before = loader.decode_options
+    loader.load_state_dict(state)
+    assert loader.seed == loader.sampling.seed == loader.decode_options.seed == 9
+    assert dataclasses.replace(loader.decode_options, seed=0) == before  # only the seed changed
+    assert _order(loader) == rest
 
 
 def test_states_without_fingerprints_still_load_with_a_warning(cache, saved):

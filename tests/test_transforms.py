@@ -10,6 +10,7 @@ from gpucache import GpuCachedLoader, JpegCache
 from gpucache import transforms as T
 from gpucache.decode._apply import apply_plan
 from gpucache.decode._sample import decode_sample
+from gpucache.transforms._compose import as_compose
 
 
 @pytest.fixture(scope="module")
@@ -187,10 +188,10 @@ def test_any_callable_runs_on_the_batch_seeded():
 def test_wrong_transform_names_what_is_accepted():
     for bad in (42, "Resize", {"a": 1}):
         with pytest.raises(TypeError, match="torchvision v2 transform or Compose, a function"):
-            T.as_compose(bad)
+            as_compose(bad)
     with pytest.raises(TypeError, match="not a transform.*any callable on the batch"):
         T.Compose([T.Resize(8), 3])
-    assert T.as_compose(v2.ColorJitter(0.5)).steps[0][0] == "pixel"
+    assert as_compose(v2.ColorJitter(0.5)).steps[0][0] == "pixel"
     with pytest.raises(ValueError, match="mixes samples"):
         T.Compose([T.MixUp(num_classes=2)]).apply([torch.zeros(3, 4, 4)], torch.tensor([0]))
 

@@ -19,7 +19,8 @@ from ..store._decoded import IN_TIER
 from ..store._limits import check_pixels
 from ..store._oom import raise_if_out_of_memory
 from ..store._store import Store
-from ..transforms import apply_steps, batch_generator, elementwise_into, elementwise_prefix
+from ..transforms._generator import batch_generator
+from ..transforms._steps import apply_steps, elementwise_into, elementwise_prefix
 from . import _roi, _roi_rst
 from ._apply import finish_plan
 from ._masks import MaskOptions

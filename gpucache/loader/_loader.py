@@ -1,15 +1,16 @@
-"""GpuCachedLoader: order, sharding, epochs, prefetch and resume; drives a decode backend."""
+"""GpuCachedLoader: its arguments checked and held (order and sharding as one
+:class:`~._sampling.Sampling`, decoding as one :class:`~gpucache.decode._options.DecodeOptions`),
+the DataLoader habits and the resume state; the passes themselves are :mod:`._iteration`'s."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import logging
 import multiprocessing as mp
 import os
 import warnings
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -17,70 +18,20 @@ import torch
 from .. import decode as _decode
 from ..base import _dist
 from ..decode import _masks
-from ..decode._base import GPU_IN_FLIGHT, Backend
 from ..decode._device import resolve_device
 from ..decode._options import DecodeOptions
-from ..decode._outcome import Decoded
-from ..decode._timing import TIMED, stage_clock
-from ..decode._timing import stage_range as _range
 from ..decode.cpu._procs import default_workers
 from ..store._store import Store
-from ..store._targets import dense_targets, kept_rows, ragged_targets
-from ..transforms import (
-    Transform,
-    apply_mask_steps,
-    apply_steps,
-    as_compose,
-    batch_generator,
-)
-from ..transforms._device import to_device
-from . import _nodes, _state, _tier
-from ._nodes import NodeOrder, RankPlan, Segment
-from ._sampling import Sampling
+from ..transforms._compose import Compose, as_compose
+from ..transforms._transform import Transform
+from . import _nodes, _sampling, _state, _tier
+from ._iteration import Iteration
+from ._nodes import NodeOrder, Segment
+from ._sampling import Sampling, Visits
 from ._stats import LoaderStats
 
-log = logging.getLogger(__name__)
 
-
-class BatchInfo(NamedTuple):
-    """Per-sample details of a batch (``return_metadata=True``). Strings stay Python lists."""
-
-    indices: torch.Tensor  # store indices, in batch order
-    paths: list[str]
-    metadata: list[str] | None
-    skipped: list[tuple[int, str]]  # (store index, reason) of samples left out of this batch
-    #: (N, 11) geometric plan of each sample (transforms.map_boxes), in the store's image
-    #: coordinates (float64 on the decoded tier: its first crop scaled by the image's factor)
-    plans: np.ndarray | None = None
-    targets: list[torch.Tensor] | None = None  # per-sample ragged targets (K_i, C), as stored
-    #: the batch's class labels when masks take their place in the batch (a store with masks)
-    labels: torch.Tensor | None = None
-
-
-class _Pass:
-    """Where one pass over an epoch stands: it started at global position ``start`` (node
-    shares: after the epoch's ``prior`` segments)."""
-
-    def __init__(
-        self,
-        epoch: int,
-        start: int,
-        replicas: int,
-        batch_size: int,
-        total: int,
-        prior: list[Segment] | None = None,
-    ):
-        self.epoch, self.start, self.replicas, self.batch_size = epoch, start, replicas, batch_size
-        self.total, self.batches_done, self.prior = total, 0, prior
-
-    @property
-    def position(self) -> int:
-        """Global samples of the epoch's order consumed: ranks go in lockstep, so batch k of every
-        rank covers global slots [start + k*B*W, start + (k+1)*B*W)."""
-        return min(self.total, self.start + self.batches_done * self.batch_size * self.replicas)
-
-
-class GpuCachedLoader:
+class GpuCachedLoader(Iteration):
     """A ``torch.utils.data.DataLoader`` replacement that decodes from a :class:`JpegCache`.
 
     Yields ``(images, labels)`` on ``device`` (``(images, labels, BatchInfo)`` with
@@ -106,7 +57,7 @@ class GpuCachedLoader:
         indices: Iterate this subset of the store (store indices) instead of all of it.
         weights: Draw ``num_samples`` samples an epoch with these probabilities (with
             replacement), like ``WeightedRandomSampler``.
-        num_samples: Samples an epoch with ``weights`` (default: the subset's size).
+        num_samples: Visits an epoch with ``weights`` (default: the subset's size).
         num_workers: *Workers.* CPU decode processes (``backend="cpu"``; DALI's CPU threads
             for ``"dali"``). None: this rank's share of the usable cores. 0 decodes in the
             main process.
@@ -209,163 +160,142 @@ class GpuCachedLoader:
                 f"cache must be a gpucache.JpegCache, got {type(cache).__name__}; "
                 "build one with JpegCache.from_folder(root) or JpegCache.open(path)."
             )
-        _check_int("batch_size", batch_size, 1, "use batch_size=1 or more")
-        if num_workers is not None:
-            _check_int(
-                "num_workers", num_workers, 0, "use num_workers=0 to decode in the main process"
-            )
-        _check_int("prefetch_factor", prefetch_factor, 1, "use prefetch_factor=1 or more")
-        num_replicas, rank = _dist.sharding(num_replicas, rank)
-        _check_int("num_replicas", num_replicas, 1, "use num_replicas=world size (>= 1)")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank should be in [0, {num_replicas}), got {rank!r}.")
-        if timeout is not None and timeout < 0:
-            raise ValueError(
-                "timeout option should be non-negative; use timeout=None to wait "
-                "for as long as workers are alive."
-            )
+        _check_workers(
+            num_workers, prefetch_factor, persistent_workers, multiprocessing_context, timeout
+        )
         if on_error not in ("skip", "raise", "skip_warned"):
             raise ValueError(
                 f"on_error must be 'skip', 'raise' or 'skip_warned', got {on_error!r}."
             )
-        if multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
-            raise ValueError(
-                "multiprocessing_context must be None, 'fork', 'spawn' or "
-                f"'forkserver', got {multiprocessing_context!r}."
-            )
         self.cache = cache
+        # order and sharding: one value
+        num_replicas, rank = _sampling.sharding(num_replicas, rank)
+        visits = Visits(len(cache), indices=indices, weights=weights, num_samples=num_samples)
+        nodes = _sampling.node_order(cache, visits, num_replicas, rank)
         self.sampling = Sampling(
-            len(cache), indices=indices, weights=weights, num_samples=num_samples
+            visits,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            seed=_sampling.seed_of(seed, generator, num_replicas, shuffle),
+            num_replicas=num_replicas,
+            rank=rank,
+            nodes=nodes,
         )
-        self._nodes = _node_order(cache, self.sampling, num_replicas, rank)
-        self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
-        if seed is not None and generator is not None:
-            raise ValueError(
-                "give seed or generator, not both; the generator's initial_seed() "
-                "is used as the seed."
-            )
-        if seed is None:  # a fresh seed, the same on every rank (or a clear error)
-            seed = (
-                generator.initial_seed()
-                if generator is not None
-                else _dist.agreed_seed(num_replicas, shuffle)
-            )
-        self.seed = int(seed) % 2**63
-        if not persistent_workers:
-            warnings.warn(
-                "persistent_workers=False is ignored: GpuCachedLoader always keeps its "
-                "workers for the next epoch (call close() to stop them).",
-                stacklevel=2,
-            )
+        # output and masks
         self.transform = as_compose(transform)
         self._masks_dtype = _mask_setup(cache, masks, mask_fill, fill, self.transform)
-        self.mask_fill, self.fill = mask_fill, fill
+        self.return_metadata = return_metadata
+        # decoding: where, by which backend and workers, from which tier
         self.device = resolve_device(device)  # normalised: cuda -> cuda:<current>
         self.backend_name = _decode.resolve(backend, self.device)
-        self.num_workers = default_workers() if num_workers is None else num_workers
-        self.prefetch_factor = prefetch_factor
-        if pin_memory and self.device.type != "cuda":
-            warnings.warn(
-                "pin_memory=True has no effect without a CUDA device; ignoring it.", stacklevel=2
-            )
-        self.pin_memory = self.device.type == "cuda" and pin_memory is not False
-        self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
-        self.timeout = timeout or None
-        self.hw_decoder_load = hw_decoder_load
-        self.on_error, self.return_metadata = on_error, return_metadata
-        self.exact = bool(exact)  # False: CPU decode may use DCT scaling (docs/guides/backends.md)
-        self.num_replicas, self.rank = num_replicas, rank
-        self._tier = _tier.choose(
-            cache,
-            _tier.request(
-                decoded=decoded,
-                decoded_side=decoded_side,
-                decoded_budget=decoded_budget,
-                device_budget=device_budget,
-                cache_dir=cache_dir,
-            ),
-            device=self.device,
-            private_ok=self.device.type == "cuda"
-            or self.num_workers == 0
-            or mp.get_context(multiprocessing_context).get_start_method() == "fork",
-            several=num_replicas > 1 or _dist.local()[0] > 1,
+        workers = default_workers() if num_workers is None else num_workers
+        self.prefetch_factor, self.hw_decoder_load = prefetch_factor, hw_decoder_load
+        request = _tier.request(
+            decoded=decoded,
+            decoded_side=decoded_side,
+            decoded_budget=decoded_budget,
+            device_budget=device_budget,
+            cache_dir=cache_dir,
+        )
+        self._tier = _tier_of(
+            cache, request, self.device, workers, multiprocessing_context, num_replicas
         )
         if self._tier.pixels is not None:  # cut from pixels: on the CPU, or on the device
             self.backend_name = "cpu" if self.device.type == "cpu" else "pixels"
-        # the first batch steps that act on each sample alone run in the cpu backend's workers
-        # (or its inline decode) when the batch ends on the CPU; the rest here, after them
-        cpu_batches = self.backend_name == "cpu" and self.device.type == "cpu"
-        self._steps_in_backend = (
-            self.transform.per_sample_steps() if cpu_batches and self.transform.fixed_size else 0
+        self._steps_in_backend = _steps_in_backend(self.transform, self.backend_name, self.device)
+        self.decode_options = DecodeOptions(
+            on_error=on_error,
+            exact=bool(exact),  # False: CPU decode may use DCT scaling (docs/guides/backends.md)
+            seed=self.sampling.seed,
+            num_workers=workers,
+            context=multiprocessing_context,
+            worker_init_fn=worker_init_fn,
+            timeout=timeout or None,
+            pin_memory=_pin_memory(pin_memory, self.device),
+            steps=tuple(t for _, t in self.transform.steps[: self._steps_in_backend]),
+            masks=self._masks_dtype is not None,
+            mask_fill=mask_fill,
+            mask_dtype=str(self._masks_dtype or torch.uint8).removeprefix("torch."),
+            fill=fill,
+            pixels=self._tier.pixels,
         )
         self.stats = LoaderStats(
-            workers=max(1, self.num_workers) if self.backend_name == "cpu" else 1,
+            workers=max(1, workers) if self.backend_name == "cpu" else 1,
             backend=self.backend_name,
         )
         self.stats.tier = self._tier.describe()
-        self._next_epoch = 0  # the epoch a fresh pass plays
-        # (epoch, global position, node shares: the epoch's segments so far) from load_state_dict
-        self._resume: tuple[int, int, list[Segment]] | None = None
-        self._pass: _Pass | None = None  # the pass under way (or abandoned), for state_dict()
-        self._passes = 0  # counts passes, so a superseded iterator can tell
-        #: node shares: repeats this rank plays in the pass under way (its node's padding, and
-        #: samples its build left out), and samples of its node that drop_last leaves out
-        self.epoch_padding = self.epoch_dropped = 0
-        self._backend: Backend | None = None
-        self._closed = False  # close() was called: iterating raises instead of restarting
+        self._start()
 
-    # ------------------------------------------------------------------ order and sharding
-    def _global_size(self) -> int:
-        """Samples in one epoch's global order (before sharding; node shares: every node's)."""
-        return self.sampling.size if self._nodes is None else self._nodes.total
+    # ------------------------------------------------------------------ the arguments, as held
+    @property
+    def batch_size(self) -> int:
+        """Samples a batch (per rank)."""
+        return self.sampling.batch_size
 
-    def _global_order(self, epoch: int) -> np.ndarray:
-        """The epoch's order over all ranks, as store indices, before sharding.
+    @property
+    def shuffle(self) -> bool:
+        """A new order every epoch, drawn from ``(seed, epoch)``."""
+        return self.sampling.shuffle
 
-        Everything else (sharding, resume, batches) works on positions in this array, so a subset
-        or a weighted draw only has to change this function and ``_global_size``."""
-        return self.sampling.order(self.seed, epoch, self.shuffle)
+    @property
+    def drop_last(self) -> bool:
+        """The last, short batch (and the samples ranks cannot split evenly) left out."""
+        return self.sampling.drop_last
 
-    def _shard(self, order: np.ndarray, start: int, replicas: int, rank: int) -> np.ndarray:
-        """``rank``'s share of ``order[start:]``: DistributedSampler's rule (pad to a multiple of
-        ``replicas`` by repeating the rest from its start, or drop the tail with ``drop_last``),
-        then every ``replicas``-th slot. Global slot j of the rest goes to rank j % replicas.
-        Padding repeats samples of the rest only, so a resumed epoch never shows a consumed one."""
-        rest = order[start:]
-        if self.drop_last:
-            rest = rest[: len(rest) // replicas * replicas]
-        elif len(rest) % replicas:
-            rest = np.concatenate([rest, np.resize(rest, replicas - len(rest) % replicas)])
-        return rest[rank::replicas]
+    @property
+    def seed(self) -> int:
+        """The seed of the order, crops and augmentation draws (a state's after
+        ``load_state_dict``)."""
+        return self.sampling.seed
 
-    def _batches(self, mine: np.ndarray) -> list[np.ndarray]:
-        bs = self.batch_size
-        batches = [mine[i : i + bs] for i in range(0, len(mine), bs)]
-        if self.drop_last and batches and len(batches[-1]) < bs:
-            batches.pop()
-        return batches
+    @property
+    def num_replicas(self) -> int:
+        return self.sampling.num_replicas
+
+    @property
+    def rank(self) -> int:
+        return self.sampling.rank
+
+    @property
+    def _nodes(self) -> NodeOrder | None:
+        """A node-sharded store's order (``_nodes.holding`` reads it), else None."""
+        return self.sampling.nodes
+
+    @property
+    def num_workers(self) -> int:
+        """CPU decode processes (0: the main process decodes)."""
+        return self.decode_options.num_workers
+
+    @property
+    def pin_memory(self) -> bool:
+        return self.decode_options.pin_memory
+
+    @property
+    def timeout(self) -> float | None:
+        return self.decode_options.timeout
+
+    @property
+    def multiprocessing_context(self) -> str | None:
+        return self.decode_options.context
+
+    @property
+    def worker_init_fn(self) -> Callable[[int], None] | None:
+        return self.decode_options.worker_init_fn
+
+    @property
+    def on_error(self) -> str:
+        return self.decode_options.on_error
 
     def epoch_indices(self, epoch: int, start: int = 0) -> np.ndarray:
         """Store indices this rank visits in ``epoch`` from global position ``start``, in order
         (node shares: the whole epoch, ``start`` 0)."""
-        if self._nodes is not None:
-            return self._node_plan(epoch, []).indices
-        return self._shard(self._global_order(epoch), start, self.num_replicas, self.rank)
-
-    def _node_plan(self, epoch: int, prior: list[Segment]) -> RankPlan:
-        assert self._nodes is not None
-        return self._nodes.plan(
-            self.seed, epoch, self.shuffle, prior, self.batch_size, self.drop_last
-        )
+        return self.sampling.epoch_indices(epoch, start)
 
     # ------------------------------------------------------------------ DataLoader habits
     def __len__(self) -> int:
         """Batches of a full epoch on this rank."""
-        if self._nodes is not None:
-            return self._nodes.full_batches(self.batch_size, self.drop_last)
-        n, r, bs = self._global_size(), self.num_replicas, self.batch_size
-        mine = n // r if self.drop_last else -(-n // r)
-        return mine // bs if self.drop_last else -(-mine // bs)
+        return self.sampling.full_batches()
 
     def set_epoch(self, epoch: int) -> None:
         """The next ``iter()`` plays ``epoch`` from its start. Order and crops come from
@@ -389,7 +319,7 @@ class GpuCachedLoader:
         elif self._pass is not None:
             epoch, position = self._pass.epoch, self._pass.position
             if self._pass.prior is not None:
-                segments = [*self._pass.prior, self._segment(self._pass.batches_done)]
+                segments = [*self._pass.prior, self.sampling.segment(self._pass.batches_done)]
         else:
             epoch, position = self._next_epoch, 0
         store, sampling = self._fingerprints
@@ -402,7 +332,7 @@ class GpuCachedLoader:
             "seed": self.seed,
             "epoch": epoch,
             "position": position,
-            "samples": self._global_size(),
+            "samples": self.sampling.global_size(),
             "shuffle": self.shuffle,
             "batch_size": self.batch_size,
             "num_replicas": self.num_replicas,
@@ -420,17 +350,23 @@ class GpuCachedLoader:
         is refused (``ValueError``/``TypeError``) and changes nothing."""
         store, sampling = self._fingerprints
         seed, epoch, position = _state.parse(
-            state, samples=self._global_size(), shuffle=self.shuffle, store=store, sampling=sampling
+            state,
+            samples=self.sampling.global_size(),
+            shuffle=self.shuffle,
+            store=store,
+            sampling=sampling,
         )
         segments = [Segment(*s) for s in _state.segments(state, self._nodes is not None)]
         if self._nodes is not None:  # the few samples of other shares this node is handed
             held = _nodes.holding(self, seed, epoch, segments)
             if held is not None:
                 self._stop_backend()  # its workers hold the store the bigger one replaces
-                self.cache, self._nodes = held
+                self.cache, nodes = held
+                self.sampling = dataclasses.replace(self.sampling, nodes=nodes)
         if seed != self.seed:
             self._stop_backend()  # workers are seeded from the loader's seed: restart them with it
-            self.seed = seed
+            self.sampling = dataclasses.replace(self.sampling, seed=seed)
+            self.decode_options = dataclasses.replace(self.decode_options, seed=seed)
         self._resume, self._pass = (epoch, position, segments), None
 
     @functools.cached_property
@@ -439,25 +375,8 @@ class GpuCachedLoader:
         (node shares: of the whole listing, the same on every node and at any node count)."""
         if self._nodes is not None:
             return _nodes.fingerprint(self._nodes.share), "all"
-        return _state.store_fingerprint(self.cache), _state.sampling_fingerprint(self.sampling)
-
-    def _segment(self, batches_done: int) -> Segment:
-        assert self._nodes is not None
-        return Segment(self._nodes.nodes, self._nodes.per_node, self.batch_size, batches_done)
-
-    def _key(self, epoch: int, batch: int) -> tuple[int, ...]:
-        """What seeds one batch's plans and batch steps: (seed, epoch, batch[, rank])."""
-        return (self.seed, epoch, batch) + ((self.rank,) if self.num_replicas > 1 else ())
-
-    def plans(self, epoch: int, batch: int, indices: np.ndarray) -> np.ndarray:
-        """The geometric plan of each sample of one batch (seeded by seed, epoch, batch, rank)."""
-        rng = np.random.default_rng(list(self._key(epoch, batch)))
-        if self._tier.heights is not None and self._tier.widths is not None:  # the tier's sizes
-            return self.transform.plan(self._tier.heights[indices], self._tier.widths[indices], rng)
-        s = self.cache.samples
-        return self.transform.plan(
-            s["height"][indices].astype(np.int64), s["width"][indices].astype(np.int64), rng
-        )
+        subset = _state.sampling_fingerprint(self.sampling.visits)
+        return _state.store_fingerprint(self.cache), subset
 
     @property
     def tier(self) -> str:
@@ -470,208 +389,6 @@ class GpuCachedLoader:
         """Why the tier is not the one asked for (or where it is held instead), else None."""
         return self._tier.reason
 
-    # ------------------------------------------------------------------ iteration
-    @property
-    def decode_options(self) -> DecodeOptions:
-        """The decode options the backend gets (built anew: ``load_state_dict`` may change the
-        seed, and backends are made again after it)."""
-        return DecodeOptions(
-            on_error=self.on_error,
-            exact=self.exact,
-            seed=self.seed,
-            num_workers=self.num_workers,
-            context=self.multiprocessing_context,
-            worker_init_fn=self.worker_init_fn,
-            timeout=self.timeout,
-            pin_memory=self.pin_memory,
-            steps=tuple(t for _, t in self.transform.steps[: self._steps_in_backend]),
-            masks=self._masks_dtype is not None,
-            mask_fill=self.mask_fill,
-            mask_dtype=str(self._masks_dtype or torch.uint8).removeprefix("torch."),
-            fill=self.fill,
-            pixels=self._tier.pixels,
-        )
-
-    def _get_backend(self) -> Backend:
-        if self._backend is None:
-            if self._masks_dtype is not None:
-                _masks.warm()  # before the workers fork: not once in each
-            self._backend = _make_backend(self)
-            self.stats.probe = self._backend.private_memory
-        return self._backend
-
-    def __iter__(self) -> Iterator[tuple[Any, ...]]:
-        """A fresh pass: the next epoch from batch 0, or where ``load_state_dict`` said."""
-        if self._closed:
-            raise RuntimeError(
-                "gpucache: this GpuCachedLoader is closed (close() was called, or its `with` "
-                "block ended): its workers are stopped and it does not start new ones behind "
-                "your back. Make a new GpuCachedLoader(...) to iterate again, or keep this one "
-                "open (no close(), no `with`) for as many epochs as you need."
-            )
-        backend = self._get_backend()
-        backend.drain()  # results of a pass left early
-        epoch, start, segments = (
-            self._resume if self._resume is not None else (self._next_epoch, 0, [])
-        )
-        prior: list[Segment] | None = segments
-        bs, replicas = self.batch_size, self.num_replicas
-        if self._nodes is not None:  # this node's share: the rest of its epoch after `prior`
-            rank_plan = self._node_plan(epoch, segments)
-            batches = self._batches(rank_plan.indices)
-            first = sum(s.batches_done for s in segments)
-            self.epoch_padding, self.epoch_dropped = rank_plan.padded, rank_plan.dropped
-        else:
-            batches = self._batches(self.epoch_indices(epoch, start))
-            first = start // (bs * replicas)  # batch number of the first batch, for the plans
-            prior = None
-        self._passes += 1
-        me = self._passes
-        self._resume, self._next_epoch = None, epoch + 1
-        self._pass = pos = _Pass(epoch, start, replicas, bs, self._global_size(), prior)
-        stack = self.transform.fixed_size
-        ahead = (
-            self.prefetch_factor * max(1, self.num_workers)
-            if self.backend_name == "cpu"
-            else max(GPU_IN_FLIGHT, self.prefetch_factor)
-        )
-        submitted = 0
-        in_flight: deque[tuple[np.ndarray, np.ndarray]] = deque()  # (indices, plans) per batch
-        stats, clock = self.stats, stage_clock
-        began = handed = clock()
-        wall = stats.wall
-        for b in range(len(batches)):
-            if self._passes != me:
-                raise RuntimeError(
-                    "this GpuCachedLoader iterator was superseded: a newer "
-                    "iter(loader) started a fresh pass; iterate that one."
-                )
-            asked = clock()
-            if b:
-                stats.record_step(asked - handed)
-            profiled = torch.autograd._profiler_enabled()
-            with _range("gpucache.plan", profiled):
-                while submitted < len(batches) and submitted < b + ahead:
-                    idx = batches[submitted]
-                    in_flight.append((idx, self.plans(epoch, first + submitted, idx)))
-                    backend.submit(
-                        idx, in_flight[-1][1], stack, self._key(epoch, first + submitted)
-                    )
-                    submitted += 1
-            planned = clock()
-            ready = backend.ready() if TIMED else 0
-            try:
-                with _range("gpucache.wait_for_batch", profiled):
-                    out = backend.get()
-            except BaseException:
-                self._stop_backend()  # a failed backend is not reused; the next pass starts afresh
-                raise
-            pos.batches_done = b + 1
-            row = {"plan": planned - asked}
-            batch = self._finish(out, epoch, first + b, *in_flight.popleft(), row, profiled)
-            handed = clock()
-            if b:
-                row["wait"] = handed - asked
-            else:  # workers starting, the queue filling: not the steady state
-                stats.first_wait += handed - asked
-            stats.record(row, len(out.indices), out, ready)
-            stats.wall = wall + handed - began
-            yield batch
-        stats.record_step(clock() - handed)
-        stats.wall = wall + clock() - began
-        stats.passes += 1
-        stats.end_epoch(epoch)
-        if self._pass is pos:
-            self._pass = None  # finished: state_dict() now points at the next epoch's start
-
-    def _finish(
-        self,
-        out: Decoded,
-        epoch: int,
-        batch: int,
-        submitted: np.ndarray,
-        plans: np.ndarray,
-        row: dict[str, float],
-        profiled: bool,
-    ) -> tuple[Any, ...]:
-        """``(images, labels)``, or ``(images, labels, BatchInfo)`` with ``return_metadata``;
-        the seconds its transfer and batch transforms took go into ``row``."""
-        clock = stage_clock
-        s = self.stats
-        s.batches += 1
-        s.samples += len(out.indices)
-        s.cpu_decoded += out.cpu_decoded
-        for index, reason in out.failed:
-            s.skipped += 1
-            s.skipped_samples.append((index, reason))
-            warnings.warn(f"gpucache: skipped {reason}", RuntimeWarning, stacklevel=3)
-        for index, reason in out.warned:  # kept (on_error="skip_warned" skips them): once each
-            if index not in s.warned_samples:
-                s.warned_samples[index] = reason
-                s.warned += 1
-                log.warning("gpucache: %s", reason)
-        for index, reason in out.mismatched:  # kept, decoded without restart markers: once each
-            if index not in s.mismatched_samples:
-                s.mismatched_samples[index] = reason
-                warnings.warn(f"gpucache: {reason}", RuntimeWarning, stacklevel=3)
-        move = self._move
-        t0 = clock()
-        with _range("gpucache.transfer", profiled):
-            images = out.images
-            images = (
-                move(images) if isinstance(images, torch.Tensor) else [move(im) for im in images]
-            )
-            dense = dense_targets(self.cache)  # float (N, C) targets replace int labels if stored
-            labels = move(
-                torch.from_numpy((self.cache.labels if dense is None else dense)[out.indices])
-            )
-        t1 = clock()
-        generator = batch_generator(*self._key(epoch, batch))
-        if out.rng_state is not None:  # the backend ran the first steps: the rest go on from there
-            generator.set_state(torch.frombuffer(bytearray(out.rng_state), dtype=torch.uint8))
-        rest = self.transform.steps[self._steps_in_backend :]
-        kept = plans[kept_rows(submitted, out.indices)]
-        masks = None
-        if self._masks_dtype is not None:
-            with _range("gpucache.masks", profiled):
-                masks = self._batch_masks(out)
-        with _range("gpucache.transform", profiled):
-            images, labels = apply_steps(rest, images, labels, generator)
-            if masks is not None:
-                masks = apply_mask_steps(rest, masks)
-        row["transfer"], row["transform"] = t1 - t0, clock() - t1
-        first = labels if masks is None else masks
-        if not self.return_metadata:
-            return images, first
-        meta = self.cache.metadata
-        info = BatchInfo(
-            torch.from_numpy(out.indices),
-            [self.cache.paths[i] for i in out.indices],
-            None if meta is None else [meta[i] for i in out.indices],
-            out.failed,
-            _tier.store_plans(self._tier, out.indices, kept, self.cache),
-            _ragged(self.cache, out.indices, move),
-            None if masks is None else labels,
-        )
-        return images, first, info
-
-    def _batch_masks(self, out: Decoded) -> torch.Tensor | list[torch.Tensor]:
-        """The batch's masks on the loader's device, as the backend brought them: the cpu
-        workers decode them beside the images, the GPU backends on threads of their own and
-        already on the device (never on this, the training loop's, thread)."""
-        m = out.masks
-        if m is None:
-            raise RuntimeError(
-                f"gpucache: the {self.backend_name} backend returned a batch without its masks "
-                "(a backend bug; please report it)."
-            )
-        return self._move(m) if isinstance(m, torch.Tensor) else [self._move(t) for t in m]
-
-    def _move(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` on the loader's device; with ``pin_memory`` through pinned memory and
-        ``non_blocking`` (no host synchronisation on the training stream)."""
-        return to_device(x, self.device) if self.pin_memory else x.to(self.device)
-
     # ------------------------------------------------------------------ shutdown
     @property
     def worker_pids(self) -> list[int]:
@@ -682,11 +399,6 @@ class GpuCachedLoader:
         iterated again (``RuntimeError``): make a new one."""
         self._closed = True
         self._stop_backend()
-
-    def _stop_backend(self) -> None:
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
 
     def __enter__(self) -> GpuCachedLoader:
         return self
@@ -702,17 +414,74 @@ class GpuCachedLoader:
         )
 
 
-def _ragged(
-    cache: Store, indices: np.ndarray, move: Callable[[torch.Tensor], torch.Tensor]
-) -> list[torch.Tensor] | None:
-    """The batch's ragged targets, moved in one copy and split on the device (views)."""
-    rows = ragged_targets(cache, indices)
-    if rows is None:
-        return None
-    if not rows:
-        return []
-    joined = move(torch.from_numpy(np.concatenate(rows)))
-    return list(joined.split([len(r) for r in rows]))
+def _check_workers(
+    num_workers: int | None,
+    prefetch_factor: int,
+    persistent_workers: bool,
+    context: str | None,
+    timeout: float | None,
+) -> None:
+    """The worker arguments' checks (``persistent_workers=False`` warns: it has no effect)."""
+    if num_workers is not None:
+        _sampling.check_int(
+            "num_workers", num_workers, 0, "use num_workers=0 to decode in the main process"
+        )
+    _sampling.check_int("prefetch_factor", prefetch_factor, 1, "use prefetch_factor=1 or more")
+    if timeout is not None and timeout < 0:
+        raise ValueError(
+            "timeout option should be non-negative; use timeout=None to wait "
+            "for as long as workers are alive."
+        )
+    if context not in (None, "fork", "spawn", "forkserver"):
+        raise ValueError(
+            "multiprocessing_context must be None, 'fork', 'spawn' or "
+            f"'forkserver', got {context!r}."
+        )
+    if not persistent_workers:
+        warnings.warn(
+            "persistent_workers=False is ignored: GpuCachedLoader always keeps its "
+            "workers for the next epoch (call close() to stop them).",
+            stacklevel=3,
+        )
+
+
+def _pin_memory(pin_memory: bool | None, device: torch.device) -> bool:
+    """Whether batches go to ``device`` through pinned memory: on CUDA unless turned off."""
+    if pin_memory and device.type != "cuda":
+        warnings.warn(
+            "pin_memory=True has no effect without a CUDA device; ignoring it.", stacklevel=3
+        )
+    return device.type == "cuda" and pin_memory is not False
+
+
+def _tier_of(
+    cache: Store,
+    request: _tier.TierRequest,
+    device: torch.device,
+    workers: int,
+    context: str | None,
+    num_replicas: int,
+) -> _tier.Tier:
+    """The decoded tier ``request`` asks for (or the raw one), for a loader on ``device`` with
+    ``workers`` started by ``context``, one of ``num_replicas`` ranks: its pixels may live in
+    this process's memory when its workers fork (or there are none, or batches end on CUDA) and
+    it is its node's only rank."""
+    return _tier.choose(
+        cache,
+        request,
+        device=device,
+        private_ok=device.type == "cuda"
+        or workers == 0
+        or mp.get_context(context).get_start_method() == "fork",
+        several=num_replicas > 1 or _dist.local()[0] > 1,
+    )
+
+
+def _steps_in_backend(transform: Compose, backend_name: str, device: torch.device) -> int:
+    """The first batch steps that act on each sample alone run in the cpu backend's workers (or
+    its inline decode) when the batch ends on the CPU; the rest in the loop's process."""
+    cpu_batches = backend_name == "cpu" and device.type == "cpu"
+    return transform.per_sample_steps() if cpu_batches and transform.fixed_size else 0
 
 
 def _mask_setup(
@@ -740,58 +509,3 @@ def _mask_setup(
             "pass masks=False to the loader to get labels."
         )
     return dtype
-
-
-def _node_order(cache: Store, sampling: Sampling, num_replicas: int, rank: int) -> NodeOrder | None:
-    """The node order of a node-sharded store (None for a whole one), checked against the job."""
-    share = cache.node_share
-    if share is None:
-        return None
-    if sampling.indices is not None or sampling.weights is not None:
-        raise ValueError(
-            "indices= and weights= take store indices of a whole data set; this store holds "
-            "one node's share (shard='node'), whose indices differ from node to node. Build "
-            "the subset as its own store, or use shard=None."
-        )
-    order = NodeOrder(share, num_replicas=num_replicas, rank=rank)
-    _nodes.check_job(share, num_replicas, rank)
-    return order
-
-
-def _check_int(name: str, value: object, low: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} option should be an integer >= {low}, got {value!r}; {fix}.")
-
-
-def _make_backend(loader: GpuCachedLoader) -> Backend:
-    name = loader.backend_name
-    if name == "pixels":  # the decoded tier on a CUDA device
-        from ..decode.gpu._pixels import PixelBackend
-
-        assert loader._tier.pixels is not None
-        return PixelBackend(
-            loader.cache,
-            loader._tier.pixels,
-            device=loader.device,
-            resident=loader._tier.name == "device",
-            options=loader.decode_options,
-        )
-    if name == "cpu":
-        from ..decode.cpu._backend import CpuBackend
-
-        return CpuBackend(loader.cache, loader.decode_options)
-    if name == "nvjpeg":
-        from ..decode.gpu._nvjpeg import NvjpegBackend
-
-        return NvjpegBackend(loader.cache, device=loader.device, options=loader.decode_options)
-    from ..decode.gpu._dali import DaliBackend
-
-    return DaliBackend(
-        loader.cache,
-        device=loader.device,
-        options=loader.decode_options,
-        batch_size=loader.batch_size,
-        num_threads=max(1, loader.num_workers),
-        prefetch=max(2, loader.prefetch_factor),
-        hw_decoder_load=loader.hw_decoder_load,
-    )

@@ -26,7 +26,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from ..store._store import Store
-    from ._sampling import Sampling
+    from ._sampling import Visits
 
 VERSION = 3
 _SEED_LIMIT = 2**63  # seeds are kept in [0, 2**63); epochs share the range
@@ -54,7 +54,7 @@ def store_fingerprint(cache: Store) -> str:
     )
 
 
-def sampling_fingerprint(sampling: Sampling) -> str:
+def sampling_fingerprint(sampling: Visits) -> str:
     """The loader's ``indices=`` and ``weights=`` (as normalised), or ``"all"``."""
     if sampling.indices is None and sampling.weights is None:
         return "all"

@@ -36,6 +36,7 @@ from ..store import _decoded
 from ..store._decoded import FROM_STORE, DecodedPixels
 from ..store._store import Store
 from . import _tier_build, _tier_file
+from ._tier_file import Target
 from ._tier_key import decoder_version, tier_key
 
 log = logging.getLogger(__name__)
@@ -165,28 +166,18 @@ def choose(
             f"decoded_budget= to at least {need:,}, lower decoded=, or free memory",
         )
     key, digest = tier_key(cache, req.side, req.mode)
-    decoder = decoder_version(short=True)
+    target = Target(th, tw, req.side, req.mode, digest, decoder_version(short=True))
     folder = _folder(cache, req, private_ok and not several)
     pixels, why = None, None
     if folder is not None:
-        side, mode = req.side, req.mode
         pixels, why = _tier_file.once_per_node(
             folder,
             key,
-            digest=digest,
-            side=side,
-            mode=mode,
-            need=need,
-            samples=len(cache),
-            write=lambda fd, progress: _tier_build.into_file(
-                fd, cache, th, tw, side=side, mode=mode, key=digest, decoder=decoder,
-                progress=progress,
-            ),
-        )  # fmt: skip
-    if pixels is None and private_ok and not several:
-        pixels = _tier_build.into_memory(
-            cache, th, tw, side=req.side, mode=req.mode, key=digest, decoder=decoder
+            target,
+            lambda fd, progress: _tier_build.into_file(fd, cache, target, progress),
         )
+    if pixels is None and private_ok and not several:
+        pixels = _tier_build.into_memory(cache, target)
     if pixels is None:
         return _fall(
             f"{asked} needs a {need:,}-byte file ({need / 2**20:,.1f} MiB) that every process "
@@ -241,16 +232,6 @@ def _folder(cache: Store, req: TierRequest, private_ok: bool) -> Path | None:
     if path is not None and _NODE_STORE.fullmatch(path.name):
         return path.parent
     return None if private_ok else default_dir()
-
-
-# the file's helpers, by the names other tiers of the format import them (gpucache.ultralytics)
-STALL_S = _tier_file.STALL_S
-_no_room = _tier_file.no_room
-
-
-def _open(path: Path, digest: bytes, req: TierRequest) -> DecodedPixels | None:
-    assert req.side is not None
-    return _tier_file.open_file(path, digest, req.side, req.mode)
 
 
 def store_plans(tier: Tier, indices: np.ndarray, plans: np.ndarray, cache: Store) -> np.ndarray:

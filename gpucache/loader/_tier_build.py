@@ -38,7 +38,8 @@ from ..decode._core import decode_batch
 from ..store import _decoded, _readonly
 from ..store._decoded import FROM_STORE, DecodedPixels, Layout
 from ..store._store import Store
-from ..transforms import identity_plans
+from ..transforms._geometric import identity_plans
+from ._tier_file import Target
 
 CHUNK = 32  # images a decode task
 Sink = Callable[[int, memoryview], None]  # write(offset in the file, bytes)
@@ -76,31 +77,27 @@ def tier_sizes(
 
 def build(
     cache: Store,
-    heights: np.ndarray,
-    widths: np.ndarray,
+    target: Target,
     lay: Layout,
     sink: Sink,
-    *,
-    threads: int | None = None,
     progress: Callable[[int, int], None] | None = None,
-    bar: bool = True,
 ) -> tuple[np.ndarray, int]:
-    """Decode every sample of ``cache`` to ``heights`` x ``widths`` and write its pixels through
+    """Decode every sample of ``cache`` to its size in ``target`` and write its pixels through
     ``sink`` at the data offsets of ``lay``: ``(status, data CRC-32)``."""
     n = len(cache)
     status = np.zeros(n, dtype=np.uint8)
     crc = 0
     base = lay.data[0]
-    threads = usable_cores() if threads is None else threads
+    threads = usable_cores()
     starts = range(0, n, CHUNK)
-    shown = tqdm(total=n, desc="gpucache decoded tier", unit="image", disable=not bar or None)
+    shown = tqdm(total=n, desc="gpucache decoded tier", unit="image", disable=None)
     previous = torch.get_num_threads()
     if threads > 1:  # one torch thread a decode thread (see the module's docstring)
         torch.set_num_threads(1)
     try:
         done = 0
         for start, (images, kept, dropped) in zip(
-            starts, ordered_map(_chunk_task(cache, heights, widths), starts, threads)
+            starts, ordered_map(_chunk_task(cache, target.heights, target.widths), starts, threads)
         ):
             stop = min(n, start + CHUNK)
             lo, hi = int(lay.offsets[start]), int(lay.offsets[stop])
@@ -165,57 +162,52 @@ def file_sink(fd: int) -> Sink:
     return write
 
 
-def into_file(
-    fd: int,
-    cache: Store,
-    heights: np.ndarray,
-    widths: np.ndarray,
-    *,
-    side: int,
-    mode: str,
-    key: bytes,
-    decoder: str,
-    progress: Callable[[int, int], None] | None = None,
-) -> None:
-    """The whole tier into the open file ``fd`` (reserved first: a full disk or a file-size
-    limit fails here, before anything is decoded)."""
-    lay = _decoded.layout(heights, widths)
+def reserve(fd: int, size: int) -> None:
+    """Reserve ``size`` bytes of the open file ``fd`` (a full disk or a file-size limit fails
+    here, before anything is decoded)."""
     if hasattr(os, "posix_fallocate"):
-        os.posix_fallocate(fd, 0, lay.size)
+        os.posix_fallocate(fd, 0, size)
     else:
-        os.ftruncate(fd, lay.size)
-    status, crc = build(cache, heights, widths, lay, file_sink(fd), progress=progress)
-    index = _decoded.index_bytes(lay, heights, widths, status)
-    sink = file_sink(fd)
+        os.ftruncate(fd, size)
+
+
+def write_index(sink: Sink, lay: Layout, target: Target, status: np.ndarray, crc: int) -> None:
+    """The tier's index and header through ``sink``, once its pixels are written (``status``:
+    each sample's, ``crc``: the data's CRC-32)."""
+    index = _decoded.index_bytes(lay, target.heights, target.widths, status)
     sink(lay.index[0], memoryview(index))
     head = _decoded.header_bytes(
-        lay, n=len(cache), side=side, mode=mode, key=key, decoder=decoder, index=index, data_crc=crc
+        lay,
+        n=len(status),
+        side=target.side,
+        mode=target.mode,
+        key=target.key,
+        decoder=target.decoder,
+        index=index,
+        data_crc=crc,
     )
     sink(0, memoryview(head))
 
 
-def into_memory(
-    cache: Store,
-    heights: np.ndarray,
-    widths: np.ndarray,
-    *,
-    side: int,
-    mode: str,
-    key: bytes,
-    decoder: str,
-) -> DecodedPixels:
+def into_file(
+    fd: int, cache: Store, target: Target, progress: Callable[[int, int], None] | None = None
+) -> None:
+    """The whole tier into the open file ``fd``, reserved first."""
+    lay = _decoded.layout(target.heights, target.widths)
+    reserve(fd, lay.size)
+    sink = file_sink(fd)
+    status, crc = build(cache, target, lay, sink, progress)
+    write_index(sink, lay, target, status, crc)
+
+
+def into_memory(cache: Store, target: Target) -> DecodedPixels:
     """The whole tier in anonymous memory, made read-only once built (fork and inline use)."""
-    lay = _decoded.layout(heights, widths)
+    lay = _decoded.layout(target.heights, target.widths)
     buf = _readonly.writable_buffer(lay.size)
 
     def write(offset: int, data: memoryview) -> None:
         buf[offset : offset + data.nbytes] = np.frombuffer(data, dtype=np.uint8)
 
-    status, crc = build(cache, heights, widths, lay, write)
-    index = _decoded.index_bytes(lay, heights, widths, status)
-    write(lay.index[0], memoryview(index))
-    head = _decoded.header_bytes(
-        lay, n=len(cache), side=side, mode=mode, key=key, decoder=decoder, index=index, data_crc=crc
-    )
-    write(0, memoryview(head))
+    status, crc = build(cache, target, lay, write)
+    write_index(write, lay, target, status, crc)
     return _decoded.in_memory(buf)

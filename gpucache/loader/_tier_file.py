@@ -3,8 +3,8 @@ first rank of the node under the node lock while the others wait (``node/_lock.p
 store's lock), written atomically (``store/_save.py``), and the reason when it cannot be.
 
 The writer is the caller's (``write(fd, progress)``): the loader's tier
-(:func:`gpucache.loader._tier_build.into_file`) and any other tier of the same format share the
-rest.
+(:func:`gpucache.loader._tier_build.into_file`) and any other tier of the same format
+(``gpucache.ultralytics``) share the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
+
+import numpy as np
 
 from .._errors import CacheFormatError
 from ..node._dir import checked_dir, hold_shared, open_own
@@ -32,44 +34,50 @@ WRITE_ERRORS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACC
 Writer = Callable[[int, Callable[[int, int], None]], None]
 
 
+class Target(NamedTuple):
+    """What a tier file holds: each image's size in it (``heights`` x ``widths``), and what its
+    header records and opening checks: the tier's ``side`` and ``mode`` (``"short"`` or
+    ``"long"``), the store's digest ``key`` and the ``decoder`` that made the pixels."""
+
+    heights: np.ndarray
+    widths: np.ndarray
+    side: int
+    mode: str
+    key: bytes
+    decoder: str
+
+
 def once_per_node(
-    folder: Path,
-    key: str,
-    *,
-    digest: bytes,
-    side: int,
-    mode: str,
-    need: int,
-    samples: int,
-    write: Writer,
+    folder: Path, name: str, target: Target, write: Writer
 ) -> tuple[DecodedPixels | None, str | None]:
-    """The tier ``<key>.pixels`` of the store ``digest`` in ``folder``, opened, or built there by
-    the first rank of the node with ``write`` (the others wait); ``(None, why)`` when it cannot
-    be written there (``need`` bytes for ``samples`` images)."""
+    """The tier ``<name>.pixels`` holding ``target`` in ``folder``, opened, or built there by the
+    first rank of the node with ``write`` (the others wait); ``(None, why)`` when it cannot be
+    written there."""
     try:
         real = checked_dir(folder)
     except OSError as err:
         return None, f"the cache folder {folder} cannot be used: {err.strerror or err}"
-    path = real / f"{key}.pixels"
-    found = open_file(path, digest, side, mode)
+    path = real / f"{name}.pixels"
+    found = open_file(path, target)
     if found is not None:
         return found, None
     try:
-        with NodeLock(real / f"{key}.pixels.lock", path, STALL_S) as lock:
-            found = open_file(path, digest, side, mode)  # built by another rank meanwhile
+        with NodeLock(real / f"{name}.pixels.lock", path, STALL_S) as lock:
+            found = open_file(path, target)  # built by another rank meanwhile
             if found is not None:
                 return found, None
+            need = _decoded.layout(target.heights, target.widths).size
             why = no_room(real, need)
             if why is not None:
                 return None, why
-            lock.phase("decoding", samples)
+            lock.phase("decoding", len(target.heights))
 
             def into(f: BinaryIO) -> None:
                 write(f.fileno(), lambda done, total: lock.progress("decoding", done, total))
 
             write_atomic(path, into, mode=0o600)
             log.info("gpucache: built the decoded tier %s (%.1f MB)", path, need / 1e6)
-            found = open_file(path, digest, side, mode)
+            found = open_file(path, target)
     except OSError as err:
         if err.errno not in WRITE_ERRORS:
             raise
@@ -99,9 +107,9 @@ def no_room(folder: Path, need: int) -> str | None:
     return None
 
 
-def open_file(path: Path, digest: bytes, side: int, mode: str) -> DecodedPixels | None:
-    """The tier at ``path`` if it is this user's own and of this store, side and mode (held
-    with a shared ``flock`` while mapped, so ``gpucache cache clean`` leaves it)."""
+def open_file(path: Path, target: Target) -> DecodedPixels | None:
+    """The tier at ``path`` if it is this user's own and holds ``target`` (its store, side and
+    mode; held with a shared ``flock`` while mapped, so ``gpucache cache clean`` leaves it)."""
     fd, why = open_own(path)
     if fd is None:
         if why != "missing":
@@ -119,7 +127,7 @@ def open_file(path: Path, digest: bytes, side: int, mode: str) -> DecodedPixels 
     except CacheFormatError as err:
         log.warning("gpucache: rebuilding %s: %s", path, err)
         return None
-    if (pixels.key, pixels.side, pixels.mode) != (digest, side, mode):
+    if (pixels.key, pixels.side, pixels.mode) != (target.key, target.side, target.mode):
         log.warning("gpucache: rebuilding %s, which is another store's or side's", path)
         return None
     return pixels

@@ -46,13 +46,19 @@ def flops(n: Any, hc: Any, wc: Any, oh: int, ow: int) -> Any:
 
 
 def chunk_bytes(
-    n: int, hc: int, wc: int, oh: int, ow: int, taps: int, flat: int, band: int | None = None
+    n: int,
+    box: tuple[int, int],
+    out: tuple[int, int],
+    taps: int,
+    flat: int,
+    band: int | None = None,
 ) -> int:
-    """Device bytes a chunk of ``n`` images padded to ``hc`` x ``wc`` holds: ``flat`` bytes of
-    joined images, the gathered box in uint8 and float32 (``band`` rows of it at a time; the
-    second product and the uint8 result reuse that memory), both filter matrices, the first
-    product, the filter taps (``taps`` a window, with their temporaries) and the row
-    addresses."""
+    """Device bytes a chunk of ``n`` images padded to the ``box`` (hc, wc), resized to ``out``
+    (oh, ow), holds: ``flat`` bytes of joined images, the gathered box in uint8 and float32
+    (``band`` rows of it at a time; the second product and the uint8 result reuse that memory),
+    both filter matrices, the first product, the filter taps (``taps`` a window, with their
+    temporaries) and the row addresses."""
+    (hc, wc), (oh, ow) = box, out
     band = hc if band is None else band
     return (
         flat
@@ -86,6 +92,7 @@ def plan_chunks(
     would be passed (module doc)."""
     n = len(plans)
     oh, ow = int(plans[0, Col.HEIGHT2]), int(plans[0, Col.WIDTH2])
+    out_size = (oh, ow)
     h1, w1 = plans[:, Col.HEIGHT1].astype(np.int64), plans[:, Col.WIDTH1].astype(np.int64)
     rh, rw = np.maximum(plans[:, Col.RH], 1), np.maximum(plans[:, Col.RW], 1)
     support = np.maximum(np.maximum(h1 / rh, w1 / rw), 1.0)
@@ -104,7 +111,7 @@ def plan_chunks(
         m = pos + 1 - start
         if m > 1 and (
             flops(m, nh, nw, oh, ow) > (1 + PAD_WASTE) * (work + u)
-            or chunk_bytes(m, nh, nw, oh, ow, nk, flat + e + nbig) > room
+            or chunk_bytes(m, (nh, nw), out_size, nk, flat + e + nbig) > room
         ):
             cuts.append(pos)
             start, nh, nw, nk, nbig, flat, work = pos, h, w, t, e, 0, 0
@@ -118,8 +125,8 @@ def plan_chunks(
         band = box[0]
         m, k = len(rows), int(taps[rows].max())
         flat = 0 if m == 1 else int(image_elems[rows].sum() + image_elems[rows].max())
-        if chunk_bytes(m, *box, oh, ow, k, flat) > room:  # one image: its rows in bands
-            fixed = chunk_bytes(m, *box, oh, ow, k, flat, band=0)
+        if chunk_bytes(m, box, out_size, k, flat) > room:  # one image: its rows in bands
+            fixed = chunk_bytes(m, box, out_size, k, flat, band=0)
             band = int(np.clip((room - fixed) // (15 * m * box[1]), 1, box[0]))
         out.append(Chunk(rows, box, band))
     return out[::-1]  # the largest first: the work buffer grows once, at the first chunk

@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 
+from ._geometric import CenterCrop, Pad, RandomHorizontalFlip, RandomResizedCrop, Resize
+from ._pixel import Normalize, ToDtype
+
 _TV = "torchvision.transforms"
 _COMPOSE = ("Compose",)
 _CONTAINERS = ("RandomApply", "RandomChoice", "RandomOrder")
@@ -82,12 +85,10 @@ def _dtype(t: Any) -> torch.dtype | None:
 
 def _translate_one(t: Any) -> list[Any]:
     """gpucache's equivalent of one torchvision op: a list of 0 or 1 items, or [t] unchanged."""
-    from .. import transforms as T
-
     name = type(t).__name__
     if name == "RandomResizedCrop":
         _bilinear(t, "RandomResizedCrop(size, scale=, ratio=)")
-        return [T.RandomResizedCrop(t.size, scale=t.scale, ratio=t.ratio)]
+        return [RandomResizedCrop(t.size, scale=t.scale, ratio=t.ratio)]
     if name == "Resize":
         _bilinear(t, "Resize(size, max_size=)")
         if t.size is None:
@@ -95,9 +96,9 @@ def _translate_one(t: Any) -> list[Any]:
                 f"{_name(t)} with size=None (max_size only) has no gpucache "
                 "equivalent; give size= or use gpucache.transforms.Resize(size)."
             )
-        return [T.Resize(t.size, max_size=t.max_size)]
+        return [Resize(t.size, max_size=t.max_size)]
     if name == "CenterCrop":
-        return [T.CenterCrop(t.size)]
+        return [CenterCrop(t.size)]
     if name == "Pad":
         fill, mode = getattr(t, "fill", 0), getattr(t, "padding_mode", "constant")
         if mode != "constant" or not (
@@ -108,18 +109,18 @@ def _translate_one(t: Any) -> list[Any]:
                 "equivalent: gpucache pads with constants set on the loader; use "
                 "gpucache.transforms.Pad(padding) and GpuCachedLoader(fill=..., mask_fill=...)."
             )
-        return [T.Pad(t.padding)]
+        return [Pad(t.padding)]
     if name == "RandomHorizontalFlip":
-        return [T.RandomHorizontalFlip(t.p)]
+        return [RandomHorizontalFlip(t.p)]
     if name == "Normalize":
-        return [T.Normalize(t.mean, t.std)]
+        return [Normalize(t.mean, t.std)]
     if name == "ToDtype":  # v2; scale defaults to False there
         dtype = _dtype(t)
-        return [] if dtype is None else [T.ToDtype(dtype, scale=bool(t.scale))]
+        return [] if dtype is None else [ToDtype(dtype, scale=bool(t.scale))]
     if name == "ConvertImageDtype":
-        return [T.ToDtype(t.dtype, scale=True)]
+        return [ToDtype(t.dtype, scale=True)]
     if name == "ToTensor":  # v1: uint8 HWC -> float CHW in [0, 1]; batches are CHW already
-        return [T.ToDtype(torch.float32, scale=True)]
+        return [ToDtype(torch.float32, scale=True)]
     if name in _DROPPED:
         return []
     return [t]

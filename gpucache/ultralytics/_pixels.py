@@ -26,12 +26,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import warnings
 import zlib
 from collections.abc import Callable
-from pathlib import Path
-from typing import BinaryIO
 
 import cv2
 import numpy as np
@@ -40,14 +37,12 @@ import torch
 from ..base._cores import usable_cores
 from ..base._threads import ordered_map
 from ..decode._sample import decode_sample
-from ..loader._tier import STALL_S, TierRequest, _no_room, _open, default_budget
-from ..loader._tier_build import _trim, file_sink
+from ..loader._tier import default_budget
+from ..loader._tier_build import _trim, file_sink, reserve, write_index
+from ..loader._tier_file import Target, once_per_node
 from ..loader._tier_key import decoder_version, store_digest
-from ..node._dir import checked_dir
-from ..node._lock import NodeLock
 from ..store import _decoded
 from ..store._decoded import FROM_STORE, IN_TIER, DecodedPixels
-from ..store._save import write_atomic
 from ..store._store import Store
 
 log = logging.getLogger(__name__)
@@ -141,8 +136,12 @@ def choose(cache: Store, imgsz: int, *, decoded: bool, budget: int | None) -> Pi
     h = hashlib.blake2b(_TAG, digest_size=16)
     h.update(digest)
     h.update(f"long {imgsz}; cv2 {cv2.__version__}; {decoder_version()}".encode())
-    pixels, why = _once_per_node(
-        cache, cache.path.parent, h.hexdigest(), digest, imgsz, th, tw, need
+    target = Target(th, tw, imgsz, "long", digest, decoder_version(short=True))
+    pixels, why = once_per_node(
+        cache.path.parent,
+        h.hexdigest(),
+        target,
+        lambda fd, progress: _into_file(fd, cache, target, progress),
     )
     if pixels is None:
         return _fall(
@@ -160,75 +159,16 @@ def _fall(cache: Store, imgsz: int, reason: str) -> Pixels:
     return Pixels(cache, imgsz, None, reason)
 
 
-def _once_per_node(
-    cache: Store,
-    folder: Path,
-    key: str,
-    digest: bytes,
-    imgsz: int,
-    th: np.ndarray,
-    tw: np.ndarray,
-    need: int,
-) -> tuple[DecodedPixels | None, str | None]:
-    req = TierRequest(side=imgsz, mode="long")
-    try:
-        real = checked_dir(folder)
-    except OSError as err:
-        return None, f"the cache folder {folder} cannot be used: {err.strerror or err}"
-    path = real / f"{key}.pixels"
-    found = _open(path, digest, req)
-    if found is not None:
-        return found, None
-    try:
-        with NodeLock(real / f"{key}.pixels.lock", path, STALL_S) as lock:
-            found = _open(path, digest, req)  # built by another rank while this one waited
-            if found is not None:
-                return found, None
-            why = _no_room(real, need)
-            if why is not None:
-                return None, why
-            lock.phase("decoding", len(cache))
-
-            def write(f: BinaryIO) -> None:
-                _into_file(
-                    f.fileno(),
-                    cache,
-                    th,
-                    tw,
-                    imgsz=imgsz,
-                    key=digest,
-                    progress=lambda done, total: lock.progress("decoding", done, total),
-                )
-
-            write_atomic(path, write, mode=0o600)
-            log.info("gpucache: built the Ultralytics image tier %s (%.1f MB)", path, need / 1e6)
-            found = _open(path, digest, req)
-    except OSError as err:
-        return None, f"writing it in {real} failed: {err.strerror} (errno {err.errno})"
-    if found is None:
-        return None, f"{path}, just written, does not open again"
-    return found, None
-
-
-def _into_file(
-    fd: int,
-    cache: Store,
-    th: np.ndarray,
-    tw: np.ndarray,
-    *,
-    imgsz: int,
-    key: bytes,
-    progress: Callable[[int, int], None],
-) -> None:
+def _into_file(fd: int, cache: Store, target: Target, progress: Callable[[int, int], None]) -> None:
+    """Every image of ``cache`` at Ultralytics' size (``target``), into the open file ``fd``."""
+    th, tw = target.heights, target.widths
     lay = _decoded.layout(th, tw)
-    if hasattr(os, "posix_fallocate"):
-        os.posix_fallocate(fd, 0, lay.size)
-    else:
-        os.ftruncate(fd, lay.size)
+    reserve(fd, lay.size)
     sink = file_sink(fd)
     n = len(cache)
     status = np.zeros(n, dtype=np.uint8)
     crc = 0
+    imgsz = target.side
 
     def task(start: int) -> tuple[int, np.ndarray, list[int]]:
         stop = min(n, start + CHUNK)
@@ -258,16 +198,4 @@ def _into_file(
         done = min(n, start + CHUNK)
         progress(done, n)
     _trim()  # the decode buffers freed, given back (the training process keeps running)
-    index = _decoded.index_bytes(lay, th, tw, status)
-    sink(lay.index[0], memoryview(index))
-    head = _decoded.header_bytes(
-        lay,
-        n=n,
-        side=imgsz,
-        mode="long",
-        key=key,
-        decoder=decoder_version(short=True),
-        index=index,
-        data_crc=crc,
-    )
-    sink(0, memoryview(head))
+    write_index(sink, lay, target, status, crc)
