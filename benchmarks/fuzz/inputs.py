@@ -64,8 +64,8 @@ from gpucache import (  # noqa: E402
     ShareError,
     _native,  # noqa: E402
 )
+from gpucache.shares._record import FETCHED, LAYOUT, LISTING, RANKS  # noqa: E402
 from gpucache.store import _format  # noqa: E402
-from gpucache.store._share import FETCHED, LAYOUT, LISTING, RANKS  # noqa: E402
 from gpucache.testing import make_jpeg_bytes, make_mask_png  # noqa: E402
 
 H, W = 24, 32  # the images' size, and so their masks'

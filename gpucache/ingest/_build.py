@@ -18,18 +18,19 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import overload
 
 import numpy as np
 
 from .._errors import BuildError
-from .._shares import Selected
 from ..base._progress import tqdm
 from ..base._threads import ordered_map
+from ..shares import _select
+from ..shares._partition import Selected
 from ..store._format import MAGIC
 from ..store._report import BuildReport, Skipped
-from . import _pipeline, _share
+from . import _pipeline
 from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Source, name_of
+from ._lazy import OnAccess
 from ._options import BuildOptions
 from ._sniff import Kind
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
-class PathList(Sequence[str]):
+class PathList(OnAccess[str]):
     """File paths, packed: per path a folder index and its name's bytes (about 25 bytes a path,
     not the 100 of a ``str`` object; 1.4 GB less at 14M files). Each item is made on access and
     is the very ``str`` ``os.walk`` gave (non-UTF-8 bytes kept by ``surrogateescape``)."""
@@ -63,16 +64,8 @@ class PathList(Sequence[str]):
     def __len__(self) -> int:
         return len(self._folder_of)
 
-    @overload
-    def __getitem__(self, i: int) -> str: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[str]: ...
-    def __getitem__(self, i: int | slice) -> str | list[str]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        start = self._ends[i - 1] if i > 0 else 0  # an IndexError for i out of range
+    def item(self, i: int) -> str:
+        start = self._ends[i - 1] if i > 0 else 0
         return self._prefixes[self._folder_of[i]] + os.fsdecode(self._blob[start : self._ends[i]])
 
     def __iter__(self) -> Iterator[str]:
@@ -219,10 +212,10 @@ def build(
     image (``_masks.check_mask``); an image whose mask is missing or unusable is a bad input,
     its reason naming the mask.
     ``options.share`` (``shard="node"``): ``inputs`` are the whole listing, of which this node's
-    share is built (``_share.pick``), unless ``selected`` says they are that share already (taken
+    share is built (``_select.pick``), unless ``selected`` says they are that share already (taken
     before a fetch); its size is checked against memory, the node cache and ``cache_max_bytes``
     before a byte is read, and the store records it. Samples that stores of earlier layouts on
-    this node hold are taken from them (``_share.reuse``; ``reused`` marks those a caller took
+    this node hold are taken from them (``_select.reuse``; ``reused`` marks those a caller took
     before a fetch), unless the build re-encodes."""
     from ._restart import rewriters
 
@@ -237,12 +230,12 @@ def build(
     )
     share = options.share
     if share is not None and selected is None:
-        inputs, labels, metadata, masks, selected = _share.pick(
+        inputs, labels, metadata, masks, selected = _select.pick(
             share, inputs, labels, metadata, masks
         )
         n = len(inputs)
         if not steps:  # stored bytes are the source's: an earlier share's are as good
-            inputs, masks, reused = _share.reuse(selected, inputs, masks)
+            inputs, masks, reused = _select.reuse(selected, inputs, masks)
     threads = options.num_threads or _pipeline.default_threads()
     window = 2 * threads
     bar = tqdm(
@@ -265,7 +258,7 @@ def build(
         cum, refused = _pipeline.size_all(pool, inputs, max_pixels, window, tick)
         total = int(cum[-1])
         if share is not None:
-            _share.check_budget(total, share, options, memory=_memory())
+            _select.check_budget(total, share, options, memory=_memory())
         if total > _memory() > 0:
             raise MemoryError(
                 f"the {n - len(refused):,} inputs add up to {total / 2**30:,.1f} GiB, more than "
@@ -332,7 +325,7 @@ def build(
             int(took.sum()),
             int(sizes[took].sum()),
         )
-        sections.update(_share.record(selected, share, kept, fetched))
+        sections.update(_select.record(selected, share, kept, fetched))
         if took.any():
             log.warning(
                 "gpucache: node %d of %d read %d samples (%.1f MB) from the source and took %d "

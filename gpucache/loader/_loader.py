@@ -20,12 +20,13 @@ from ..base import _dist
 from ..decode import _masks
 from ..decode._options import DecodeOptions
 from ..decode._workers import default_workers
+from ..shares import _order as _nodes
+from ..shares._order import NodeOrder, Segment
 from ..store._store import Store
 from ..transforms._compose import Compose, as_compose
 from ..transforms._transform import Transform
-from . import _nodes, _sampling, _state, _tier
+from . import _sampling, _state, _tier
 from ._iteration import Iteration
-from ._nodes import NodeOrder, Segment
 from ._sampling import Sampling, Visits
 from ._stats import LoaderStats
 

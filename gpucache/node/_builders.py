@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .._shares import Share
 from ..base import _dist
+from ..shares._partition import Share
 from ..store._store import Store
 from . import _storage
 from ._cache import built_for, several_ranks

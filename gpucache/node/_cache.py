@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import CacheFormatError
-from .._shares import Share
 from ..base import _dist
-from ..ingest._share import reusing
 from ..ingest.storage._client import Listing as ObjectListing
 from ..ingest.storage._fetch import spool_full
 from ..ingest.storage._objects import spool_files
+from ..shares._partition import Share
+from ..shares._select import reusing
 from ..store._store import Store
 from ._clean import clean, entries
 from ._dir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private
@@ -136,7 +136,7 @@ def built_once(
     ``cache_dir``), and ``build(inputs, extra, on_progress, base)`` fetches them into a spool
     named after ``base`` (``<folder>/<key>``), removed once the store is saved.
     ``share``: the node's share (``shard="node"``); its build takes what this node's stores of
-    earlier layouts of the same source hold (``ingest._share.reusing``) instead of reading it."""
+    earlier layouts of the same source hold (``shares._select.reusing``) instead of reading it."""
     stall = STALL_TIMEOUT_S if stall_timeout is None else stall_timeout
     if cache_dir is None and not several_ranks() and not remote:
         return build(*scan(), None)

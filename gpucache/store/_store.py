@@ -29,12 +29,12 @@ import numpy as np
 import torch
 
 from .._errors import CacheFormatError
+from ..shares._record import StoreShare, share_of
 from . import _format, _parse, _readonly, _report, _save, _sections, _shm
 from ._format import Kind
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
 from ._masks import Masks, masks_of
-from ._share import StoreShare, share_of
 
 S = TypeVar("S", bound="Store")  # a store class: the public JpegCache, or Store itself
 

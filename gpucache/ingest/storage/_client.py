@@ -16,13 +16,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..._errors import ObjectStoreError
 from .._build import PathList
+from .._lazy import OnAccess
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ def _tag_hash(tag: str) -> int:
     return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "little")
 
 
-class Listing(Sequence[str]):
+class Listing(OnAccess[str]):
     """The objects a build fetches, in build order: URLs (packed), sizes, ETag hashes.
 
     ``sizes[i] == -1`` for an object named by a list that does not exist (``missing``). About
@@ -312,7 +313,7 @@ class Listing(Sequence[str]):
     def __len__(self) -> int:
         return len(self.urls)
 
-    def __getitem__(self, i):
+    def item(self, i: int) -> str:
         return self.urls[i]
 
     def path(self, i: int) -> str:

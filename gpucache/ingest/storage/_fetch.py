@@ -43,6 +43,7 @@ from ..._errors import ObjectStoreError
 from ...base._owned import open_own
 from ...base._progress import tqdm
 from .._inputs import FileRangeSource, Refused
+from .._lazy import OnAccess
 from .._options import BuildOptions
 from ._client import Listing, access_error, bucket_of, describe, error_code, filesystem
 
@@ -501,7 +502,7 @@ def _completed(pending: set[Future]) -> Iterator[Future]:
         yield from finished
 
 
-class _Inputs(Sequence):
+class _Inputs(OnAccess[FileRangeSource | Refused]):
     """The spool's objects as build inputs, made on access (no object per input is kept)."""
 
     def __init__(self, spool: Spool) -> None:
@@ -510,13 +511,7 @@ class _Inputs(Sequence):
     def __len__(self) -> int:
         return len(self._spool.listing)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
+    def item(self, i: int) -> FileRangeSource | Refused:
         return self._spool.source(i)
 
 

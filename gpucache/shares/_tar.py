@@ -1,6 +1,6 @@
 """This node's share of WebDataset shards in storage (``shard="node"``), a window at a time.
 
-Samples are shared out by their identity (``gpucache._shares``), never by shard, so every tar
+Samples are shared out by their identity (``gpucache.shares._partition``), never by shard, so every tar
 holds samples of every node, and the share is only known once every tar's members are listed.
 Rather than spooling every shard (the whole data set on every node), the build fetches the
 shards ``WINDOW_BYTES`` at a time into the spool (``_fetch``: parallel ranged GETs, retries),
@@ -31,17 +31,17 @@ from typing import Any
 
 import numpy as np
 
-from ..._shares import common_cut, identity_hashes
-from ...base._owned import open_own
-from ...base._progress import tqdm
-from .. import _share
-from .._build import _memory
-from .._inputs import FileRangeSource, Refused, size_of
-from .._options import BuildOptions
-from .._sniff import SniffError
-from .._sources import build_samples, shard_label, shard_samples
-from ._client import Listing, describe, filesystem
-from ._fetch import _FULL, _free, check_unchanged, fetch, retrying
+from ..base._owned import open_own
+from ..base._progress import tqdm
+from ..ingest._build import _memory
+from ..ingest._inputs import FileRangeSource, Refused, size_of
+from ..ingest._options import BuildOptions
+from ..ingest._sniff import SniffError
+from ..ingest._sources import build_samples, shard_label, shard_samples
+from ..ingest.storage._client import Listing, describe, filesystem
+from ..ingest.storage._fetch import _FULL, _free, check_unchanged, fetch, retrying
+from . import _select
+from ._partition import common_cut, identity_hashes
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def build_tar_share(
     limit = max(WINDOW_BYTES, int(sizes.max(initial=0)))
     # on disk at once: a window of shards beside the members kept (about the share), then the
     # store alone (the kept members are removed first)
-    _share.check_budget(
+    _select.check_budget(
         part, share, options, memory=_memory(), spool=True, spooled=min(whole, limit)
     )
     # a sample's identity drops the folder all names share: with two or more shards, the
@@ -295,9 +295,9 @@ def _read_missed(
     """Read the members of the share's samples the scan did not keep (outside the margin) by
     ranged GETs into ``kept``, in place in ``inputs`` and ``masks``, unless an earlier store
     holds the sample (and the build does not re-encode): ``(members, bytes)`` read."""
-    selected = _share.chosen(share, _share.Names(inputs))
+    selected = _select.chosen(share, _select.Names(inputs))
     keep = selected.keep
-    held = _share.held_earlier(selected, options, masks is not None).held
+    held = _select.held_earlier(selected, options, masks is not None).held
     todo = [
         (seq, int(i))
         for i in keep[~held].tolist()
