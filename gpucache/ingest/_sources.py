@@ -26,7 +26,8 @@ from ..base._progress import tqdm
 from ._build import BytesSource, FileObjSource, FileRangeSource, Source, build, check_labels
 from ._inputs import Refused
 from ._options import BuildOptions
-from .storage._client import is_url, read_text
+from .storage._calls import read_text
+from .storage._client import is_url
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,9 @@ from ..ingest._inputs import FileRangeSource, Refused, size_of
 from ..ingest._options import BuildOptions
 from ..ingest._sniff import SniffError
 from ..ingest._sources import build_samples, shard_label, shard_samples
+from ..ingest.storage._calls import retrying
 from ..ingest.storage._client import Listing, describe, filesystem
-from ..ingest.storage._fetch import _FULL, _free, check_unchanged, fetch, retrying
+from ..ingest.storage._fetch import _FULL, _free, check_unchanged, fetch
 from . import _select
 from ._partition import common_cut, identity_hashes
 

@@ -356,38 +356,3 @@ class Listing(OnAccess[str]):
 
     def __repr__(self) -> str:
         return f"<{len(self)} objects of {self.where}>"
-
-
-def _call(url: str, fn: Callable[[], Any], what: str = "list") -> Any:
-    """``fn()``, retried on transient errors as a GET is (``_fetch.retrying``). A denied or
-    missing bucket is a clear error; a missing object stays a ``FileNotFoundError``; any other
-    failure, after its retries, an :class:`ObjectStoreError` naming ``url`` (a listing that
-    cannot be had stops the build: a store never lacks what could not be listed)."""
-    from ._fetch import RETRIES, retrying, transient
-
-    try:
-        return retrying(fn)
-    except ObjectStoreError:
-        raise
-    except Exception as err:
-        clear = access_error(url, err, what)
-        if clear is not None:
-            raise clear from None
-        if isinstance(err, FileNotFoundError):
-            raise
-        tried = f", still failing after {RETRIES + 1} attempts" if transient(err) else ""
-        raise ObjectStoreError(
-            f"cannot {what} {redact(url)}: {describe(err)}{tried}; no store was published. "
-            "Check the endpoint and the service's status, then build again",
-            url,
-        ) from err
-
-
-def read_text(url: str, storage_options: dict | None) -> str:
-    """A small text object (a CSV list), UTF-8."""
-    fs = filesystem(url, storage_options)
-    data = _call(url, lambda: fs.cat_file(strip(url)), "read")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{redact(url)} is not UTF-8 text ({err}); give a CSV in UTF-8") from None

@@ -28,7 +28,6 @@ import errno
 import hashlib
 import logging
 import os
-import random
 import shutil
 import threading
 import time
@@ -45,99 +44,19 @@ from ...base._progress import tqdm
 from .._inputs import FileRangeSource, Refused
 from .._lazy import OnAccess
 from .._options import BuildOptions
-from ._client import Listing, access_error, bucket_of, describe, error_code, filesystem
+from . import _calls
+from ._calls import backoff, transient
+from ._client import Listing, access_error, bucket_of, describe, filesystem
 
 log = logging.getLogger(__name__)
 
 PART = 8 << 20  # bytes of one ranged GET of a large object
 IN_FLIGHT_BYTES = 128 << 20  # response bodies held at once, across the requests in flight
 DEFAULT_REQUESTS = 32  # requests in flight (``requests_in_flight=``)
-RETRIES = 5  # retries of a transient failure (6 attempts in all)...
-DEADLINE_S = 300.0  # ...within this many seconds of a part's first attempt
 ATTEMPT_S = 120.0  # the most one attempt at a part takes (8 MiB in 120 s: 70 KB/s)
-BACKOFF_S, BACKOFF_CAP_S = 0.25, 8.0  # full jitter: uniform(0, min(cap, base * 2**attempt))
 DENIED_STOP = 8  # this many objects denied before any is fetched: the bucket is denied, stop
 _FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a disk, a file-size limit, a quota
 _RECORD = np.dtype([("part", "<u8"), ("crc", "<u4")])
-_TRANSIENT_CODES = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestTimeout",
-    "RequestTimeTooSkewed",
-    "InternalError",
-    "ServiceUnavailable",
-    "ServerBusy",
-    "OperationTimedOut",
-}
-_TRANSIENT_NAMES = {  # exception types (by name: no client library is imported for this)
-    "ConnectionError",
-    "ConnectionResetError",
-    "ConnectionRefusedError",
-    "ConnectionAbortedError",
-    "BrokenPipeError",
-    "TimeoutError",
-    "timeout",
-    "IncompleteRead",
-    "FSTimeoutError",
-    "ClientPayloadError",
-    "ServerDisconnectedError",
-    "ClientConnectorError",
-    "ClientOSError",
-    "ServerTimeoutError",
-    "EndpointConnectionError",
-    "ConnectTimeoutError",
-    "ReadTimeoutError",
-    "ConnectionClosedError",
-    "ResponseStreamingError",
-    "HTTPClientError",
-    "ResponseParserError",
-    "TransportError",
-}
-
-
-def transient(err: BaseException) -> bool:
-    """Whether a failure may go away on retry (network, timeouts, 5xx, throttling)."""
-    code, status = error_code(err)
-    if status >= 500 or status == 429 or code in _TRANSIENT_CODES:
-        return True
-    if status or isinstance(err, (PermissionError, FileNotFoundError, _Changed)):
-        return False  # a 4xx: denied, missing, bad request
-    seen: set[int] = set()
-    e: BaseException | None = err
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if type(e).__name__ in _TRANSIENT_NAMES or isinstance(e, (ConnectionError, TimeoutError)):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def backoff(attempt: int) -> float:
-    return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_S * 2**attempt))
-
-
-def retrying(fn: Callable, stop: threading.Event | None = None):
-    """``fn()``, retried on transient failures (bounded in count and time, jittered backoff)."""
-    start, attempt = time.monotonic(), 0
-    while True:
-        try:
-            return fn()
-        except Exception as err:
-            if (
-                not transient(err)
-                or attempt >= RETRIES
-                or time.monotonic() - start > DEADLINE_S
-                or (stop is not None and stop.is_set())
-            ):
-                raise
-            log.debug("gpucache: retrying after %s", describe(err))
-        delay = backoff(attempt)
-        attempt += 1
-        if stop is not None:
-            stop.wait(delay)  # a backoff, cut short when the build stops
-        else:
-            time.sleep(delay)  # a backoff between attempts, bounded by DEADLINE_S
 
 
 class _Changed(Exception):
@@ -291,7 +210,7 @@ class Spool:
         while True:
             if self._stop.is_set():
                 return part, 0, "the build stopped"
-            limit = min(ATTEMPT_S, DEADLINE_S - (time.monotonic() - start))
+            limit = min(ATTEMPT_S, _calls.DEADLINE_S - (time.monotonic() - start))
             try:
                 data = self._attempt(path, a, b, limit if timed else None)
                 if len(data) != b - a:
@@ -308,7 +227,9 @@ class Spool:
                 if not transient(err):
                     return part, 0, f"cannot fetch: {describe(err)}"
                 delay = backoff(attempt)
-                if attempt >= RETRIES or DEADLINE_S - spent - delay < 0.05:  # no time to retry
+                if (
+                    attempt >= _calls.RETRIES or _calls.DEADLINE_S - spent - delay < 0.05
+                ):  # no time to retry
                     tries = f"{attempt + 1} attempt{'s' if attempt else ''} in {spent:.1f} s"
                     return part, 0, f"cannot fetch: {describe(err)}; gave up after {tries}"
                 log.debug("gpucache: retrying %s after %s", self.listing.urls[i], describe(err))

@@ -3,7 +3,7 @@ fetches (``from_folder``, ``from_files``, ``from_csv``, ``from_webdataset``).
 
 On S3 gpucache asks for each page itself (``_pages``: ``ListObjectsV2``, 1,000 keys a page), so that
 
-- every page is retried like a GET (``_fetch.retrying``); a page that still fails, or that the
+- every page is retried like a GET (``_calls.retrying``); a page that still fails, or that the
   client cannot parse, stops the build with an :class:`~gpucache.ObjectStoreError` naming the
   prefix: a listing never leaves a folder out;
 - a listing is bounded: keys come in S3's ascending order and a continuation token never comes
@@ -35,9 +35,9 @@ from ...base._threads import ordered_map
 from .._build import IMG_EXTENSIONS, PathList
 from .._patterns import expand_braces
 from . import _pages
+from ._calls import call
 from ._client import (
     Listing,
-    _call,
     _tag_hash,
     bucket_of,
     filesystem,
@@ -264,7 +264,7 @@ def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = No
             if len(run) > 1:
                 return folder, run, *_named(fs, folder, run, budget)
             try:
-                info = _call(run[0], lambda: fs.info(strip(run[0])), "read")
+                info = call(run[0], lambda: fs.info(strip(run[0])), "read")
             except FileNotFoundError:
                 info = None
         if info is None or info.get("type") != "file":

@@ -16,7 +16,8 @@ from functools import partial
 from typing import Any
 
 from ..._errors import ObjectStoreError
-from ._client import _call, _tag_hash, redact, tag_of
+from ._calls import call
+from ._client import _tag_hash, redact, tag_of
 
 PAGE_KEYS = 1000  # keys asked for a page (S3's most)
 #: Bounds of one listing (all its prefixes together): beyond them the build stops.
@@ -98,7 +99,7 @@ def _page(
     elif after:
         kw["StartAfter"] = after
     budget.check(url)
-    page = _call(url, lambda: fs.call_s3("list_objects_v2", **kw))
+    page = call(url, lambda: fs.call_s3("list_objects_v2", **kw))
     contents = page.get("Contents") or []
     common = [p.get("Prefix", "") for p in page.get("CommonPrefixes") or []]
     budget.take(url, len(contents) + len(common))
@@ -169,7 +170,7 @@ def _walked(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> Ite
         where = f"{proto}://{path}/"
         budget.check(where)
         try:
-            infos = _call(where, partial(fs.ls, path, detail=True))
+            infos = call(where, partial(fs.ls, path, detail=True))
         except FileNotFoundError:
             if path == top:
                 raise
@@ -205,7 +206,7 @@ def _folders(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> li
     """The names of the folders right under ``prefix``."""
     if not _paged(fs, bucket):
         try:
-            top = _call(url, lambda: fs.ls(f"{bucket}/{prefix}".rstrip("/"), detail=True))
+            top = call(url, lambda: fs.ls(f"{bucket}/{prefix}".rstrip("/"), detail=True))
         except FileNotFoundError:
             return []
         budget.take(url, len(top))
