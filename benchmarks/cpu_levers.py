@@ -48,7 +48,7 @@ def main() -> None:
     from gpucache import transforms as T
     from gpucache.decode import _roi, _roi_rst
     from gpucache.decode._core import apply_plan, decode_batch, decode_sample
-    from gpucache.ingest._restart import restart_store
+    from gpucache.ingest._build import restart_store
 
     cache = JpegCache.from_folder(args.src, progress=False)
     ok = np.flatnonzero(cache.gpu_decodable() & (cache.samples["orientation"] == 1))

@@ -185,7 +185,7 @@ RESTART = """
     from gpucache import BuildError, JpegCache
     from gpucache.ingest._build import BytesSource, build
     from gpucache.ingest._options import BuildOptions
-    from gpucache.ingest._restart import restart_store
+    from gpucache.ingest._build import restart_store
     from gpucache.testing import make_jpeg_bytes
     from tests.support.hostile import patch_sof
 

@@ -211,11 +211,12 @@ def test_an_in_memory_store_with_a_bad_section_is_refused_before_it_is_saved(cac
 def test_the_section_rules_use_the_names_their_owners_write(cache):
     from gpucache.decode import _roi_rst
     from gpucache.ingest import _resize
-    from gpucache.store import _masks, _report, _sections, _share, _targets
+    from gpucache.shares import _record
+    from gpucache.store import _masks, _report, _sections, _targets
 
     names = {
         *_masks.SECTIONS,
-        *_share.SECTIONS,
+        *_record.SECTIONS,
         _resize.SECTION,
         _resize.ARGS,
         _roi_rst.SECTION,

@@ -27,11 +27,14 @@ from ..base._threads import ordered_map
 from ..shares import _select
 from ..shares._partition import Selected
 from ..store._format import MAGIC
+from ..store._limits import pixel_budget
 from ..store._report import BuildReport, Skipped
+from ..store._store import S, Store
 from . import _pipeline
 from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Source, name_of
 from ._lazy import OnAccess
 from ._options import BuildOptions
+from ._restart import rewriters
 from ._sniff import Kind
 
 __all__ = [
@@ -217,8 +220,6 @@ def build(
     before a byte is read, and the store records it. Samples that stores of earlier layouts on
     this node hold are taken from them (``_select.reuse``; ``reused`` marks those a caller took
     before a fetch), unless the build re-encodes."""
-    from ._restart import rewriters
-
     max_pixels = options.max_pixels
     n = len(inputs)
     if masks is not None and len(masks) != n:
@@ -358,3 +359,44 @@ def _memory() -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+class _Samples(OnAccess[BytesSource]):
+    """A store's samples as build inputs (views of its buffer, made on demand: O(1) memory)."""
+
+    def __init__(self, cache: Store) -> None:
+        self._cache, self._paths = cache, cache.paths
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def item(self, i: int) -> BytesSource:
+        return BytesSource(self._paths[i], self._cache[i])
+
+
+def restart_store(cache: S, *, num_threads: int | None = None, progress: bool = False) -> S:
+    """A new in-memory store of ``cache``'s samples, transcoded with restart markers (same pixels).
+
+    Labels, paths, metadata, the build report and other sections are kept; transcoded samples
+    become baseline (``Kind.JPEG``) and their interval goes to the ``rst`` section. Peaks at
+    ``cache`` plus its transcoded copy; to build from files at about one copy, pass
+    ``restart_markers=True`` to the builder instead. Samples are held to ``cache``'s pixel
+    budget as at any build (the transcoder allocates the whole image's coefficients): one over it
+    raises ``BuildError``."""
+    out = build(
+        type(cache),
+        _Samples(cache),
+        np.asarray(cache.labels),
+        cache.classes,
+        cache.metadata,
+        BuildOptions(
+            on_error="raise",
+            num_threads=num_threads,
+            progress=progress,
+            max_pixels=pixel_budget(cache),
+            restart_markers=True,
+        ),
+        extra=dict(cache.extra),
+    )
+    out.report, out.max_pixels = cache.report, cache.max_pixels
+    return out

@@ -35,8 +35,11 @@ class Source(Protocol):
     reading; ``readinto(slot)`` fills exactly ``len(slot) == nbytes`` bytes or raises ``OSError``
     (or :class:`SniffError`). It is called once, from a build thread."""
 
-    name: str
-    nbytes: int
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
     def readinto(self, slot: memoryview) -> None: ...
 

@@ -11,12 +11,11 @@ decoders read (``decode._roi_rst.intervals``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from .. import _native
 from ..store._oom import BUILD_FIX, raise_if_out_of_memory
+from ._resize import Reencode
 from ._sniff import Info, Kind
 
 SECTION = "rst"  # the store's optional section: int32 restart interval per sample
@@ -51,58 +50,9 @@ def rewriters(
 ) -> list:
     """The build's per-sample rewriters, in the order they apply: the re-encode (size cap,
     quality), then the transcode (so a re-encoded image gets restart markers too)."""
-    from ._resize import Reencode
-
     steps: list = []
     if max_side is not None or jpeg_quality is not None:
         steps.append(Reencode(max_side, jpeg_quality))
     if restart_markers:
         steps.append(RestartMarkers())
     return steps
-
-
-class _Samples(Sequence):
-    """A store's samples as build inputs (views of its buffer, made on demand: O(1) memory)."""
-
-    def __init__(self, cache) -> None:
-        self._cache, self._paths = cache, cache.paths
-
-    def __len__(self) -> int:
-        return len(self._cache)
-
-    def __getitem__(self, i):
-        from ._inputs import BytesSource
-
-        return BytesSource(self._paths[i], self._cache[i])
-
-
-def restart_store(cache, *, num_threads: int | None = None, progress: bool = False):
-    """A new in-memory store of ``cache``'s samples, transcoded with restart markers (same pixels).
-
-    Labels, paths, metadata, the build report and other sections are kept; transcoded samples
-    become baseline (``Kind.JPEG``) and their interval goes to the ``rst`` section. Peaks at
-    ``cache`` plus its transcoded copy; to build from files at about one copy, pass
-    ``restart_markers=True`` to the builder instead. Samples are held to ``cache``'s pixel
-    budget as at any build (the transcoder allocates the whole image's coefficients): one over it
-    raises ``BuildError``."""
-    from ..store._limits import pixel_budget
-    from ._build import build
-    from ._options import BuildOptions
-
-    out = build(
-        type(cache),
-        _Samples(cache),
-        np.asarray(cache.labels),
-        cache.classes,
-        cache.metadata,
-        BuildOptions(
-            on_error="raise",
-            num_threads=num_threads,
-            progress=progress,
-            max_pixels=pixel_budget(cache),
-            restart_markers=True,
-        ),
-        extra=dict(cache.extra),
-    )
-    out.report, out.max_pixels = cache.report, cache.max_pixels
-    return out
