@@ -427,9 +427,9 @@ def _lying(store: JpegCache, path: Path, **sections: np.ndarray) -> Path:
     from gpucache.store import _format
 
     arrays = store._stored()
-    arrays["extra"] = {**arrays["extra"], **sections}
+    arrays = arrays.with_sections({**sections})
     with open(path, "wb") as f:
-        _format.write(f, **arrays)
+        _format.write(f, arrays)
     return path
 
 

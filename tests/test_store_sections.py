@@ -8,6 +8,7 @@ its image bytes opens (open reads no image data) and fails at decode, per sample
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import struct
 import zlib
@@ -43,7 +44,7 @@ def cache(tmp_path_factory) -> JpegCache:
 def _craft(tmp_path, cache: JpegCache, **changes):
     """``cache`` saved with some arrays (``extra``, ``samples``) replaced, unchecked."""
     path = tmp_path / "crafted.gpucache"
-    _save.save_atomic(path, **{**cache._stored(), **changes})
+    _save.save_atomic(path, dataclasses.replace(cache._stored(), **changes))
     return path
 
 
@@ -54,7 +55,7 @@ def _ragged_offsets() -> np.ndarray:
 def _with(cache, **sections) -> dict:
     """The sections ``cache`` saves (its build report's among them), some replaced or (None)
     removed."""
-    out = {**cache._stored()["extra"], **sections}
+    out = {**cache._stored().extra, **sections}
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -322,10 +322,10 @@ class Targets:
     def share(self, how: str, node: int, extra: dict[str, np.ndarray]) -> None:
         base = JpegCache.open(self.shares[node])
         arrays = base._stored()
-        arrays["extra"] = {**arrays["extra"], **extra}
+        arrays = arrays.with_sections({**extra})
         path = self.tmp / "lying.gpucache"
         with open(path, "wb") as f:
-            _format.write(f, **arrays)
+            _format.write(f, arrays)
         try:
             cache = JpegCache.open(path)
             loader = GpuCachedLoader(

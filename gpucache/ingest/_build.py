@@ -11,10 +11,11 @@ decoded pixels, across all threads, stay within one budget (``_resize.MEMORY_BUD
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -25,13 +26,13 @@ from .._errors import BuildError
 from ..base._progress import tqdm
 from ..base._threads import ordered_map
 from ..shares import _select
-from ..shares._partition import Selected
-from ..store._format import MAGIC
+from ..shares._select import Taken
+from ..store._format import MAGIC, Columns
 from ..store._limits import pixel_budget
 from ..store._report import BuildReport, Skipped
 from ..store._store import S, Store
 from . import _pipeline
-from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Source, name_of
+from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Samples, Source, name_of
 from ._lazy import OnAccess
 from ._options import BuildOptions
 from ._restart import rewriters
@@ -187,20 +188,17 @@ def check_labels(n: int, labels, classes) -> tuple[np.ndarray, list[str]]:
 
 
 def build(
-    cls,
+    cls: type[S],
     inputs: Sequence[Input],
-    labels: np.ndarray,
-    classes: list[str],
-    metadata: Sequence[str] | None,
+    samples: Samples,
     options: BuildOptions,
     *,
     on_progress: Callable[[int, int, int], None] | None = None,
-    extra: dict | None = None,
-    masks: Sequence[Input | None] | None = None,
-    selected: Selected | None = None,
-    reused: np.ndarray | None = None,
-):
-    """Pack ``inputs`` (paths or :class:`Source` objects) into ``cls(...)``, as ``options`` say.
+    extra: Mapping[str, np.ndarray] | None = None,
+    taken: Taken | None = None,
+) -> S:
+    """Pack ``inputs`` (paths or :class:`Source` objects), with their labels, metadata and masks
+    (``samples``), into ``cls(...)``, as ``options`` say.
 
     Every input is sized (capped under ``max_pixels``, see ``_limits.too_big``) and sniffed
     (headers only); one whose header claims more than ``max_pixels`` pixels (None: no bound) is
@@ -211,17 +209,18 @@ def build(
     where that saves bytes (``_resize``); ``restart_markers``: JPEGs are transcoded with restart
     markers (``_restart``). ``on_progress(done, total, bytes_read)`` is called after each chunk.
     ``extra``: optional sections to store as they are (one row per input if per-sample).
-    ``masks``: one mask input (path or :class:`Source`) per input, read and checked with its
-    image (``_masks.check_mask``); an image whose mask is missing or unusable is a bad input,
+    ``samples.masks``: one mask input (path or :class:`Source`) per input, read and checked with
+    its image (``_masks.check_mask``); an image whose mask is missing or unusable is a bad input,
     its reason naming the mask.
     ``options.share`` (``shard="node"``): ``inputs`` are the whole listing, of which this node's
-    share is built (``_select.pick``), unless ``selected`` says they are that share already (taken
+    share is built (``_select.pick``), unless ``taken`` says they are that share already (taken
     before a fetch); its size is checked against memory, the node cache and ``cache_max_bytes``
     before a byte is read, and the store records it. Samples that stores of earlier layouts on
-    this node hold are taken from them (``_select.reuse``; ``reused`` marks those a caller took
-    before a fetch), unless the build re-encodes."""
+    this node hold are taken from them (``_select.reuse``; ``taken.reused`` marks those a caller
+    took before a fetch), unless the build re-encodes."""
     max_pixels = options.max_pixels
     n = len(inputs)
+    masks = samples.masks
     if masks is not None and len(masks) != n:
         raise ValueError(f"masks has {len(masks)} entries for {n} images; give one mask per image.")
     steps = rewriters(
@@ -230,13 +229,14 @@ def build(
         jpeg_quality=options.jpeg_quality,
     )
     share = options.share
+    selected, reused = (None, None) if taken is None else taken
     if share is not None and selected is None:
-        inputs, labels, metadata, masks, selected = _select.pick(
-            share, inputs, labels, metadata, masks
-        )
+        inputs, samples, selected = _select.pick(share, inputs, samples)
         n = len(inputs)
         if not steps:  # stored bytes are the source's: an earlier share's are as good
-            inputs, masks, reused = _select.reuse(selected, inputs, masks)
+            inputs, masks, reused = _select.reuse(selected, inputs, samples.masks)
+            samples = dataclasses.replace(samples, masks=masks)
+    labels, metadata, masks = samples.labels, samples.metadata, samples.masks
     threads = options.num_threads or _pipeline.default_threads()
     window = 2 * threads
     bar = tqdm(
@@ -341,14 +341,16 @@ def build(
     for rw in steps:
         sections.update(rw.sections(out.columns, k))
     return cls(
-        data=out.data[: out.cursor],
-        offsets=out.offsets[: k + 1],
-        labels=out.labels[:k],
-        samples=out.samples[:k],
-        classes=classes,
-        paths=paths,
-        metadata=meta,
-        extra=sections,
+        Columns(
+            data=out.data[: out.cursor],
+            offsets=out.offsets[: k + 1],
+            labels=out.labels[:k],
+            samples=out.samples[:k],
+            classes=samples.classes,
+            paths=paths,
+            metadata=meta,
+            extra=sections,
+        ),
         report=report,
     )
 
@@ -386,9 +388,7 @@ def restart_store(cache: S, *, num_threads: int | None = None, progress: bool = 
     out = build(
         type(cache),
         _Samples(cache),
-        np.asarray(cache.labels),
-        cache.classes,
-        cache.metadata,
+        Samples(np.asarray(cache.labels), cache.classes, cache.metadata),
         BuildOptions(
             on_error="raise",
             num_threads=num_threads,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -155,6 +156,22 @@ class Refused:
 
 
 Input = str | os.PathLike | Source | Refused
+
+
+@dataclass(frozen=True)
+class Samples:
+    """What a build keeps of each input besides its bytes, the values that travel together from
+    a source's reader to the store: ``labels`` (int64, one per input, -1 for none), the
+    ``classes`` they index, ``metadata`` (one string per input, or None) and ``masks`` (one mask
+    input per input, or None). The inputs go beside it: a build from storage knows these from
+    its listing, and has its inputs once they are fetched."""
+
+    labels: np.ndarray
+    classes: list[str]
+    metadata: Sequence[str] | None = None
+    masks: Sequence[Input | None] | None = None
+
+
 _SOURCE_TYPES: set[type] = set()  # types seen to satisfy Source (the protocol check is slow)
 _GREW = bytearray(1)  # the byte past a file's listed size (never read: shared by the threads)
 

@@ -17,14 +17,17 @@ import posixpath
 import re
 import tarfile
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..base._progress import tqdm
+from ..store._store import S
 from ._build import BytesSource, FileObjSource, FileRangeSource, Source, build, check_labels
-from ._inputs import Refused
+from ._inputs import Input, Refused, Samples
 from ._options import BuildOptions
 from .storage._calls import read_text
 from .storage._client import is_url
@@ -359,25 +362,51 @@ def _mask_member(m, shard: str, key: str, mask_ext: str | None, path, base: int,
     return FileRangeSource(f"{shard}/{m.name}", path, base + m.offset_data, m.size)
 
 
+@dataclass(frozen=True)
+class Members:
+    """What a WebDataset sample gives the build besides its image: ``classes``, the names its
+    ``key.cls`` labels index (None: ``0..max``); ``metadata_ext``, the extension of the member
+    whose text is its metadata (``"json"``; None: no metadata); ``mask_ext``, that of its mask
+    (``"png"`` beside a ``jpg``, or ``"seg.png"``; None: no masks)."""
+
+    classes: Sequence[str] | None = None
+    metadata_ext: str | None = None
+    mask_ext: str | None = None
+
+    def samples(
+        self,
+        labels: Sequence[int],
+        metadata: Sequence[str],
+        masks: Sequence[Input | None] | None,
+    ) -> Samples:
+        """The build's :class:`Samples` of the shards' samples: their labels checked against
+        ``classes``, their metadata and masks kept where these members were asked for."""
+        labels_arr, names = check_labels(len(labels), labels, self.classes)
+        return Samples(
+            labels_arr,
+            names,
+            metadata if self.metadata_ext else None,
+            masks if self.mask_ext is not None else None,
+        )
+
+
 def from_webdataset(
-    cls,
-    shards: str | os.PathLike | Iterable[str | os.PathLike],
+    cls: type[S],
+    shards: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     options: BuildOptions,
+    members: Members,
     *,
-    classes: Sequence[str] | None = None,
-    metadata_ext: str | None = None,
-    locate: Callable[[int], tuple[str | os.PathLike, int, int] | Refused] | None = None,
+    locate: Callable[[int], tuple[str | os.PathLike[str], int, int] | Refused] | None = None,
     on_progress: Callable[[int, int, int], None] | None = None,
-    mask_ext: str | None = None,
-):
+) -> S:
     """Samples of WebDataset tar shards, read straight out of the tars (no extraction).
 
     A sample is the members sharing a key (``dir/key.ext``); its image is the first member with an
     image extension (``WDS_IMAGE_EXTS`` order), its label the integer in ``key.cls`` (-1 if none),
-    its metadata the text of ``key.<metadata_ext>`` (e.g. ``"json"``), its mask (``mask_ext``,
-    e.g. ``"png"`` beside a ``jpg``, or ``"seg.png"``) the member ``key.<mask_ext>``. ``locate(k)``: where shard
-    ``k``'s bytes are, ``(path, offset, size)``, or why it has none (shards fetched from
-    storage, named by their URLs)."""
+    its metadata the text of ``key.<metadata_ext>`` (e.g. ``"json"``), its mask the member
+    ``key.<mask_ext>`` (``members``). ``locate(k)``: where shard ``k``'s bytes are, ``(path,
+    offset, size)``, or why it has none (shards fetched from storage, named by their URLs)."""
+    metadata_ext, mask_ext = members.metadata_ext, members.mask_ext
     shards = (
         [os.fspath(shards)]
         if isinstance(shards, (str, os.PathLike))
@@ -415,15 +444,7 @@ def from_webdataset(
             masks.append(mask if mask is not None else Refused(item.name, "no mask"))
             meta.append(meta_text or "")
     return build_samples(
-        cls,
-        inputs,
-        labels,
-        meta if metadata_ext else None,
-        masks if mask_ext is not None else None,
-        missing,
-        options,
-        classes=classes,
-        on_progress=on_progress,
+        cls, inputs, members.samples(labels, meta, masks), missing, options, on_progress=on_progress
     )
 
 
@@ -438,17 +459,14 @@ def shard_label(shard: str, key: str, cls_text: str | None) -> int:
 
 
 def build_samples(
-    cls,
-    inputs: Sequence[Any],
-    labels: Sequence[int],
-    metadata: Sequence[str] | None,
-    masks: Sequence[Any] | None,
+    cls: type[S],
+    inputs: Sequence[Input],
+    samples: Samples,
     missing: Sequence[str],
     options: BuildOptions,
     *,
-    classes: Sequence[str] | None,
-    on_progress: Callable[[int, int, int], None] | None,
-):
+    on_progress: Callable[..., None] | None,
+) -> S:
     """The store of WebDataset samples read out of their shards; ``missing``: the samples with
     no image member, left out (logged)."""
     if missing:
@@ -458,10 +476,7 @@ def build_samples(
             ", ".join(WDS_IMAGE_EXTS),
             ", ".join(missing[:10]),
         )
-    labels_arr, names = check_labels(len(inputs), labels, classes)
-    return build(
-        cls, inputs, labels_arr, names, metadata, options, on_progress=on_progress, masks=masks
-    )
+    return build(cls, inputs, samples, options, on_progress=on_progress)
 
 
 class _HFImage:
@@ -542,7 +557,7 @@ def from_hf(
     else:
         labels = None
     labels_arr, names = check_labels(n, labels, classes)
-    return build(cls, inputs, labels_arr, names, None, options, masks=masks)
+    return build(cls, inputs, Samples(labels_arr, names, None, masks), options)
 
 
 def _hf_inputs(pc, part, table, column: str, start: int, what: str) -> list:
@@ -562,37 +577,42 @@ def _hf_inputs(pc, part, table, column: str, start: int, what: str) -> list:
     return out
 
 
-def from_files(
-    cls,
-    items: Sequence,
-    labels,
-    metadata,
-    options: BuildOptions,
-    *,
+def given(
+    n: int,
+    labels: npt.ArrayLike | None,
     classes: Sequence[str] | None,
-    on_progress: Callable[[int, int, int], None] | None = None,
-    masks: Sequence | None = None,
-):
-    """``from_files`` with paths, bytes-like or file-like items (mixed freely); ``masks``: one
-    mask per item, of the same kinds."""
-    labels_arr, names = check_labels(len(items), labels, classes)
-    if masks is not None and len(masks) != len(items):
+    metadata: Sequence[Any] | None,
+    masks: Sequence[Any] | None = None,
+) -> Samples:
+    """The labels, metadata and masks given for ``n`` items (``from_files``), checked: one
+    label, one string and one mask per item; each mask a path, bytes-like or file-like."""
+    labels_arr, names = check_labels(n, labels, classes)
+    if masks is not None and len(masks) != n:
         raise ValueError(
-            f"masks has {len(masks)} entries for {len(items)} items; give one mask per item "
-            "(or masks=None)."
+            f"masks has {len(masks)} entries for {n} items; give one mask per item (or masks=None)."
         )
-    if metadata is not None and len(metadata) != len(items):
+    if metadata is not None and len(metadata) != n:
         raise ValueError(
-            f"metadata has {len(metadata)} entries for {len(items)} items; "
+            f"metadata has {len(metadata)} entries for {n} items; "
             "give one string per item (or metadata=None)."
         )
-    return build(
-        cls,
-        [as_input(x, i) for i, x in enumerate(items)],
+    return Samples(
         labels_arr,
         names,
         None if metadata is None else [str(m) for m in metadata],
-        options,
-        on_progress=on_progress,
-        masks=None if masks is None else [as_input(m, i, "mask") for i, m in enumerate(masks)],
+        None if masks is None else [as_input(m, i, "mask") for i, m in enumerate(masks)],
     )
+
+
+def from_files(
+    cls: type[S],
+    items: Sequence[Any],
+    samples: Samples,
+    options: BuildOptions,
+    *,
+    on_progress: Callable[[int, int, int], None] | None = None,
+) -> S:
+    """``from_files`` with paths, bytes-like or file-like items (mixed freely), with their
+    labels, metadata and masks (``given``)."""
+    inputs = [as_input(x, i) for i, x in enumerate(items)]
+    return build(cls, inputs, samples, options, on_progress=on_progress)

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from .._errors import ShareError
-from ..ingest._inputs import BytesSource, name_of
+from ..ingest._inputs import BytesSource, Input, Samples, name_of
 from ..ingest._lazy import OnAccess
 from ..ingest._options import BuildOptions
 from ..ingest._restart import rewriters
@@ -35,6 +35,7 @@ __all__ = [
     "Merged",
     "Names",
     "Picked",
+    "Taken",
     "pick",
     "check_budget",
     "record",
@@ -75,23 +76,29 @@ class Names(OnAccess[str]):
         return name_of(self._inputs[i])
 
 
+class Taken(NamedTuple):
+    """A node's share taken before its objects were fetched (``storage._objects``): which
+    samples of the listing (``selected``), and which of them the node's stores of earlier layouts
+    held (``reused``, a mask over them)."""
+
+    selected: Selected
+    reused: np.ndarray
+
+
 def pick(
-    share: Share,
-    inputs: Sequence[Any],
-    labels: np.ndarray,
-    metadata: Sequence[str] | None,
-    masks: Sequence[Any] | None,
-) -> tuple[Sequence[Any], np.ndarray, Sequence[str] | None, Sequence[Any] | None, Selected]:
-    """This node's inputs, labels, metadata and masks out of the whole listing's."""
+    share: Share, inputs: Sequence[Input], samples: Samples
+) -> tuple[Sequence[Input], Samples, Selected]:
+    """This node's inputs, with their labels, metadata and masks, out of the whole listing's."""
     selected = chosen(share, Names(inputs))
     keep = selected.keep
-    return (
-        Picked(inputs, keep),
-        np.asarray(labels)[keep],
+    metadata, masks = samples.metadata, samples.masks
+    mine = Samples(
+        np.asarray(samples.labels)[keep],
+        samples.classes,
         None if metadata is None else Picked(metadata, keep),
         None if masks is None else Picked(masks, keep),
-        selected,
     )
+    return Picked(inputs, keep), mine, selected
 
 
 def chosen(share: Share, names: Sequence[str]) -> Selected:

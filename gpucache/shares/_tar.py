@@ -24,7 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,10 +37,11 @@ from ..ingest._build import _memory
 from ..ingest._inputs import FileRangeSource, Refused, size_of
 from ..ingest._options import BuildOptions
 from ..ingest._sniff import SniffError
-from ..ingest._sources import build_samples, shard_label, shard_samples
+from ..ingest._sources import Members, build_samples, shard_label, shard_samples
 from ..ingest.storage._calls import retrying
 from ..ingest.storage._client import Listing, describe, filesystem
 from ..ingest.storage._fetch import _FULL, _free, check_unchanged, fetch
+from ..store._store import S
 from . import _select
 from ._partition import common_cut, identity_hashes
 
@@ -149,18 +150,17 @@ class _Kept:
 
 
 def build_tar_share(
-    cls: Any,
+    cls: type[S],
     listing: Listing,
     options: BuildOptions,
+    members: Members,
     *,
-    classes: Sequence[str] | None,
-    metadata_ext: str | None,
     base: Path,
     on_progress: Callable[..., None] | None,
-    mask_ext: str | None,
-) -> Any:
+) -> S:
     """``build_shards`` with ``options.share``: the share's samples of the shards of
     ``listing``, the shards fetched a window at a time."""
+    metadata_ext, mask_ext = members.metadata_ext, members.mask_ext
     share = options.share
     assert share is not None
     sizes = np.maximum(listing.sizes, 0)
@@ -244,17 +244,8 @@ def build_tar_share(
             read[0],
             read[1] / 1e6,
         )
-        return build_samples(
-            cls,
-            inputs,
-            labels,
-            meta if metadata_ext else None,
-            masks_or_none,
-            missing,
-            options,
-            classes=classes,
-            on_progress=on_progress,
-        )
+        samples = members.samples(labels, meta, masks_or_none)
+        return build_samples(cls, inputs, samples, missing, options, on_progress=on_progress)
     finally:  # the store (in memory) holds the share now: the kept members go before its save
         kept.close()
         kept.path.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ naming them, and nothing is published: a store always holds one version of its d
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,11 +19,12 @@ import numpy as np
 from ...shares import _select
 from ...shares._select import Picked
 from ...shares._tar import build_tar_share, kept_file
+from ...store._store import S
 from .._build import _memory, build
-from .._inputs import Refused
+from .._inputs import Refused, Samples
 from .._lazy import OnAccess
 from .._options import BuildOptions
-from .._sources import from_webdataset
+from .._sources import Members, from_webdataset
 from ._client import Listing
 from ._fetch import fetch
 
@@ -40,53 +42,46 @@ def spool_files(base: Path) -> list[Path]:
 
 
 def build_objects(
-    cls: Any,
+    cls: type[S],
     listing: Listing,
-    labels: np.ndarray,
-    classes: list[str],
-    metadata: Sequence[str] | None,
+    samples: Samples,
     options: BuildOptions,
     *,
     base: Path,
     on_progress: Callable[..., None] | None,
     masks_at: int | None = None,
-) -> Any:
-    """A store of one sample an object (``from_folder``, ``from_files``, ``from_csv``);
-    ``masks_at``: the listing's objects from there on are the masks of the ones before it, in
-    order (one fetch, one check that nothing changed, for both).
+) -> S:
+    """A store of one sample an object (``from_folder``, ``from_files``, ``from_csv``), with
+    the labels and metadata of ``samples`` (its ``masks`` unused: they are objects of the
+    listing); ``masks_at``: the listing's objects from there on are the masks of the ones before
+    it, in order (one fetch, one check that nothing changed, for both).
     ``options.share`` (``shard="node"``): only this node's share is fetched (with its masks), once
     its size has been checked against the node cache (``_select.check_budget``)."""
     if options.share is not None:
-        return _build_share(
-            cls, listing, labels, classes, metadata, options, base, on_progress, masks_at
-        )
+        return _build_share(cls, listing, samples, options, base, on_progress, masks_at)
     spool = fetch(listing, base, options, on_progress)
     inputs: Sequence[Any] = spool.inputs()
     if masks_at is None:
-        return build(cls, inputs, labels, classes, metadata, options, on_progress=on_progress)
+        return build(cls, inputs, samples, options, on_progress=on_progress)
+    masks = _Part(inputs, masks_at, len(inputs) - masks_at)
     return build(
         cls,
         _Part(inputs, 0, masks_at),
-        labels,
-        classes,
-        metadata,
+        dataclasses.replace(samples, masks=masks),
         options,
         on_progress=on_progress,
-        masks=_Part(inputs, masks_at, len(inputs) - masks_at),
     )
 
 
 def _build_share(
-    cls: Any,
+    cls: type[S],
     listing: Listing,
-    labels: np.ndarray,
-    classes: list[str],
-    metadata: Sequence[str] | None,
+    samples: Samples,
     options: BuildOptions,
     base: Path,
     on_progress: Callable[..., None] | None,
     masks_at: int | None,
-) -> Any:
+) -> S:
     """``build_objects`` of this node's share (``shard="node"``): its objects are picked from
     the listing, those the node's stores of earlier layouts hold are taken from them, the size
     is checked against the node cache (``_select.check_budget``), and only the rest is fetched."""
@@ -105,21 +100,24 @@ def _build_share(
     _select.check_budget(nbytes, share, options, memory=_memory(), spool=True)
     spool = fetch(listing, base, options, on_progress)
     fetched = spool.inputs()
-    return build(
-        cls,
-        _select.Merged(fetched, hits, Picked(urls, keep)),
-        np.asarray(labels)[keep],
-        classes,
+    metadata = samples.metadata
+    mine = Samples(
+        np.asarray(samples.labels)[keep],
+        samples.classes,
         None if metadata is None else Picked(metadata, keep),
-        options,
-        on_progress=on_progress,
-        masks=None
+        None
         if masks_at is None
         else _select.Merged(
             fetched, hits, Picked(urls, keep + masks_at), offset=len(need), masks=True
         ),
-        selected=selected,
-        reused=hits.held,
+    )
+    return build(
+        cls,
+        _select.Merged(fetched, hits, Picked(urls, keep)),
+        mine,
+        options,
+        on_progress=on_progress,
+        taken=_select.Taken(selected, hits.held),
     )
 
 
@@ -137,30 +135,19 @@ class _Part(OnAccess[Any]):
 
 
 def build_shards(
-    cls: Any,
+    cls: type[S],
     listing: Listing,
     options: BuildOptions,
+    members: Members,
     *,
-    classes: Sequence[str] | None,
-    metadata_ext: str | None,
     base: Path,
     on_progress: Callable[..., None] | None,
-    mask_ext: str | None = None,
-) -> Any:
+) -> S:
     """A store of the samples of WebDataset shards in storage, read out of the spool.
     ``options.share``: samples are shared out by member, so every node reads every shard, a
     window at a time, and keeps its share (``shares/_tar.py``)."""
     if options.share is not None:
-        return build_tar_share(
-            cls,
-            listing,
-            options,
-            classes=classes,
-            metadata_ext=metadata_ext,
-            base=base,
-            on_progress=on_progress,
-            mask_ext=mask_ext,
-        )
+        return build_tar_share(cls, listing, options, members, base=base, on_progress=on_progress)
     spool = fetch(listing, base, options, on_progress)
 
     def locate(k: int) -> tuple[str | os.PathLike[str], int, int] | Refused:
@@ -168,12 +155,5 @@ def build_shards(
         return src if isinstance(src, Refused) else (src.path, src.offset, src.nbytes)
 
     return from_webdataset(
-        cls,
-        list(listing.urls),
-        options,
-        classes=classes,
-        metadata_ext=metadata_ext,
-        locate=locate,
-        on_progress=on_progress,
-        mask_ext=mask_ext,
+        cls, list(listing.urls), options, members, locate=locate, on_progress=on_progress
     )
