@@ -51,7 +51,7 @@ def slow_build(inputs, extra, on_progress):
                  BuildOptions(num_threads=1, progress=False), on_progress=on_progress)
 
 cache = _node.built_once(JpegCache, lambda: (paths, ("gated",)), slow_build, (paths, "gated"),
-                         cache_dir=cdir)
+                         BuildOptions(cache_dir=cdir))
 print("built", cache.path, flush=True)
 """
 
@@ -62,6 +62,7 @@ def _never(*_):
 
 def _waiter(paths, cdir, outcome: dict) -> threading.Thread:
     from gpucache import JpegCache
+    from gpucache.ingest._options import BuildOptions
     from gpucache.node import _cache as _node
 
     def run():
@@ -71,7 +72,7 @@ def _waiter(paths, cdir, outcome: dict) -> threading.Thread:
                 lambda: (paths, ("gated",)),
                 _never,
                 (paths, "gated"),
-                cache_dir=cdir,
+                BuildOptions(cache_dir=cdir),
                 stall_timeout=STALL,
             )
         except BaseException as err:  # handed to the test thread

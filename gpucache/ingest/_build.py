@@ -256,7 +256,8 @@ def build(
             on_progress(done[0], n, done[1])
 
     with bar, ThreadPoolExecutor(threads, thread_name_prefix="gpucache-build") as pool:
-        cum, refused = _pipeline.size_all(pool, inputs, max_pixels, window, tick)
+        sized = _pipeline.size_all(pool, inputs, max_pixels, window, tick)
+        cum, refused = sized
         total = int(cum[-1])
         if share is not None:
             _select.check_budget(total, share, options, memory=_memory())
@@ -274,13 +275,11 @@ def build(
         read = partial(
             _pipeline.read_chunk,
             inputs=inputs,
-            metadata=metadata,
-            cum=cum,
-            refused=refused,
+            samples=samples,
+            sized=sized,
             max_pixels=max_pixels,
             rewriters=steps,
             scratch=scratch,
-            masks=masks,
         )
         errors = dict(refused)
         tick(len(refused), 0)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import mmap
 import queue
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -31,20 +32,50 @@ from ..store._masks import DATA as MASK_DATA
 from ..store._masks import INFO as MASK_INFO
 from ..store._masks import OFFSETS as MASK_OFFSETS
 from ..store._readonly import writable_buffer
-from ._inputs import name_of, read_into, size_of
+from ._inputs import Input, Refused, Samples, name_of, read_into, size_of
 from ._masks import check_mask, resize_mask
-from ._sniff import SAMPLE_DTYPE, SniffError, sniff
+from ._sniff import SAMPLE_DTYPE, Info, SniffError, sniff
+
+#: A sample's bytes as a rewriter takes and gives them (its slot of the read buffer, or new bytes).
+Encoded = bytes | memoryview
+
+
+class Rewriter(Protocol):
+    """A per-sample rewrite at build (``_resize.Reencode``, ``_restart.RestartMarkers``).
+
+    ``columns``: the per-sample sections it fills, ``{name: (dtype, width)}`` (width 0: one
+    value a sample). Called with a sample's bytes and what ``sniff`` said of them, it gives the
+    bytes to store, what they are, and its columns' values for the sample; ``sections``: the
+    store's sections it adds once ``k`` samples are kept (beside its columns)."""
+
+    columns: Mapping[str, tuple[str, int]]
+
+    def __call__(self, data: Encoded, info: Info) -> tuple[Encoded, Info, dict[str, Any]]: ...
+
+    def sections(self, columns: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]: ...
+
 
 SIZE_CHUNK = 1024  # inputs sized per task
 READ_CHUNK = 256  # at most this many inputs read per task...
 MIN_CHUNK_BYTES = 16 << 10  # ...and about this many bytes or more (or one larger input)
 
 
+class Sized(NamedTuple):
+    """The inputs sized: cumulative sizes (``cum[i+1] - cum[i]`` is input ``i``'s size; 0 for one
+    refused) and the reason each refused input was refused."""
+
+    cum: np.ndarray
+    refused: dict[int, str]
+
+
 def size_all(
-    pool: Executor, inputs, max_pixels: int | None, window: int, tick: Callable[[int, int], None]
-) -> tuple[np.ndarray, dict[int, str]]:
-    """Cumulative sizes (``cum[i+1] - cum[i]`` is input ``i``'s size; 0 for one refused) and the
-    reasons inputs were refused."""
+    pool: Executor,
+    inputs: Sequence[Input],
+    max_pixels: int | None,
+    window: int,
+    tick: Callable[[int, int], None],
+) -> Sized:
+    """Every input's size (``size_of``), or why it was refused."""
     n = len(inputs)
     cum = np.zeros(n + 1, dtype=np.int64)
     errors: dict[int, str] = {}
@@ -65,7 +96,7 @@ def size_all(
         errors.update(errs)
         tick(0, 0)
     np.cumsum(cum, out=cum)
-    return cum, errors
+    return Sized(cum, errors)
 
 
 def chunks(cum: np.ndarray, chunk_bytes: int) -> Iterator[tuple[int, int]]:
@@ -129,16 +160,19 @@ class Scratch:
 def read_chunk(
     span: tuple[int, int],
     *,
-    inputs,
-    metadata,
-    cum: np.ndarray,
-    refused: dict,
+    inputs: Sequence[Input],
+    samples: Samples,
+    sized: Sized,
     max_pixels: int | None,
-    rewriters: list,
+    rewriters: Sequence[Rewriter],
     scratch: Scratch,
-    masks=None,
 ) -> Chunk:
+    """Inputs ``span`` (``a:b``) read into one buffer of ``scratch``, sniffed, checked against
+    ``max_pixels`` (with their masks, ``samples.masks``) and rewritten (``rewriters``, in order):
+    what the store keeps of each, or why it was left out."""
     a, b = span
+    cum, refused = sized
+    metadata, masks = samples.metadata, samples.masks
     raw = scratch.get(int(cum[b] - cum[a]))
     # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
     view, pos = memoryview(raw), 0  # type: ignore[arg-type]
@@ -152,8 +186,10 @@ def read_chunk(
             continue
         size = int(cum[i + 1] - cum[i])
         slot = view[pos : pos + size]
+        x = inputs[i]
+        assert not isinstance(x, Refused)  # size_all refused it: it is in ``refused``
         try:
-            read_into(inputs[i], slot)
+            read_into(x, slot)
             info = sniff(slot)
         except SniffError as err:
             out.errors.append((i, str(err)))
@@ -178,7 +214,7 @@ def read_chunk(
             shown = (info.height, info.width)
         pos += size
         if rewriters:
-            data = slot
+            data: Encoded = slot
             for rw in rewriters:
                 data, info, values = rw(data, info)
                 for name, v in values.items():

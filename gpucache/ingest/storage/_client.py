@@ -13,10 +13,12 @@ keys the store on the URLs, sizes and ETags, as it keys files on path, size and 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -287,6 +289,17 @@ def _tag_hash(tag: str) -> int:
     return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "little")
 
 
+@dataclass(frozen=True)
+class Listed:
+    """How a listing was made: ``where``, what was listed (a prefix, a pattern, "N URLs");
+    ``fs``, the client that listed it (its session and connections are reused); ``relist``,
+    the same listing made again (for the check that nothing changed during a fetch)."""
+
+    where: str = ""
+    fs: Any = None
+    relist: Callable[[], Listing | None] | None = None
+
+
 class Listing(OnAccess[str]):
     """The objects a build fetches, in build order: URLs (packed), sizes, ETag hashes.
 
@@ -300,15 +313,12 @@ class Listing(OnAccess[str]):
         sizes: np.ndarray,
         tags: np.ndarray,
         missing: dict[int, str] | None = None,
-        relist: Callable[[], Listing | None] | None = None,
-        where: str = "",
-        fs: Any = None,
+        listed: Listed = Listed(),
     ) -> None:
         self.protocol, self.urls, self.sizes, self.tags = protocol, urls, sizes, tags
-        self.fs = fs  # the client that listed them (its session and connections are reused)
         self.missing = missing or {}
-        self._relist = relist
-        self.where = where  # what was listed: a prefix, a pattern, "N URLs"
+        self.listed = listed
+        self.fs, self.where = listed.fs, listed.where
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -328,7 +338,8 @@ class Listing(OnAccess[str]):
             h.update(self.tags[part.start : part.stop].tobytes())
 
     def relist(self) -> Listing | None:
-        return None if self._relist is None else self._relist()
+        again = self.listed.relist
+        return None if again is None else again()
 
     def take(self, keep: np.ndarray) -> Listing:
         """The objects at ``keep`` (a node's share); listed again, the same positions of the new
@@ -349,9 +360,7 @@ class Listing(OnAccess[str]):
             self.sizes[keep],
             self.tags[keep],
             missing,
-            relist,
-            self.where,
-            self.fs,
+            dataclasses.replace(self.listed, relist=relist),
         )
 
     def __repr__(self) -> str:

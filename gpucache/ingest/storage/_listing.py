@@ -37,6 +37,7 @@ from .._patterns import expand_braces
 from . import _pages
 from ._calls import call
 from ._client import (
+    Listed,
     Listing,
     _tag_hash,
     bucket_of,
@@ -46,7 +47,7 @@ from ._client import (
     strip,
     tag_of,
 )
-from ._pages import _Budget, _entries, _folders, _page, _Tokens
+from ._pages import Prefix, _Budget, _entries, _folders, _page, _Tokens
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +132,12 @@ class _Packer:
         self.sizes.extend(names.sizes)
         self.tags.extend(names.tags)
 
-    def listing(self, protocol: str, **kw: Any) -> Listing:
+    def listing(self, protocol: str, listed: Listed) -> Listing:
         blob, self.blob = bytes(self.blob), bytearray()
         urls = PathList(self.prefixes, self.folder_of, self.ends, blob)
         sizes = np.frombuffer(self.sizes, dtype=np.int64) if len(self.sizes) else np.zeros(0, int)
         tags = np.frombuffer(self.tags, dtype=np.uint64) if len(self.tags) else np.zeros(0, "u8")
-        return Listing(protocol, urls, sizes, tags, **kw)
+        return Listing(protocol, urls, sizes, tags, listed=listed)
 
 
 def list_folder(
@@ -192,10 +193,7 @@ def list_folder(
             ", ".join(empty[:10]),
         )
     listing = pack.listing(
-        proto,
-        relist=lambda: list_folder(url, storage_options, fs)[0],
-        where=redact(url),
-        fs=fs,
+        proto, Listed(redact(url), fs, lambda: list_folder(url, storage_options, fs)[0])
     )
     labels = np.repeat(np.arange(len(classes), dtype=np.int64), counts)
     return listing, labels, classes
@@ -216,7 +214,8 @@ def _named(fs: Any, folder: str, run: Sequence[str], budget: _Budget) -> tuple[a
         after = prefix + run[order[j]][cut:][:-1]  # just before the next name sought
         if token is None or after > last:  # skip the objects up to it
             token, last = None, max(after, last)
-        page, _, token = _page(fs, folder, bucket, prefix, budget, after=last, token=token)
+        where = Prefix(folder, bucket, prefix)
+        page, _, token = _page(fs, where, budget, after=last, token=token)
         for key, size, tag in page:
             name = key[len(prefix) :]
             while j < k and run[order[j]][cut:] < name:
@@ -275,7 +274,7 @@ def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = No
     for folder, run, sizes, tags in ordered_map(look_up, tasks(), LIST_THREADS, name=_NAME):
         pack.add(folder, _Names.of([u[len(folder) :] for u in run], sizes, tags))
     listing = pack.listing(
-        proto, relist=lambda: list_urls(urls, storage_options, fs=fs), where=where, fs=fs
+        proto, Listed(where, fs, lambda: list_urls(urls, storage_options, fs=fs))
     )
     missing = np.flatnonzero(listing.sizes < 0)
     listing.missing = {

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..._errors import ObjectStoreError
 from ._calls import call
@@ -78,11 +78,18 @@ def _paged(fs: Any, bucket: str) -> bool:
     return callable(getattr(fs, "call_s3", None)) and not bucket.endswith("--x-s3")
 
 
+class Prefix(NamedTuple):
+    """What a listing request lists: ``url`` (named in errors), the ``bucket`` and the keys'
+    ``prefix`` in it."""
+
+    url: str
+    bucket: str
+    prefix: str
+
+
 def _page(
     fs: Any,
-    url: str,
-    bucket: str,
-    prefix: str,
+    where: Prefix,
     budget: _Budget,
     *,
     after: str = "",
@@ -91,6 +98,7 @@ def _page(
 ) -> tuple[list[Entry], list[str], str | None]:
     """One ``ListObjectsV2`` page: its objects, its common prefixes and the next page's token
     (None: the last page). Keys must lie under ``prefix``, after ``after``, in order."""
+    url, bucket, prefix = where
     kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": PAGE_KEYS}
     if delimiter:
         kw["Delimiter"] = delimiter
@@ -146,7 +154,7 @@ def _entries(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> It
         return
     tokens, token, last = _Tokens(url), None, ""
     while True:
-        page, _, token = _page(fs, url, bucket, prefix, budget, after=last, token=token)
+        page, _, token = _page(fs, Prefix(url, bucket, prefix), budget, after=last, token=token)
         if page:
             last = page[-1][0]
         yield page
@@ -216,7 +224,8 @@ def _folders(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> li
     names: list[str] = []
     tokens, token = _Tokens(url), None
     while True:
-        _, common, token = _page(fs, url, bucket, prefix, budget, token=token, delimiter="/")
+        where = Prefix(url, bucket, prefix)
+        _, common, token = _page(fs, where, budget, token=token, delimiter="/")
         for p in common:
             name = p[len(prefix) : -1]
             if not p.startswith(prefix) or not p.endswith("/") or (names and name <= names[-1]):

@@ -19,7 +19,7 @@ from typing import Any
 
 from .._build import IMG_EXTENSIONS
 from .._pairs import MASK_EXTENSIONS, NO_MASK, find_mask, looked_for
-from ._client import Listing, filesystem, protocol_of, redact, strip
+from ._client import Listed, Listing, filesystem, protocol_of, redact, strip
 from ._listing import _Names, _order, _Packer
 from ._pages import _Budget, _entries
 
@@ -85,10 +85,7 @@ def list_pairs(
     for prefix, paired in mask_parts:
         pack.add(prefix, paired)
     listing = pack.listing(
-        proto,
-        relist=lambda: list_pairs(url, mask_url, storage_options, fs)[0],
-        where=where,
-        fs=fs,
+        proto, Listed(where, fs, lambda: list_pairs(url, mask_url, storage_options, fs)[0])
     )
     listing.missing = {n + k: NO_MASK for k in missing}
     return listing, n
