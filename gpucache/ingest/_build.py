@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from .._errors import BuildError
 from ..base._progress import tqdm
@@ -62,7 +63,9 @@ class PathList(OnAccess[str]):
     not the 100 of a ``str`` object; 1.4 GB less at 14M files). Each item is made on access and
     is the very ``str`` ``os.walk`` gave (non-UTF-8 bytes kept by ``surrogateescape``)."""
 
-    def __init__(self, prefixes: list[str], folder_of: array, ends: array, blob: bytes) -> None:
+    def __init__(
+        self, prefixes: list[str], folder_of: array[int], ends: array[int], blob: bytes
+    ) -> None:
         self._prefixes, self._folder_of, self._ends, self._blob = prefixes, folder_of, ends, blob
 
     def __len__(self) -> int:
@@ -168,7 +171,9 @@ def _flat_hint(root: Path) -> str:
     )
 
 
-def check_labels(n: int, labels, classes) -> tuple[np.ndarray, list[str]]:
+def check_labels(
+    n: int, labels: npt.ArrayLike | None, classes: Sequence[str] | None
+) -> tuple[np.ndarray, list[str]]:
     if labels is None:
         return np.full(n, -1, dtype=np.int64), list(classes or [])
     arr = np.asarray(labels)

@@ -117,7 +117,7 @@ class FileRangeSource:
     first bytes are sniffed before the rest is read."""
 
     name: str
-    path: str | os.PathLike
+    path: str | os.PathLike[str]
     offset: int
     nbytes: int
 
@@ -155,7 +155,7 @@ class Refused:
     reason: str
 
 
-Input = str | os.PathLike | Source | Refused
+Input = str | os.PathLike[str] | Source | Refused
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ def file_type(mode: int) -> str:
     return "not a plain file"
 
 
-def name_of(x) -> str:
+def name_of(x: object) -> str:
     if isinstance(x, (str, os.PathLike)):
         return os.fspath(x)
     return str(getattr(x, "name", f"<{type(x).__name__}>"))
@@ -239,7 +239,7 @@ def _check_head(x: Input, size: int) -> None:
         os.close(fd)
 
 
-def read_into(x: str | os.PathLike | Source, slot: memoryview) -> None:
+def read_into(x: str | os.PathLike[str] | Source, slot: memoryview) -> None:
     """Fill ``slot`` (exactly the size :func:`size_of` gave) with the input's bytes (an input
     :func:`size_of` accepted: never a :class:`Refused` one)."""
     if not isinstance(x, (str, os.PathLike)):

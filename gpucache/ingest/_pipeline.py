@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from ..base._cores import usable_cores
 from ..base._threads import ordered_map
@@ -31,6 +32,7 @@ from ..store._limits import over_budget, over_work
 from ..store._masks import DATA as MASK_DATA
 from ..store._masks import INFO as MASK_INFO
 from ..store._masks import OFFSETS as MASK_OFFSETS
+from ..store._masks import MaskKind
 from ..store._readonly import writable_buffer
 from ._inputs import Input, Refused, Samples, name_of, read_into, size_of
 from ._masks import check_mask, resize_mask
@@ -48,7 +50,8 @@ class Rewriter(Protocol):
     bytes to store, what they are, and its columns' values for the sample; ``sections``: the
     store's sections it adds once ``k`` samples are kept (beside its columns)."""
 
-    columns: Mapping[str, tuple[str, int]]
+    @property
+    def columns(self) -> Mapping[str, tuple[str, int]]: ...
 
     def __call__(self, data: Encoded, info: Info) -> tuple[Encoded, Info, dict[str, Any]]: ...
 
@@ -80,8 +83,9 @@ def size_all(
     cum = np.zeros(n + 1, dtype=np.int64)
     errors: dict[int, str] = {}
 
-    def task(a: int):
-        sizes, errs = np.zeros(min(n, a + SIZE_CHUNK) - a, dtype=np.int64), []
+    def task(a: int) -> tuple[int, np.ndarray, list[tuple[int, str]]]:
+        sizes = np.zeros(min(n, a + SIZE_CHUNK) - a, dtype=np.int64)
+        errs: list[tuple[int, str]] = []
         for k in range(len(sizes)):
             try:
                 sizes[k] = size_of(inputs[a + k], max_pixels)
@@ -118,10 +122,10 @@ class Chunk:
     data: np.ndarray  # the kept (possibly rewritten) bytes, end to end
     kept: list[int] = field(default_factory=list)
     lens: list[int] = field(default_factory=list)
-    recs: list[tuple] = field(default_factory=list)
+    recs: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
     name_lens: np.ndarray | None = None
     meta_lens: np.ndarray | None = None
-    columns: dict[str, list] = field(default_factory=dict)
+    columns: dict[str, list[Any]] = field(default_factory=dict)
     errors: list[tuple[int, str]] = field(default_factory=list)
     masks: list[bytes] = field(default_factory=list)  # with masks: each kept sample's mask
     mask_recs: list[tuple[int, int, int]] = field(default_factory=list)  # kind, height, width
@@ -177,7 +181,7 @@ def read_chunk(
     # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
     view, pos = memoryview(raw), 0  # type: ignore[arg-type]
     out = Chunk(a, b, raw, nbytes=int(cum[b] - cum[a]))
-    pieces: list = []  # with rewriters: each kept sample's final bytes
+    pieces: list[Encoded] = []  # with rewriters: each kept sample's final bytes
     for rw in rewriters:
         for name in rw.columns:
             out.columns[name] = []
@@ -246,13 +250,16 @@ def read_chunk(
     return out
 
 
-def read_mask(x, height: int, width: int, max_pixels: int | None):
+def read_mask(
+    x: Input | None, height: int, width: int, max_pixels: int | None
+) -> tuple[bytes, MaskKind]:
     """Mask input ``x`` (a path or a source) read and checked against its image's displayed
     ``height`` x ``width``: ``(bytes to store, kind)``, or a :class:`SniffError` with the reason."""
     if x is None:
         raise SniffError("no mask was given for this image")
     try:
         buf = bytearray(size_of(x, max_pixels))
+        assert not isinstance(x, Refused)  # size_of refused it with its reason
         read_into(x, memoryview(buf))
     except FileNotFoundError:
         raise SniffError("the mask file does not exist") from None
@@ -265,7 +272,7 @@ def _lengths(strings: list[str]) -> np.ndarray:
     return np.diff(pack_strings(strings)[0]).astype(np.int64)
 
 
-def _buffer(count: int, dtype) -> np.ndarray:
+def _buffer(count: int, dtype: npt.DTypeLike) -> np.ndarray:
     """A writable array of ``count`` items that the store freezes in place (no copy)."""
     dtype = np.dtype(dtype)
     return writable_buffer(count * dtype.itemsize).view(dtype)
@@ -281,7 +288,7 @@ class Assembler:
         reserve: int,
         columns: dict[str, tuple[str, int]],
         labels: np.ndarray,
-        metadata,
+        metadata: Sequence[str] | None,
         masks: bool = False,
     ) -> None:
         self.data = writable_buffer(reserve)

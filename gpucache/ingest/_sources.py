@@ -16,10 +16,10 @@ import os
 import posixpath
 import re
 import tarfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -32,13 +32,16 @@ from ._options import BuildOptions
 from .storage._calls import read_text
 from .storage._client import is_url
 
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
 log = logging.getLogger(__name__)
 
 #: Member extensions taken as the image of a WebDataset sample, in order of preference.
 WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
 
 
-def as_input(x: Any, i: int, what: str = "item"):
+def as_input(x: Any, i: int, what: str = "item") -> Input:
     """One ``from_files`` item (``what``: ``"item"``, or ``"mask"`` for an entry of ``masks=``)
     as a build input: a path, bytes-like, file-like or ``Source``."""
     named = "" if what == "item" else f"{what} "
@@ -78,14 +81,14 @@ def _labels_from_column(
 
 
 def read_csv(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     classes: Sequence[str] | None = None,
     delimiter: str = ",",
     header: bool | None = None,
-    storage_options: dict | None = None,
+    storage_options: dict[str, Any] | None = None,
     mask_column: str | int | None = None,
-):
+) -> tuple[list[str], np.ndarray, list[str], list[str] | None, list[str] | None]:
     """``(files, labels, classes, metadata, masks)`` of a CSV's rows ``path,label[,metadata]``;
     relative paths are taken against the CSV's folder (a CSV in storage: against its URL's
     folder), URLs (``s3://...``) as they are.
@@ -137,7 +140,7 @@ def read_csv(
 
 
 def _take_column(
-    rows: list[list[str]], column: str | int, header: bool | None, path
+    rows: list[list[str]], column: str | int, header: bool | None, path: str | os.PathLike[str]
 ) -> tuple[list[list[str]], list[str], bool | None]:
     """``rows`` less the mask column, the mask cells (header row excluded) and what is left of
     the header: a column named by the header row takes that row out (``header=False``)."""
@@ -160,7 +163,7 @@ def _take_column(
     return [r[:at] + r[at + 1 :] for r in rows], [r[at] for r in rows], header
 
 
-def _row_path(cell: str, csv_path, url_base: str | None) -> str:
+def _row_path(cell: str, csv_path: str | os.PathLike[str], url_base: str | None) -> str:
     """A CSV row's file: a URL as it is; else relative to the CSV's folder or URL (absolute
     local paths stay as they are)."""
     if is_url(cell):
@@ -182,7 +185,7 @@ class _Range(io.RawIOBase):
     """``size`` bytes at ``offset`` of the file at ``path``, as a seekable file (a shard held
     in a larger file, such as the spool of fetched objects)."""
 
-    def __init__(self, path: str | os.PathLike, offset: int, size: int) -> None:
+    def __init__(self, path: str | os.PathLike[str], offset: int, size: int) -> None:
         super().__init__()
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._offset, self._size, self._pos = offset, size, 0
@@ -201,9 +204,10 @@ class _Range(io.RawIOBase):
         self._pos = max(0, base + pos)
         return self._pos
 
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self._size - self._pos))
-        got = os.preadv(self._fd, [memoryview(b)[:n]], self._offset + self._pos) if n else 0
+    def readinto(self, b: WriteableBuffer) -> int:
+        view = memoryview(b)
+        n = max(0, min(len(view), self._size - self._pos))
+        got = os.preadv(self._fd, [view[:n]], self._offset + self._pos) if n else 0
         self._pos += got
         return got
 
@@ -213,12 +217,18 @@ class _Range(io.RawIOBase):
         super().close()
 
 
+#: A WebDataset sample as ``shard_samples`` reads it: its image (None: no image member), the
+#: texts of its ``.cls`` and metadata members, its key, and its mask.
+Member = FileRangeSource | Refused
+Row = tuple[Member | None, str | None, str | None, str, Member | None]
+
+
 def shard_samples(
     shard: str,
     metadata_ext: str | None,
-    at: tuple[str | os.PathLike, int, int] | None = None,
+    at: tuple[str | os.PathLike[str], int, int] | None = None,
     mask_ext: str | None = None,
-):
+) -> Iterator[Row]:
     """(build input or None, label text or None, metadata text or None, key, mask input or
     None) per sample; ``mask_ext``: the extension of the mask member (never taken for the image).
 
@@ -351,7 +361,15 @@ def shard_samples(
         )
 
 
-def _mask_member(m, shard: str, key: str, mask_ext: str | None, path, base: int, size: int):
+def _mask_member(
+    m: tarfile.TarInfo | None,
+    shard: str,
+    key: str,
+    mask_ext: str | None,
+    path: str | os.PathLike[str],
+    base: int,
+    size: int,
+) -> Member | None:
     """A sample's mask member as a build input: in place in the shard, or why there is none."""
     if mask_ext is None:
         return None
@@ -482,7 +500,8 @@ def build_samples(
 class _HFImage:
     """Row ``row`` of a Hugging Face dataset's image column (bytes left encoded), as a Source."""
 
-    def __init__(self, table, row: int, column: str, nbytes: int, name: str) -> None:
+    def __init__(self, table: Any, row: int, column: str, nbytes: int, name: str) -> None:
+        # table: a pyarrow Table (pyarrow is read as untyped)
         self._table, self._row, self._column = table, row, column
         self.name, self.nbytes = name, nbytes
 
@@ -497,15 +516,15 @@ class _HFImage:
 
 
 def from_hf(
-    cls,
-    dataset,
+    cls: type[S],
+    dataset: Any,  # a datasets.Dataset (datasets is read as untyped)
     options: BuildOptions,
     *,
     image_column: str = "image",
     label_column: str | None = "label",
     classes: Sequence[str] | None = None,
     mask_column: str | None = None,
-):
+) -> S:
     """A Hugging Face ``datasets.Dataset`` with an ``Image`` feature; the encoded bytes are taken
     as they are stored (``Image(decode=False)``: no decode, no re-encode). Labels from
     ``label_column`` (a ``ClassLabel`` gives the class names) or -1 without one; masks from
@@ -530,8 +549,8 @@ def from_hf(
         ds = ds.cast_column(column, Image(decode=False))
     table = ds.with_format("arrow")
     n, chunk = len(ds), 4096
-    inputs: list = []
-    masks: list | None = None if mask_column is None else []
+    inputs: list[Input] = []
+    masks: list[Input | None] | None = None if mask_column is None else []
     for start in tqdm(
         range(0, n, chunk),
         desc="gpucache scan dataset",
@@ -560,13 +579,14 @@ def from_hf(
     return build(cls, inputs, Samples(labels_arr, names, None, masks), options)
 
 
-def _hf_inputs(pc, part, table, column: str, start: int, what: str) -> list:
+def _hf_inputs(pc: Any, part: Any, table: Any, column: str, start: int, what: str) -> list[Input]:
+    # pc: pyarrow.compute, part and table: pyarrow Tables (pyarrow is read as untyped)
     """The build inputs of ``column``'s cells in ``part`` (rows from ``start``) of ``table``:
     the stored bytes, or the file a cell points to (a missing one is reported)."""
     col = part.column(column)
     sizes = pc.binary_length(pc.struct_field(col, "bytes")).fill_null(-1).to_numpy()
     paths = pc.struct_field(col, "path").to_pylist()
-    out: list = []
+    out: list[Input] = []
     for k, (size, p) in enumerate(zip(sizes.tolist(), paths)):
         i = start + k
         name = f"hf[{i}] {what}".rstrip() + (f" {p}" if p else "")

@@ -208,9 +208,8 @@ def build_tar_share(
                     total = max(
                         len(inputs) + len(found), whole * seen_samples // max(seen_bytes, 1)
                     )
-                    likely = share.likely(
-                        identity_hashes([r[0].name for r in found], cut), max(total // 2, 1)
-                    )
+                    names = [r[0].name for r in found if r[0] is not None]  # all of them
+                    likely = share.likely(identity_hashes(names, cut), max(total // 2, 1))
                     for (item, cls_text, meta_text, key, mask), mine in zip(found, likely):
                         labels.append(shard_label(shard, key, cls_text))
                         meta.append(meta_text or "")

@@ -12,7 +12,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..._errors import ObjectStoreError
 from ._client import access_error, describe, error_code, filesystem, redact, strip
@@ -129,7 +129,7 @@ def call(url: str, fn: Callable[[], T], what: str = "list") -> T:
         ) from err
 
 
-def read_text(url: str, storage_options: dict | None) -> str:
+def read_text(url: str, storage_options: dict[str, Any] | None) -> str:
     """A small text object (a CSV list), UTF-8."""
     fs = filesystem(url, storage_options)
     data: bytes = call(url, lambda: fs.cat_file(strip(url)), "read")

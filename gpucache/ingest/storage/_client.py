@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,8 +103,10 @@ def redact(text: str) -> str:
     """``text`` with any URL's ``user:password@`` part removed (what names, logs and errors
     show)."""
 
-    def one(m: re.Match) -> str:
-        return m[1] + m[2][len(_userinfo(m[1][:-3].lower(), m[2])) :]
+    def one(m: re.Match[str]) -> str:
+        scheme, rest = m.group(1, 2)
+        cut: str = rest[len(_userinfo(scheme[:-3].lower(), rest)) :]
+        return scheme + cut
 
     return _URL_IN_TEXT.sub(one, text)
 
@@ -119,7 +121,7 @@ def bucket_of(url: str) -> str:
     return f"{proto}://{rest.split('/', 1)[0]}"
 
 
-def filesystem(url: str, storage_options: dict | None):
+def filesystem(url: str, storage_options: dict[str, Any] | None) -> Any:  # fsspec: untyped
     """The fsspec file system for ``url``'s scheme, a private instance (its listings are not
     cached, so a long listing does not stay in memory; other code's instances are left alone).
 
@@ -276,7 +278,7 @@ def access_error(url: str, err: BaseException, what: str = "list") -> ObjectStor
     return None
 
 
-def tag_of(info: dict) -> str:
+def tag_of(info: Mapping[str, Any]) -> str:
     """What changes when an object is rewritten: GCS' generation, else the ETag, else mtime."""
     for k in ("generation", "ETag", "etag", "md5Hash", "content_md5", "mtime", "LastModified"):
         v = info.get(k)
@@ -329,7 +331,7 @@ class Listing(OnAccess[str]):
     def path(self, i: int) -> str:
         return strip(self.urls[i])
 
-    def fingerprint(self, h) -> None:
+    def fingerprint(self, h: hashlib.blake2b) -> None:
         """Feed every object's URL, size and ETag hash to the hash ``h`` (the node key)."""
         for s in range(0, len(self), 4096):
             part = range(s, min(len(self), s + 4096))

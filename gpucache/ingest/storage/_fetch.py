@@ -35,6 +35,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -49,6 +50,8 @@ from ._calls import backoff, transient
 from ._client import Listing, access_error, bucket_of, describe, filesystem
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 PART = 8 << 20  # bytes of one ranged GET of a large object
 IN_FLIGHT_BYTES = 128 << 20  # response bodies held at once, across the requests in flight
@@ -71,7 +74,7 @@ class Spool:
         self,
         base: Path,
         listing: Listing,
-        fs,
+        fs: Any,  # fsspec's file system: untyped
         *,
         requests: int | None = None,
         progress: bool = True,
@@ -103,7 +106,7 @@ class Spool:
             return Refused(name, self.failed[i])
         return FileRangeSource(name, self.data, int(self.offsets[i]), int(self.listing.sizes[i]))
 
-    def inputs(self) -> Sequence:
+    def inputs(self) -> Sequence[FileRangeSource | Refused]:
         return _Inputs(self)
 
     def remove(self) -> None:
@@ -283,11 +286,11 @@ class Spool:
         left: dict[int, int] = {}  # object -> parts still to come, for objects of several parts
         t0, shown = time.monotonic(), 0.0
         got_any, denied = bool(len(resumed)), 0
-        pending: set[Future] = set()
+        pending: set[Future[tuple[int, int, str | None]]] = set()
         in_flight = 0
         state = {"objects": objects_done, "bytes": resumed_bytes}
 
-        def finish(f: Future) -> None:
+        def finish(f: Future[tuple[int, int, str | None]]) -> None:
             nonlocal in_flight, got_any, denied, shown
             part, crc, reason = f.result()
             i, a, b = self._locate(part)
@@ -417,7 +420,7 @@ def _missing(done: np.ndarray) -> Iterator[int]:
         yield from (np.flatnonzero(~done[s : s + 65536]) + s).tolist()
 
 
-def _completed(pending: set[Future]) -> Iterator[Future]:
+def _completed(pending: set[Future[T]]) -> Iterator[Future[T]]:
     while pending:
         finished, pending = wait(pending, return_when=FIRST_COMPLETED)
         yield from finished

@@ -89,7 +89,7 @@ class _Names:
         self.last = key
 
     @classmethod
-    def of(cls, names: list[str], sizes: array, tags: array) -> _Names:
+    def of(cls, names: list[str], sizes: array[int], tags: array[int]) -> _Names:
         """Names as given (no order kept), with their sizes and ETag hashes."""
         out = cls()
         for n in names:
@@ -141,7 +141,7 @@ class _Packer:
 
 
 def list_folder(
-    url: str, storage_options: dict | None, fs: Any = None
+    url: str, storage_options: dict[str, Any] | None, fs: Any = None
 ) -> tuple[Listing, np.ndarray, list[str]]:
     """Objects, labels and class names of an ImageFolder layout under a prefix, in the order
     ``torchvision.datasets.ImageFolder`` gives the same tree on a disk (classes sorted; in each,
@@ -199,7 +199,9 @@ def list_folder(
     return listing, labels, classes
 
 
-def _named(fs: Any, folder: str, run: Sequence[str], budget: _Budget) -> tuple[array, array]:
+def _named(
+    fs: Any, folder: str, run: Sequence[str], budget: _Budget
+) -> tuple[array[int], array[int]]:
     """Sizes and ETag hashes of the objects ``run`` names in ``folder`` (size -1: none), from
     pages that start at the next name sought: at most one request a name, and never more than
     the folder's listing between the first name and the last."""
@@ -230,7 +232,9 @@ def _named(fs: Any, folder: str, run: Sequence[str], budget: _Budget) -> tuple[a
     return sizes, tags
 
 
-def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = None) -> Listing:
+def list_urls(
+    urls: Sequence[str], storage_options: dict[str, Any] | None, *, fs: Any = None
+) -> Listing:
     """Size and ETag of each URL of a list (``from_files``, ``from_csv``), in the list's order.
 
     Consecutive URLs of one folder are looked up by name: in pages that start at each name
@@ -257,7 +261,7 @@ def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = No
             else:
                 yield from ((folder, [u]) for u in run)
 
-    def look_up(task: tuple[str, list[str]]) -> tuple[str, list[str], array, array]:
+    def look_up(task: tuple[str, list[str]]) -> tuple[str, list[str], array[int], array[int]]:
         folder, run = task
         with budget.stops_all():
             if len(run) > 1:
@@ -319,7 +323,7 @@ def _glob(fs: Any, url: str, budget: _Budget) -> list[str]:
     return sorted(keys)
 
 
-def list_shards(shards: Iterable[str], storage_options: dict | None) -> Listing:
+def list_shards(shards: Iterable[str], storage_options: dict[str, Any] | None) -> Listing:
     """Size and ETag of each shard: brace patterns expanded (``{000..003}``, ``{a,b}``), glob
     patterns (``*``, ``?``) matched against the bucket's listing."""
     expanded: list[str] = []

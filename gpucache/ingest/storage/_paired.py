@@ -27,7 +27,7 @@ _Folder = tuple[int, str]  # a name's folder in ImageFolder's order (``_listing.
 
 
 def list_pairs(
-    url: str, mask_url: str, storage_options: dict | None, fs: Any = None
+    url: str, mask_url: str, storage_options: dict[str, Any] | None, fs: Any = None
 ) -> tuple[Listing, int]:
     """``(listing, n)``: the ``n`` images under ``url`` then their ``n`` masks under
     ``mask_url`` (a mask that was not found kept as missing, with its reason)."""
