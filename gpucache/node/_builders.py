@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from ..base import _dist
+from ..ingest._inputs import Samples
 from ..shares._partition import Share
 from ..store._store import Store
 from . import _storage
@@ -67,7 +68,6 @@ def from_folder(
     if any_url(root):  # a prefix in storage (s3://bucket/train/)
         return _storage.from_folder(cls, os.fspath(root), options)
     from ..ingest._build import build, scan_folder
-    from ..ingest._inputs import Samples
 
     def scan() -> Listing:
         paths, labels, classes = scan_folder(Path(root))
@@ -94,7 +94,6 @@ def _folder_with_masks(
     mask under ``masks`` (``ingest._pairs``)."""
     _no_urls_with_masks(root, masks)
     from ..ingest._build import build, check_labels
-    from ..ingest._inputs import Samples
     from ..ingest._pairs import pair_folder
 
     def scan() -> Listing:
@@ -223,7 +222,6 @@ def from_csv(
     if csv_lists_urls(path):  # a CSV in storage, or one listing object URLs
         return _storage.from_csv(cls, path, classes, delimiter, header, options, mask_column)
     from ..ingest._build import build
-    from ..ingest._inputs import Samples
     from ..ingest._sources import read_csv
 
     def scan() -> Listing:

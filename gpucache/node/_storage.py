@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..ingest._inputs import Samples
+from ..ingest._sources import Members, given
 from ..ingest.storage._client import is_url, redact
 from ..store._store import Store
 from ._cache import built_for
@@ -106,7 +108,6 @@ def from_files(
     masks: Sequence[Any] | None = None,
 ) -> S:
     """``JpegCache.from_files`` of object URLs (``masks``: their masks' URLs)."""
-    from ..ingest._sources import given
     from ..ingest.storage._listing import list_urls
 
     urls = _all_urls(urls, "the list")
@@ -203,7 +204,6 @@ def from_webdataset(
     """``JpegCache.from_webdataset`` of shards in storage (``mask_ext``: the masks' member
     extension, fetched with the shards); brace patterns as WebDataset writes
     them (``train-{000..003}.tar``) and globs (``*.tar``) are expanded against the bucket."""
-    from ..ingest._sources import Members
     from ..ingest.storage._listing import list_shards
     from ..ingest.storage._objects import build_shards
 
@@ -234,7 +234,6 @@ def _objects_maker(
 ) -> Callable[[Listing, Sequence[Any], Callable[..., None] | None, Path], S]:
     """The build step of a listing of objects: the scan's extra is (labels, classes[, metadata],
     ...)."""
-    from ..ingest._inputs import Samples
     from ..ingest.storage._objects import build_objects
 
     def make(
