@@ -16,8 +16,8 @@ Every node lists the same data and computes the same thing, with no communicatio
   changing the node count moves as little as contiguous runs allow (2 -> 3 nodes: node 0 keeps its
   new share whole, node 1 fetches half of its own).
 
-The base layer: the store records a share (``store/_store.py``), the build selects it
-(``ingest/_build.py``), the loader orders it (``shares/_order.py``).
+The base layer: the store records a share (``_record.py``), the build selects it
+(``_select.py``), the loader orders it (``_order.py``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """This node's share of WebDataset shards in storage (``shard="node"``), a window at a time.
 
-Samples are shared out by their identity (``gpucache.shares._partition``), never by shard, so every tar
+Samples are shared out by their identity (``_partition.py``), never by shard, so every tar
 holds samples of every node, and the share is only known once every tar's members are listed.
 Rather than spooling every shard (the whole data set on every node), the build fetches the
-shards ``WINDOW_BYTES`` at a time into the spool (``_fetch``: parallel ranged GETs, retries),
-reads each tar's headers there, copies the members of the samples likely in this node's share
+shards ``WINDOW_BYTES`` at a time into the spool (``ingest.storage._fetch``: parallel ranged
+GETs, retries), reads each tar's headers there, copies the members of the samples likely in this node's share
 (``Share.likely``: within four standard deviations of the share's bounds in the hash order,
 with the number of samples estimated from the bytes seen) into ``<key>.kept``, and drops the
 window. Once every tar is read, the exact share is taken (``Share.select``); a sample of the

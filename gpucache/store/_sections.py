@@ -6,7 +6,8 @@ some only make sense together (``resized`` with ``resized.args``, ragged targets
 offsets, the five ``report.*`` sections). A section that broke its rule would fail much later, or
 not at all: an IndexError mid-epoch, a sample handed another sample's boxes, a KeyError in
 ``gpucache info``. So :func:`problem` names it at open (``_parse``) and when a store is made in
-memory (``JpegCache(Columns(..., extra=...))``), so that no save writes a file that would not open.
+memory (``JpegCache(Columns(..., extra=...))``), so that no save writes a file that would not
+open.
 
 Shape, type and group checks are O(1); the value checks are vectorised, O(N) with small
 constants, and skipped on a worker's trusted reopen. Names not listed here are the user's own:
