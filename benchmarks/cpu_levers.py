@@ -51,7 +51,7 @@ def main() -> None:
     from gpucache.decode._core import decode_batch
     from gpucache.decode._options import DecodeOptions
     from gpucache.decode._sample import decode_sample
-    from gpucache.ingest._restart import restart_store
+    from gpucache.ingest._build import restart_store
 
     cache = JpegCache.from_folder(args.src, progress=False)
     ok = np.flatnonzero(cache.gpu_decodable() & (cache.samples["orientation"] == 1))

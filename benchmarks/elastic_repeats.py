@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Repeats of an epoch resumed at another node count (``shard="node"``): the loader's order
-functions alone (``gpucache.loader._nodes.NodeOrder``), over stores that hold what each node's
+functions alone (``gpucache.shares._order.NodeOrder``), over stores that hold what each node's
 build would hold, so thousands of resumes take seconds and no image is decoded.
 
 A job of ``--samples`` samples runs ``--before`` nodes (``--ranks`` ranks a node, batch
@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from gpucache._shares import PARTITIONS, node_bounds  # noqa: E402
-from gpucache.loader._nodes import NodeOrder, Segment  # noqa: E402
-from gpucache.store._share import StoreShare  # noqa: E402
+from gpucache.shares._order import NodeOrder, Segment  # noqa: E402
+from gpucache.shares._partition import PARTITIONS, node_bounds  # noqa: E402
+from gpucache.shares._record import StoreShare  # noqa: E402
 
 
 def share(total: int, nodes: int, node: int, extra: np.ndarray | None = None) -> StoreShare:

@@ -70,13 +70,11 @@ def main() -> None:
         pieces[2] = png
         arrays = cache._stored()
         offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces])]).astype(np.int64)
-        arrays["extra"] = {
-            **arrays["extra"],
-            DATA: np.frombuffer(b"".join(pieces), np.uint8),
-            OFFSETS: offsets,
-        }
+        arrays = arrays.with_sections(
+            {DATA: np.frombuffer(b"".join(pieces), np.uint8), OFFSETS: offsets}
+        )
         with open(root / "bomb.gpucache", "wb") as f:
-            _format.write(f, **arrays)
+            _format.write(f, arrays)
         store = JpegCache.open(root / "bomb.gpucache")
         kw = dict(batch_size=4, num_workers=0, on_error="skip", transform=[T.RandomResizedCrop(16)])
         with GpuCachedLoader(store, **kw) as loader:

@@ -113,8 +113,8 @@ def main() -> None:
     print(run_line())
 
     from gpucache import JpegCache
-    from gpucache._shares import node_bounds
-    from gpucache.ingest.storage import _tar_share
+    from gpucache.shares import _tar as _tar_share
+    from gpucache.shares._partition import node_bounds
     from tests.support.s3server import serving
 
     objects = make_shards(args.data, args.shards)

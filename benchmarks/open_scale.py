@@ -27,7 +27,7 @@ from benchmarks._record import run_line  # noqa: E402
 def make_store(path: Path, n: int, sections: bool = False) -> None:
     from gpucache import JpegCache
     from gpucache.ingest._sniff import SAMPLE_DTYPE, Kind
-    from gpucache.store._format import pack_strings
+    from gpucache.store._format import Columns, pack_strings
 
     sample = bytes.fromhex("ffd8ffd9")  # 4 bytes: only the index matters here
     data = np.frombuffer(sample * n, dtype=np.uint8)
@@ -54,13 +54,15 @@ def make_store(path: Path, n: int, sections: bool = False) -> None:
             "targets_ragged.offsets": np.arange(n + 1, dtype="<i8") * 2,
         }
     JpegCache(
-        data=data,
-        offsets=offsets,
-        labels=labels,
-        samples=samples,
-        classes=classes,
-        paths=paths,
-        extra=extra,
+        Columns(
+            data=data,
+            offsets=offsets,
+            labels=labels,
+            samples=samples,
+            classes=classes,
+            paths=paths,
+            extra=extra,
+        )
     ).save(path)
 
 

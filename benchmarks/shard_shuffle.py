@@ -10,8 +10,8 @@ of feeding it, all over the same listing:
   DistributedSampler gives;
 - ``hash``: node shares as ``shard="node"`` makes them and the loader plays them: node ``k`` holds
   the global ranks ``node_bounds(N, nodes)[k:k+2]`` of the salted-hash order
-  (``gpucache._shares.global_ranks``), visits them in the order
-  ``gpucache.loader._nodes.NodeOrder.stream`` (``default_rng([seed, epoch, nodes, k])``) and
+  (``gpucache.shares._partition.global_ranks``), visits them in the order
+  ``gpucache.shares._order.NodeOrder.stream`` (``default_rng([seed, epoch, nodes, k])``) and
   deals them to its ranks; the global batch holds ``B r`` samples of each node's share;
 - ``contiguous``: the bad baseline, node shares of the same sizes cut from the listing in
   ImageFolder (class-major) order, so a node holds whole classes; played as ``hash``.
@@ -51,10 +51,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmarks._record, and gpucache from this checkout
 from benchmarks._record import run_info, run_line, write_json  # noqa: E402
-from gpucache._shares import PARTITIONS, global_ranks, node_bounds  # noqa: E402
 from gpucache.ingest._build import scan_folder  # noqa: E402
-from gpucache.loader._nodes import NodeOrder  # noqa: E402
-from gpucache.store._share import StoreShare  # noqa: E402
+from gpucache.shares._order import NodeOrder  # noqa: E402
+from gpucache.shares._partition import PARTITIONS, global_ranks, node_bounds  # noqa: E402
+from gpucache.shares._record import StoreShare  # noqa: E402
 
 
 def folder_listing(root: Path) -> tuple[list[str], np.ndarray, list[str]]:

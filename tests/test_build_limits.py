@@ -17,6 +17,7 @@ import pytest
 from gpucache import BuildError, JpegCache
 from gpucache.cli import main as cli_main
 from gpucache.ingest._build import build
+from gpucache.ingest._inputs import Samples
 from gpucache.ingest._options import BuildOptions
 from gpucache.testing import make_jpeg_bytes
 
@@ -86,9 +87,7 @@ def test_file_that_changes_size_after_listing_is_refused(tmp_path):
     cache = build(
         JpegCache,
         [str(tmp_path / "a.jpg"), str(tmp_path / "b.jpg")],
-        np.zeros(2, np.int64),
-        ["x"],
-        None,
+        Samples(np.zeros(2, np.int64), ["x"]),
         BuildOptions(num_threads=1, progress=False),
         on_progress=grow,
     )

@@ -17,6 +17,7 @@ from PIL import Image
 from gpucache import JpegCache
 from gpucache.decode import _roi_rst
 from gpucache.ingest._build import BytesSource, build
+from gpucache.ingest._inputs import Samples
 from gpucache.ingest._options import BuildOptions
 from gpucache.testing import make_jpeg_bytes
 
@@ -98,6 +99,7 @@ _REENCODE_CHILD = textwrap.dedent("""
     from gpucache import JpegCache
     from gpucache.ingest import _resize
     from gpucache.ingest._build import BytesSource, build
+    from gpucache.ingest._inputs import Samples
     from gpucache.ingest._options import BuildOptions
     from gpucache.testing._memory import reset_peak_rss, status_bytes
 
@@ -107,7 +109,7 @@ _REENCODE_CHILD = textwrap.dedent("""
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)
     before = reset_peak_rss()
-    cache = build(JpegCache, inputs, np.zeros(4, np.int64), ["a"], None,
+    cache = build(JpegCache, inputs, Samples(np.zeros(4, np.int64), ["a"]),
                   BuildOptions(on_error="raise", num_threads=4, progress=False, max_side=256))
     print(json.dumps({"peak": status_bytes("VmHWM") - before,
                       "resized": int(_resize.resized(cache).sum())}))
@@ -141,9 +143,7 @@ def test_progress_is_reported_in_order_and_can_stop_the_build():
     cache = build(
         JpegCache,
         inputs,
-        np.zeros(len(inputs), np.int64),
-        ["a"],
-        None,
+        Samples(np.zeros(len(inputs), np.int64), ["a"]),
         BuildOptions(on_error="skip", num_threads=2, progress=False),
         on_progress=lambda *a: calls.append(a),
     )
@@ -160,9 +160,7 @@ def test_progress_is_reported_in_order_and_can_stop_the_build():
         build(
             JpegCache,
             inputs,
-            np.zeros(len(inputs), np.int64),
-            ["a"],
-            None,
+            Samples(np.zeros(len(inputs), np.int64), ["a"]),
             BuildOptions(on_error="skip", num_threads=2, progress=False),
             on_progress=stop,
         )

@@ -105,10 +105,10 @@ _ALTERED = textwrap.dedent("""
         pieces[1] = png  # in a store altered after its build, its checksums valid
         arrays = cache._stored()
         offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces])]).astype(np.int64)
-        arrays["extra"] = {**arrays["extra"], DATA: np.frombuffer(b"".join(pieces), np.uint8),
-                           OFFSETS: offsets}
+        arrays = arrays.with_sections({DATA: np.frombuffer(b"".join(pieces), np.uint8),
+                                       OFFSETS: offsets})
         with open(sys.argv[2], "wb") as f:
-            _format.write(f, **arrays)
+            _format.write(f, arrays)
         store = JpegCache.open(sys.argv[2])
         for workers in (0, 2):
             loader = GpuCachedLoader(store, batch_size=3, num_workers=workers, masks=True,

@@ -305,7 +305,7 @@ def test_a_killed_builder_blocks_no_one_and_a_stuck_one_times_out(tmp_path):
     crash = _child(
         "import os, signal; from pathlib import Path; from gpucache import JpegCache\n"
         "from gpucache.store import _save\n"
-        "def dying(path, **arrays):\n"
+        "def dying(path, columns, **kw):\n"
         "    Path(path.parent, f'.{path.name}.x{os.getpid()}.tmp').write_bytes(b'half')\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "_save.save_atomic = dying\n"

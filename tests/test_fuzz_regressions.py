@@ -184,8 +184,10 @@ RESTART = """
     import numpy as np
     from gpucache import BuildError, JpegCache
     from gpucache.ingest._build import BytesSource, build
+    from gpucache.ingest._inputs import Samples
+    from gpucache.store._format import Columns
     from gpucache.ingest._options import BuildOptions
-    from gpucache.ingest._restart import restart_store
+    from gpucache.ingest._build import restart_store
     from gpucache.testing import make_jpeg_bytes
     from tests.support.hostile import patch_sof
 
@@ -194,11 +196,10 @@ RESTART = """
         kib = next(int(line.split()[1]) for line in f if line.startswith("VmSize"))
     resource.setrlimit(resource.RLIMIT_AS, ((kib << 10) + (2 << 30),) * 2)
     bomb = patch_sof(make_jpeg_bytes(16, 16, seed=2, quality=50), height=35830, width=58024)
-    loose = build(JpegCache, [BytesSource("bomb.jpg", bomb)], np.zeros(1, np.int64), ["a"],
-                  None, BuildOptions(on_error="raise", num_threads=1, progress=False,
-                                     max_pixels=None))
-    lying = JpegCache(data=loose._data, offsets=loose._offsets, labels=loose.labels,
-                      samples=loose.samples, classes=["a"], paths=loose._paths)  # default budget
+    loose = build(JpegCache, [BytesSource("bomb.jpg", bomb)], Samples(np.zeros(1, np.int64), ["a"]),
+                  BuildOptions(on_error="raise", num_threads=1, progress=False, max_pixels=None))
+    lying = JpegCache(Columns(data=loose._data, offsets=loose._offsets, labels=loose.labels,
+                      samples=loose.samples, classes=["a"], paths=loose._paths))  # default budget
     try:
         restart_store(lying, num_threads=1)
         raise SystemExit("transcoded a sample over the store's pixel budget")

@@ -24,14 +24,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # used by nothing in the library below
     ("testing", ("gpucache.testing",)),
     ("node", ("gpucache.node",)),
-    ("loader", ("gpucache.loader", "gpucache._dataset")),
+    # the node shares (gpucache/shares/) sit one module a layer: the epoch order over them here,
+    # the build side with ingest, their record with the store, the partition in the base
+    ("loader", ("gpucache.loader", "gpucache._dataset", "gpucache.shares._order")),
     # the node cache folder's checks and its build lock, which the loader's decoded tier uses
     # too (built once per node beside the store, docs/guides/decoded.md)
     ("node files", ("gpucache.node._dir", "gpucache.node._lock")),
     ("decode", ("gpucache.decode",)),
     ("transforms", ("gpucache.transforms",)),
-    ("ingest", ("gpucache.ingest",)),
-    ("store", ("gpucache.store",)),
+    ("ingest", ("gpucache.ingest", "gpucache.shares._select", "gpucache.shares._tar")),
+    ("store", ("gpucache.store", "gpucache.shares._record")),
     # leaf helpers any layer may use; they import nothing of gpucache's: distributed ranks, the
     # compiled part's binding, the progress bar, every error raised to users, the usable cores,
     # the ordered thread map, files opened as this user's own, the version, a plan's columns,
@@ -43,7 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "gpucache._native",
             "gpucache._errors",
             "gpucache._version",
-            "gpucache._shares",
+            "gpucache.shares",
         ),
     ),
 ]

@@ -193,8 +193,8 @@ def test_save_into_a_folder_she_can_write_never_changes_another_file(
     os.chmod(secret, 0o600)
     write, swapped = _format.write, []
 
-    def written(f, **kw):  # the temporary file is written: she swaps its name for a link
-        size = write(f, **kw)
+    def written(f, *args, **kw):  # the temporary file is written: she swaps its name for a link
+        size = write(f, *args, **kw)
         (name,) = [p for p in os.listdir(drop) if p.endswith(".tmp")]
         tmp = str(drop / name)
         assert stat.S_IMODE(os.stat(tmp).st_mode) == 0o600  # unreadable to her while written

@@ -42,10 +42,10 @@ def _altered(tmp_path: Path, cache: JpegCache, **sections: np.ndarray) -> JpegCa
     """``cache`` saved with some sections replaced (valid checksums: written by the format's
     own writer), and opened again."""
     arrays = cache._stored()
-    arrays["extra"] = {**arrays["extra"], **sections}
+    arrays = arrays.with_sections({**sections})
     path = tmp_path / "altered.gpucache"
     with open(path, "wb") as f:
-        _format.write(f, **arrays)
+        _format.write(f, arrays)
     return JpegCache.open(path)
 
 

@@ -522,9 +522,9 @@ def test_a_truncated_store_with_masks_is_a_clear_error(saved):
 
 def _write_with(path: Path, cache: JpegCache, **sections: np.ndarray) -> None:
     arrays = cache._stored()
-    arrays["extra"] = {**arrays["extra"], **sections}
+    arrays = arrays.with_sections({**sections})
     with open(path, "wb") as f:
-        _format.write(f, **arrays)
+        _format.write(f, arrays)
 
 
 def test_mask_records_that_break_their_rules_are_refused_at_open(saved, tmp_path):

@@ -29,6 +29,7 @@ from pathlib import Path
 from gpucache import JpegCache
 from gpucache.node import _cache as _node
 from gpucache.ingest._build import build
+from gpucache.ingest._inputs import Samples
 from gpucache.ingest._options import BuildOptions
 
 paths, cdir, fifo = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
@@ -45,12 +46,12 @@ class Gated:  # a Source that reads one byte from the test first
 
 def slow_build(inputs, extra, on_progress):
     print("building", flush=True)
-    return build(JpegCache, [Gated(p) for p in inputs], __import__("numpy").zeros(len(inputs),
-                 dtype="int64"), ["x"], None, BuildOptions(num_threads=1, progress=False),
-                 on_progress=on_progress)
+    labels = __import__("numpy").zeros(len(inputs), dtype="int64")
+    return build(JpegCache, [Gated(p) for p in inputs], Samples(labels, ["x"]),
+                 BuildOptions(num_threads=1, progress=False), on_progress=on_progress)
 
 cache = _node.built_once(JpegCache, lambda: (paths, ("gated",)), slow_build, (paths, "gated"),
-                         cache_dir=cdir)
+                         BuildOptions(cache_dir=cdir))
 print("built", cache.path, flush=True)
 """
 
@@ -61,6 +62,7 @@ def _never(*_):
 
 def _waiter(paths, cdir, outcome: dict) -> threading.Thread:
     from gpucache import JpegCache
+    from gpucache.ingest._options import BuildOptions
     from gpucache.node import _cache as _node
 
     def run():
@@ -70,7 +72,7 @@ def _waiter(paths, cdir, outcome: dict) -> threading.Thread:
                 lambda: (paths, ("gated",)),
                 _never,
                 (paths, "gated"),
-                cache_dir=cdir,
+                BuildOptions(cache_dir=cdir),
                 stall_timeout=STALL,
             )
         except BaseException as err:  # handed to the test thread

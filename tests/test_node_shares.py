@@ -30,7 +30,8 @@ import numpy as np
 import pytest
 
 from gpucache import GpuCachedLoader, JpegCache, ShareError
-from gpucache._shares import (
+from gpucache.node._clean import entries
+from gpucache.shares._partition import (
     PARTITIONS,
     Share,
     common_cut,
@@ -39,7 +40,6 @@ from gpucache._shares import (
     node_bounds,
     owners,
 )
-from gpucache.node._clean import entries
 from gpucache.testing import make_jpeg_bytes
 
 N = 23  # samples: one a class, so a label names its sample; odd, so shares are uneven
@@ -427,9 +427,9 @@ def _lying(store: JpegCache, path: Path, **sections: np.ndarray) -> Path:
     from gpucache.store import _format
 
     arrays = store._stored()
-    arrays["extra"] = {**arrays["extra"], **sections}
+    arrays = arrays.with_sections({**sections})
     with open(path, "wb") as f:
-        _format.write(f, **arrays)
+        _format.write(f, arrays)
     return path
 
 
@@ -438,7 +438,7 @@ def test_share_records_that_lie_are_refused_before_an_order_is_drawn(data, tmp_p
     paths makes them: two samples claiming one rank, bounds whose math would overflow, and a
     listing claimed 2**31 samples long (the loader's order for that share would take 16 GB)."""
     from gpucache import CacheFormatError
-    from gpucache.store._share import LAYOUT, RANKS
+    from gpucache.shares._record import LAYOUT, RANKS
 
     store = layout(data, 2, tmp_path)[0]
     share = store.node_share
@@ -618,7 +618,7 @@ def test_the_earlier_store_is_dropped_under_cache_max_bytes_once_it_was_used(dat
 
 
 def test_the_consumed_count_of_one_layout_is_the_count_of_the_consumed_samples(data, tmp_path):
-    from gpucache.loader._nodes import NodeOrder, Segment
+    from gpucache.shares._order import NodeOrder, Segment
 
     share = layout(data, 2, tmp_path)[0].node_share
     assert share is not None

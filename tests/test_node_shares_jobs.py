@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpucache._shares import global_ranks, node_bounds, owners
-from gpucache.loader._nodes import NodeOrder
+from gpucache.shares._order import NodeOrder
+from gpucache.shares._partition import global_ranks, node_bounds, owners
 from gpucache.testing import make_jpeg_bytes
 from tests.support.ports import free_port
 

@@ -18,7 +18,7 @@ pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
 
 from gpucache import JpegCache, ShareError  # noqa: E402
-from gpucache._shares import node_bounds  # noqa: E402
+from gpucache.shares._partition import node_bounds  # noqa: E402
 from gpucache.testing import make_jpeg_bytes, make_mask_png  # noqa: E402
 from tests.support.s3server import serving  # noqa: E402
 from tests.test_node_shares import as_node  # noqa: E402
@@ -149,7 +149,7 @@ def test_webdataset_shards_are_read_a_window_at_a_time_and_only_the_share_is_kep
     ranged GET for a sample of its share outside the margin (if any), takes what its 2-node
     store holds at 3 nodes, and leaves no spool; under a limit below the share, the build
     stops with the fix and leaves nothing."""
-    from gpucache.ingest.storage import _tar_share
+    from gpucache.shares import _tar as _tar_share
 
     objects, samples = _wds_objects()
     sizes = [len(b) for b in objects.values()]
@@ -209,7 +209,7 @@ def test_a_damaged_shard_is_reported_once_and_the_shares_add_up_to_the_whole_bui
     nodes' stores hold together what the whole build holds, and their reports together name
     what it names (the shard that is no tar, the member the cut tar ends in), each by one
     node."""
-    from gpucache.ingest.storage import _tar_share
+    from gpucache.shares import _tar as _tar_share
 
     objects, _ = _wds_objects()
     cut = objects["wds/part-2.tar"]

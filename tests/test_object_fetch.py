@@ -32,7 +32,7 @@ pytest.importorskip("s3fs")
 
 from gpucache import BuildError, JpegCache, ObjectStoreError  # noqa: E402
 from gpucache.cli import main as cli_main  # noqa: E402
-from gpucache.ingest.storage import _client, _fetch  # noqa: E402
+from gpucache.ingest.storage import _calls, _client, _fetch  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
 from tests.support.s3server import Stranger, serving  # noqa: E402
 
@@ -55,8 +55,8 @@ def s3():
 
 @pytest.fixture
 def fast_retries(monkeypatch):
-    monkeypatch.setattr(_fetch, "BACKOFF_S", 0.01)
-    monkeypatch.setattr(_fetch, "BACKOFF_CAP_S", 0.05)
+    monkeypatch.setattr(_calls, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(_calls, "BACKOFF_CAP_S", 0.05)
 
 
 def _other_bytes(data: bytes) -> bytes:
@@ -102,7 +102,7 @@ def _stored(cache: JpegCache) -> list[bytes]:
 @pytest.mark.timeout(120)
 def test_a_body_that_trickles_ends_within_the_deadline(s3, tmp_path, monkeypatch, fast_retries):
     server, objects = s3["server"], s3["objects"]
-    monkeypatch.setattr(_fetch, "DEADLINE_S", 3.0)
+    monkeypatch.setattr(_calls, "DEADLINE_S", 3.0)
     monkeypatch.setattr(_fetch, "ATTEMPT_S", 1.0, raising=False)
     with server.faulty():  # a byte every 0.5 s: each read is quicker than the read timeout
         server.fail("trickle", "/my-bucket/r/c/2.jpg", times=None, seconds=0.5)

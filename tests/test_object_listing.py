@@ -26,7 +26,7 @@ pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
 
 from gpucache import JpegCache, ObjectStoreError  # noqa: E402
-from gpucache.ingest.storage import _fetch, _listing, _pages  # noqa: E402
+from gpucache.ingest.storage import _calls, _listing, _pages  # noqa: E402
 from gpucache.ingest.storage._client import filesystem  # noqa: E402
 from gpucache.testing import make_jpeg_bytes  # noqa: E402
 from tests.support.s3server import VirtualFolder, serving  # noqa: E402
@@ -63,8 +63,8 @@ def server(s3):
 
 @pytest.fixture
 def fast_retries(monkeypatch):
-    monkeypatch.setattr(_fetch, "BACKOFF_S", 0.01)
-    monkeypatch.setattr(_fetch, "BACKOFF_CAP_S", 0.05)
+    monkeypatch.setattr(_calls, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(_calls, "BACKOFF_CAP_S", 0.05)
 
 
 def _nothing_published(folder: Path) -> None:
@@ -107,7 +107,7 @@ def test_a_slowdown_on_a_listing_is_retried(server, tmp_path, fast_retries):
 
 
 def test_a_listing_that_never_answers_stops_the_build(server, tmp_path, monkeypatch):
-    monkeypatch.setattr(_fetch, "RETRIES", 1)
+    monkeypatch.setattr(_calls, "RETRIES", 1)
     server.fail_listing("delay", "fold/c", times=None, seconds=5, bucket=BUCKET)
     t0 = time.monotonic()
     with pytest.raises(ObjectStoreError, match=r"s3://lst/fold/c/.*(?i:timeout)"):

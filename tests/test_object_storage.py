@@ -34,7 +34,7 @@ pytest.importorskip("s3fs")
 
 from gpucache import BuildError, JpegCache, ObjectStoreError  # noqa: E402
 from gpucache.cli import main as cli_main  # noqa: E402
-from gpucache.ingest.storage import _fetch  # noqa: E402
+from gpucache.ingest.storage import _calls  # noqa: E402
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
@@ -113,8 +113,8 @@ def s3(tmp_path_factory):
 
 @pytest.fixture
 def fast_retries(monkeypatch):
-    monkeypatch.setattr(_fetch, "BACKOFF_S", 0.01)
-    monkeypatch.setattr(_fetch, "BACKOFF_CAP_S", 0.05)
+    monkeypatch.setattr(_calls, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(_calls, "BACKOFF_CAP_S", 0.05)
 
 
 def _objects(root: Path, prefix: str) -> list[str]:
@@ -233,7 +233,7 @@ def test_an_object_that_stays_unreadable_is_a_bad_sample(s3, tmp_path, fast_retr
         assert "SlowDown" in reasons[f"s3:/{objs[5]}"] and "6 attempts" in reasons[f"s3:/{objs[5]}"]
         assert "403" in reasons[f"s3:/{objs[6]}"]
         gets = server.gets("/bkt/small/")
-        assert gets[objs[5]] == _fetch.RETRIES + 1 and gets[objs[6]] == 1  # bounded; 403 final
+        assert gets[objs[5]] == _calls.RETRIES + 1 and gets[objs[6]] == 1  # bounded; 403 final
         with pytest.raises(BuildError, match=f"s3:/{objs[5]}"):
             JpegCache.from_folder(
                 "s3://bkt/small/", cache_dir=tmp_path / "b", on_error="raise", progress=False

@@ -22,7 +22,7 @@ from gpucache.decode._core import decode_batch
 from gpucache.decode._jpeg import decode_jpeg
 from gpucache.decode._options import DecodeOptions
 from gpucache.decode._sample import decode_sample
-from gpucache.ingest._restart import restart_store
+from gpucache.ingest._build import restart_store
 from gpucache.testing import natural_image
 
 needs_roi = pytest.mark.skipif(_roi.route() is None, reason="no region decoder here")
@@ -323,7 +323,7 @@ NO_TRANSCODER = textwrap.dedent("""
     import numpy as np
     sys.modules["nvidia.nvimgcodec"] = None  # neither optional decoder part is here
     from gpucache import JpegCache
-    from gpucache.ingest._restart import restart_store
+    from gpucache.ingest._build import restart_store
     from gpucache import _native
     from gpucache.decode import _roi, _roi_rst
     from gpucache.decode._core import decode_batch

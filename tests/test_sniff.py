@@ -16,8 +16,10 @@ from gpucache import JpegCache
 from gpucache.decode._jpeg import decode_jpeg
 from gpucache.decode._sample import decode_pil, decode_sample
 from gpucache.ingest._build import BytesSource, FileObjSource, FileRangeSource, build
+from gpucache.ingest._inputs import Samples
 from gpucache.ingest._options import BuildOptions
 from gpucache.ingest._sniff import MAX_SCANS, Kind, SniffError, sniff
+from gpucache.store._format import Columns
 from gpucache.store._limits import check_pixels
 from gpucache.testing import make_jpeg_bytes
 from tests.support.hostile import (
@@ -133,9 +135,7 @@ def test_max_pixels_at_build(tmp_path):
     (tmp_path / "ok.jpg").write_bytes(make_jpeg_bytes(16, 16, seed=1))
     args = (
         [str(tmp_path / "ok.jpg"), str(tmp_path / "bomb.jpg")],
-        np.zeros(2, np.int64),
-        ["a"],
-        None,
+        Samples(np.zeros(2, np.int64), ["a"]),
     )
     kw = dict(on_error="skip", num_threads=1, progress=False)
     assert len(build(JpegCache, *args, BuildOptions(**kw))) == 1
@@ -155,20 +155,20 @@ def test_decode_guard_reads_the_bytes_not_only_the_record():
     cache = build(
         JpegCache,
         [BytesSource("bomb", bomb)],
-        np.zeros(1, np.int64),
-        ["a"],
-        None,
+        Samples(np.zeros(1, np.int64), ["a"]),
         BuildOptions(on_error="skip", num_threads=1, progress=False, max_pixels=None),
     )
     samples = cache.samples.copy()
     samples["height"], samples["width"] = 16, 16
     lying = JpegCache(
-        data=cache._data,
-        offsets=cache._offsets,
-        labels=cache.labels,
-        samples=samples,
-        classes=["a"],
-        paths=cache._paths,
+        Columns(
+            data=cache._data,
+            offsets=cache._offsets,
+            labels=cache.labels,
+            samples=samples,
+            classes=["a"],
+            paths=cache._paths,
+        )
     )
     with pytest.raises(ValueError, match="65500x65500"):
         check_pixels(lying, 0)
@@ -223,19 +223,19 @@ def test_decode_guard_counts_the_scans_of_the_stored_bytes():
     cache = build(
         JpegCache,
         [BytesSource("p", plain)],
-        np.zeros(1, np.int64),
-        ["a"],
-        None,
+        Samples(np.zeros(1, np.int64), ["a"]),
         BuildOptions(on_error="raise", num_threads=1, progress=False),
     )
     hostile = np.frombuffer(extra_scans(plain, 5000), np.uint8)
     uncounted = JpegCache(
-        data=hostile,
-        offsets=np.array([0, len(hostile)]),
-        labels=cache.labels,
-        samples=cache.samples,
-        classes=["a"],
-        paths=cache._paths,
+        Columns(
+            data=hostile,
+            offsets=np.array([0, len(hostile)]),
+            labels=cache.labels,
+            samples=cache.samples,
+            classes=["a"],
+            paths=cache._paths,
+        )
     )
     check_pixels(cache, 0)
     for guarded in (check_pixels, decode_sample):
@@ -270,9 +270,7 @@ def test_sources_go_straight_into_the_buffer(tmp_path):
     cache = build(
         JpegCache,
         inputs,
-        np.arange(6),
-        list("abcdef"),
-        None,
+        Samples(np.arange(6), list("abcdef")),
         BuildOptions(on_error="skip", num_threads=3, progress=False),
     )
     assert list(cache.paths) == [str(tmp_path / "a.jpg"), "mem", "fileobj", "s.tar/x/b.jpg"]
@@ -285,8 +283,6 @@ def test_sources_go_straight_into_the_buffer(tmp_path):
         build(
             JpegCache,
             [a],
-            np.zeros(1, np.int64),
-            ["a"],
-            None,
+            Samples(np.zeros(1, np.int64), ["a"]),
             BuildOptions(on_error="skip", num_threads=1, progress=False),
         )

@@ -8,6 +8,7 @@ its image bytes opens (open reads no image data) and fails at decode, per sample
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import struct
 import zlib
@@ -45,7 +46,7 @@ def cache(tmp_path_factory) -> JpegCache:
 def _craft(tmp_path, cache: JpegCache, **changes):
     """``cache`` saved with some arrays (``extra``, ``samples``) replaced, unchecked."""
     path = tmp_path / "crafted.gpucache"
-    _save.save_atomic(path, **{**cache._stored(), **changes})
+    _save.save_atomic(path, dataclasses.replace(cache._stored(), **changes))
     return path
 
 
@@ -56,7 +57,7 @@ def _ragged_offsets() -> np.ndarray:
 def _with(cache, **sections) -> dict:
     """The sections ``cache`` saves (its build report's among them), some replaced or (None)
     removed."""
-    out = {**cache._stored()["extra"], **sections}
+    out = {**cache._stored().extra, **sections}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -213,11 +214,12 @@ def test_an_in_memory_store_with_a_bad_section_is_refused_before_it_is_saved(cac
 def test_the_section_rules_use_the_names_their_owners_write(cache):
     from gpucache.decode import _roi_rst
     from gpucache.ingest import _resize
-    from gpucache.store import _masks, _report, _sections, _share, _targets
+    from gpucache.shares import _record
+    from gpucache.store import _masks, _report, _sections, _targets
 
     names = {
         *_masks.SECTIONS,
-        *_share.SECTIONS,
+        *_record.SECTIONS,
         _resize.SECTION,
         _resize.ARGS,
         _roi_rst.SECTION,

@@ -84,7 +84,7 @@ def test_old_store_without_sample_checksums_still_verifies(saved, tmp_path, caps
 
     path = tmp_path / "old.gpucache"
     with open(path, "wb") as f:
-        _format.write(f, **cache._arrays())  # checksums=False: as stores were written before
+        _format.write(f, cache._columns())  # checksums=False: as stores were written before
     assert "sample.crc32" not in JpegCache.open(path)._file.extra
     assert main(["verify", "--no-decode", str(path)]) == 0
     _flip(path, cache, 3, 0.5)

@@ -64,8 +64,8 @@ from gpucache import (  # noqa: E402
     ShareError,
     _native,  # noqa: E402
 )
+from gpucache.shares._record import FETCHED, LAYOUT, LISTING, RANKS  # noqa: E402
 from gpucache.store import _format  # noqa: E402
-from gpucache.store._share import FETCHED, LAYOUT, LISTING, RANKS  # noqa: E402
 from gpucache.testing import make_jpeg_bytes, make_mask_png  # noqa: E402
 
 H, W = 24, 32  # the images' size, and so their masks'
@@ -322,10 +322,10 @@ class Targets:
     def share(self, how: str, node: int, extra: dict[str, np.ndarray]) -> None:
         base = JpegCache.open(self.shares[node])
         arrays = base._stored()
-        arrays["extra"] = {**arrays["extra"], **extra}
+        arrays = arrays.with_sections({**extra})
         path = self.tmp / "lying.gpucache"
         with open(path, "wb") as f:
-            _format.write(f, **arrays)
+            _format.write(f, arrays)
         try:
             cache = JpegCache.open(path)
             loader = GpuCachedLoader(

@@ -262,7 +262,7 @@ class Runner:
                     raise BenchError("no saved store for a file-backed contender")
                 self.cache = JpegCache.open(src.store)
                 if c.backing == "rst":  # transcoded from the saved store (timed as setup)
-                    from ..ingest._restart import restart_store
+                    from ..ingest._build import restart_store
 
                     plain, self.cache = self.cache, restart_store(self.cache)
                     plain.close()

@@ -31,8 +31,7 @@ def decode_pil(data: np.ndarray) -> torch.Tensor:
 
     # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
     with Image.open(io.BytesIO(data)) as im:  # type: ignore[arg-type]
-        # ingest/_pixels.py's eight_bit (PIL image in, PIL image out) has no annotations yet
-        rgb = eight_bit(ImageOps.exif_transpose(im)).convert("RGB")  # type: ignore[no-untyped-call]
+        rgb = eight_bit(ImageOps.exif_transpose(im)).convert("RGB")
     return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)
 
 

@@ -11,26 +11,32 @@ decoded pixels, across all threads, stay within one budget (``_resize.MEMORY_BUD
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import overload
 
 import numpy as np
+import numpy.typing as npt
 
 from .._errors import BuildError
-from .._shares import Selected
 from ..base._progress import tqdm
 from ..base._threads import ordered_map
-from ..store._format import MAGIC
+from ..shares import _select
+from ..shares._select import Taken
+from ..store._format import MAGIC, Columns
+from ..store._limits import pixel_budget
 from ..store._report import BuildReport, Skipped
-from . import _pipeline, _share
-from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Source, name_of
+from ..store._store import S, Store
+from . import _pipeline
+from ._inputs import BytesSource, FileObjSource, FileRangeSource, Input, Samples, Source, name_of
+from ._lazy import OnAccess
 from ._options import BuildOptions
+from ._restart import rewriters
 from ._sniff import Kind
 
 __all__ = [
@@ -52,27 +58,21 @@ log = logging.getLogger(__name__)
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
-class PathList(Sequence[str]):
+class PathList(OnAccess[str]):
     """File paths, packed: per path a folder index and its name's bytes (about 25 bytes a path,
     not the 100 of a ``str`` object; 1.4 GB less at 14M files). Each item is made on access and
     is the very ``str`` ``os.walk`` gave (non-UTF-8 bytes kept by ``surrogateescape``)."""
 
-    def __init__(self, prefixes: list[str], folder_of: array, ends: array, blob: bytes) -> None:
+    def __init__(
+        self, prefixes: list[str], folder_of: array[int], ends: array[int], blob: bytes
+    ) -> None:
         self._prefixes, self._folder_of, self._ends, self._blob = prefixes, folder_of, ends, blob
 
     def __len__(self) -> int:
         return len(self._folder_of)
 
-    @overload
-    def __getitem__(self, i: int) -> str: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[str]: ...
-    def __getitem__(self, i: int | slice) -> str | list[str]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        start = self._ends[i - 1] if i > 0 else 0  # an IndexError for i out of range
+    def item(self, i: int) -> str:
+        start = self._ends[i - 1] if i > 0 else 0
         return self._prefixes[self._folder_of[i]] + os.fsdecode(self._blob[start : self._ends[i]])
 
     def __iter__(self) -> Iterator[str]:
@@ -171,7 +171,9 @@ def _flat_hint(root: Path) -> str:
     )
 
 
-def check_labels(n: int, labels, classes) -> tuple[np.ndarray, list[str]]:
+def check_labels(
+    n: int, labels: npt.ArrayLike | None, classes: Sequence[str] | None
+) -> tuple[np.ndarray, list[str]]:
     if labels is None:
         return np.full(n, -1, dtype=np.int64), list(classes or [])
     arr = np.asarray(labels)
@@ -191,20 +193,17 @@ def check_labels(n: int, labels, classes) -> tuple[np.ndarray, list[str]]:
 
 
 def build(
-    cls,
+    cls: type[S],
     inputs: Sequence[Input],
-    labels: np.ndarray,
-    classes: list[str],
-    metadata: Sequence[str] | None,
+    samples: Samples,
     options: BuildOptions,
     *,
     on_progress: Callable[[int, int, int], None] | None = None,
-    extra: dict | None = None,
-    masks: Sequence[Input | None] | None = None,
-    selected: Selected | None = None,
-    reused: np.ndarray | None = None,
-):
-    """Pack ``inputs`` (paths or :class:`Source` objects) into ``cls(...)``, as ``options`` say.
+    extra: Mapping[str, np.ndarray] | None = None,
+    taken: Taken | None = None,
+) -> S:
+    """Pack ``inputs`` (paths or :class:`Source` objects), with their labels, metadata and masks
+    (``samples``), into ``cls(...)``, as ``options`` say.
 
     Every input is sized (capped under ``max_pixels``, see ``_limits.too_big``) and sniffed
     (headers only); one whose header claims more than ``max_pixels`` pixels (None: no bound) is
@@ -215,19 +214,18 @@ def build(
     where that saves bytes (``_resize``); ``restart_markers``: JPEGs are transcoded with restart
     markers (``_restart``). ``on_progress(done, total, bytes_read)`` is called after each chunk.
     ``extra``: optional sections to store as they are (one row per input if per-sample).
-    ``masks``: one mask input (path or :class:`Source`) per input, read and checked with its
-    image (``_masks.check_mask``); an image whose mask is missing or unusable is a bad input,
+    ``samples.masks``: one mask input (path or :class:`Source`) per input, read and checked with
+    its image (``_masks.check_mask``); an image whose mask is missing or unusable is a bad input,
     its reason naming the mask.
     ``options.share`` (``shard="node"``): ``inputs`` are the whole listing, of which this node's
-    share is built (``_share.pick``), unless ``selected`` says they are that share already (taken
+    share is built (``_select.pick``), unless ``taken`` says they are that share already (taken
     before a fetch); its size is checked against memory, the node cache and ``cache_max_bytes``
     before a byte is read, and the store records it. Samples that stores of earlier layouts on
-    this node hold are taken from them (``_share.reuse``; ``reused`` marks those a caller took
-    before a fetch), unless the build re-encodes."""
-    from ._restart import rewriters
-
+    this node hold are taken from them (``_select.reuse``; ``taken.reused`` marks those a caller
+    took before a fetch), unless the build re-encodes."""
     max_pixels = options.max_pixels
     n = len(inputs)
+    masks = samples.masks
     if masks is not None and len(masks) != n:
         raise ValueError(f"masks has {len(masks)} entries for {n} images; give one mask per image.")
     steps = rewriters(
@@ -236,13 +234,14 @@ def build(
         jpeg_quality=options.jpeg_quality,
     )
     share = options.share
+    selected, reused = (None, None) if taken is None else taken
     if share is not None and selected is None:
-        inputs, labels, metadata, masks, selected = _share.pick(
-            share, inputs, labels, metadata, masks
-        )
+        inputs, samples, selected = _select.pick(share, inputs, samples)
         n = len(inputs)
         if not steps:  # stored bytes are the source's: an earlier share's are as good
-            inputs, masks, reused = _share.reuse(selected, inputs, masks)
+            inputs, masks, reused = _select.reuse(selected, inputs, samples.masks)
+            samples = dataclasses.replace(samples, masks=masks)
+    labels, metadata, masks = samples.labels, samples.metadata, samples.masks
     threads = options.num_threads or _pipeline.default_threads()
     window = 2 * threads
     bar = tqdm(
@@ -262,10 +261,11 @@ def build(
             on_progress(done[0], n, done[1])
 
     with bar, ThreadPoolExecutor(threads, thread_name_prefix="gpucache-build") as pool:
-        cum, refused = _pipeline.size_all(pool, inputs, max_pixels, window, tick)
+        sized = _pipeline.size_all(pool, inputs, max_pixels, window, tick)
+        cum, refused = sized
         total = int(cum[-1])
         if share is not None:
-            _share.check_budget(total, share, options, memory=_memory())
+            _select.check_budget(total, share, options, memory=_memory())
         if total > _memory() > 0:
             raise MemoryError(
                 f"the {n - len(refused):,} inputs add up to {total / 2**30:,.1f} GiB, more than "
@@ -280,13 +280,11 @@ def build(
         read = partial(
             _pipeline.read_chunk,
             inputs=inputs,
-            metadata=metadata,
-            cum=cum,
-            refused=refused,
+            samples=samples,
+            sized=sized,
             max_pixels=max_pixels,
             rewriters=steps,
             scratch=scratch,
-            masks=masks,
         )
         errors = dict(refused)
         tick(len(refused), 0)
@@ -332,7 +330,7 @@ def build(
             int(took.sum()),
             int(sizes[took].sum()),
         )
-        sections.update(_share.record(selected, share, kept, fetched))
+        sections.update(_select.record(selected, share, kept, fetched))
         if took.any():
             log.warning(
                 "gpucache: node %d of %d read %d samples (%.1f MB) from the source and took %d "
@@ -347,14 +345,16 @@ def build(
     for rw in steps:
         sections.update(rw.sections(out.columns, k))
     return cls(
-        data=out.data[: out.cursor],
-        offsets=out.offsets[: k + 1],
-        labels=out.labels[:k],
-        samples=out.samples[:k],
-        classes=classes,
-        paths=paths,
-        metadata=meta,
-        extra=sections,
+        Columns(
+            data=out.data[: out.cursor],
+            offsets=out.offsets[: k + 1],
+            labels=out.labels[:k],
+            samples=out.samples[:k],
+            classes=samples.classes,
+            paths=paths,
+            metadata=meta,
+            extra=sections,
+        ),
         report=report,
     )
 
@@ -365,3 +365,42 @@ def _memory() -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+class _Samples(OnAccess[BytesSource]):
+    """A store's samples as build inputs (views of its buffer, made on demand: O(1) memory)."""
+
+    def __init__(self, cache: Store) -> None:
+        self._cache, self._paths = cache, cache.paths
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def item(self, i: int) -> BytesSource:
+        return BytesSource(self._paths[i], self._cache[i])
+
+
+def restart_store(cache: S, *, num_threads: int | None = None, progress: bool = False) -> S:
+    """A new in-memory store of ``cache``'s samples, transcoded with restart markers (same pixels).
+
+    Labels, paths, metadata, the build report and other sections are kept; transcoded samples
+    become baseline (``Kind.JPEG``) and their interval goes to the ``rst`` section. Peaks at
+    ``cache`` plus its transcoded copy; to build from files at about one copy, pass
+    ``restart_markers=True`` to the builder instead. Samples are held to ``cache``'s pixel
+    budget as at any build (the transcoder allocates the whole image's coefficients): one over it
+    raises ``BuildError``."""
+    out = build(
+        type(cache),
+        _Samples(cache),
+        Samples(np.asarray(cache.labels), cache.classes, cache.metadata),
+        BuildOptions(
+            on_error="raise",
+            num_threads=num_threads,
+            progress=progress,
+            max_pixels=pixel_budget(cache),
+            restart_markers=True,
+        ),
+        extra=dict(cache.extra),
+    )
+    out.report, out.max_pixels = cache.report, cache.max_pixels
+    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -35,8 +36,11 @@ class Source(Protocol):
     reading; ``readinto(slot)`` fills exactly ``len(slot) == nbytes`` bytes or raises ``OSError``
     (or :class:`SniffError`). It is called once, from a build thread."""
 
-    name: str
-    nbytes: int
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
     def readinto(self, slot: memoryview) -> None: ...
 
@@ -113,7 +117,7 @@ class FileRangeSource:
     first bytes are sniffed before the rest is read."""
 
     name: str
-    path: str | os.PathLike
+    path: str | os.PathLike[str]
     offset: int
     nbytes: int
 
@@ -151,7 +155,23 @@ class Refused:
     reason: str
 
 
-Input = str | os.PathLike | Source | Refused
+Input = str | os.PathLike[str] | Source | Refused
+
+
+@dataclass(frozen=True)
+class Samples:
+    """What a build keeps of each input besides its bytes, the values that travel together from
+    a source's reader to the store: ``labels`` (int64, one per input, -1 for none), the
+    ``classes`` they index, ``metadata`` (one string per input, or None) and ``masks`` (one mask
+    input per input, or None). The inputs go beside it: a build from storage knows these from
+    its listing, and has its inputs once they are fetched."""
+
+    labels: np.ndarray
+    classes: list[str]
+    metadata: Sequence[str] | None = None
+    masks: Sequence[Input | None] | None = None
+
+
 _SOURCE_TYPES: set[type] = set()  # types seen to satisfy Source (the protocol check is slow)
 _GREW = bytearray(1)  # the byte past a file's listed size (never read: shared by the threads)
 
@@ -169,7 +189,7 @@ def file_type(mode: int) -> str:
     return "not a plain file"
 
 
-def name_of(x) -> str:
+def name_of(x: object) -> str:
     if isinstance(x, (str, os.PathLike)):
         return os.fspath(x)
     return str(getattr(x, "name", f"<{type(x).__name__}>"))
@@ -219,7 +239,7 @@ def _check_head(x: Input, size: int) -> None:
         os.close(fd)
 
 
-def read_into(x: str | os.PathLike | Source, slot: memoryview) -> None:
+def read_into(x: str | os.PathLike[str] | Source, slot: memoryview) -> None:
     """Fill ``slot`` (exactly the size :func:`size_of` gave) with the input's bytes (an input
     :func:`size_of` accepted: never a :class:`Refused` one)."""
     if not isinstance(x, (str, os.PathLike)):

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from .._shares import Share
+from ..shares._partition import Share
 from ..store._limits import DEFAULT_MAX_PIXELS
 
 __all__ = ["ON_ERROR", "BuildOptions", "check_on_error", "spell_on_error"]

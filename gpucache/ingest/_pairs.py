@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import os
 from array import array
-from collections.abc import Container, Sequence
+from collections.abc import Container
 from pathlib import Path
 
 from ._build import IMG_EXTENSIONS, PathList
 from ._inputs import Refused
+from ._lazy import OnAccess
 
 #: Mask name suffixes tried after the bare key, in order (docs/guides/segmentation.md).
 MASK_SUFFIXES = (
@@ -91,7 +92,7 @@ class _Packer:
         return PathList(self.prefixes, self.folder_of, self.ends, bytes(self.blob))
 
 
-class PairedMasks(Sequence[str | Refused]):
+class PairedMasks(OnAccess[str | Refused]):
     """Each image's mask path, packed, or a :class:`Refused` input where it has none."""
 
     def __init__(self, paths: PathList, missing: dict[int, Refused]) -> None:
@@ -100,8 +101,8 @@ class PairedMasks(Sequence[str | Refused]):
     def __len__(self) -> int:
         return len(self._paths)
 
-    def __getitem__(self, i):  # ints only: what the build indexes
-        refused = self._missing.get(i if i >= 0 else i + len(self))
+    def item(self, i: int) -> str | Refused:
+        refused = self._missing.get(i)
         return refused if refused is not None else self._paths[i]
 
 

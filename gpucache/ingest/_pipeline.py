@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import mmap
 import queue
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from ..base._cores import usable_cores
 from ..base._threads import ordered_map
@@ -30,27 +32,60 @@ from ..store._limits import over_budget, over_work
 from ..store._masks import DATA as MASK_DATA
 from ..store._masks import INFO as MASK_INFO
 from ..store._masks import OFFSETS as MASK_OFFSETS
+from ..store._masks import MaskKind
 from ..store._readonly import writable_buffer
-from ._inputs import name_of, read_into, size_of
+from ._inputs import Input, Refused, Samples, name_of, read_into, size_of
 from ._masks import check_mask, resize_mask
-from ._sniff import SAMPLE_DTYPE, SniffError, sniff
+from ._sniff import SAMPLE_DTYPE, Info, SniffError, sniff
+
+#: A sample's bytes as a rewriter takes and gives them (its slot of the read buffer, or new bytes).
+Encoded = bytes | memoryview
+
+
+class Rewriter(Protocol):
+    """A per-sample rewrite at build (``_resize.Reencode``, ``_restart.RestartMarkers``).
+
+    ``columns``: the per-sample sections it fills, ``{name: (dtype, width)}`` (width 0: one
+    value a sample). Called with a sample's bytes and what ``sniff`` said of them, it gives the
+    bytes to store, what they are, and its columns' values for the sample; ``sections``: the
+    store's sections it adds once ``k`` samples are kept (beside its columns)."""
+
+    @property
+    def columns(self) -> Mapping[str, tuple[str, int]]: ...
+
+    def __call__(self, data: Encoded, info: Info) -> tuple[Encoded, Info, dict[str, Any]]: ...
+
+    def sections(self, columns: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]: ...
+
 
 SIZE_CHUNK = 1024  # inputs sized per task
 READ_CHUNK = 256  # at most this many inputs read per task...
 MIN_CHUNK_BYTES = 16 << 10  # ...and about this many bytes or more (or one larger input)
 
 
+class Sized(NamedTuple):
+    """The inputs sized: cumulative sizes (``cum[i+1] - cum[i]`` is input ``i``'s size; 0 for one
+    refused) and the reason each refused input was refused."""
+
+    cum: np.ndarray
+    refused: dict[int, str]
+
+
 def size_all(
-    pool: Executor, inputs, max_pixels: int | None, window: int, tick: Callable[[int, int], None]
-) -> tuple[np.ndarray, dict[int, str]]:
-    """Cumulative sizes (``cum[i+1] - cum[i]`` is input ``i``'s size; 0 for one refused) and the
-    reasons inputs were refused."""
+    pool: Executor,
+    inputs: Sequence[Input],
+    max_pixels: int | None,
+    window: int,
+    tick: Callable[[int, int], None],
+) -> Sized:
+    """Every input's size (``size_of``), or why it was refused."""
     n = len(inputs)
     cum = np.zeros(n + 1, dtype=np.int64)
     errors: dict[int, str] = {}
 
-    def task(a: int):
-        sizes, errs = np.zeros(min(n, a + SIZE_CHUNK) - a, dtype=np.int64), []
+    def task(a: int) -> tuple[int, np.ndarray, list[tuple[int, str]]]:
+        sizes = np.zeros(min(n, a + SIZE_CHUNK) - a, dtype=np.int64)
+        errs: list[tuple[int, str]] = []
         for k in range(len(sizes)):
             try:
                 sizes[k] = size_of(inputs[a + k], max_pixels)
@@ -65,7 +100,7 @@ def size_all(
         errors.update(errs)
         tick(0, 0)
     np.cumsum(cum, out=cum)
-    return cum, errors
+    return Sized(cum, errors)
 
 
 def chunks(cum: np.ndarray, chunk_bytes: int) -> Iterator[tuple[int, int]]:
@@ -87,10 +122,10 @@ class Chunk:
     data: np.ndarray  # the kept (possibly rewritten) bytes, end to end
     kept: list[int] = field(default_factory=list)
     lens: list[int] = field(default_factory=list)
-    recs: list[tuple] = field(default_factory=list)
+    recs: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
     name_lens: np.ndarray | None = None
     meta_lens: np.ndarray | None = None
-    columns: dict[str, list] = field(default_factory=dict)
+    columns: dict[str, list[Any]] = field(default_factory=dict)
     errors: list[tuple[int, str]] = field(default_factory=list)
     masks: list[bytes] = field(default_factory=list)  # with masks: each kept sample's mask
     mask_recs: list[tuple[int, int, int]] = field(default_factory=list)  # kind, height, width
@@ -129,21 +164,24 @@ class Scratch:
 def read_chunk(
     span: tuple[int, int],
     *,
-    inputs,
-    metadata,
-    cum: np.ndarray,
-    refused: dict,
+    inputs: Sequence[Input],
+    samples: Samples,
+    sized: Sized,
     max_pixels: int | None,
-    rewriters: list,
+    rewriters: Sequence[Rewriter],
     scratch: Scratch,
-    masks=None,
 ) -> Chunk:
+    """Inputs ``span`` (``a:b``) read into one buffer of ``scratch``, sniffed, checked against
+    ``max_pixels`` (with their masks, ``samples.masks``) and rewritten (``rewriters``, in order):
+    what the store keeps of each, or why it was left out."""
     a, b = span
+    cum, refused = sized
+    metadata, masks = samples.metadata, samples.masks
     raw = scratch.get(int(cum[b] - cum[a]))
     # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on (numpy#26783)
     view, pos = memoryview(raw), 0  # type: ignore[arg-type]
     out = Chunk(a, b, raw, nbytes=int(cum[b] - cum[a]))
-    pieces: list = []  # with rewriters: each kept sample's final bytes
+    pieces: list[Encoded] = []  # with rewriters: each kept sample's final bytes
     for rw in rewriters:
         for name in rw.columns:
             out.columns[name] = []
@@ -152,8 +190,10 @@ def read_chunk(
             continue
         size = int(cum[i + 1] - cum[i])
         slot = view[pos : pos + size]
+        x = inputs[i]
+        assert not isinstance(x, Refused)  # size_all refused it: it is in ``refused``
         try:
-            read_into(inputs[i], slot)
+            read_into(x, slot)
             info = sniff(slot)
         except SniffError as err:
             out.errors.append((i, str(err)))
@@ -178,7 +218,7 @@ def read_chunk(
             shown = (info.height, info.width)
         pos += size
         if rewriters:
-            data = slot
+            data: Encoded = slot
             for rw in rewriters:
                 data, info, values = rw(data, info)
                 for name, v in values.items():
@@ -210,13 +250,16 @@ def read_chunk(
     return out
 
 
-def read_mask(x, height: int, width: int, max_pixels: int | None):
+def read_mask(
+    x: Input | None, height: int, width: int, max_pixels: int | None
+) -> tuple[bytes, MaskKind]:
     """Mask input ``x`` (a path or a source) read and checked against its image's displayed
     ``height`` x ``width``: ``(bytes to store, kind)``, or a :class:`SniffError` with the reason."""
     if x is None:
         raise SniffError("no mask was given for this image")
     try:
         buf = bytearray(size_of(x, max_pixels))
+        assert not isinstance(x, Refused)  # size_of refused it with its reason
         read_into(x, memoryview(buf))
     except FileNotFoundError:
         raise SniffError("the mask file does not exist") from None
@@ -229,7 +272,7 @@ def _lengths(strings: list[str]) -> np.ndarray:
     return np.diff(pack_strings(strings)[0]).astype(np.int64)
 
 
-def _buffer(count: int, dtype) -> np.ndarray:
+def _buffer(count: int, dtype: npt.DTypeLike) -> np.ndarray:
     """A writable array of ``count`` items that the store freezes in place (no copy)."""
     dtype = np.dtype(dtype)
     return writable_buffer(count * dtype.itemsize).view(dtype)
@@ -245,7 +288,7 @@ class Assembler:
         reserve: int,
         columns: dict[str, tuple[str, int]],
         labels: np.ndarray,
-        metadata,
+        metadata: Sequence[str] | None,
         masks: bool = False,
     ) -> None:
         self.data = writable_buffer(reserve)

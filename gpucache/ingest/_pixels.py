@@ -8,14 +8,19 @@ integer TIFF as ``I``, whose own conversion to 8 bits clips every value over 255
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 #: PIL modes of integer gray wider than 8 bits; their values are read as 16-bit samples.
 WIDE = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N"})
 STRIP = 1 << 20  # pixels of a wide image converted at a time
 
 
-def _transpositions() -> dict[int, int]:
+def _transpositions() -> dict[int, Image.Transpose]:
     from PIL import Image
 
     t = Image.Transpose
@@ -30,7 +35,7 @@ def _transpositions() -> dict[int, int]:
     }
 
 
-def eight_bit(im):
+def eight_bit(im: Image.Image) -> Image.Image:
     """``im`` with 8-bit samples: a :data:`WIDE` gray image becomes ``L`` (its high byte, values
     clipped to 0-65535 first), converted in strips of :data:`STRIP` pixels so that it costs
     the 8-bit image beyond its own pixels; any other image is returned as it is."""
@@ -49,7 +54,7 @@ def eight_bit(im):
     return Image.fromarray(out)
 
 
-def upright(im, orientation: int):
+def upright(im: Image.Image, orientation: int) -> Image.Image:
     """``im`` (as stored) turned as EXIF ``orientation`` says, the rule the store recorded for
     it (``samples["orientation"]``, see ``_sniff``); values outside 2-8 leave it as it is."""
     t = _transpositions().get(int(orientation))

@@ -37,14 +37,20 @@ import functools
 import io
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..store._oom import BUILD_FIX, raise_if_out_of_memory
+from ..store._store import Store
+from ._pipeline import Encoded
 from ._pixels import STRIP, WIDE, bytes_per_pixel, eight_bit, upright
 from ._sniff import Info, sniff
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 SECTION = "resized"
 ARGS = "resized.args"
@@ -56,14 +62,14 @@ _GAP = 3  # reduce (DCT scale or box) to no less than this many times the target
 _TRIM_FROM = 16 << 20  # a re-encode that held this much gives its freed memory back
 
 
-def resized(cache) -> np.ndarray | None:
+def resized(cache: Store) -> np.ndarray | None:
     """Boolean mask of the samples re-encoded under the store's ``max_side``, or None if the
     store was built without one."""
     rec = cache.extra.get(SECTION)
     return None if rec is None else rec[:, 0] > 0
 
 
-def max_side_of(cache) -> tuple[int | None, int] | None:
+def max_side_of(cache: Store) -> tuple[int | None, int] | None:
     """``(max_side, quality)`` the store was built with (``max_side`` None when it was built
     with ``jpeg_quality`` alone), or None when nothing was re-encoded at build."""
     args = cache.extra.get(ARGS)
@@ -96,7 +102,9 @@ class Budget:
                 self._cv.notify_all()
 
 
-def cost(im, stored: tuple[int, int], size: tuple[int, int] | None, orientation: int) -> int:
+def cost(
+    im: Image.Image, stored: tuple[int, int], size: tuple[int, int] | None, orientation: int
+) -> int:
     """The most bytes :func:`reencode` holds at once for ``im`` (opened, drafted, not loaded;
     ``stored``: its size before the draft) on its way to ``size`` (None: its own size), an upper
     bound over its steps: the decode (with libjpeg's coefficients of a progressive JPEG), the
@@ -124,7 +132,7 @@ def cost(im, stored: tuple[int, int], size: tuple[int, int] | None, orientation:
 
 
 def reencode(
-    data,
+    data: Encoded,
     max_side: int | None,
     quality: int = QUALITY,
     *,
@@ -153,11 +161,11 @@ def reencode(
             return out
 
 
-def _encode(im, size: tuple[int, int] | None, orientation: int, quality: int) -> bytes:
+def _encode(im: Image.Image, size: tuple[int, int] | None, orientation: int, quality: int) -> bytes:
     """The steps of :func:`reencode`, each copy released as soon as the next one exists."""
     from PIL import Image
 
-    def step(old, new):
+    def step(old: Image.Image, new: Image.Image) -> Image.Image:
         if new is not old:
             old.close()  # frees its pixels now, not when the caller's ``with`` ends
         return new
@@ -175,7 +183,7 @@ def _encode(im, size: tuple[int, int] | None, orientation: int, quality: int) ->
 
 
 @functools.cache
-def _malloc_trim():
+def _malloc_trim() -> Callable[[int], int] | None:
     try:
         return ctypes.CDLL(None).malloc_trim  # glibc
     except (OSError, AttributeError):
@@ -191,7 +199,7 @@ def _give_back() -> None:
         trim(0)
 
 
-def _check(name: str, value, low: int, high: int | None, example: str) -> None:
+def _check(name: str, value: object, low: int, high: int | None, example: str) -> None:
     if value is None:
         return
     if (
@@ -221,7 +229,7 @@ class Reencode:
         self.quality = QUALITY if jpeg_quality is None else int(jpeg_quality)
         self.budget = budget or Budget.default()
 
-    def __call__(self, data, info: Info):
+    def __call__(self, data: Encoded, info: Info) -> tuple[Encoded, Info, dict[str, Any]]:
         over = self.max_side is not None and max(info.height, info.width) > self.max_side
         if not over and not self.all:
             return data, info, {SECTION: (0, 0, 0)}
@@ -244,5 +252,5 @@ class Reencode:
             return data, info, {SECTION: (0, 0, 0)}
         return out, new, {SECTION: (info.height, info.width, len(data))}
 
-    def sections(self, columns: dict, k: int) -> dict[str, np.ndarray]:
+    def sections(self, columns: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
         return {ARGS: np.array([self.max_side or 0, self.quality], dtype="<i8")}

@@ -11,12 +11,14 @@ decoders read (``decode._roi_rst.intervals``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from .. import _native
 from ..store._oom import BUILD_FIX, raise_if_out_of_memory
+from ._pipeline import Encoded, Rewriter
+from ._resize import Reencode
 from ._sniff import Info, Kind
 
 SECTION = "rst"  # the store's optional section: int32 restart interval per sample
@@ -31,78 +33,29 @@ class RestartMarkers:
         self._transcode, self.section = _native.transcode, SECTION
         self.columns = {self.section: ("<i4", 0)}
 
-    def __call__(self, data, info: Info):
+    def __call__(self, data: Encoded, info: Info) -> tuple[Encoded, Info, dict[str, Any]]:
         if info.kind not in (Kind.JPEG, Kind.JPEG_PROGRESSIVE) or info.precision != 8:
             return data, info, {self.section: 0}
         try:
-            out, k = self._transcode(data)
+            out, k = self._transcode(bytes(data))  # a no-op for bytes; transcode copies
         except ValueError as err:  # libjpeg refused it: the sample stays as it was (full/ROI)
             # not the image's fault: never left as it was, unasked
             raise_if_out_of_memory(err, "adding restart markers at build", fix=BUILD_FIX)
             return data, info, {self.section: 0}
         return out, info._replace(kind=Kind.JPEG), {self.section: k}
 
-    def sections(self, columns: dict, k: int) -> dict[str, np.ndarray]:
+    def sections(self, columns: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
         return {}
 
 
 def rewriters(
     *, restart_markers: bool, max_side: int | None, jpeg_quality: int | None = None
-) -> list:
+) -> list[Rewriter]:
     """The build's per-sample rewriters, in the order they apply: the re-encode (size cap,
     quality), then the transcode (so a re-encoded image gets restart markers too)."""
-    from ._resize import Reencode
-
-    steps: list = []
+    steps: list[Rewriter] = []
     if max_side is not None or jpeg_quality is not None:
         steps.append(Reencode(max_side, jpeg_quality))
     if restart_markers:
         steps.append(RestartMarkers())
     return steps
-
-
-class _Samples(Sequence):
-    """A store's samples as build inputs (views of its buffer, made on demand: O(1) memory)."""
-
-    def __init__(self, cache) -> None:
-        self._cache, self._paths = cache, cache.paths
-
-    def __len__(self) -> int:
-        return len(self._cache)
-
-    def __getitem__(self, i):
-        from ._inputs import BytesSource
-
-        return BytesSource(self._paths[i], self._cache[i])
-
-
-def restart_store(cache, *, num_threads: int | None = None, progress: bool = False):
-    """A new in-memory store of ``cache``'s samples, transcoded with restart markers (same pixels).
-
-    Labels, paths, metadata, the build report and other sections are kept; transcoded samples
-    become baseline (``Kind.JPEG``) and their interval goes to the ``rst`` section. Peaks at
-    ``cache`` plus its transcoded copy; to build from files at about one copy, pass
-    ``restart_markers=True`` to the builder instead. Samples are held to ``cache``'s pixel
-    budget as at any build (the transcoder allocates the whole image's coefficients): one over it
-    raises ``BuildError``."""
-    from ..store._limits import pixel_budget
-    from ._build import build
-    from ._options import BuildOptions
-
-    out = build(
-        type(cache),
-        _Samples(cache),
-        np.asarray(cache.labels),
-        cache.classes,
-        cache.metadata,
-        BuildOptions(
-            on_error="raise",
-            num_threads=num_threads,
-            progress=progress,
-            max_pixels=pixel_budget(cache),
-            restart_markers=True,
-        ),
-        extra=dict(cache.extra),
-    )
-    out.report, out.max_pixels = cache.report, cache.max_pixels
-    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 import struct
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 # the sample kinds live with the format; re-exported (``as``) for the build and the decoders
 from ..store._format import JPEG_KINDS as JPEG_KINDS
@@ -33,6 +33,9 @@ from ..store._jpeg import (  # noqa: F401 - the marker walk is shared with the d
     read_scans,
 )
 from ..store._oom import BUILD_FIX, raise_if_out_of_memory
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 class SniffError(ValueError):
@@ -168,7 +171,7 @@ def _sniff_jpeg(b: memoryview | bytes) -> Info:
     return Info(kind, h, w, comps, orientation, 8, scans.number, scans.work)
 
 
-def _png_exif_chunks(b: memoryview, im, fp: io.BytesIO) -> None:
+def _png_exif_chunks(b: memoryview, im: Image.Image, fp: io.BytesIO) -> None:
     """Add to ``im.info`` what PIL reads from the chunks after the image data when it decodes
     (eXIf, text, XMP), by walking the chunk list and skipping IDAT: no pixel is decoded."""
     from PIL import PngImagePlugin
@@ -176,7 +179,9 @@ def _png_exif_chunks(b: memoryview, im, fp: io.BytesIO) -> None:
     stream, pos, n, after_idat = PngImagePlugin.PngStream(fp), 8, len(b), False
     while pos + 8 <= n:
         length, cid = struct.unpack_from(">I4s", b, pos)
-        if cid == b"IEND" or (cid == b"fcTL" and after_idat and im.is_animated):
+        # a PNG opens as PIL's PngImageFile, which has is_animated (its stubs: not on Image)
+        animated = cid == b"fcTL" and after_idat and im.is_animated  # type: ignore[attr-defined]
+        if cid == b"IEND" or animated:
             break
         if cid in (b"IDAT", b"fdAT"):
             after_idat = True

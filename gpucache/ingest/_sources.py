@@ -16,17 +16,24 @@ import os
 import posixpath
 import re
 import tarfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..base._progress import tqdm
+from ..store._store import S
 from ._build import BytesSource, FileObjSource, FileRangeSource, Source, build, check_labels
-from ._inputs import Refused
+from ._inputs import Input, Refused, Samples
 from ._options import BuildOptions
-from .storage._client import is_url, read_text
+from .storage._calls import read_text
+from .storage._client import is_url
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +41,7 @@ log = logging.getLogger(__name__)
 WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
 
 
-def as_input(x: Any, i: int, what: str = "item"):
+def as_input(x: Any, i: int, what: str = "item") -> Input:
     """One ``from_files`` item (``what``: ``"item"``, or ``"mask"`` for an entry of ``masks=``)
     as a build input: a path, bytes-like, file-like or ``Source``."""
     named = "" if what == "item" else f"{what} "
@@ -74,14 +81,14 @@ def _labels_from_column(
 
 
 def read_csv(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     classes: Sequence[str] | None = None,
     delimiter: str = ",",
     header: bool | None = None,
-    storage_options: dict | None = None,
+    storage_options: dict[str, Any] | None = None,
     mask_column: str | int | None = None,
-):
+) -> tuple[list[str], np.ndarray, list[str], list[str] | None, list[str] | None]:
     """``(files, labels, classes, metadata, masks)`` of a CSV's rows ``path,label[,metadata]``;
     relative paths are taken against the CSV's folder (a CSV in storage: against its URL's
     folder), URLs (``s3://...``) as they are.
@@ -133,7 +140,7 @@ def read_csv(
 
 
 def _take_column(
-    rows: list[list[str]], column: str | int, header: bool | None, path
+    rows: list[list[str]], column: str | int, header: bool | None, path: str | os.PathLike[str]
 ) -> tuple[list[list[str]], list[str], bool | None]:
     """``rows`` less the mask column, the mask cells (header row excluded) and what is left of
     the header: a column named by the header row takes that row out (``header=False``)."""
@@ -156,7 +163,7 @@ def _take_column(
     return [r[:at] + r[at + 1 :] for r in rows], [r[at] for r in rows], header
 
 
-def _row_path(cell: str, csv_path, url_base: str | None) -> str:
+def _row_path(cell: str, csv_path: str | os.PathLike[str], url_base: str | None) -> str:
     """A CSV row's file: a URL as it is; else relative to the CSV's folder or URL (absolute
     local paths stay as they are)."""
     if is_url(cell):
@@ -178,7 +185,7 @@ class _Range(io.RawIOBase):
     """``size`` bytes at ``offset`` of the file at ``path``, as a seekable file (a shard held
     in a larger file, such as the spool of fetched objects)."""
 
-    def __init__(self, path: str | os.PathLike, offset: int, size: int) -> None:
+    def __init__(self, path: str | os.PathLike[str], offset: int, size: int) -> None:
         super().__init__()
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._offset, self._size, self._pos = offset, size, 0
@@ -197,9 +204,10 @@ class _Range(io.RawIOBase):
         self._pos = max(0, base + pos)
         return self._pos
 
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self._size - self._pos))
-        got = os.preadv(self._fd, [memoryview(b)[:n]], self._offset + self._pos) if n else 0
+    def readinto(self, b: WriteableBuffer) -> int:
+        view = memoryview(b)
+        n = max(0, min(len(view), self._size - self._pos))
+        got = os.preadv(self._fd, [view[:n]], self._offset + self._pos) if n else 0
         self._pos += got
         return got
 
@@ -209,12 +217,18 @@ class _Range(io.RawIOBase):
         super().close()
 
 
+#: A WebDataset sample as ``shard_samples`` reads it: its image (None: no image member), the
+#: texts of its ``.cls`` and metadata members, its key, and its mask.
+Member = FileRangeSource | Refused
+Row = tuple[Member | None, str | None, str | None, str, Member | None]
+
+
 def shard_samples(
     shard: str,
     metadata_ext: str | None,
-    at: tuple[str | os.PathLike, int, int] | None = None,
+    at: tuple[str | os.PathLike[str], int, int] | None = None,
     mask_ext: str | None = None,
-):
+) -> Iterator[Row]:
     """(build input or None, label text or None, metadata text or None, key, mask input or
     None) per sample; ``mask_ext``: the extension of the mask member (never taken for the image).
 
@@ -347,7 +361,15 @@ def shard_samples(
         )
 
 
-def _mask_member(m, shard: str, key: str, mask_ext: str | None, path, base: int, size: int):
+def _mask_member(
+    m: tarfile.TarInfo | None,
+    shard: str,
+    key: str,
+    mask_ext: str | None,
+    path: str | os.PathLike[str],
+    base: int,
+    size: int,
+) -> Member | None:
     """A sample's mask member as a build input: in place in the shard, or why there is none."""
     if mask_ext is None:
         return None
@@ -358,25 +380,51 @@ def _mask_member(m, shard: str, key: str, mask_ext: str | None, path, base: int,
     return FileRangeSource(f"{shard}/{m.name}", path, base + m.offset_data, m.size)
 
 
+@dataclass(frozen=True)
+class Members:
+    """What a WebDataset sample gives the build besides its image: ``classes``, the names its
+    ``key.cls`` labels index (None: ``0..max``); ``metadata_ext``, the extension of the member
+    whose text is its metadata (``"json"``; None: no metadata); ``mask_ext``, that of its mask
+    (``"png"`` beside a ``jpg``, or ``"seg.png"``; None: no masks)."""
+
+    classes: Sequence[str] | None = None
+    metadata_ext: str | None = None
+    mask_ext: str | None = None
+
+    def samples(
+        self,
+        labels: Sequence[int],
+        metadata: Sequence[str],
+        masks: Sequence[Input | None] | None,
+    ) -> Samples:
+        """The build's :class:`Samples` of the shards' samples: their labels checked against
+        ``classes``, their metadata and masks kept where these members were asked for."""
+        labels_arr, names = check_labels(len(labels), labels, self.classes)
+        return Samples(
+            labels_arr,
+            names,
+            metadata if self.metadata_ext else None,
+            masks if self.mask_ext is not None else None,
+        )
+
+
 def from_webdataset(
-    cls,
-    shards: str | os.PathLike | Iterable[str | os.PathLike],
+    cls: type[S],
+    shards: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     options: BuildOptions,
+    members: Members,
     *,
-    classes: Sequence[str] | None = None,
-    metadata_ext: str | None = None,
-    locate: Callable[[int], tuple[str | os.PathLike, int, int] | Refused] | None = None,
+    locate: Callable[[int], tuple[str | os.PathLike[str], int, int] | Refused] | None = None,
     on_progress: Callable[[int, int, int], None] | None = None,
-    mask_ext: str | None = None,
-):
+) -> S:
     """Samples of WebDataset tar shards, read straight out of the tars (no extraction).
 
     A sample is the members sharing a key (``dir/key.ext``); its image is the first member with an
     image extension (``WDS_IMAGE_EXTS`` order), its label the integer in ``key.cls`` (-1 if none),
-    its metadata the text of ``key.<metadata_ext>`` (e.g. ``"json"``), its mask (``mask_ext``,
-    e.g. ``"png"`` beside a ``jpg``, or ``"seg.png"``) the member ``key.<mask_ext>``. ``locate(k)``: where shard
-    ``k``'s bytes are, ``(path, offset, size)``, or why it has none (shards fetched from
-    storage, named by their URLs)."""
+    its metadata the text of ``key.<metadata_ext>`` (e.g. ``"json"``), its mask the member
+    ``key.<mask_ext>`` (``members``). ``locate(k)``: where shard ``k``'s bytes are, ``(path,
+    offset, size)``, or why it has none (shards fetched from storage, named by their URLs)."""
+    metadata_ext, mask_ext = members.metadata_ext, members.mask_ext
     shards = (
         [os.fspath(shards)]
         if isinstance(shards, (str, os.PathLike))
@@ -414,15 +462,7 @@ def from_webdataset(
             masks.append(mask if mask is not None else Refused(item.name, "no mask"))
             meta.append(meta_text or "")
     return build_samples(
-        cls,
-        inputs,
-        labels,
-        meta if metadata_ext else None,
-        masks if mask_ext is not None else None,
-        missing,
-        options,
-        classes=classes,
-        on_progress=on_progress,
+        cls, inputs, members.samples(labels, meta, masks), missing, options, on_progress=on_progress
     )
 
 
@@ -437,17 +477,14 @@ def shard_label(shard: str, key: str, cls_text: str | None) -> int:
 
 
 def build_samples(
-    cls,
-    inputs: Sequence[Any],
-    labels: Sequence[int],
-    metadata: Sequence[str] | None,
-    masks: Sequence[Any] | None,
+    cls: type[S],
+    inputs: Sequence[Input],
+    samples: Samples,
     missing: Sequence[str],
     options: BuildOptions,
     *,
-    classes: Sequence[str] | None,
-    on_progress: Callable[[int, int, int], None] | None,
-):
+    on_progress: Callable[..., None] | None,
+) -> S:
     """The store of WebDataset samples read out of their shards; ``missing``: the samples with
     no image member, left out (logged)."""
     if missing:
@@ -457,16 +494,14 @@ def build_samples(
             ", ".join(WDS_IMAGE_EXTS),
             ", ".join(missing[:10]),
         )
-    labels_arr, names = check_labels(len(inputs), labels, classes)
-    return build(
-        cls, inputs, labels_arr, names, metadata, options, on_progress=on_progress, masks=masks
-    )
+    return build(cls, inputs, samples, options, on_progress=on_progress)
 
 
 class _HFImage:
     """Row ``row`` of a Hugging Face dataset's image column (bytes left encoded), as a Source."""
 
-    def __init__(self, table, row: int, column: str, nbytes: int, name: str) -> None:
+    def __init__(self, table: Any, row: int, column: str, nbytes: int, name: str) -> None:
+        # table: a pyarrow Table (pyarrow is read as untyped)
         self._table, self._row, self._column = table, row, column
         self.name, self.nbytes = name, nbytes
 
@@ -481,15 +516,15 @@ class _HFImage:
 
 
 def from_hf(
-    cls,
-    dataset,
+    cls: type[S],
+    dataset: Any,  # a datasets.Dataset (datasets is read as untyped)
     options: BuildOptions,
     *,
     image_column: str = "image",
     label_column: str | None = "label",
     classes: Sequence[str] | None = None,
     mask_column: str | None = None,
-):
+) -> S:
     """A Hugging Face ``datasets.Dataset`` with an ``Image`` feature; the encoded bytes are taken
     as they are stored (``Image(decode=False)``: no decode, no re-encode). Labels from
     ``label_column`` (a ``ClassLabel`` gives the class names) or -1 without one; masks from
@@ -514,8 +549,8 @@ def from_hf(
         ds = ds.cast_column(column, Image(decode=False))
     table = ds.with_format("arrow")
     n, chunk = len(ds), 4096
-    inputs: list = []
-    masks: list | None = None if mask_column is None else []
+    inputs: list[Input] = []
+    masks: list[Input | None] | None = None if mask_column is None else []
     for start in tqdm(
         range(0, n, chunk),
         desc="gpucache scan dataset",
@@ -541,16 +576,17 @@ def from_hf(
     else:
         labels = None
     labels_arr, names = check_labels(n, labels, classes)
-    return build(cls, inputs, labels_arr, names, None, options, masks=masks)
+    return build(cls, inputs, Samples(labels_arr, names, None, masks), options)
 
 
-def _hf_inputs(pc, part, table, column: str, start: int, what: str) -> list:
+def _hf_inputs(pc: Any, part: Any, table: Any, column: str, start: int, what: str) -> list[Input]:
+    # pc: pyarrow.compute, part and table: pyarrow Tables (pyarrow is read as untyped)
     """The build inputs of ``column``'s cells in ``part`` (rows from ``start``) of ``table``:
     the stored bytes, or the file a cell points to (a missing one is reported)."""
     col = part.column(column)
     sizes = pc.binary_length(pc.struct_field(col, "bytes")).fill_null(-1).to_numpy()
     paths = pc.struct_field(col, "path").to_pylist()
-    out: list = []
+    out: list[Input] = []
     for k, (size, p) in enumerate(zip(sizes.tolist(), paths)):
         i = start + k
         name = f"hf[{i}] {what}".rstrip() + (f" {p}" if p else "")
@@ -561,37 +597,42 @@ def _hf_inputs(pc, part, table, column: str, start: int, what: str) -> list:
     return out
 
 
-def from_files(
-    cls,
-    items: Sequence,
-    labels,
-    metadata,
-    options: BuildOptions,
-    *,
+def given(
+    n: int,
+    labels: npt.ArrayLike | None,
     classes: Sequence[str] | None,
-    on_progress: Callable[[int, int, int], None] | None = None,
-    masks: Sequence | None = None,
-):
-    """``from_files`` with paths, bytes-like or file-like items (mixed freely); ``masks``: one
-    mask per item, of the same kinds."""
-    labels_arr, names = check_labels(len(items), labels, classes)
-    if masks is not None and len(masks) != len(items):
+    metadata: Sequence[Any] | None,
+    masks: Sequence[Any] | None = None,
+) -> Samples:
+    """The labels, metadata and masks given for ``n`` items (``from_files``), checked: one
+    label, one string and one mask per item; each mask a path, bytes-like or file-like."""
+    labels_arr, names = check_labels(n, labels, classes)
+    if masks is not None and len(masks) != n:
         raise ValueError(
-            f"masks has {len(masks)} entries for {len(items)} items; give one mask per item "
-            "(or masks=None)."
+            f"masks has {len(masks)} entries for {n} items; give one mask per item (or masks=None)."
         )
-    if metadata is not None and len(metadata) != len(items):
+    if metadata is not None and len(metadata) != n:
         raise ValueError(
-            f"metadata has {len(metadata)} entries for {len(items)} items; "
+            f"metadata has {len(metadata)} entries for {n} items; "
             "give one string per item (or metadata=None)."
         )
-    return build(
-        cls,
-        [as_input(x, i) for i, x in enumerate(items)],
+    return Samples(
         labels_arr,
         names,
         None if metadata is None else [str(m) for m in metadata],
-        options,
-        on_progress=on_progress,
-        masks=None if masks is None else [as_input(m, i, "mask") for i, m in enumerate(masks)],
+        None if masks is None else [as_input(m, i, "mask") for i, m in enumerate(masks)],
     )
+
+
+def from_files(
+    cls: type[S],
+    items: Sequence[Any],
+    samples: Samples,
+    options: BuildOptions,
+    *,
+    on_progress: Callable[[int, int, int], None] | None = None,
+) -> S:
+    """``from_files`` with paths, bytes-like or file-like items (mixed freely), with their
+    labels, metadata and masks (``given``)."""
+    inputs = [as_input(x, i) for i, x in enumerate(items)]
+    return build(cls, inputs, samples, options, on_progress=on_progress)

@@ -23,13 +23,13 @@ from ..decode._options import DecodeOptions
 from ..decode._outcome import Decoded
 from ..decode._timing import TIMED, stage_clock
 from ..decode._timing import stage_range as _range
+from ..shares._order import Segment
 from ..store._store import Store
 from ..store._targets import dense_targets, kept_rows, ragged_targets
 from ..transforms._compose import Compose
 from ..transforms._device import to_device
 from ..transforms._generator import batch_generator
 from ..transforms._steps import apply_mask_steps, apply_steps
-from ._nodes import Segment
 from ._sampling import Sampling
 from ._stats import LoaderStats
 from ._tier import Tier, store_plans

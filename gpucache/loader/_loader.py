@@ -21,12 +21,13 @@ from ..decode import _masks
 from ..decode._device import resolve_device
 from ..decode._options import DecodeOptions
 from ..decode.cpu._procs import default_workers
+from ..shares import _order as _nodes
+from ..shares._order import NodeOrder, Segment
 from ..store._store import Store
 from ..transforms._compose import Compose, as_compose
 from ..transforms._transform import Transform
-from . import _nodes, _sampling, _state, _tier
+from . import _sampling, _state, _tier
 from ._iteration import Iteration
-from ._nodes import NodeOrder, Segment
 from ._sampling import Sampling, Visits
 from ._stats import LoaderStats
 

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from ..base import _dist
+from ..shares import _order as _nodes
+from ..shares._order import NodeOrder, RankPlan, Segment
 from ..store._store import Store
-from . import _nodes
-from ._nodes import NodeOrder, RankPlan, Segment
 
 
 class Visits:

@@ -176,16 +176,8 @@ def write_index(sink: Sink, lay: Layout, target: Target, status: np.ndarray, crc
     each sample's, ``crc``: the data's CRC-32)."""
     index = _decoded.index_bytes(lay, target.heights, target.widths, status)
     sink(lay.index[0], memoryview(index))
-    head = _decoded.header_bytes(
-        lay,
-        n=len(status),
-        side=target.side,
-        mode=target.mode,
-        key=target.key,
-        decoder=target.decoder,
-        index=index,
-        data_crc=crc,
-    )
+    recipe = _decoded.Recipe(target.side, target.mode, target.key, target.decoder)
+    head = _decoded.header_bytes(lay, recipe, n=len(status), index=index, data_crc=crc)
     sink(0, memoryview(head))
 
 

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .._shares import Share
 from ..base import _dist
+from ..ingest._inputs import Samples
+from ..shares._partition import Share
 from ..store._store import Store
 from . import _storage
 from ._cache import built_for, several_ranks
@@ -76,7 +77,7 @@ def from_folder(
         cls,
         scan,
         lambda paths, extra, on_progress: build(
-            cls, paths, extra[0], extra[1], None, options, on_progress=on_progress
+            cls, paths, Samples(extra[0], extra[1]), options, on_progress=on_progress
         ),
         (os.path.abspath(root), *options.keyed()),
         options,
@@ -101,16 +102,8 @@ def _folder_with_masks(
 
     def make(images: Sequence[str], extra: Sequence[Any], on_progress: Any) -> S:
         labels, classes = check_labels(len(images), None, None)
-        store: S = build(
-            cls,
-            images,
-            labels,
-            classes,
-            None,
-            options,
-            on_progress=on_progress,
-            masks=extra[0].masks,
-        )
+        samples = Samples(labels, classes, masks=extra[0].masks)
+        store: S = build(cls, images, samples, options, on_progress=on_progress)
         return store
 
     request = (os.path.abspath(root), "masks", os.path.abspath(masks), *options.keyed())
@@ -205,12 +198,9 @@ def from_files(
         lambda paths, _, on_progress: _sources.from_files(
             cls,
             paths,
-            labels,
-            metadata,
+            _sources.given(len(paths), labels, classes, metadata, masks),
             options,
-            classes=classes,
             on_progress=on_progress,
-            masks=masks,
         ),
         request,
         options,
@@ -245,16 +235,8 @@ def from_csv(
 
     def make(files: Sequence[str], extra: Sequence[Any], on_progress: Any) -> S:
         masks = extra[-1].masks if isinstance(extra[-1], MaskKey) else None
-        store: S = build(
-            cls,
-            files,
-            extra[0],
-            extra[1],
-            extra[2],
-            options,
-            on_progress=on_progress,
-            masks=masks,
-        )
+        samples = Samples(extra[0], extra[1], extra[2], masks)
+        store: S = build(cls, files, samples, options, on_progress=on_progress)
         return store
 
     request: tuple[Any, ...] = (os.path.abspath(path), classes, delimiter, header, *options.keyed())
@@ -294,10 +276,8 @@ def from_webdataset(
             cls,
             listed,
             options,
-            classes=classes,
-            metadata_ext=metadata_ext,
+            _sources.Members(classes, metadata_ext, mask_ext),
             on_progress=on_progress,
-            mask_ext=mask_ext,
         ),
         ([os.path.abspath(s) for s in listed], *extra),
         options,

@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import CacheFormatError
-from .._shares import Share
 from ..base import _dist
-from ..ingest._share import reusing
 from ..ingest.storage._client import Listing as ObjectListing
 from ..ingest.storage._fetch import spool_full
 from ..ingest.storage._objects import spool_files
+from ..shares._partition import Share
+from ..shares._select import reusing
 from ..store._store import Store
 from ._clean import clean, entries
 from ._dir import checked_dir, default_dir, hold_shared, open_own, read_json, write_private
@@ -122,21 +122,22 @@ def built_once(
     scan: Callable[[], Listing],
     build: Callable[..., S],
     request: Sequence[Any],
+    options: BuildOptions,
     *,
-    cache_dir: str | os.PathLike[str] | None,
-    max_bytes: int | None = None,
-    stall_timeout: float | None = None,
     remote: bool = False,
-    share: Share | None = None,
+    stall_timeout: float | None = None,
 ) -> S:
     """``build(inputs, extra, on_progress)`` once per node, or open the saved store of an unchanged
-    listing; in memory for one process without ``cache_dir``. ``request`` names what ``scan()``
-    lists without touching the file system (a root, or the paths, plus the options).
+    listing; in memory for one process without ``options.cache_dir``. ``request`` names what
+    ``scan()`` lists without touching the file system (a root, or the paths, plus the options).
     ``remote``: objects in storage, always built in the node cache (default folder without
     ``cache_dir``), and ``build(inputs, extra, on_progress, base)`` fetches them into a spool
-    named after ``base`` (``<folder>/<key>``), removed once the store is saved.
-    ``share``: the node's share (``shard="node"``); its build takes what this node's stores of
-    earlier layouts of the same source hold (``ingest._share.reusing``) instead of reading it."""
+    named after ``base`` (``<folder>/<key>``), removed once the store is saved. The folder is
+    cleaned down to ``options.cache_max_bytes`` after.
+    ``options.share``: the node's share (``shard="node"``); its build takes what this node's
+    stores of earlier layouts of the same source hold (``shares._select.reusing``) instead of
+    reading it."""
+    cache_dir, max_bytes, share = options.cache_dir, options.cache_max_bytes, options.share
     stall = STALL_TIMEOUT_S if stall_timeout is None else stall_timeout
     if cache_dir is None and not several_ranks() and not remote:
         return build(*scan(), None)
@@ -257,16 +258,7 @@ def built_for(
 ) -> S:
     """:func:`built_once` in the cache folder ``options`` name (with its size cap), the store
     held to their ``max_pixels``."""
-    cache = built_once(
-        cls,
-        scan,
-        build,
-        request,
-        cache_dir=options.cache_dir,
-        max_bytes=options.cache_max_bytes,
-        remote=remote,
-        share=options.share,
-    )
+    cache = built_once(cls, scan, build, request, options, remote=remote)
     cache.max_pixels = options.max_pixels
     return cache
 

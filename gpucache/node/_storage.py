@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..ingest._inputs import Samples
+from ..ingest._sources import Members, given
 from ..ingest.storage._client import is_url, redact
 from ..store._store import Store
 from ._cache import built_for
@@ -106,22 +108,16 @@ def from_files(
     masks: Sequence[Any] | None = None,
 ) -> S:
     """``JpegCache.from_files`` of object URLs (``masks``: their masks' URLs)."""
-    from ..ingest._build import check_labels
     from ..ingest.storage._listing import list_urls
 
     urls = _all_urls(urls, "the list")
-    labels_arr, names = check_labels(len(urls), labels, classes)
-    if metadata is not None and len(metadata) != len(urls):
-        raise ValueError(
-            f"metadata has {len(metadata)} entries for {len(urls)} items; "
-            "give one string per item (or metadata=None)."
-        )
-    meta = None if metadata is None else [str(m) for m in metadata]
+    samples = given(len(urls), labels, classes, metadata)
     mask_urls = _mask_urls(masks, len(urls))
 
     def scan() -> tuple[Listing, tuple[Any, ...]]:
         listing = list_urls([*urls, *mask_urls], options.storage_options)
-        return listing, (labels_arr, names, meta, *options.keyed(), *_masks_at(masks, urls))
+        extra = (samples.labels, samples.classes, samples.metadata, *options.keyed())
+        return listing, (*extra, *_masks_at(masks, urls))
 
     make = _objects_maker(cls, options, metadata=True)
     request = ([redact(u) for u in urls], *options.keyed())
@@ -225,16 +221,8 @@ def from_webdataset(
         on_progress: Callable[..., None] | None,
         base: Path,
     ) -> S:
-        store: S = build_shards(
-            cls,
-            listing,
-            options,
-            classes=classes,
-            metadata_ext=metadata_ext,
-            base=base,
-            on_progress=on_progress,
-            mask_ext=mask_ext,
-        )
+        members = Members(classes, metadata_ext, mask_ext)
+        store: S = build_shards(cls, listing, options, members, base=base, on_progress=on_progress)
         return store
 
     request = ([redact(p) for p in patterns], *extra)
@@ -257,9 +245,7 @@ def _objects_maker(
         store: S = build_objects(
             cls,
             listing,
-            extra[0],
-            extra[1],
-            extra[2] if metadata else None,
+            Samples(extra[0], extra[1], extra[2] if metadata else None),
             options,
             base=base,
             on_progress=on_progress,

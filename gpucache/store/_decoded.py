@@ -92,30 +92,33 @@ def index_bytes(lay: Layout, heights: np.ndarray, widths: np.ndarray, status: np
     return bytes(out)
 
 
-def header_bytes(
-    lay: Layout,
-    *,
-    n: int,
-    side: int,
-    mode: str,
-    key: bytes,
-    decoder: str,
-    index: bytes,
-    data_crc: int,
-) -> bytes:
-    """The 128-byte header of a tier laid out as ``lay`` with this ``index`` section."""
+@dataclass(frozen=True)
+class Recipe:
+    """How a tier's pixels were made, as its header records it: resized to ``side`` on its
+    ``mode`` side (``MODES``), from the store whose key is ``key`` (16 bytes kept), by
+    ``decoder`` (24 ASCII bytes kept)."""
+
+    side: int
+    mode: str
+    key: bytes
+    decoder: str
+
+
+def header_bytes(lay: Layout, recipe: Recipe, *, n: int, index: bytes, data_crc: int) -> bytes:
+    """The 128-byte header of a tier of ``n`` samples laid out as ``lay``, made as ``recipe``
+    says, with this ``index`` section and data checksum."""
     head = HEAD.pack(
         MAGIC,
         VERSION,
         HEADER_SIZE,
         n,
-        side,
-        MODES.index(mode),
+        recipe.side,
+        MODES.index(recipe.mode),
         lay.size,
         *lay.index,
         *lay.data,
-        key[:16].ljust(16, b"\0"),
-        decoder.encode("ascii", "replace")[:24].ljust(24, b"\0"),
+        recipe.key[:16].ljust(16, b"\0"),
+        recipe.decoder.encode("ascii", "replace")[:24].ljust(24, b"\0"),
         zlib.crc32(index),
         data_crc,
     )

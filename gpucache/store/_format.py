@@ -19,6 +19,7 @@ import re
 import struct
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import BinaryIO
 
@@ -28,6 +29,7 @@ import numpy.typing as npt
 from . import _checksum
 
 __all__ = [
+    "Columns",
     "Kind",
     "JPEG_KINDS",
     "SAMPLE_DTYPE",
@@ -171,26 +173,39 @@ def _plan(
     return spans, directory, extra_spans, start + spans["data"][1]
 
 
-def write(
-    f: BinaryIO | None,
-    *,
-    data: np.ndarray,
-    offsets: np.ndarray,
-    labels: np.ndarray,
-    samples: np.ndarray,
-    classes: Sequence[str],
-    paths: tuple[np.ndarray, np.ndarray],
-    metadata: tuple[np.ndarray, np.ndarray] | None,
-    extra: Mapping[str, np.ndarray] | None = None,
-    checksums: bool = False,
-    threads: int | None = None,
-) -> int:
-    """Write a complete store to the binary file ``f`` (positioned at 0); returns its size.
+@dataclass(frozen=True)
+class Columns:
+    """A store's arrays, what a ``Store`` holds and a file holds: ``data`` (every sample's bytes,
+    uint8), ``offsets`` (N + 1), ``labels`` (N), ``samples`` (N records, ``SAMPLE_DTYPE``),
+    ``classes``, ``paths`` and ``metadata`` (string tables: offsets and bytes, ``pack_strings``;
+    metadata None without any), and ``extra``, the named optional sections ({name: 1-D or 2-D
+    numeric array}), in their order."""
 
-    ``extra``: named optional sections ({name: 1-D or 2-D numeric array}), in the given order.
+    data: np.ndarray
+    offsets: np.ndarray
+    labels: np.ndarray
+    samples: np.ndarray
+    classes: Sequence[str]
+    paths: tuple[np.ndarray, np.ndarray]
+    metadata: tuple[np.ndarray, np.ndarray] | None = None
+    extra: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    def with_sections(self, sections: Mapping[str, np.ndarray]) -> Columns:
+        """These columns with the optional ``sections`` added (or put in place of those of the
+        same names)."""
+        return replace(self, extra={**self.extra, **sections})
+
+
+def write(
+    f: BinaryIO | None, columns: Columns, *, checksums: bool = False, threads: int | None = None
+) -> int:
+    """Write a complete store of ``columns`` to the binary file ``f`` (positioned at 0); returns
+    its size (``f`` None: the size alone, to check room before writing).
+
     ``checksums``: add the ``sample.crc32`` section (one CRC-32 per sample, on every core)."""
+    data, offsets, labels = columns.data, columns.offsets, columns.labels
     extra = {
-        k: check_extra(k, v, reserved_ok=True) for k, v in (extra or {}).items() if k != SAMPLE_CRC
+        k: check_extra(k, v, reserved_ok=True) for k, v in columns.extra.items() if k != SAMPLE_CRC
     }
     if checksums:
         crcs = (
@@ -202,10 +217,10 @@ def write(
     parts = {
         "offsets": [_raw(offsets.astype("<i8", copy=False))],
         "labels": [_raw(labels.astype("<i8", copy=False))],
-        "samples": [_raw(samples.astype(SAMPLE_DTYPE, copy=False))],
-        "classes": _string_section(pack_strings(classes)),
-        "paths": _string_section(paths),
-        "metadata": _string_section(metadata),
+        "samples": [_raw(columns.samples.astype(SAMPLE_DTYPE, copy=False))],
+        "classes": _string_section(pack_strings(columns.classes)),
+        "paths": _string_section(columns.paths),
+        "metadata": _string_section(columns.metadata),
         "data": [_raw(np.ascontiguousarray(data))],
     }
     spans, directory, extra_spans, size = _plan(parts, extra)
@@ -245,7 +260,7 @@ def write(
         VERSION,
         HEADER_SIZE,
         len(labels),
-        len(classes),
+        len(columns.classes),
         size,
         *table,
         _checksum.crc32(parts["data"][0], threads=threads),

@@ -12,13 +12,23 @@ samples visited per pixel of ``max_pixels``).
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import numpy as np
 
 from .._errors import CacheFormatError
 from ._jpeg import ARITHMETIC_WEIGHT, NO_SCANS, WORK_PER_PIXEL, Scans, jpeg_header
 
-if TYPE_CHECKING:
-    from ._store import Store
+
+class Sampled(Protocol):
+    """What the checks read of a store (``_store.Store`` is one): its records and a sample's
+    bytes; its ``max_pixels`` and ``path`` where it has them."""
+
+    @property
+    def samples(self) -> np.ndarray: ...
+
+    def __getitem__(self, i: int) -> np.ndarray: ...
+
 
 #: PIL's ``Image.MAX_IMAGE_PIXELS`` (about 89.5 Mpx, 268 MB as RGB): the bound people already know.
 DEFAULT_MAX_PIXELS = 89_478_485
@@ -50,7 +60,7 @@ def too_big(nbytes: int, max_pixels: int | None) -> str | None:
     )
 
 
-def pixel_budget(cache: Store) -> int | None:
+def pixel_budget(cache: Sampled) -> int | None:
     """The store's bound on decoded pixels per sample (None = unbounded)."""
     return getattr(cache, "max_pixels", DEFAULT_MAX_PIXELS)
 
@@ -88,7 +98,7 @@ def over_work(scans: int, work: int, limit: int | None) -> str | None:
     )
 
 
-def check_pixels(cache: Store, i: int) -> None:
+def check_pixels(cache: Sampled, i: int) -> None:
     """Raise ``ValueError`` if sample ``i`` would cost a decoder more than the store allows: more
     pixels than its budget, or a JPEG whose scans cost more (``_jpeg.read_scans``: too many, a
     repeat, or over :func:`work_budget`);
@@ -112,13 +122,14 @@ def check_pixels(cache: Store, i: int) -> None:
         _check_record(cache, i, stated[0], stated[1])
 
 
-def _check_record(cache: Store, i: int, height: int, width: int) -> None:
+def _check_record(cache: Sampled, i: int, height: int, width: int) -> None:
     """Sample ``i``'s record against the size its bytes state (as stored: EXIF turns it)."""
     rec = cache.samples[i]
     if int(rec["orientation"]) >= 5:
         height, width = width, height
     if (height, width) != (int(rec["height"]), int(rec["width"])):
-        where = f"{cache.path}: " if getattr(cache, "path", None) else ""
+        path = getattr(cache, "path", None)
+        where = f"{path}: " if path else ""
         raise CacheFormatError(
             f"{where}the store's record of sample {i} says {rec['width']}x{rec['height']} but "
             f"its image header says {width}x{height} (as decoded): the store is corrupt or was "

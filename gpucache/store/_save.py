@@ -23,7 +23,7 @@ import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from ..base._owned import NOFOLLOW
 from . import _format
@@ -35,7 +35,7 @@ _UMASK_LOCK = threading.Lock()
 
 
 def save_atomic(
-    path: Path, *, mode: int | None = None, threads: int | None = None, **arrays: Any
+    path: Path, columns: _format.Columns, *, mode: int | None = None, threads: int | None = None
 ) -> None:
     """Write to a unique temporary name beside ``path``, fsync, rename, fsync the folder.
 
@@ -46,7 +46,7 @@ def save_atomic(
     (:func:`remove_stale_temps`)."""
     write_atomic(
         path,
-        lambda f: _format.write(f, checksums=True, threads=threads, **arrays),
+        lambda f: _format.write(f, columns, checksums=True, threads=threads),
         mode=mode,
     )
 

@@ -6,7 +6,8 @@ some only make sense together (``resized`` with ``resized.args``, ragged targets
 offsets, the five ``report.*`` sections). A section that broke its rule would fail much later, or
 not at all: an IndexError mid-epoch, a sample handed another sample's boxes, a KeyError in
 ``gpucache info``. So :func:`problem` names it at open (``_parse``) and when a store is made in
-memory (``JpegCache(extra=...)``), so that no save writes a file that would not open.
+memory (``JpegCache(Columns(..., extra=...))``), so that no save writes a file that would not
+open.
 
 Shape, type and group checks are O(1); the value checks are vectorised, O(N) with small
 constants, and skipped on a worker's trusted reopen. Names not listed here are the user's own:
@@ -22,7 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _masks, _share
+from ..shares import _record
+from . import _masks
 from ._format import SAMPLE_CRC
 from ._masks import DATA as MASK_DATA
 from ._masks import INFO as MASK_INFO
@@ -50,10 +52,10 @@ SPECS = {
     MASK_DATA: Spec("|u1", (ANY,), "encoded mask bytes (PNG) of every sample, end to end"),
     MASK_OFFSETS: Spec("<i8", (N1,), "first mask byte of each sample, then the byte count"),
     MASK_INFO: Spec("<u4", (N, 3), "mask kind, height, width per sample"),
-    _share.LAYOUT: Spec("<i8", (5,), "share: version, partitions, total, nodes, node"),
-    _share.RANKS: Spec("<i8", (N,), "share: global rank of each sample"),
-    _share.LISTING: Spec("|u1", (32,), "share: the whole listing's fingerprint (hex)"),
-    _share.FETCHED: Spec("<i8", (4,), "share: objects, bytes fetched; objects, bytes reused"),
+    _record.LAYOUT: Spec("<i8", (5,), "share: version, partitions, total, nodes, node"),
+    _record.RANKS: Spec("<i8", (N,), "share: global rank of each sample"),
+    _record.LISTING: Spec("|u1", (32,), "share: the whole listing's fingerprint (hex)"),
+    _record.FETCHED: Spec("<i8", (4,), "share: objects, bytes fetched; objects, bytes reused"),
     "report.totals": Spec("<i8", (2,), "files given, samples kept"),
     "report.kinds": Spec("<i8", (ANY, 2), "kind, count"),
     "report.skipped": Spec("<i8", (ANY,), "input index of each skipped file"),
@@ -65,7 +67,7 @@ GROUPS = (
     ("resized", "resized.args"),
     (RAGGED, OFFSETS),
     _masks.SECTIONS,
-    _share.SECTIONS,
+    _record.SECTIONS,
     ("report.totals", "report.kinds", "report.skipped", "report.offsets", "report.text"),
 )
 
@@ -143,7 +145,7 @@ def problem(
     args = sections.get("resized.args")
     if args is not None and not (args[0] >= 0 and 1 <= args[1] <= 100):
         return f"section 'resized.args' holds {args.tolist()}, not [max_side >= 0, quality 1-100]"
-    why = _masks.problem(sections, samples) or _share.problem(sections)
+    why = _masks.problem(sections, samples) or _record.problem(sections)
     if why is not None:
         return why
     offsets = sections.get(OFFSETS)

@@ -17,6 +17,7 @@ Backing, and what sharing costs:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 import weakref
@@ -29,12 +30,12 @@ import numpy as np
 import torch
 
 from .._errors import CacheFormatError
+from ..shares._record import StoreShare, share_of
 from . import _format, _parse, _readonly, _report, _save, _sections, _shm
-from ._format import Kind
+from ._format import Columns, Kind
 from ._limits import DEFAULT_MAX_PIXELS
 from ._mapped import Handle
 from ._masks import Masks, masks_of
-from ._share import StoreShare, share_of
 
 S = TypeVar("S", bound="Store")  # a store class: the public JpegCache, or Store itself
 
@@ -73,20 +74,20 @@ class Store:
 
     def __init__(
         self,
+        columns: Columns,
         *,
-        data: np.ndarray,
-        offsets: np.ndarray,
-        labels: np.ndarray,
-        samples: np.ndarray,
-        classes: Sequence[str],
-        paths: tuple[np.ndarray, np.ndarray],
-        metadata: tuple[np.ndarray, np.ndarray] | None = None,
-        extra: Mapping[str, np.ndarray] | None = None,
         report: _report.BuildReport | None = None,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         _file: _parse.Parsed | None = None,
     ) -> None:
-        extra = {k: _format.check_extra(k, v) for k, v in (extra or {}).items()}
+        data, offsets, labels, samples = (
+            columns.data,
+            columns.offsets,
+            columns.labels,
+            columns.samples,
+        )
+        paths, metadata = columns.paths, columns.metadata
+        extra = {k: _format.check_extra(k, v) for k, v in columns.extra.items()}
         if _file is None:  # in memory: read-only pages, so no view can write into the store
             why = _sections.problem(extra, len(labels), samples=samples)
             if why is not None:  # a save would write a store that does not open
@@ -110,7 +111,7 @@ class Store:
                 metadata, rest = (rest[0], rest[1]), rest[2:]
             extra = dict(zip(extra, rest))
         self._data, self._offsets, self._labels, self._samples = data, offsets, labels, samples
-        self._classes = list(classes)
+        self._classes = list(columns.classes)
         self._paths, self._metadata_table = paths, metadata
         self._extra = dict(extra)
         self.report = report
@@ -132,14 +133,16 @@ class Store:
     @classmethod
     def _from_parsed(cls: type[S], parsed: _parse.Parsed, max_pixels: int | None) -> S:
         return cls(
-            data=parsed.data,
-            offsets=parsed.offsets,
-            labels=parsed.labels,
-            samples=parsed.samples,
-            classes=parsed.classes,
-            paths=parsed.paths,
-            metadata=parsed.metadata,
-            extra=_user_sections(parsed.extra),
+            Columns(
+                data=parsed.data,
+                offsets=parsed.offsets,
+                labels=parsed.labels,
+                samples=parsed.samples,
+                classes=parsed.classes,
+                paths=parsed.paths,
+                metadata=parsed.metadata,
+                extra=_user_sections(parsed.extra),
+            ),
             report=_report.read_report(parsed.extra, parsed._name),
             max_pixels=max_pixels,
             _file=parsed,
@@ -149,9 +152,10 @@ class Store:
         """A new in-memory store with some arrays replaced (``data``, ``offsets``, ``samples``,
         ``labels``, ``extra``...): for code that derives a store from this one (e.g. transcoding).
         ``extra`` replaces the optional sections as a whole; pass ``{**cache.extra, name: a}``."""
-        kw = dict(self._arrays(), report=self.report, max_pixels=self.max_pixels)
-        kw.update(changes)
-        return type(self)(**kw)
+        report = changes.pop("report", self.report)
+        max_pixels = changes.pop("max_pixels", self.max_pixels)
+        columns = dataclasses.replace(self._columns(), **changes)
+        return type(self)(columns, report=report, max_pixels=max_pixels)
 
     # ------------------------------------------------------------------ access
     def __len__(self) -> int:
@@ -277,8 +281,8 @@ class Store:
         )
 
     # ------------------------------------------------------------------ saving and sharing
-    def _arrays(self) -> dict[str, Any]:
-        return dict(
+    def _columns(self) -> Columns:
+        return Columns(
             data=self._data,
             offsets=self._offsets,
             labels=self._labels,
@@ -289,17 +293,17 @@ class Store:
             extra=self._extra,
         )
 
-    def _stored(self) -> dict[str, Any]:
+    def _stored(self) -> Columns:
         """What a saved or shared copy holds: the arrays, plus the build report's sections."""
         report = {} if self.report is None else _report.report_sections(self.report)
-        return {**self._arrays(), "extra": {**self._extra, **report}}
+        return self._columns().with_sections(report)
 
     def save(self, path: str | os.PathLike[str], *, mode: int | None = None) -> Path:
         """Write the store to one file, atomically (temp name, fsync, rename); ``mode``: its
         permission bits (default: 0666 less the umask, as ``open`` does)."""
         path = Path(path)
         try:
-            _save.save_atomic(path, mode=mode, **self._stored())
+            _save.save_atomic(path, self._stored(), mode=mode)
         except OSError as err:
             import errno
 
@@ -362,9 +366,9 @@ class Store:
 
     def _shared_copy(self) -> tuple[int, Path | None, int]:
         """The store written into shared memory (``_shm.create``): descriptor, name, size."""
-        arrays = self._stored()
-        size = _format.write(None, **arrays)
-        fd, kept = _shm.create(size, lambda f: _format.write(f, **arrays))
+        columns = self._stored()
+        size = _format.write(None, columns)
+        fd, kept = _shm.create(size, lambda f: _format.write(f, columns))
         return fd, kept, size
 
     def _adopt(self, parsed: _parse.Parsed) -> None:

@@ -10,16 +10,37 @@ Boxes and points follow each sample's geometric plan through :mod:`gpucache.tran
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from ._store import S, Store
+from ._report import BuildReport
 
 DENSE, RAGGED, OFFSETS = "targets", "targets_ragged", "targets_ragged.offsets"
+
+
+class Sections(Protocol):
+    """What the targets read of a store (``_store.Store`` is one): its optional sections."""
+
+    @property
+    def extra(self) -> Mapping[str, np.ndarray]: ...
+
+
+S = TypeVar("S", bound="Targeted")
+
+
+class Targeted(Sections, Protocol):
+    """What :func:`with_targets` reads and makes of a store: its size, build report and
+    sections, and a copy of it with other sections (``_replace``)."""
+
+    def __len__(self) -> int: ...
+
+    @property
+    def report(self) -> BuildReport | None: ...
+
+    def _replace(self: S, **changes: Any) -> S: ...
 
 
 def with_targets(
@@ -84,12 +105,12 @@ def with_targets(
     return cache._replace(extra=extra)
 
 
-def dense_targets(cache: Store) -> np.ndarray | None:
+def dense_targets(cache: Sections) -> np.ndarray | None:
     """The store's (N, C) float32 targets, or None."""
     return cache.extra.get(DENSE)
 
 
-def ragged_targets(cache: Store, indices: npt.ArrayLike) -> list[np.ndarray] | None:
+def ragged_targets(cache: Sections, indices: npt.ArrayLike) -> list[np.ndarray] | None:
     """Each listed sample's (K_i, C) ragged array (read-only views), or None without any."""
     values, offsets = cache.extra.get(RAGGED), cache.extra.get(OFFSETS)
     if values is None or offsets is None:

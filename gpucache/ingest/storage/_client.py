@@ -13,16 +13,19 @@ keys the store on the URLs, sizes and ETags, as it keys files on path, size and 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..._errors import ObjectStoreError
 from .._build import PathList
+from .._lazy import OnAccess
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +103,10 @@ def redact(text: str) -> str:
     """``text`` with any URL's ``user:password@`` part removed (what names, logs and errors
     show)."""
 
-    def one(m: re.Match) -> str:
-        return m[1] + m[2][len(_userinfo(m[1][:-3].lower(), m[2])) :]
+    def one(m: re.Match[str]) -> str:
+        scheme, rest = m.group(1, 2)
+        cut: str = rest[len(_userinfo(scheme[:-3].lower(), rest)) :]
+        return scheme + cut
 
     return _URL_IN_TEXT.sub(one, text)
 
@@ -116,7 +121,7 @@ def bucket_of(url: str) -> str:
     return f"{proto}://{rest.split('/', 1)[0]}"
 
 
-def filesystem(url: str, storage_options: dict | None):
+def filesystem(url: str, storage_options: dict[str, Any] | None) -> Any:  # fsspec: untyped
     """The fsspec file system for ``url``'s scheme, a private instance (its listings are not
     cached, so a long listing does not stay in memory; other code's instances are left alone).
 
@@ -273,7 +278,7 @@ def access_error(url: str, err: BaseException, what: str = "list") -> ObjectStor
     return None
 
 
-def tag_of(info: dict) -> str:
+def tag_of(info: Mapping[str, Any]) -> str:
     """What changes when an object is rewritten: GCS' generation, else the ETag, else mtime."""
     for k in ("generation", "ETag", "etag", "md5Hash", "content_md5", "mtime", "LastModified"):
         v = info.get(k)
@@ -286,7 +291,18 @@ def _tag_hash(tag: str) -> int:
     return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "little")
 
 
-class Listing(Sequence[str]):
+@dataclass(frozen=True)
+class Listed:
+    """How a listing was made: ``where``, what was listed (a prefix, a pattern, "N URLs");
+    ``fs``, the client that listed it (its session and connections are reused); ``relist``,
+    the same listing made again (for the check that nothing changed during a fetch)."""
+
+    where: str = ""
+    fs: Any = None
+    relist: Callable[[], Listing | None] | None = None
+
+
+class Listing(OnAccess[str]):
     """The objects a build fetches, in build order: URLs (packed), sizes, ETag hashes.
 
     ``sizes[i] == -1`` for an object named by a list that does not exist (``missing``). About
@@ -299,26 +315,23 @@ class Listing(Sequence[str]):
         sizes: np.ndarray,
         tags: np.ndarray,
         missing: dict[int, str] | None = None,
-        relist: Callable[[], Listing | None] | None = None,
-        where: str = "",
-        fs: Any = None,
+        listed: Listed = Listed(),
     ) -> None:
         self.protocol, self.urls, self.sizes, self.tags = protocol, urls, sizes, tags
-        self.fs = fs  # the client that listed them (its session and connections are reused)
         self.missing = missing or {}
-        self._relist = relist
-        self.where = where  # what was listed: a prefix, a pattern, "N URLs"
+        self.listed = listed
+        self.fs, self.where = listed.fs, listed.where
 
     def __len__(self) -> int:
         return len(self.urls)
 
-    def __getitem__(self, i):
+    def item(self, i: int) -> str:
         return self.urls[i]
 
     def path(self, i: int) -> str:
         return strip(self.urls[i])
 
-    def fingerprint(self, h) -> None:
+    def fingerprint(self, h: hashlib.blake2b) -> None:
         """Feed every object's URL, size and ETag hash to the hash ``h`` (the node key)."""
         for s in range(0, len(self), 4096):
             part = range(s, min(len(self), s + 4096))
@@ -327,7 +340,8 @@ class Listing(Sequence[str]):
             h.update(self.tags[part.start : part.stop].tobytes())
 
     def relist(self) -> Listing | None:
-        return None if self._relist is None else self._relist()
+        again = self.listed.relist
+        return None if again is None else again()
 
     def take(self, keep: np.ndarray) -> Listing:
         """The objects at ``keep`` (a node's share); listed again, the same positions of the new
@@ -348,45 +362,8 @@ class Listing(Sequence[str]):
             self.sizes[keep],
             self.tags[keep],
             missing,
-            relist,
-            self.where,
-            self.fs,
+            dataclasses.replace(self.listed, relist=relist),
         )
 
     def __repr__(self) -> str:
         return f"<{len(self)} objects of {self.where}>"
-
-
-def _call(url: str, fn: Callable[[], Any], what: str = "list") -> Any:
-    """``fn()``, retried on transient errors as a GET is (``_fetch.retrying``). A denied or
-    missing bucket is a clear error; a missing object stays a ``FileNotFoundError``; any other
-    failure, after its retries, an :class:`ObjectStoreError` naming ``url`` (a listing that
-    cannot be had stops the build: a store never lacks what could not be listed)."""
-    from ._fetch import RETRIES, retrying, transient
-
-    try:
-        return retrying(fn)
-    except ObjectStoreError:
-        raise
-    except Exception as err:
-        clear = access_error(url, err, what)
-        if clear is not None:
-            raise clear from None
-        if isinstance(err, FileNotFoundError):
-            raise
-        tried = f", still failing after {RETRIES + 1} attempts" if transient(err) else ""
-        raise ObjectStoreError(
-            f"cannot {what} {redact(url)}: {describe(err)}{tried}; no store was published. "
-            "Check the endpoint and the service's status, then build again",
-            url,
-        ) from err
-
-
-def read_text(url: str, storage_options: dict | None) -> str:
-    """A small text object (a CSV list), UTF-8."""
-    fs = filesystem(url, storage_options)
-    data = _call(url, lambda: fs.cat_file(strip(url)), "read")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{redact(url)} is not UTF-8 text ({err}); give a CSV in UTF-8") from None

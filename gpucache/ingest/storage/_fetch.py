@@ -28,7 +28,6 @@ import errno
 import hashlib
 import logging
 import os
-import random
 import shutil
 import threading
 import time
@@ -36,6 +35,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -43,100 +43,23 @@ from ..._errors import ObjectStoreError
 from ...base._owned import open_own
 from ...base._progress import tqdm
 from .._inputs import FileRangeSource, Refused
+from .._lazy import OnAccess
 from .._options import BuildOptions
-from ._client import Listing, access_error, bucket_of, describe, error_code, filesystem
+from . import _calls
+from ._calls import backoff, transient
+from ._client import Listing, access_error, bucket_of, describe, filesystem
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 PART = 8 << 20  # bytes of one ranged GET of a large object
 IN_FLIGHT_BYTES = 128 << 20  # response bodies held at once, across the requests in flight
 DEFAULT_REQUESTS = 32  # requests in flight (``requests_in_flight=``)
-RETRIES = 5  # retries of a transient failure (6 attempts in all)...
-DEADLINE_S = 300.0  # ...within this many seconds of a part's first attempt
 ATTEMPT_S = 120.0  # the most one attempt at a part takes (8 MiB in 120 s: 70 KB/s)
-BACKOFF_S, BACKOFF_CAP_S = 0.25, 8.0  # full jitter: uniform(0, min(cap, base * 2**attempt))
 DENIED_STOP = 8  # this many objects denied before any is fetched: the bucket is denied, stop
 _FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a disk, a file-size limit, a quota
 _RECORD = np.dtype([("part", "<u8"), ("crc", "<u4")])
-_TRANSIENT_CODES = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestTimeout",
-    "RequestTimeTooSkewed",
-    "InternalError",
-    "ServiceUnavailable",
-    "ServerBusy",
-    "OperationTimedOut",
-}
-_TRANSIENT_NAMES = {  # exception types (by name: no client library is imported for this)
-    "ConnectionError",
-    "ConnectionResetError",
-    "ConnectionRefusedError",
-    "ConnectionAbortedError",
-    "BrokenPipeError",
-    "TimeoutError",
-    "timeout",
-    "IncompleteRead",
-    "FSTimeoutError",
-    "ClientPayloadError",
-    "ServerDisconnectedError",
-    "ClientConnectorError",
-    "ClientOSError",
-    "ServerTimeoutError",
-    "EndpointConnectionError",
-    "ConnectTimeoutError",
-    "ReadTimeoutError",
-    "ConnectionClosedError",
-    "ResponseStreamingError",
-    "HTTPClientError",
-    "ResponseParserError",
-    "TransportError",
-}
-
-
-def transient(err: BaseException) -> bool:
-    """Whether a failure may go away on retry (network, timeouts, 5xx, throttling)."""
-    code, status = error_code(err)
-    if status >= 500 or status == 429 or code in _TRANSIENT_CODES:
-        return True
-    if status or isinstance(err, (PermissionError, FileNotFoundError, _Changed)):
-        return False  # a 4xx: denied, missing, bad request
-    seen: set[int] = set()
-    e: BaseException | None = err
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if type(e).__name__ in _TRANSIENT_NAMES or isinstance(e, (ConnectionError, TimeoutError)):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def backoff(attempt: int) -> float:
-    return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_S * 2**attempt))
-
-
-def retrying(fn: Callable, stop: threading.Event | None = None):
-    """``fn()``, retried on transient failures (bounded in count and time, jittered backoff)."""
-    start, attempt = time.monotonic(), 0
-    while True:
-        try:
-            return fn()
-        except Exception as err:
-            if (
-                not transient(err)
-                or attempt >= RETRIES
-                or time.monotonic() - start > DEADLINE_S
-                or (stop is not None and stop.is_set())
-            ):
-                raise
-            log.debug("gpucache: retrying after %s", describe(err))
-        delay = backoff(attempt)
-        attempt += 1
-        if stop is not None:
-            stop.wait(delay)  # a backoff, cut short when the build stops
-        else:
-            time.sleep(delay)  # a backoff between attempts, bounded by DEADLINE_S
 
 
 class _Changed(Exception):
@@ -151,7 +74,7 @@ class Spool:
         self,
         base: Path,
         listing: Listing,
-        fs,
+        fs: Any,  # fsspec's file system: untyped
         *,
         requests: int | None = None,
         progress: bool = True,
@@ -183,7 +106,7 @@ class Spool:
             return Refused(name, self.failed[i])
         return FileRangeSource(name, self.data, int(self.offsets[i]), int(self.listing.sizes[i]))
 
-    def inputs(self) -> Sequence:
+    def inputs(self) -> Sequence[FileRangeSource | Refused]:
         return _Inputs(self)
 
     def remove(self) -> None:
@@ -290,7 +213,7 @@ class Spool:
         while True:
             if self._stop.is_set():
                 return part, 0, "the build stopped"
-            limit = min(ATTEMPT_S, DEADLINE_S - (time.monotonic() - start))
+            limit = min(ATTEMPT_S, _calls.DEADLINE_S - (time.monotonic() - start))
             try:
                 data = self._attempt(path, a, b, limit if timed else None)
                 if len(data) != b - a:
@@ -307,7 +230,9 @@ class Spool:
                 if not transient(err):
                     return part, 0, f"cannot fetch: {describe(err)}"
                 delay = backoff(attempt)
-                if attempt >= RETRIES or DEADLINE_S - spent - delay < 0.05:  # no time to retry
+                if (
+                    attempt >= _calls.RETRIES or _calls.DEADLINE_S - spent - delay < 0.05
+                ):  # no time to retry
                     tries = f"{attempt + 1} attempt{'s' if attempt else ''} in {spent:.1f} s"
                     return part, 0, f"cannot fetch: {describe(err)}; gave up after {tries}"
                 log.debug("gpucache: retrying %s after %s", self.listing.urls[i], describe(err))
@@ -361,11 +286,11 @@ class Spool:
         left: dict[int, int] = {}  # object -> parts still to come, for objects of several parts
         t0, shown = time.monotonic(), 0.0
         got_any, denied = bool(len(resumed)), 0
-        pending: set[Future] = set()
+        pending: set[Future[tuple[int, int, str | None]]] = set()
         in_flight = 0
         state = {"objects": objects_done, "bytes": resumed_bytes}
 
-        def finish(f: Future) -> None:
+        def finish(f: Future[tuple[int, int, str | None]]) -> None:
             nonlocal in_flight, got_any, denied, shown
             part, crc, reason = f.result()
             i, a, b = self._locate(part)
@@ -495,13 +420,13 @@ def _missing(done: np.ndarray) -> Iterator[int]:
         yield from (np.flatnonzero(~done[s : s + 65536]) + s).tolist()
 
 
-def _completed(pending: set[Future]) -> Iterator[Future]:
+def _completed(pending: set[Future[T]]) -> Iterator[Future[T]]:
     while pending:
         finished, pending = wait(pending, return_when=FIRST_COMPLETED)
         yield from finished
 
 
-class _Inputs(Sequence):
+class _Inputs(OnAccess[FileRangeSource | Refused]):
     """The spool's objects as build inputs, made on access (no object per input is kept)."""
 
     def __init__(self, spool: Spool) -> None:
@@ -510,13 +435,7 @@ class _Inputs(Sequence):
     def __len__(self) -> int:
         return len(self._spool.listing)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
+    def item(self, i: int) -> FileRangeSource | Refused:
         return self._spool.source(i)
 
 

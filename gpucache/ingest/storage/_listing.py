@@ -3,7 +3,7 @@ fetches (``from_folder``, ``from_files``, ``from_csv``, ``from_webdataset``).
 
 On S3 gpucache asks for each page itself (``_pages``: ``ListObjectsV2``, 1,000 keys a page), so that
 
-- every page is retried like a GET (``_fetch.retrying``); a page that still fails, or that the
+- every page is retried like a GET (``_calls.retrying``); a page that still fails, or that the
   client cannot parse, stops the build with an :class:`~gpucache.ObjectStoreError` naming the
   prefix: a listing never leaves a folder out;
 - a listing is bounded: keys come in S3's ascending order and a continuation token never comes
@@ -35,9 +35,10 @@ from ...base._threads import ordered_map
 from .._build import IMG_EXTENSIONS, PathList
 from .._patterns import expand_braces
 from . import _pages
+from ._calls import call
 from ._client import (
+    Listed,
     Listing,
-    _call,
     _tag_hash,
     bucket_of,
     filesystem,
@@ -46,7 +47,7 @@ from ._client import (
     strip,
     tag_of,
 )
-from ._pages import _Budget, _entries, _folders, _page, _Tokens
+from ._pages import Prefix, _Budget, _entries, _folders, _page, _Tokens
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class _Names:
         self.last = key
 
     @classmethod
-    def of(cls, names: list[str], sizes: array, tags: array) -> _Names:
+    def of(cls, names: list[str], sizes: array[int], tags: array[int]) -> _Names:
         """Names as given (no order kept), with their sizes and ETag hashes."""
         out = cls()
         for n in names:
@@ -131,16 +132,16 @@ class _Packer:
         self.sizes.extend(names.sizes)
         self.tags.extend(names.tags)
 
-    def listing(self, protocol: str, **kw: Any) -> Listing:
+    def listing(self, protocol: str, listed: Listed) -> Listing:
         blob, self.blob = bytes(self.blob), bytearray()
         urls = PathList(self.prefixes, self.folder_of, self.ends, blob)
         sizes = np.frombuffer(self.sizes, dtype=np.int64) if len(self.sizes) else np.zeros(0, int)
         tags = np.frombuffer(self.tags, dtype=np.uint64) if len(self.tags) else np.zeros(0, "u8")
-        return Listing(protocol, urls, sizes, tags, **kw)
+        return Listing(protocol, urls, sizes, tags, listed=listed)
 
 
 def list_folder(
-    url: str, storage_options: dict | None, fs: Any = None
+    url: str, storage_options: dict[str, Any] | None, fs: Any = None
 ) -> tuple[Listing, np.ndarray, list[str]]:
     """Objects, labels and class names of an ImageFolder layout under a prefix, in the order
     ``torchvision.datasets.ImageFolder`` gives the same tree on a disk (classes sorted; in each,
@@ -192,16 +193,15 @@ def list_folder(
             ", ".join(empty[:10]),
         )
     listing = pack.listing(
-        proto,
-        relist=lambda: list_folder(url, storage_options, fs)[0],
-        where=redact(url),
-        fs=fs,
+        proto, Listed(redact(url), fs, lambda: list_folder(url, storage_options, fs)[0])
     )
     labels = np.repeat(np.arange(len(classes), dtype=np.int64), counts)
     return listing, labels, classes
 
 
-def _named(fs: Any, folder: str, run: Sequence[str], budget: _Budget) -> tuple[array, array]:
+def _named(
+    fs: Any, folder: str, run: Sequence[str], budget: _Budget
+) -> tuple[array[int], array[int]]:
     """Sizes and ETag hashes of the objects ``run`` names in ``folder`` (size -1: none), from
     pages that start at the next name sought: at most one request a name, and never more than
     the folder's listing between the first name and the last."""
@@ -216,7 +216,8 @@ def _named(fs: Any, folder: str, run: Sequence[str], budget: _Budget) -> tuple[a
         after = prefix + run[order[j]][cut:][:-1]  # just before the next name sought
         if token is None or after > last:  # skip the objects up to it
             token, last = None, max(after, last)
-        page, _, token = _page(fs, folder, bucket, prefix, budget, after=last, token=token)
+        where = Prefix(folder, bucket, prefix)
+        page, _, token = _page(fs, where, budget, after=last, token=token)
         for key, size, tag in page:
             name = key[len(prefix) :]
             while j < k and run[order[j]][cut:] < name:
@@ -231,7 +232,9 @@ def _named(fs: Any, folder: str, run: Sequence[str], budget: _Budget) -> tuple[a
     return sizes, tags
 
 
-def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = None) -> Listing:
+def list_urls(
+    urls: Sequence[str], storage_options: dict[str, Any] | None, *, fs: Any = None
+) -> Listing:
     """Size and ETag of each URL of a list (``from_files``, ``from_csv``), in the list's order.
 
     Consecutive URLs of one folder are looked up by name: in pages that start at each name
@@ -258,13 +261,13 @@ def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = No
             else:
                 yield from ((folder, [u]) for u in run)
 
-    def look_up(task: tuple[str, list[str]]) -> tuple[str, list[str], array, array]:
+    def look_up(task: tuple[str, list[str]]) -> tuple[str, list[str], array[int], array[int]]:
         folder, run = task
         with budget.stops_all():
             if len(run) > 1:
                 return folder, run, *_named(fs, folder, run, budget)
             try:
-                info = _call(run[0], lambda: fs.info(strip(run[0])), "read")
+                info = call(run[0], lambda: fs.info(strip(run[0])), "read")
             except FileNotFoundError:
                 info = None
         if info is None or info.get("type") != "file":
@@ -275,7 +278,7 @@ def list_urls(urls: Sequence[str], storage_options: dict | None, *, fs: Any = No
     for folder, run, sizes, tags in ordered_map(look_up, tasks(), LIST_THREADS, name=_NAME):
         pack.add(folder, _Names.of([u[len(folder) :] for u in run], sizes, tags))
     listing = pack.listing(
-        proto, relist=lambda: list_urls(urls, storage_options, fs=fs), where=where, fs=fs
+        proto, Listed(where, fs, lambda: list_urls(urls, storage_options, fs=fs))
     )
     missing = np.flatnonzero(listing.sizes < 0)
     listing.missing = {
@@ -320,7 +323,7 @@ def _glob(fs: Any, url: str, budget: _Budget) -> list[str]:
     return sorted(keys)
 
 
-def list_shards(shards: Iterable[str], storage_options: dict | None) -> Listing:
+def list_shards(shards: Iterable[str], storage_options: dict[str, Any] | None) -> Listing:
     """Size and ETag of each shard: brace patterns expanded (``{000..003}``, ``{a,b}``), glob
     patterns (``*``, ``?``) matched against the bucket's listing."""
     expanded: list[str] = []

@@ -8,6 +8,7 @@ naming them, and nothing is published: a store always holds one version of its d
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -15,22 +16,24 @@ from typing import Any
 
 import numpy as np
 
-from .. import _share
+from ...shares import _select
+from ...shares._select import Picked
+from ...shares._tar import build_tar_share, kept_file
+from ...store._store import S
 from .._build import _memory, build
-from .._inputs import Refused
+from .._inputs import Refused, Samples
+from .._lazy import OnAccess
 from .._options import BuildOptions
-from .._share import Picked
-from .._sources import from_webdataset
+from .._sources import Members, from_webdataset
 from ._client import Listing
 from ._fetch import fetch
-from ._tar_share import build_tar_share, kept_file
 
 __all__ = ["build_objects", "build_shards", "spool_files"]
 
 
 def spool_files(base: Path) -> list[Path]:
     """The spool's files for the store named ``base`` (``<key>``): data, journal, and the
-    members a node share of WebDataset shards kept (``_tar_share``)."""
+    members a node share of WebDataset shards kept (``shares/_tar.py``)."""
     return [
         base.with_name(base.name + ".fetch"),
         base.with_name(base.name + ".fetched"),
@@ -39,90 +42,86 @@ def spool_files(base: Path) -> list[Path]:
 
 
 def build_objects(
-    cls: Any,
+    cls: type[S],
     listing: Listing,
-    labels: np.ndarray,
-    classes: list[str],
-    metadata: Sequence[str] | None,
+    samples: Samples,
     options: BuildOptions,
     *,
     base: Path,
     on_progress: Callable[..., None] | None,
     masks_at: int | None = None,
-) -> Any:
-    """A store of one sample an object (``from_folder``, ``from_files``, ``from_csv``);
-    ``masks_at``: the listing's objects from there on are the masks of the ones before it, in
-    order (one fetch, one check that nothing changed, for both).
+) -> S:
+    """A store of one sample an object (``from_folder``, ``from_files``, ``from_csv``), with
+    the labels and metadata of ``samples`` (its ``masks`` unused: they are objects of the
+    listing); ``masks_at``: the listing's objects from there on are the masks of the ones before
+    it, in order (one fetch, one check that nothing changed, for both).
     ``options.share`` (``shard="node"``): only this node's share is fetched (with its masks), once
-    its size has been checked against the node cache (``_share.check_budget``)."""
+    its size has been checked against the node cache (``_select.check_budget``)."""
     if options.share is not None:
-        return _build_share(
-            cls, listing, labels, classes, metadata, options, base, on_progress, masks_at
-        )
+        return _build_share(cls, listing, samples, options, base, on_progress, masks_at)
     spool = fetch(listing, base, options, on_progress)
     inputs: Sequence[Any] = spool.inputs()
     if masks_at is None:
-        return build(cls, inputs, labels, classes, metadata, options, on_progress=on_progress)
+        return build(cls, inputs, samples, options, on_progress=on_progress)
+    masks = _Part(inputs, masks_at, len(inputs) - masks_at)
     return build(
         cls,
         _Part(inputs, 0, masks_at),
-        labels,
-        classes,
-        metadata,
+        dataclasses.replace(samples, masks=masks),
         options,
         on_progress=on_progress,
-        masks=_Part(inputs, masks_at, len(inputs) - masks_at),
     )
 
 
 def _build_share(
-    cls: Any,
+    cls: type[S],
     listing: Listing,
-    labels: np.ndarray,
-    classes: list[str],
-    metadata: Sequence[str] | None,
+    samples: Samples,
     options: BuildOptions,
     base: Path,
     on_progress: Callable[..., None] | None,
     masks_at: int | None,
-) -> Any:
+) -> S:
     """``build_objects`` of this node's share (``shard="node"``): its objects are picked from
     the listing, those the node's stores of earlier layouts hold are taken from them, the size
-    is checked against the node cache (``_share.check_budget``), and only the rest is fetched."""
+    is checked against the node cache (``_select.check_budget``), and only the rest is fetched."""
     share = options.share
     assert share is not None
     images = listing if masks_at is None else _Part(listing, 0, masks_at)
-    selected = _share.chosen(share, images)
+    selected = _select.chosen(share, images)
     keep = selected.keep
-    hits = _share.held_earlier(selected, options, masks_at is not None)
+    hits = _select.held_earlier(selected, options, masks_at is not None)
     need = keep[~hits.held]
     taken = need if masks_at is None else np.concatenate([need, need + masks_at])
     urls = listing.urls
     listing = listing.take(taken)
     sizes = listing.sizes
     nbytes = int(sizes[sizes > 0].sum()) + hits.nbytes()
-    _share.check_budget(nbytes, share, options, memory=_memory(), spool=True)
+    _select.check_budget(nbytes, share, options, memory=_memory(), spool=True)
     spool = fetch(listing, base, options, on_progress)
     fetched = spool.inputs()
-    return build(
-        cls,
-        _share.Merged(fetched, hits, Picked(urls, keep)),
-        np.asarray(labels)[keep],
-        classes,
+    metadata = samples.metadata
+    mine = Samples(
+        np.asarray(samples.labels)[keep],
+        samples.classes,
         None if metadata is None else Picked(metadata, keep),
-        options,
-        on_progress=on_progress,
-        masks=None
+        None
         if masks_at is None
-        else _share.Merged(
+        else _select.Merged(
             fetched, hits, Picked(urls, keep + masks_at), offset=len(need), masks=True
         ),
-        selected=selected,
-        reused=hits.held,
+    )
+    return build(
+        cls,
+        _select.Merged(fetched, hits, Picked(urls, keep)),
+        mine,
+        options,
+        on_progress=on_progress,
+        taken=_select.Taken(selected, hits.held),
     )
 
 
-class _Part(Sequence[Any]):
+class _Part(OnAccess[Any]):
     """``count`` items of ``seq`` from ``start``, made on access (no list of the inputs)."""
 
     def __init__(self, seq: Sequence[Any], start: int, count: int) -> None:
@@ -131,37 +130,24 @@ class _Part(Sequence[Any]):
     def __len__(self) -> int:
         return self._count
 
-    def __getitem__(self, i):  # ints only: what the build indexes
-        if not -self._count <= i < self._count:
-            raise IndexError(i)
-        return self._seq[self._start + i % self._count]
+    def item(self, i: int) -> Any:
+        return self._seq[self._start + i]
 
 
 def build_shards(
-    cls: Any,
+    cls: type[S],
     listing: Listing,
     options: BuildOptions,
+    members: Members,
     *,
-    classes: Sequence[str] | None,
-    metadata_ext: str | None,
     base: Path,
     on_progress: Callable[..., None] | None,
-    mask_ext: str | None = None,
-) -> Any:
+) -> S:
     """A store of the samples of WebDataset shards in storage, read out of the spool.
     ``options.share``: samples are shared out by member, so every node reads every shard, a
-    window at a time, and keeps its share (``_tar_share``)."""
+    window at a time, and keeps its share (``shares/_tar.py``)."""
     if options.share is not None:
-        return build_tar_share(
-            cls,
-            listing,
-            options,
-            classes=classes,
-            metadata_ext=metadata_ext,
-            base=base,
-            on_progress=on_progress,
-            mask_ext=mask_ext,
-        )
+        return build_tar_share(cls, listing, options, members, base=base, on_progress=on_progress)
     spool = fetch(listing, base, options, on_progress)
 
     def locate(k: int) -> tuple[str | os.PathLike[str], int, int] | Refused:
@@ -169,12 +155,5 @@ def build_shards(
         return src if isinstance(src, Refused) else (src.path, src.offset, src.nbytes)
 
     return from_webdataset(
-        cls,
-        list(listing.urls),
-        options,
-        classes=classes,
-        metadata_ext=metadata_ext,
-        locate=locate,
-        on_progress=on_progress,
-        mask_ext=mask_ext,
+        cls, list(listing.urls), options, members, locate=locate, on_progress=on_progress
     )

@@ -13,10 +13,11 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..._errors import ObjectStoreError
-from ._client import _call, _tag_hash, redact, tag_of
+from ._calls import call
+from ._client import _tag_hash, redact, tag_of
 
 PAGE_KEYS = 1000  # keys asked for a page (S3's most)
 #: Bounds of one listing (all its prefixes together): beyond them the build stops.
@@ -77,11 +78,18 @@ def _paged(fs: Any, bucket: str) -> bool:
     return callable(getattr(fs, "call_s3", None)) and not bucket.endswith("--x-s3")
 
 
+class Prefix(NamedTuple):
+    """What a listing request lists: ``url`` (named in errors), the ``bucket`` and the keys'
+    ``prefix`` in it."""
+
+    url: str
+    bucket: str
+    prefix: str
+
+
 def _page(
     fs: Any,
-    url: str,
-    bucket: str,
-    prefix: str,
+    where: Prefix,
     budget: _Budget,
     *,
     after: str = "",
@@ -90,6 +98,7 @@ def _page(
 ) -> tuple[list[Entry], list[str], str | None]:
     """One ``ListObjectsV2`` page: its objects, its common prefixes and the next page's token
     (None: the last page). Keys must lie under ``prefix``, after ``after``, in order."""
+    url, bucket, prefix = where
     kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": PAGE_KEYS}
     if delimiter:
         kw["Delimiter"] = delimiter
@@ -98,7 +107,7 @@ def _page(
     elif after:
         kw["StartAfter"] = after
     budget.check(url)
-    page = _call(url, lambda: fs.call_s3("list_objects_v2", **kw))
+    page = call(url, lambda: fs.call_s3("list_objects_v2", **kw))
     contents = page.get("Contents") or []
     common = [p.get("Prefix", "") for p in page.get("CommonPrefixes") or []]
     budget.take(url, len(contents) + len(common))
@@ -145,7 +154,7 @@ def _entries(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> It
         return
     tokens, token, last = _Tokens(url), None, ""
     while True:
-        page, _, token = _page(fs, url, bucket, prefix, budget, after=last, token=token)
+        page, _, token = _page(fs, Prefix(url, bucket, prefix), budget, after=last, token=token)
         if page:
             last = page[-1][0]
         yield page
@@ -169,7 +178,7 @@ def _walked(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> Ite
         where = f"{proto}://{path}/"
         budget.check(where)
         try:
-            infos = _call(where, partial(fs.ls, path, detail=True))
+            infos = call(where, partial(fs.ls, path, detail=True))
         except FileNotFoundError:
             if path == top:
                 raise
@@ -205,7 +214,7 @@ def _folders(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> li
     """The names of the folders right under ``prefix``."""
     if not _paged(fs, bucket):
         try:
-            top = _call(url, lambda: fs.ls(f"{bucket}/{prefix}".rstrip("/"), detail=True))
+            top = call(url, lambda: fs.ls(f"{bucket}/{prefix}".rstrip("/"), detail=True))
         except FileNotFoundError:
             return []
         budget.take(url, len(top))
@@ -215,7 +224,8 @@ def _folders(fs: Any, url: str, bucket: str, prefix: str, budget: _Budget) -> li
     names: list[str] = []
     tokens, token = _Tokens(url), None
     while True:
-        _, common, token = _page(fs, url, bucket, prefix, budget, token=token, delimiter="/")
+        where = Prefix(url, bucket, prefix)
+        _, common, token = _page(fs, where, budget, token=token, delimiter="/")
         for p in common:
             name = p[len(prefix) : -1]
             if not p.startswith(prefix) or not p.endswith("/") or (names and name <= names[-1]):

@@ -19,7 +19,7 @@ from typing import Any
 
 from .._build import IMG_EXTENSIONS
 from .._pairs import MASK_EXTENSIONS, NO_MASK, find_mask, looked_for
-from ._client import Listing, filesystem, protocol_of, redact, strip
+from ._client import Listed, Listing, filesystem, protocol_of, redact, strip
 from ._listing import _Names, _order, _Packer
 from ._pages import _Budget, _entries
 
@@ -27,7 +27,7 @@ _Folder = tuple[int, str]  # a name's folder in ImageFolder's order (``_listing.
 
 
 def list_pairs(
-    url: str, mask_url: str, storage_options: dict | None, fs: Any = None
+    url: str, mask_url: str, storage_options: dict[str, Any] | None, fs: Any = None
 ) -> tuple[Listing, int]:
     """``(listing, n)``: the ``n`` images under ``url`` then their ``n`` masks under
     ``mask_url`` (a mask that was not found kept as missing, with its reason)."""
@@ -85,10 +85,7 @@ def list_pairs(
     for prefix, paired in mask_parts:
         pack.add(prefix, paired)
     listing = pack.listing(
-        proto,
-        relist=lambda: list_pairs(url, mask_url, storage_options, fs)[0],
-        where=where,
-        fs=fs,
+        proto, Listed(where, fs, lambda: list_pairs(url, mask_url, storage_options, fs)[0])
     )
     listing.missing = {n + k: NO_MASK for k in missing}
     return listing, n

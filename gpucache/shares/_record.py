@@ -2,7 +2,7 @@
 
 - ``share.layout`` (int64, 5): format version, canonical partitions, samples in the whole listing,
   nodes and this node's index at build time;
-- ``share.ranks`` (int64, one per sample): each sample's global rank (``gpucache._shares``);
+- ``share.ranks`` (int64, one per sample): each sample's global rank (``_partition.py``);
 - ``share.listing`` (uint8, 32): the hex digest of the whole listing's identities in rank order,
   the same on every node that listed the same data;
 - ``share.fetched`` (int64, 4): what its build read from the source (objects, bytes) and took

@@ -16,8 +16,8 @@ Every node lists the same data and computes the same thing, with no communicatio
   changing the node count moves as little as contiguous runs allow (2 -> 3 nodes: node 0 keeps its
   new share whole, node 1 fetches half of its own).
 
-The base layer: the store records a share (``store/_store.py``), the build selects it
-(``ingest/_build.py``), the loader orders it (``loader/_nodes.py``).
+The base layer: the store records a share (``_record.py``), the build selects it
+(``_select.py``), the loader orders it (``_order.py``).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Share:
     ``folder`` (not part of the key or the repr): where the node's store will live, for the
     budget check made before any byte is read or fetched. ``extra``: global ranks of other
     nodes' shares the node holds too (ascending), the few samples it plays to finish an epoch
-    resumed at another node count (``loader._nodes``: the nodes' remainders rebalanced)."""
+    resumed at another node count (``shares._order``: the nodes' remainders rebalanced)."""
 
     nodes: int
     node: int

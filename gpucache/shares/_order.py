@@ -1,6 +1,6 @@
 """The epoch order over node-sharded stores (``shard="node"``): each node plays its own share.
 
-Node ``k`` of ``n`` holds the global ranks ``[b[k], b[k + 1])`` (``gpucache._shares``). In an epoch
+Node ``k`` of ``n`` holds the global ranks ``[b[k], b[k + 1])`` (``_partition.py``). In an epoch
 it visits them in the order ``default_rng([seed, epoch, n, k]).permutation`` (or rank order
 unshuffled), and deals them to its ``r`` ranks slot by slot (slot ``i`` to local rank ``i % r``);
 batch ``b`` of every rank of the node takes the node's slots ``[b B r, (b + 1) B r)``.
@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._errors import ShareError
-from .._shares import node_bounds
 from ..base import _dist
-from ..store._share import StoreShare
+from ._partition import node_bounds
+from ._record import StoreShare
 
 
 class Segment(NamedTuple):

@@ -2,10 +2,10 @@
 check that it fits before anything is read or fetched (``check_budget``), take the samples this
 node's stores of earlier layouts hold instead of reading them (``reuse`` for inputs read in
 place, ``found`` + ``Merged`` for objects fetched from storage), and record it all in the store
-(``record``, ``store/_share.py``).
+(``record``, ``_record.py``).
 
 The share itself is a pure function of the listing's names and the node layout
-(``gpucache._shares``); every node of the job computes it alone, with no communication. The
+(``_partition.py``); every node of the job computes it alone, with no communication. The
 earlier stores are the node layer's to find (``node/_cache.py``, by the key every layout of one
 source and options shares); it hands them to the build it runs with ``reusing``.
 """
@@ -21,11 +21,12 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from .._errors import ShareError
-from .._shares import Selected, Share
-from ..store import _share
-from ._inputs import BytesSource, name_of
-from ._options import BuildOptions
-from ._restart import rewriters
+from ..ingest._inputs import BytesSource, Input, Samples, name_of
+from ..ingest._lazy import OnAccess
+from ..ingest._options import BuildOptions
+from ..ingest._restart import rewriters
+from . import _record
+from ._partition import Selected, Share
 
 T = TypeVar("T")
 
@@ -34,6 +35,7 @@ __all__ = [
     "Merged",
     "Names",
     "Picked",
+    "Taken",
     "pick",
     "check_budget",
     "record",
@@ -48,7 +50,7 @@ __all__ = [
 _REUSE: ContextVar[tuple[Any, ...]] = ContextVar("gpucache_share_reuse", default=())
 
 
-class Picked(Sequence[T]):
+class Picked(OnAccess[T]):
     """The items of ``seq`` at ``keep``, made on access (no list of the inputs)."""
 
     def __init__(self, seq: Sequence[T], keep: np.ndarray) -> None:
@@ -57,11 +59,11 @@ class Picked(Sequence[T]):
     def __len__(self) -> int:
         return len(self._keep)
 
-    def __getitem__(self, i):  # ints only: what the build indexes
+    def item(self, i: int) -> T:
         return self._seq[int(self._keep[i])]
 
 
-class Names(Sequence[str]):
+class Names(OnAccess[str]):
     """The inputs' names, made on access."""
 
     def __init__(self, inputs: Sequence[Any]) -> None:
@@ -70,27 +72,33 @@ class Names(Sequence[str]):
     def __len__(self) -> int:
         return len(self._inputs)
 
-    def __getitem__(self, i):
+    def item(self, i: int) -> str:
         return name_of(self._inputs[i])
 
 
+class Taken(NamedTuple):
+    """A node's share taken before its objects were fetched (``storage._objects``): which
+    samples of the listing (``selected``), and which of them the node's stores of earlier layouts
+    held (``reused``, a mask over them)."""
+
+    selected: Selected
+    reused: np.ndarray
+
+
 def pick(
-    share: Share,
-    inputs: Sequence[Any],
-    labels: np.ndarray,
-    metadata: Sequence[str] | None,
-    masks: Sequence[Any] | None,
-) -> tuple[Sequence[Any], np.ndarray, Sequence[str] | None, Sequence[Any] | None, Selected]:
-    """This node's inputs, labels, metadata and masks out of the whole listing's."""
+    share: Share, inputs: Sequence[Input], samples: Samples
+) -> tuple[Sequence[Input], Samples, Selected]:
+    """This node's inputs, with their labels, metadata and masks, out of the whole listing's."""
     selected = chosen(share, Names(inputs))
     keep = selected.keep
-    return (
-        Picked(inputs, keep),
-        np.asarray(labels)[keep],
+    metadata, masks = samples.metadata, samples.masks
+    mine = Samples(
+        np.asarray(samples.labels)[keep],
+        samples.classes,
         None if metadata is None else Picked(metadata, keep),
         None if masks is None else Picked(masks, keep),
-        selected,
     )
+    return Picked(inputs, keep), mine, selected
 
 
 def chosen(share: Share, names: Sequence[str]) -> Selected:
@@ -168,7 +176,7 @@ def record(
 ) -> dict[str, np.ndarray]:
     """The share sections of a store that kept the share's samples at positions ``kept``;
     ``fetched``: objects and bytes read from the source, objects and bytes reused."""
-    return _share.sections(
+    return _record.sections(
         partitions=share.partitions,
         total=selected.total,
         nodes=share.nodes,
@@ -267,7 +275,7 @@ def reuse(
     )
 
 
-class Merged(Sequence[Any]):
+class Merged(OnAccess[Any]):
     """A share's inputs: those an earlier store holds (``hits``) taken from it, the rest from
     ``fetched`` in order (``fetched[offset:]`` for the masks, with ``masks``); ``names`` name
     the samples taken."""
@@ -288,7 +296,7 @@ class Merged(Sequence[Any]):
     def __len__(self) -> int:
         return len(self._rank)
 
-    def __getitem__(self, i):
+    def item(self, i: int) -> Any:
         k = int(self._hits.which[i])
         if k < 0:
             return self._fetched[self._offset + int(self._rank[i])]

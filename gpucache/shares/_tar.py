@@ -1,10 +1,10 @@
 """This node's share of WebDataset shards in storage (``shard="node"``), a window at a time.
 
-Samples are shared out by their identity (``gpucache._shares``), never by shard, so every tar
+Samples are shared out by their identity (``_partition.py``), never by shard, so every tar
 holds samples of every node, and the share is only known once every tar's members are listed.
 Rather than spooling every shard (the whole data set on every node), the build fetches the
-shards ``WINDOW_BYTES`` at a time into the spool (``_fetch``: parallel ranged GETs, retries),
-reads each tar's headers there, copies the members of the samples likely in this node's share
+shards ``WINDOW_BYTES`` at a time into the spool (``ingest.storage._fetch``: parallel ranged
+GETs, retries), reads each tar's headers there, copies the members of the samples likely in this node's share
 (``Share.likely``: within four standard deviations of the share's bounds in the hash order,
 with the number of samples estimated from the bytes seen) into ``<key>.kept``, and drops the
 window. Once every tar is read, the exact share is taken (``Share.select``); a sample of the
@@ -24,24 +24,26 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..._shares import common_cut, identity_hashes
-from ...base._owned import open_own
-from ...base._progress import tqdm
-from .. import _share
-from .._build import _memory
-from .._inputs import FileRangeSource, Refused, size_of
-from .._options import BuildOptions
-from .._sniff import SniffError
-from .._sources import build_samples, shard_label, shard_samples
-from ._client import Listing, describe, filesystem
-from ._fetch import _FULL, _free, check_unchanged, fetch, retrying
+from ..base._owned import open_own
+from ..base._progress import tqdm
+from ..ingest._build import _memory
+from ..ingest._inputs import FileRangeSource, Refused, size_of
+from ..ingest._options import BuildOptions
+from ..ingest._sniff import SniffError
+from ..ingest._sources import Members, build_samples, shard_label, shard_samples
+from ..ingest.storage._calls import retrying
+from ..ingest.storage._client import Listing, describe, filesystem
+from ..ingest.storage._fetch import _FULL, _free, check_unchanged, fetch
+from ..store._store import S
+from . import _select
+from ._partition import common_cut, identity_hashes
 
 log = logging.getLogger(__name__)
 
@@ -148,18 +150,17 @@ class _Kept:
 
 
 def build_tar_share(
-    cls: Any,
+    cls: type[S],
     listing: Listing,
     options: BuildOptions,
+    members: Members,
     *,
-    classes: Sequence[str] | None,
-    metadata_ext: str | None,
     base: Path,
     on_progress: Callable[..., None] | None,
-    mask_ext: str | None,
-) -> Any:
+) -> S:
     """``build_shards`` with ``options.share``: the share's samples of the shards of
     ``listing``, the shards fetched a window at a time."""
+    metadata_ext, mask_ext = members.metadata_ext, members.mask_ext
     share = options.share
     assert share is not None
     sizes = np.maximum(listing.sizes, 0)
@@ -168,7 +169,7 @@ def build_tar_share(
     limit = max(WINDOW_BYTES, int(sizes.max(initial=0)))
     # on disk at once: a window of shards beside the members kept (about the share), then the
     # store alone (the kept members are removed first)
-    _share.check_budget(
+    _select.check_budget(
         part, share, options, memory=_memory(), spool=True, spooled=min(whole, limit)
     )
     # a sample's identity drops the folder all names share: with two or more shards, the
@@ -207,9 +208,8 @@ def build_tar_share(
                     total = max(
                         len(inputs) + len(found), whole * seen_samples // max(seen_bytes, 1)
                     )
-                    likely = share.likely(
-                        identity_hashes([r[0].name for r in found], cut), max(total // 2, 1)
-                    )
+                    names = [r[0].name for r in found if r[0] is not None]  # all of them
+                    likely = share.likely(identity_hashes(names, cut), max(total // 2, 1))
                     for (item, cls_text, meta_text, key, mask), mine in zip(found, likely):
                         labels.append(shard_label(shard, key, cls_text))
                         meta.append(meta_text or "")
@@ -243,17 +243,8 @@ def build_tar_share(
             read[0],
             read[1] / 1e6,
         )
-        return build_samples(
-            cls,
-            inputs,
-            labels,
-            meta if metadata_ext else None,
-            masks_or_none,
-            missing,
-            options,
-            classes=classes,
-            on_progress=on_progress,
-        )
+        samples = members.samples(labels, meta, masks_or_none)
+        return build_samples(cls, inputs, samples, missing, options, on_progress=on_progress)
     finally:  # the store (in memory) holds the share now: the kept members go before its save
         kept.close()
         kept.path.unlink(missing_ok=True)
@@ -295,9 +286,9 @@ def _read_missed(
     """Read the members of the share's samples the scan did not keep (outside the margin) by
     ranged GETs into ``kept``, in place in ``inputs`` and ``masks``, unless an earlier store
     holds the sample (and the build does not re-encode): ``(members, bytes)`` read."""
-    selected = _share.chosen(share, _share.Names(inputs))
+    selected = _select.chosen(share, _select.Names(inputs))
     keep = selected.keep
-    held = _share.held_earlier(selected, options, masks is not None).held
+    held = _select.held_earlier(selected, options, masks is not None).held
     todo = [
         (seq, int(i))
         for i in keep[~held].tolist()
