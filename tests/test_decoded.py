@@ -296,6 +296,30 @@ def test_device_tier_on_the_emulated_gpu(cache):
                 assert held == (gpu._tier.pixels.nbytes if tier == "device" else 0)
 
 
+def test_the_device_tier_pads_with_the_fill_itself(cache):
+    """On the emulated GPU the tier's backend paints its own padding with ``fill`` (the loader
+    paints nothing after a backend): its batched resize, and its samples decoded from the store,
+    as the cpu backend does on the same tier."""
+    from tests.support.emulated_cuda import EmulatedCuda
+
+    tf = [T.Resize(64), T.CenterCrop(200)]  # wider and taller than every resized image
+    kw = dict(batch_size=8, decoded=64, transform=tf, seed=2, fill=9)
+    with GpuCachedLoader(cache, num_workers=0, device="cpu", **kw) as cpu:
+        ref = _batches(cpu)
+    with EmulatedCuda(devices=1):
+        for budget, tier in ((1 << 30, "device"), (1000, "decoded")):
+            with warnings.catch_warnings():  # the device tier over its budget says so
+                warnings.simplefilter("ignore")
+                gpu = GpuCachedLoader(cache, device="cuda", device_budget=budget, **kw)
+            with gpu:
+                assert gpu.tier == tier
+                got = [(x.cpu(), y.cpu()) for x, y in gpu]
+            for (x, y), (rx, ry) in zip(got, ref, strict=True):
+                assert torch.equal(y, ry) and (x.int() - rx.int()).abs().max() <= 1
+                for edge in (x[:, :, 0, :], x[:, :, -1, :], x[:, :, :, 0], x[:, :, :, -1]):
+                    assert (edge == 9).all(), tier
+
+
 def test_arguments_are_checked(cache):
     for bad, match in (
         (dict(decoded=0), "decoded should be a side"),
