@@ -3,7 +3,8 @@ below it, never above, imports inside functions included; so no cycle runs betwe
 
 Every module of ``gpucache/`` is parsed with ``ast`` (nothing is imported), each ``import`` and
 ``from ... import`` anywhere in it resolved (relative ones too; ``from .. import x`` to the module
-``x`` when there is one), and the two modules' layers compared.
+``x`` when there is one), and the two modules' layers compared. The same imports make the
+module graph, which has no cycle between modules either, within a layer or across.
 """
 
 from __future__ import annotations
@@ -130,6 +131,72 @@ def violations(root: Path = ROOT) -> list[str]:
     return list(dict.fromkeys(bad))
 
 
+def module_cycles(root: Path = ROOT) -> list[str]:
+    """One entry per strongly connected component of more than one module in the import graph
+    (every import, those inside functions included): its modules, then the imports that close it."""
+    mods = module_names(root)
+    known = set(mods)
+    graph: dict[str, dict[str, list[int]]] = {mod: {} for mod in mods}
+    for mod, path in mods.items():
+        for target, line in imports(mod, path, known):
+            while target not in known and "." in target:  # a name inside a module
+                target = target.rsplit(".", 1)[0]
+            if target == mod:
+                continue
+            lines = graph[mod].setdefault(target, [])
+            if line not in lines:  # `from x import a, b`: one line
+                lines.append(line)
+    # Tarjan's algorithm, iterative (the graph has a few hundred nodes; no recursion limit)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    comp.append(m)
+                    if m == node:
+                        break
+                if len(comp) > 1:
+                    components.append(sorted(comp))
+    out = []
+    for comp in sorted(components):
+        lines = [
+            f"  {mods[a].relative_to(root.parent)}:{line}: {a} imports {b}"
+            for a in comp
+            for b in sorted(graph[a])
+            if b in comp
+            for line in sorted(graph[a][b])
+        ]
+        out.append(f"import cycle between {', '.join(comp)}:\n" + "\n".join(lines))
+    return out
+
+
 def test_every_import_goes_to_the_same_or_a_lower_layer():
     bad = violations()
     assert not bad, "\n".join(bad)
@@ -142,6 +209,36 @@ def test_every_module_has_a_layer_and_the_base_imports_nothing_of_gpucache():
         layer_of(mod)
         if layer_of(mod) == base:
             assert not imports(mod, path, set(mods)), f"{mod} is a leaf helper"
+
+
+def test_no_import_cycle_runs_between_modules():
+    """Within a layer too: a cycle (even one closed by an import inside a function) means the
+    modules cannot be read, tested or imported one without the other. Break it by moving what
+    both need into a module below them, or by passing the value in instead of importing it."""
+    cycles = module_cycles()
+    assert not cycles, f"{len(cycles)} import cycle(s):\n" + "\n".join(cycles)
+
+
+def test_the_cycle_check_sees_a_cycle_closed_inside_a_function(tmp_path):
+    pkg = tmp_path / "gpucache"
+    (pkg / "store").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "store" / "__init__.py"):
+        init.write_text("")
+    (pkg / "store" / "_a.py").write_text("from . import _b\n")
+    (pkg / "store" / "_b.py").write_text("from ._c import x\n")
+    (pkg / "store" / "_c.py").write_text(
+        "x = 1\n\n\ndef f():\n    from gpucache.store._a import y\n"
+    )
+    (pkg / "store" / "_d.py").write_text("from . import _a\n")  # into the cycle, not part of it
+    (cycle,) = module_cycles(pkg)
+    head, *lines = cycle.splitlines()
+    assert head == (
+        "import cycle between gpucache.store._a, gpucache.store._b, gpucache.store._c:"
+    ), cycle
+    assert "gpucache/store/_c.py:5: gpucache.store._c imports gpucache.store._a" in cycle, cycle
+    assert len(lines) == 3 and "_d" not in cycle, cycle
+    (pkg / "store" / "_c.py").write_text("x = 1\n")
+    assert module_cycles(pkg) == []
 
 
 def test_the_check_sees_imports_inside_functions(tmp_path):
