@@ -46,8 +46,6 @@ def test_sniffed_size_is_the_decoded_size(name):
     two Exif segments, XMP before Exif, Exif after SOF, PNG eXIf after IDAT): the stored size,
     EXIF orientation applied, is what libjpeg-turbo (TorchCodec) or PIL decodes."""
     data = CASES[name][0]
-    if "bomb" in name:
-        return
     info = sniff(memoryview(data))
     assert tuple(_decode(data).shape[1:]) == (info.height, info.width), name
 

@@ -20,8 +20,10 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .._errors import BenchError
 from ._common import Config, say
@@ -37,8 +39,13 @@ DESCRIPTION = (
 )
 
 
-def _csv(kind):
-    def parse(text: str):
+T = TypeVar("T")
+
+
+def _csv(kind: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """An argument type: a comma list, each item converted by ``kind``."""
+
+    def parse(text: str) -> list[T]:
         return [kind(x) for x in text.split(",") if x.strip()]
 
     return parse
@@ -135,7 +142,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, help="draw images/s and copies held to this PNG")
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     """Register ``gpucache bench`` on the ``gpucache`` command's subparsers."""
     p = subparsers.add_parser(
         "bench", help="compare GpuCachedLoader with DataLoader peers", description=DESCRIPTION
@@ -145,7 +154,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def select(args, cuda: bool) -> list[str]:
+def select(args: argparse.Namespace, cuda: bool) -> list[str]:
     """The contenders to run: ``--contenders`` and ``--backend``, less what this machine lacks."""
     backends = {b for group in args.backend for b in group} or (
         {"cpu", *GPU_BACKENDS} if cuda else {"cpu"}
@@ -189,7 +198,7 @@ def select(args, cuda: bool) -> list[str]:
     return keep
 
 
-def _invalid(args) -> str | None:
+def _invalid(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments, or None."""
     if bool(args.src) == bool(args.synthetic):
         return "give SRC (an ImageFolder or a store file) or --synthetic N"
@@ -208,7 +217,7 @@ def _invalid(args) -> str | None:
     return None
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """Entry point of ``gpucache bench`` (after argument parsing); returns the exit status."""
     import torch
 
@@ -248,7 +257,9 @@ def run(args) -> int:
 _IMG_S_A_WORKER, _START_S, _PROBE_S = 200.0, 5.0, 30.0
 
 
-def plan(names: list[str], images: int, cfg: Config, args, cases: list[str]) -> str:
+def plan(
+    names: list[str], images: int, cfg: Config, args: argparse.Namespace, cases: list[str]
+) -> str:
     """What the run will do and about how long it takes, printed before anything is timed."""
     epochs = cfg.epochs + 1  # the warm-up epoch, then the measured ones
     per = _START_S + epochs * images / (_IMG_S_A_WORKER * max(1, cfg.workers))
@@ -280,7 +291,7 @@ def plan(names: list[str], images: int, cfg: Config, args, cases: list[str]) -> 
 EXPLAIN_BATCHES = 300
 
 
-def explain(args, cfg: Config) -> int:
+def explain(args: argparse.Namespace, cfg: Config) -> int:
     """``gpucache bench SRC --explain``: the loader alone on the user's data; its stats report."""
     from ..loader._loader import GpuCachedLoader
     from ..node._jpegcache import JpegCache
@@ -325,7 +336,7 @@ def explain(args, cfg: Config) -> int:
     return 0
 
 
-def _run(args, names: list[str], cfg: Config) -> int:
+def _run(args: argparse.Namespace, names: list[str], cfg: Config) -> int:
     from . import _cases, _report
     from ._data import prepare_source
 
@@ -336,13 +347,13 @@ def _run(args, names: list[str], cfg: Config) -> int:
         names100 = names
     t_start = time.perf_counter()
     machine = _report.machine_info()
-    report: dict = {
+    report: dict[str, Any] = {
         "machine": machine,
         "args": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"
         },
     }
-    plots = []
+    plots: list[tuple[str, Callable[[Path], None]]] = []
     with tempfile.TemporaryDirectory(prefix="gpucache-bench-") as tmp_name:
         tmp = Path(tmp_name)
         need_store = any(
@@ -367,10 +378,7 @@ def _run(args, names: list[str], cfg: Config) -> int:
                     f"(probes of {args.probe_mb[0]:g} and {args.probe_mb[1]:g} MB)"
                 )
                 plots.append(
-                    (
-                        "main",
-                        lambda p, r=results: _report.plot_main(r, p, "gpucache bench: " + title),
-                    )
+                    ("main", partial(_report.plot_main, results, title="gpucache bench: " + title))
                 )
             elif case == "batch100":
                 report["batch100"] = _cases.case_batch100(names100, source, cfg, args)
@@ -378,14 +386,14 @@ def _run(args, names: list[str], cfg: Config) -> int:
                 report["scaling_workers"] = rep = _cases.case_scaling_workers(
                     names, source, cfg, args, tmp
                 )
+                workers_title = title.replace(f", {cfg.workers} workers", "")
                 plots.append(
                     (
                         "scaling-workers",
-                        lambda p, t=rep["table"]: _report.plot_scaling(
-                            t,
-                            p,
-                            "scaling with workers: "
-                            + title.replace(f", {cfg.workers} workers", ""),
+                        partial(
+                            _report.plot_scaling,
+                            rep["table"],
+                            title="scaling with workers: " + workers_title,
                         ),
                     )
                 )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +21,9 @@ from ._report import copies_cell, fmt
 from ._timing import Result, run_interleaved, step
 
 
-def case_main(names, source, cfg, args, tmp) -> tuple[dict, list[Result]]:
+def case_main(
+    names: list[str], source: Source, cfg: Config, args: argparse.Namespace, tmp: Path
+) -> tuple[dict[str, Any], list[Result]]:
     results = run_interleaved(names, source, cfg)
     if not args.no_memory:
         measure_memory(names, source, cfg, args.probe_mb, tmp, results)
@@ -31,7 +35,7 @@ def case_main(names, source, cfg, args, tmp) -> tuple[dict, list[Result]]:
     }, results
 
 
-def _sizes(epoch: dict, bs: int) -> list[int]:
+def _sizes(epoch: dict[str, Any], bs: int) -> list[int]:
     n, k = epoch["images"], len(epoch["batch_ms"])
     return [bs] * (k - 1) + [n - bs * (k - 1)]
 
@@ -49,11 +53,13 @@ def _line(name: str, ms: list[float], base: float | None, first: str) -> tuple[f
     )
 
 
-def case_batch100(names, source, cfg, args) -> dict:
+def case_batch100(
+    names: list[str], source: Source, cfg: Config, args: argparse.Namespace
+) -> dict[str, Any]:
     """A batch of 100: steady stream with workers, and in-process (no workers) latency."""
     cfg100 = Config(**{**asdict(cfg), "batch_size": 100})
     streamed = run_interleaved(names, source, cfg100)
-    out: dict = {"streamed": {}, "in_process": {}}
+    out: dict[str, dict[str, Any]] = {"streamed": {}, "in_process": {}}
     print(f"\nbatch of 100, {cfg.workers} workers (interval between batches, full batches only):")
     base = None
     for r in streamed:
@@ -110,8 +116,10 @@ def worker_counts(cores: int) -> list[int]:
     return counts + [cores]
 
 
-def case_scaling_workers(names, source, cfg, args, tmp) -> dict:
-    table: dict[str, list[dict]] = {n: [] for n in names}
+def case_scaling_workers(
+    names: list[str], source: Source, cfg: Config, args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    table: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     ws = worker_counts(cfg.workers)
     for w in ws:
         cw = Config(**{**asdict(cfg), "workers": w})
@@ -166,7 +174,7 @@ def _evict(files: list[Path]) -> bool:
     return True
 
 
-def case_scaling_size(source, args, tmp) -> dict:
+def case_scaling_size(source: Source, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Store build, save and open time for data sets of about each size, on disk."""
     from ..node._jpegcache import JpegCache
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
 
 CROP = 224
 #: ImageNet's per-channel mean and std: the Normalize of the README's pipeline (``--normalize``)
@@ -30,7 +34,7 @@ class Source:
     samples: list[tuple[str, int]]
     classes: list[str]
     store: str | None = None  # a saved store of exactly these samples (file-backed contenders)
-    info: dict = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -42,7 +46,7 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def progress(total: int, desc: str):
+def progress(total: int, desc: str) -> tqdm | None:
     """A tqdm bar on a terminal; None (plain status lines instead) otherwise."""
     if not sys.stderr.isatty():
         return None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -33,6 +33,7 @@ from ._common import CROP, MEAN, STD, Config, Source
 
 if TYPE_CHECKING:
     from ..node._jpegcache import JpegCache
+    from ..transforms import Transform
 
 GPU_BACKENDS = ("nvjpeg", "dali")
 
@@ -132,7 +133,7 @@ CONTENDERS = {
 }
 
 
-def tv_transform(pipeline: str, *, pil: bool, normalize: bool = False):
+def tv_transform(pipeline: str, *, pil: bool, normalize: bool = False) -> Callable[[Any], Any]:
     """The torchvision v2 transforms of the DataLoader contenders (uint8 out; with
     ``normalize``, float32 out of ToDtype + Normalize, run in the DataLoader's workers)."""
     import torch
@@ -145,16 +146,17 @@ def tv_transform(pipeline: str, *, pil: bool, normalize: bool = False):
     ops += [v2.PILToTensor()] if pil else []
     if normalize:
         ops += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]
-    return v2.Compose(ops)
+    composed: Callable[[Any], Any] = v2.Compose(ops)  # torchvision has no annotations
+    return composed
 
 
-def gc_transform(pipeline: str, normalize: bool = False) -> list:
+def gc_transform(pipeline: str, normalize: bool = False) -> list[Transform]:
     """The same pipeline in gpucache's transforms (uint8 out; with ``normalize``, float32 out
     of Normalize, as the README's example ends)."""
     from .. import transforms as T
 
     if pipeline == "train":
-        ops = [T.RandomResizedCrop(CROP), T.RandomHorizontalFlip()]
+        ops: list[Transform] = [T.RandomResizedCrop(CROP), T.RandomHorizontalFlip()]
     else:
         ops = [T.Resize(256), T.CenterCrop(CROP)]
     return ops + ([T.Normalize(MEAN, STD)] if normalize else [])
@@ -169,7 +171,7 @@ class NoRoi:
     """worker_init_fn that takes ROI decode away in the worker (its region decoder chooser
     patched to find none), then runs ``inner``."""
 
-    def __init__(self, inner=None):
+    def __init__(self, inner: Callable[[int], None] | None = None) -> None:
         self.inner = inner
 
     def __call__(self, worker_id: int) -> None:
@@ -180,13 +182,13 @@ class NoRoi:
             self.inner(worker_id)
 
 
-class ListOfBytes(Dataset):
+class ListOfBytes(Dataset[tuple[Any, int]]):
     """The usual home-made RAM cache: a Python list of each file's bytes, decoded on access.
 
     Decodes with the same libjpeg-turbo call as gpucache's cpu backend (PIL for non-JPEG), so the
     comparison is about how the bytes are held and moved, not about the decoder."""
 
-    def __init__(self, samples: list[tuple[str, int]], transform):
+    def __init__(self, samples: list[tuple[str, int]], transform: Callable[[Any], Any]) -> None:
         self.items = [Path(p).read_bytes() for p, _ in samples]
         self.targets = [int(label) for _, label in samples]
         self.transform = transform
@@ -194,7 +196,7 @@ class ListOfBytes(Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> tuple[Any, int]:
         import torch
 
         from ..decode._jpeg import decode_jpeg
@@ -217,7 +219,7 @@ class ListOfBytes(Dataset):
 class Runner:
     """One contender's data set or store, its loader, and what an epoch must give."""
 
-    def __init__(self, contender: Contender, source: Source, cfg: Config):
+    def __init__(self, contender: Contender, source: Source, cfg: Config) -> None:
         self.c, self.source, self.cfg = contender, source, cfg
         self.loader: Any = None  # a DataLoader or a GpuCachedLoader, once made
         self.data: Any = None  # a DataLoader contender's data set
@@ -273,7 +275,11 @@ class Runner:
         return time.perf_counter() - t0
 
     def make_loader(
-        self, *, batch_size: int | None = None, workers: int | None = None, worker_init_fn=None
+        self,
+        *,
+        batch_size: int | None = None,
+        workers: int | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
     ) -> None:
         import torch
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 from ._common import Source, say
 
@@ -33,12 +35,12 @@ def _export_store(store: Path, tmp: Path) -> Path:
     return root
 
 
-def prepare_source(args, tmp: Path, need_store: bool) -> Source:
+def prepare_source(args: argparse.Namespace, tmp: Path, need_store: bool) -> Source:
     """The run's Source; with ``need_store``, a saved store of it in ``tmp`` (build/save timed)."""
     from ..ingest._build import scan_folder
 
     t0 = time.perf_counter()
-    info: dict = {}
+    info: dict[str, Any] = {}
     store = None
     if args.synthetic:
         root = synthetic_folder(args.synthetic, args.seed)

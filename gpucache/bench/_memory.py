@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -72,7 +73,7 @@ def probe_main(spec_path: str) -> int:
     return 0
 
 
-def malloc_trim(*_) -> None:
+def malloc_trim(*_: object) -> None:
     """Give free heap pages back to the OS (glibc), so freed decode buffers do not count."""
     import ctypes
 
@@ -82,7 +83,7 @@ def malloc_trim(*_) -> None:
         pass
 
 
-def _collect_and_trim(*_) -> None:
+def _collect_and_trim(*_: object) -> None:
     """A full garbage collection, then malloc_trim: the steady state a long run reaches.
 
     A forked worker's first full collection writes into the header of every object it inherited,
@@ -98,7 +99,7 @@ def _on_signal(worker_id: int) -> None:
     signal.signal(signal.SIGUSR1, _collect_trim_and_ack)
 
 
-def _collect_trim_and_ack(*_) -> None:
+def _collect_trim_and_ack(*_: object) -> None:
     """In a worker: collect and trim, then say so with a file named by its pid in ``ACK_ENV``."""
     _collect_and_trim()
     Path(os.environ[ACK_ENV], str(os.getpid())).touch()
@@ -171,7 +172,7 @@ def _probe_sources(
     return out
 
 
-def _run_probe(contender: str, src: Source, cfg: Config, tmp: Path, epochs: int) -> dict:
+def _run_probe(contender: str, src: Source, cfg: Config, tmp: Path, epochs: int) -> dict[str, Any]:
     spec = tmp / f"probe-{contender}-{len(src.samples)}.json"
     spec.write_text(
         json.dumps(
@@ -200,7 +201,8 @@ def _run_probe(contender: str, src: Source, cfg: Config, tmp: Path, epochs: int)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise BenchError(f"memory probe of {contender} failed (exit {proc.returncode}): {tail}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    reading: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return reading
 
 
 def measure_memory(

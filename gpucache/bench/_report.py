@@ -8,6 +8,8 @@ import os
 import platform
 import subprocess
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +41,7 @@ def source_commit(root: Path = SOURCE_ROOT) -> str | None:
         return None
 
 
-def machine_info() -> dict:
+def machine_info() -> dict[str, Any]:
     import multiprocessing as mp
 
     import psutil
@@ -57,13 +59,13 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    versions = {}
+    versions: dict[str, str | None] = {}
     for mod in ("torch", "torchvision", "torchcodec", "numpy", "PIL"):
         try:
             versions[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             versions[mod] = None
-    info = {
+    info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": model,
         "cores": os.cpu_count(),
@@ -87,7 +89,7 @@ def machine_info() -> dict:
     return info
 
 
-def fmt(x, spec: str, dash: str = "-") -> str:
+def fmt(x: float | None, spec: str, dash: str = "-") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return dash
     return format(x, spec).replace("-0.00", "0.00")  # no "negative zero" copies
@@ -143,7 +145,7 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines + [f"  {n}" for n in notes])
 
 
-def header(source: Source, cfg: Config, machine: dict) -> str:
+def header(source: Source, cfg: Config, machine: dict[str, Any]) -> str:
     i = source.info
     return (
         f"{i['images']} images ({i['bytes'] / 2**20:,.1f} MiB, {i['classes']} classes) from "
@@ -154,7 +156,7 @@ def header(source: Source, cfg: Config, machine: dict) -> str:
     )
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     try:
         import matplotlib
     except ImportError as err:
@@ -214,7 +216,7 @@ def plot_main(results: list[Result], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def plot_scaling(table: dict, path: Path, title: str) -> None:
+def plot_scaling(table: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
     plt = _pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, rows in table.items():

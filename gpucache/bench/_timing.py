@@ -8,7 +8,9 @@ and every epoch's label counts must equal the data set's, so what is timed is wh
 from __future__ import annotations
 
 import time
+from collections.abc import Sized
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -24,12 +26,12 @@ class Result:
     setup_s: float | None = None
     first_batch_s: float | None = None
     warmup_s: float | None = None
-    epochs: list[dict] = field(default_factory=list)
-    memory: dict | None = None
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    memory: dict[str, Any] | None = None
     error: str | None = None
 
-    def summary(self) -> dict:
-        out: dict = {}
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         if self.epochs:
             rates = [e["img_s"] for e in self.epochs]
             lat = np.concatenate([e["batch_ms"] for e in self.epochs])
@@ -49,7 +51,7 @@ def _error(err: Exception) -> str:
     return f"{type(err).__name__}: {err}".splitlines()[0][:200]
 
 
-def check_batch(r: Runner, images, labels) -> int:
+def check_batch(r: Runner, images: object, labels: Sized) -> int:
     """The batch's size; BenchError unless it is uint8 (float32 with ``--normalize``)
     (n, 3, 224, 224) on r's device."""
     import torch
@@ -74,7 +76,7 @@ def check_batch(r: Runner, images, labels) -> int:
     return n
 
 
-def epoch(r: Runner) -> dict:
+def epoch(r: Runner) -> dict[str, Any]:
     """One full pass; every batch checked, label counts compared with the data set's."""
     import torch
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ DESCRIPTION = (
 )
 
 
-def _build(args) -> int:
+def _build(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         cache = _build_cli.store_from_args(args, JpegCache)
@@ -62,7 +63,7 @@ def _build(args) -> int:
     return 0
 
 
-def _info(args) -> int:
+def _info(args: argparse.Namespace) -> int:
     cache = JpegCache.open(args.file)
     values, counts = np.unique(cache.samples["kind"], return_counts=True)
     kinds = {Kind(int(v)).name: int(c) for v, c in zip(values, counts)}
@@ -126,7 +127,7 @@ def _info(args) -> int:
     return 0
 
 
-def _verify(args) -> int:
+def _verify(args: argparse.Namespace) -> int:
     from . import _checks as verify
 
     t0 = time.perf_counter()
@@ -135,11 +136,11 @@ def _verify(args) -> int:
     checked = "checksums ok" if not problems else f"{len(problems)} checksum problem(s)"
     decoded = ""
     if args.decode:
-        warned: list = []
+        warned: list[verify.Problem] = []
         failed = verify.check_decodes(cache, threads=args.num_threads, warned=warned)
         problems += failed
         decoded = f"; {len(cache) - len(failed)} of {len(cache)} samples decode"
-        for w in sorted(warned, key=lambda w: w.index):
+        for w in sorted(warned, key=lambda w: -1 if w.index is None else w.index):
             print(f"{args.file}: {w}", file=sys.stderr)
         if warned:
             decoded += f" ({len(warned)} with corrupt data that libjpeg decoded anyway)"
@@ -273,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(message)s", level=logging.WARNING)
     args = make_parser().parse_args(argv)
     try:
-        return args.func(args)
+        command: Callable[[argparse.Namespace], int] = args.func
+        return command(args)
     except (GpucacheError, OSError) as err:  # says what, where and the fix
         why = err.strerror if isinstance(err, OSError) and err.strerror else err
         print(f"gpucache {args.command}: {why}", file=sys.stderr)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..ingest._options import check_on_error
+from ..node._jpegcache import JpegCache
 from ..store._limits import DEFAULT_MAX_PIXELS
 
 ON_ERROR_FLAG = "--on-error"  # on_error= in Python
@@ -132,7 +133,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def store_from_args(args, cls):
+def store_from_args(args: argparse.Namespace, cls: type[JpegCache]) -> JpegCache | None:
     """The store ``gpucache build`` ARGS name; None when they name no input."""
     kw = dict(
         on_error=args.on_error,

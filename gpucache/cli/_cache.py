@@ -48,7 +48,7 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
 
-def _folder(args) -> Path | int:
+def _folder(args: argparse.Namespace) -> Path | int:
     """The checked folder, or the exit status: 0 (no folder: nothing to do), 2 (refused)."""
     folder = Path(args.dir) if args.dir else default_dir()
     if not folder.exists():
@@ -61,7 +61,7 @@ def _folder(args) -> Path | int:
         return 2
 
 
-def _list(args) -> int:
+def _list(args: argparse.Namespace) -> int:
     folder = _folder(args)
     if isinstance(folder, int):
         return folder
@@ -75,7 +75,7 @@ def _list(args) -> int:
     return 0
 
 
-def _clean(args) -> int:
+def _clean(args: argparse.Namespace) -> int:
     if not (args.all or args.older_than is not None or args.max_size is not None):
         print(
             "gpucache cache clean: say what to remove: --older-than AGE, --max-size SIZE or "
@@ -108,7 +108,7 @@ def _clean(args) -> int:
     return 0
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("cache", help="list or clean the node cache's stores")
     csub = p.add_subparsers(dest="cache_command", required=True)
     for name, func, text in (

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +23,10 @@ from ..base._threads import ordered_map
 from ..store import _checksum
 from ..store._format import SAMPLE_CRC
 from ..store._oom import BUILD_FIX, raise_if_out_of_memory
+from ..store._store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 DECODE_CHUNK = 64  # samples per decode task
 
@@ -39,15 +44,21 @@ class Problem:
         return f"{where}: {self.reason}"
 
 
-def _bar(total: int, desc: str, unit: str, progress: bool, **kw):
+def _bar(total: int, desc: str, unit: str, progress: bool, **kw: Any) -> tqdm:
     return tqdm(
         total=total, desc=desc, unit=unit, disable=None if progress else True, leave=False, **kw
     )
 
 
-def check_checksums(cache, *, threads: int | None = None, progress: bool = True) -> list[Problem]:
+def check_checksums(
+    cache: Store, *, threads: int | None = None, progress: bool = True
+) -> list[Problem]:
     """Problems found by the stored checksums: per sample where the store has them."""
     parsed = cache._file
+    if parsed is None:  # built in memory: no stored checksum to compare with
+        raise ValueError(
+            "the checksums are those of a saved store: save it, then check JpegCache.open(path)"
+        )
     stored = parsed.extra.get(SAMPLE_CRC)
     if stored is None:
         with _bar(cache.nbytes, "checksum", "B", progress, unit_scale=True) as bar:
@@ -81,7 +92,7 @@ def check_checksums(cache, *, threads: int | None = None, progress: bool = True)
     ]
 
 
-def _decode_noting(cache, i: int, k: int):
+def _decode_noting(cache: Store, i: int, k: int) -> tuple[torch.Tensor, str | None]:
     """Sample ``i`` decoded in full by the route the loader takes, and libjpeg's warning about it
     (corrupt data decoded anyway) or None. Through the compiled decoder where it takes the
     sample, which hands the warning back instead of printing it unattributed on stderr: from its
@@ -117,7 +128,11 @@ def _decode_noting(cache, i: int, k: int):
 
 
 def check_decodes(
-    cache, *, threads: int | None = None, progress: bool = True, warned: list[Problem] | None = None
+    cache: Store,
+    *,
+    threads: int | None = None,
+    progress: bool = True,
+    warned: list[Problem] | None = None,
 ) -> list[Problem]:
     """Problems found by decoding every sample in full (and checking its size). Samples that
     decode with a libjpeg warning (corrupt data decoded anyway) are appended to ``warned``."""
@@ -154,7 +169,9 @@ def check_decodes(
     return found
 
 
-def check_masks(cache, *, threads: int | None = None, progress: bool = True) -> list[Problem]:
+def check_masks(
+    cache: Store, *, threads: int | None = None, progress: bool = True
+) -> list[Problem]:
     """Problems found by decoding every mask in full: each must decode to the kind, height and
     width its record (``masks.info``) states. The mask bytes' section CRC is checked at open."""
     from ..ingest._masks import decode_mask
@@ -162,6 +179,8 @@ def check_masks(cache, *, threads: int | None = None, progress: bool = True) -> 
     from ..store._png import check_stored
 
     masks = cache.masks
+    if masks is None:  # no masks, no mask problems
+        return []
     n = len(masks)
     paths = cache.paths
 
