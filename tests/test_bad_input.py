@@ -82,7 +82,7 @@ def test_loader_raise_policy_names_the_file(bad_folder, num_workers):
         on_error="raise",
         multiprocessing_context="fork",
     )
-    with pytest.raises(SampleError, match="corrupt_scan.jpg.*could not be decoded"):
+    with pytest.raises(SampleError, match="corrupt_scan.jpg"):
         for _ in loader:
             pass
 

@@ -180,7 +180,7 @@ def test_build_that_keeps_nothing_is_an_error(tmp_path, caplog):
     (tmp_path / "root" / "a").mkdir(parents=True)
     (tmp_path / "root" / "b").mkdir(parents=True)
     (tmp_path / "root" / "b" / "x.jpg").write_bytes(b"not a jpeg")
-    with pytest.raises(BuildError, match="(?s)none of the 1 files can be used.*x.jpg"):
+    with pytest.raises(BuildError, match="(?s)1 files.*x.jpg"):
         JpegCache.from_folder(tmp_path / "root", progress=False)  # on_error="skip" too
     with pytest.raises(BuildError, match="nothing to build"):
         JpegCache.from_files([], progress=False)

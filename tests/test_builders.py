@@ -88,7 +88,7 @@ def test_the_options_that_change_the_store_are_the_keyed_ones():
 def test_on_error_is_checked_once_in_the_words_of_the_caller(tmp_path, capsys):
     from gpucache.cli import main
 
-    with pytest.raises(ValueError, match=r"on_error must be .* pass on_error='skip'"):
+    with pytest.raises(ValueError, match="on_error='skip'"):
         JpegCache.from_files([tmp_path / "a.jpg"], on_error="ignore")  # type: ignore[arg-type]
     with pytest.raises(SystemExit):
         main(["build", str(tmp_path), "-o", str(tmp_path / "s"), "--on-error", "ignore"])

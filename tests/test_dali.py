@@ -176,7 +176,7 @@ def test_raise_policy_names_the_file(bad):
     idx = np.array([good[0], corrupt, good[1]])
     be = backend(bad, on_error="raise")
     be.submit(idx, plans_for(bad, idx, T.Compose([T.Resize((16, 16))])), True)
-    with pytest.raises(SampleError, match="corrupt_scan.jpg.*could not be decoded"):
+    with pytest.raises(SampleError, match="corrupt_scan.jpg"):
         be.get()
     assert len(be) == 0  # and the backend still works afterwards
     ok = np.array(good)

@@ -188,7 +188,7 @@ def test_a_folder_it_cannot_write_falls_back(cache, tmp_path):
     with loader:
         assert loader.tier == "raw" and str(ro) in loader.tier_reason
         assert sum(len(y) for _, y in loader) == len(cache) // 2
-    with pytest.warns(RuntimeWarning, match="held in this process's memory instead"):
+    with pytest.warns(RuntimeWarning, match="memory"):
         alone = GpuCachedLoader(cache, **kw)  # one process, no workers: in memory
     with alone:
         assert alone.tier == "decoded" and alone._tier.pixels.path is None

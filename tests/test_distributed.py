@@ -330,8 +330,7 @@ def test_a_killed_builder_blocks_no_one_and_a_stuck_one_times_out(tmp_path):
         start = time.monotonic()
         with pytest.raises(
             TimeoutError,
-            match=r"no progress for 1 s from another process "
-            r"\(pid stuck\), which holds .*stuck.lock",
+            match=r"no progress for 1 s.*\(pid stuck\).*stuck.lock",
         ):
             with NodeLock(lock, cdir / "stuck.gpucache", 1.0):
                 pass

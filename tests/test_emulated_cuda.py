@@ -88,9 +88,7 @@ def test_unindexed_device_follows_set_device(cache):
         backend.submit(np.arange(4), _plans(cache, np.arange(4)), stack=True)
         assert backend.get().images.device == torch.device("cuda", 1)
         backend.close()
-        with pytest.raises(
-            ValueError, match="decodes to cuda:0, but the backend's device is cuda:1"
-        ):
+        with pytest.raises(ValueError, match="cuda:0.*cuda:1"):
             NvjpegBackend(
                 cache,
                 options=DecodeOptions(on_error="raise"),

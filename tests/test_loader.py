@@ -141,7 +141,7 @@ def test_state_dict_resumes_mid_epoch(cache):
     assert head + rest_order == full_order
     assert torch.equal(torch.cat([x for x, _, _ in first] + [rest_images]), full_images)
     smaller = JpegCache.from_files(list(cache.paths)[:10], progress=False)
-    with pytest.raises(ValueError, match="samples=40, this loader has 10"):
+    with pytest.raises(ValueError, match="samples=40.* 10"):
         GpuCachedLoader(smaller, **kw).load_state_dict(state)
     with pytest.raises(ValueError, match="shuffle"):
         GpuCachedLoader(cache, **{**kw, "shuffle": False}).load_state_dict(state)
@@ -266,7 +266,7 @@ def test_ranks_that_could_disagree_on_the_order_are_an_error(cache, monkeypatch)
     loader = GpuCachedLoader(cache, batch_size=2, shuffle=True)  # no process group: 1 rank
     assert (loader.num_replicas, loader.rank) == (1, 0)
     monkeypatch.setenv("WORLD_SIZE", "2")  # launched, but no process group initialised
-    with pytest.warns(UserWarning, match="WORLD_SIZE=2 but no torch.distributed process group"):
+    with pytest.warns(UserWarning, match="WORLD_SIZE=2.*process group"):
         GpuCachedLoader(cache, batch_size=2, shuffle=True)
 
 
@@ -378,8 +378,7 @@ def test_a_closed_loader_refuses_to_iterate_and_starts_no_workers(cache):
     before = _children()
     with pytest.raises(
         RuntimeError,
-        match=r"closed \(close\(\) was called.*"
-        r"Make a new GpuCachedLoader",
+        match=r"close\(\).*Make a new GpuCachedLoader",
     ):
         next(iter(loader))
     assert loader.worker_pids == [] and _children() - before == set()
@@ -439,7 +438,7 @@ def test_hung_worker_times_out(cache):
     os.kill(loader.worker_pids[0], signal.SIGSTOP)
     try:
         start = time.monotonic()
-        with pytest.raises(WorkerError, match="no batch within timeout=2"):
+        with pytest.raises(WorkerError, match="timeout=2"):
             for _ in it:
                 pass
         assert time.monotonic() - start < 10

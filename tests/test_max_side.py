@@ -83,7 +83,7 @@ def test_max_side_with_restart_markers_and_the_cli(folder, tmp_path):
         assert (_roi_rst.intervals(both) > 0).sum() >= 6 and int(resized(both).sum()) == 6
     plain = JpegCache.from_folder(root, progress=False)
     assert resized(plain) is None and max_side_of(plain) is None
-    with pytest.raises(ValueError, match="max_side must be a positive"):
+    with pytest.raises(ValueError, match="max_side"):
         JpegCache.from_folder(root, progress=False, max_side=0)
 
 
@@ -177,5 +177,5 @@ def test_jpeg_quality_with_max_side_the_cli_and_other_sources(folder, tmp_path, 
         ).tolist()
     )
     for bad in (0, 101, 9.5, True):
-        with pytest.raises(ValueError, match="jpeg_quality must be an integer from 1 to 100"):
+        with pytest.raises(ValueError, match="jpeg_quality.*1 to 100"):
             JpegCache.from_folder(root, progress=False, jpeg_quality=bad)

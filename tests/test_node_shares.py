@@ -219,7 +219,7 @@ def test_a_node_with_nothing_to_hold_says_so(tmp_path):
     for i in range(2):
         (root / f"c{i}").mkdir(parents=True)
         (root / f"c{i}" / "x.jpg").write_bytes(make_jpeg_bytes(16, 16, seed=i))
-    with pytest.raises(ShareError, match="node 2 of 3: its share of the 2 samples listed is empty"):
+    with pytest.raises(ShareError, match="node 2 of 3.* 2 samples.*empty"):
         build(root, 3, 2, tmp_path)
 
 

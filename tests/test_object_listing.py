@@ -187,7 +187,7 @@ def test_a_paginator_that_never_ends_is_stopped(server, tmp_path, monkeypatch):
     monkeypatch.setattr(_pages, "MAX_OBJECTS", 5_000)
     endless = VirtualFolder("lst", "endless", None)
     server.answer(endless, endless.matches, bucket=BUCKET)
-    with pytest.raises(ObjectStoreError, match=r"s3://lst/endless/.*passed 5,000 objects"):
+    with pytest.raises(ObjectStoreError, match=r"s3://lst/endless/.*5,000"):
         JpegCache.from_folder("s3://lst/endless/", cache_dir=tmp_path, progress=False)
     assert server.lists(BUCKET) <= 8  # the class folders, then 5 pages of 1,000 (and the 6th)
 

@@ -304,9 +304,7 @@ def test_objects_rewritten_during_the_build_stop_it(s3, tmp_path):
 
     with server.faulty():
         server.fail("hook", "/bkt/chg/c/0.jpg", times=1, hook=rewrite)
-        with pytest.raises(
-            ObjectStoreError, match=r"changed while they were fetched.*changed s3://bkt/chg/c/2.jpg"
-        ):
+        with pytest.raises(ObjectStoreError, match=r"changed.*s3://bkt/chg/c/2.jpg"):
             JpegCache.from_folder(
                 "s3://bkt/chg/", cache_dir=tmp_path, progress=False, requests_in_flight=1
             )
@@ -317,17 +315,13 @@ def test_objects_rewritten_during_the_build_stop_it(s3, tmp_path):
 
 def test_missing_and_denied_buckets_are_clear_errors(s3, tmp_path, fast_retries):
     server = s3["server"]
-    with pytest.raises(
-        ObjectStoreError, match=r"bucket s3://nobucket does not exist.*AWS_ENDPOINT_URL"
-    ):
+    with pytest.raises(ObjectStoreError, match=r"s3://nobucket.*AWS_ENDPOINT_URL"):
         JpegCache.from_folder("s3://nobucket/train/", cache_dir=tmp_path, progress=False)
     with server.faulty():
         server.fail(
             "status", lambda p: p.rstrip("/") == "/bkt", times=None, status=403, code="AccessDenied"
         )
-        with pytest.raises(
-            ObjectStoreError, match=r"access to the bucket s3://bkt was denied.*AWS_ACCESS_KEY_ID"
-        ):
+        with pytest.raises(ObjectStoreError, match=r"s3://bkt.*denied.*AWS_ACCESS_KEY_ID"):
             JpegCache.from_folder("s3://bkt/train/", cache_dir=tmp_path, progress=False)
     with server.faulty():  # listing allowed, every read denied: stop early, not 12 bad samples
         server.fail("status", "/bkt/train/", times=None, status=403, code="AccessDenied")
@@ -337,7 +331,7 @@ def test_missing_and_denied_buckets_are_clear_errors(s3, tmp_path, fast_retries)
             JpegCache.from_folder("s3://bkt/train/", cache_dir=tmp_path, progress=False)
     with pytest.raises(ValueError, match="as a string: 's3://bkt/train'"):
         JpegCache.from_folder(Path("s3://bkt/train"), progress=False)
-    with pytest.raises(ValueError, match=r"http:// is not a source gpucache reads.*s3://"):
+    with pytest.raises(ValueError, match=r"http://.*s3://"):
         JpegCache.from_folder("http://example.invalid/train/", progress=False)  # nothing sent
     try:
         import gcsfs  # noqa: F401

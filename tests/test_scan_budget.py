@@ -84,7 +84,7 @@ def test_decode_guard_holds_a_stored_sample_to_the_work_budget(tmp_path):
     opened = JpegCache.open(tmp_path / "s.gpucache")
     check_pixels(opened, 1)
     for guarded in (check_pixels, decode_sample):
-        with pytest.raises(ValueError, match="JPEG whose 14 scans cost .* decoding work"):
+        with pytest.raises(ValueError, match="14 scans"):
             guarded(opened, 0)
     assert decode_sample(opened, 1).shape == (3, 32, 48)
 

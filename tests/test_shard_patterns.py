@@ -62,7 +62,7 @@ def test_brace_ranges_alternatives_and_globs_expand_for_local_paths(shards):
 def test_a_pattern_that_matches_nothing_names_it(shards, tmp_path):
     folder, _ = shards
     for pattern in (f"{folder}/test-*.tar", f"{folder}/test-{{000..003}}.tar"):
-        with pytest.raises(FileNotFoundError, match="no file matches the shard pattern") as err:
+        with pytest.raises(FileNotFoundError, match="no file matches") as err:
             JpegCache.from_webdataset(pattern, progress=False)
         assert repr(pattern) in str(err.value)
     # a range that runs past the last shard: the missing one is a shard the report names

@@ -209,7 +209,7 @@ def test_scans_are_counted_without_decoding():
     Image.new("RGB", (1024, 1024), (90, 140, 200)).save(buf, "JPEG", progressive=True)
     hostile = memoryview(extra_scans(buf.getvalue(), 20_000))
     t = time.process_time()
-    with pytest.raises(SniffError, match="scan 11 codes again"):
+    with pytest.raises(SniffError, match="scan 11 "):
         sniff(hostile)
     assert time.process_time() - t < 0.1
 
@@ -237,7 +237,7 @@ def test_decode_guard_counts_the_scans_of_the_stored_bytes():
     )
     check_pixels(cache, 0)
     for guarded in (check_pixels, decode_sample):
-        with pytest.raises(ValueError, match="scan 11 codes again"):
+        with pytest.raises(ValueError, match="scan 11 "):
             guarded(uncounted, 0)
 
 

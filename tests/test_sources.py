@@ -174,7 +174,7 @@ def test_from_hf_takes_bytes_as_stored(blobs, tmp_path):
 
     on_disk = datasets.load_from_disk(str(saved))  # memory-mapped Arrow files
     assert _stored(JpegCache.from_hf(on_disk, progress=False)) == blobs
-    with pytest.raises(ValueError, match="no column 'img'"):
+    with pytest.raises(ValueError, match="'img'"):
         JpegCache.from_hf(ds, image_column="img", progress=False)
 
 

@@ -185,7 +185,7 @@ def test_a_negative_ragged_offset_edited_into_the_file_is_refused(cache, tmp_pat
             good.read_bytes(), "targets_ragged.offsets", data=_negative(_ragged_offsets()).tobytes()
         )
     )
-    with pytest.raises(CacheFormatError, match="sample 2 goes from row 4 to -4"):
+    with pytest.raises(CacheFormatError, match="sample 2 .*4 .*-4"):
         JpegCache.open(bad)
     assert main(["verify", str(bad)]) == 2
 
@@ -205,7 +205,7 @@ def test_checksums_of_another_type_edited_into_the_file_are_refused(cache, tmp_p
 def test_an_in_memory_store_with_a_bad_section_is_refused_before_it_is_saved(cache):
     with pytest.raises(ValueError, match=r"'targets' .* holds <f4 \(2, 3\).*with_targets"):
         cache._replace(extra={"targets": np.zeros((2, 3), np.float32)})
-    with pytest.raises(ValueError, match="'resized.args' is present without 'resized'"):
+    with pytest.raises(ValueError, match="'resized.args'.*without 'resized'"):
         cache._replace(extra={"resized.args": np.array([64, 90])})
     ok = with_targets(cache, targets=np.ones(N), ragged=[np.zeros((i, 4)) for i in range(N)])
     assert ok.extra["targets"].shape == (N, 1)

@@ -151,8 +151,7 @@ def test_stopped_worker_is_an_error_within_the_timeout(cache, through_the_socket
         start = time.monotonic()
         with pytest.raises(
             WorkerError,
-            match=rf"worker 0 \(pid {pid}\) returned no batch within "
-            r"timeout=2s while decoding samples \[",
+            match=rf"worker 0 \(pid {pid}\).*timeout=2s.*samples \[",
         ):
             next(it)
         # the timeout, then close(): a stopped worker needs the SIGKILL step (2 x 0.25 s grace)
@@ -169,8 +168,7 @@ def test_worker_killed_mid_send_names_worker_pid_and_samples(cache, through_the_
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(
         WorkerError,
-        match=rf"worker 0 \(pid {pid}\) was killed by signal SIGKILL "
-        r"while sending its result for samples \[.*\(1000\)",
+        match=rf"worker 0 \(pid {pid}\).*SIGKILL.*samples \[.*\(1000\)",
     ):
         next(it)
     assert loader.worker_pids == []
