@@ -90,3 +90,16 @@ def test_old_store_without_sample_checksums_still_verifies(saved, tmp_path, caps
     _flip(path, cache, 3, 0.5)
     assert main(["verify", "--no-decode", str(path)]) == 1
     assert "data section: data checksum mismatch" in capsys.readouterr().err
+
+
+def test_the_checks_of_a_store_built_in_memory(saved):
+    """A store not yet saved has no stored checksum to compare with: the check says to save it;
+    a store without masks has no mask problems."""
+    from gpucache.cli._checks import check_checksums, check_masks
+
+    cache, path = saved
+    with pytest.raises(ValueError, match=r"save it.*JpegCache\.open"):
+        check_checksums(cache, progress=False)
+    opened = JpegCache.open(path)
+    assert check_checksums(opened, progress=False) == []
+    assert opened.masks is None and check_masks(opened, progress=False) == []
