@@ -81,8 +81,41 @@ def folder(tmp_path_factory):
     return root
 
 
+def _recording_devices(monkeypatch) -> list[str]:
+    """The device of every CUDA call of torchvision's decode_jpeg under gpu_check's emulation,
+    recorded as the calls come."""
+    import torchvision.io
+
+    seen: list[str] = []
+
+    class Recording(EmulatedCuda):
+        def __enter__(self):
+            out = super().__enter__()
+            self.inner = inner = torchvision.io.decode_jpeg
+
+            def decode_jpeg(input, *args, **kwargs):
+                device = torch.device(kwargs.get("device", "cpu"))
+                if device.type == "cuda":
+                    seen.append(str(device))
+                return inner(input, *args, **kwargs)
+
+            torchvision.io.decode_jpeg = decode_jpeg
+            return out
+
+        def __exit__(self, *exc):
+            torchvision.io.decode_jpeg = self.inner
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(gpu_check, "EmulatedCuda", Recording)
+    return seen
+
+
 @pytest.mark.parametrize("device, backend_device", [("cuda", "cuda:0"), ("cuda:1", "cuda:1")])
-def test_emulated_run_writes_every_part(folder, tmp_path, device, backend_device):
+def test_emulated_run_writes_every_part(folder, tmp_path, monkeypatch, device, backend_device):
+    """Every part, and every decoder call of them on one indexed device: torchvision keeps one
+    CUDA decoder and makes a new one, leaking the old, whenever the device it is given differs
+    from the last, so gpucache and gpu_check always pass cuda:N."""
+    seen = _recording_devices(monkeypatch)
     out = tmp_path / "check.json"
     full = device == "cuda"  # the indexed run checks the device handling only, to stay fast
     args = (
@@ -145,6 +178,7 @@ def test_emulated_run_writes_every_part(folder, tmp_path, device, backend_device
     mem = parts["nvjpeg memory"]
     assert mem["ok"] and len(mem["allocated_mib"]) == len(mem["reserved_mib"]) >= 3
     assert mem["reserved_growth_mib"] is not None
+    assert seen and set(seen) == {backend_device}, sorted(set(seen))
 
 
 def test_json_is_written_before_anything_can_crash(tmp_path):
@@ -328,51 +362,6 @@ def test_an_nvjpeg_that_does_not_work_fails_the_env_probe(folder, tmp_path, monk
     assert not r["ok"] and not r["parts"]["env"]["ok"]
     assert not probe["ok"] and "NVJPEG_STATUS_NOT_INITIALIZED" in probe["error"]
     assert probe["asked"] == "cuda:0"
-
-
-def test_every_decoder_call_gets_one_indexed_device(folder, tmp_path, monkeypatch):
-    """torchvision keeps one CUDA decoder and makes a new one, leaking the old, whenever the
-    device it is given differs from the last: gpucache and gpu_check always pass cuda:N."""
-    import torchvision.io
-
-    seen = []
-
-    class Recording(EmulatedCuda):
-        def __enter__(self):
-            out = super().__enter__()
-            self.inner = inner = torchvision.io.decode_jpeg
-
-            def decode_jpeg(input, *args, **kwargs):
-                device = torch.device(kwargs.get("device", "cpu"))
-                if device.type == "cuda":
-                    seen.append(str(device))
-                return inner(input, *args, **kwargs)
-
-            torchvision.io.decode_jpeg = decode_jpeg
-            return out
-
-        def __exit__(self, *exc):
-            torchvision.io.decode_jpeg = self.inner
-            return super().__exit__(*exc)
-
-    monkeypatch.setattr(gpu_check, "EmulatedCuda", Recording)
-    out = tmp_path / "check.json"
-    args = ["--device", "cuda"]
-    args += only(
-        "env",
-        "nvjpeg vs cpu",
-        "throughput",
-        "nvjpeg shapes",
-        "nvjpeg fill",
-        "nvjpeg syncs",
-        "decoders",
-    )
-    assert gpu_check.main(FAST + args + ["--folder", str(folder), "--json", str(out)]) == 0
-    assert (
-        "torchvision per-image decode"
-        in json.loads(out.read_text())["parts"]["throughput"]["img_s"]
-    )
-    assert seen and set(seen) == {"cuda:0"}, sorted(set(seen))
 
 
 def _device_command() -> str:
