@@ -380,16 +380,16 @@ def _digests(cache) -> list[str]:
     return [hashlib.sha256(cache[i]).hexdigest() for i in range(len(cache))]
 
 
-@pytest.mark.parametrize("backing", ["file", "shared"])
-def test_bytes_inside_a_spawned_worker_equal_the_files(jpeg_folder, tmp_path, backing):
+def test_bytes_inside_a_spawned_worker_equal_the_files(jpeg_folder, tmp_path):
+    """A store opened from its file and one moved to shared memory, each pickled into the same
+    spawned worker (one interpreter for both)."""
     import hashlib
     import multiprocessing as mp
 
     cache = JpegCache.from_folder(jpeg_folder, progress=False)
-    store = (
-        JpegCache.open(cache.save(tmp_path / "w.gpucache")) if backing == "file" else cache.share()
-    )
+    stores = {"file": JpegCache.open(cache.save(tmp_path / "w.gpucache")), "shared": cache.share()}
+    files = [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in cache.paths]
     with mp.get_context("spawn").Pool(1) as pool:
-        inside = pool.apply(_digests, (store,))
-    assert inside == [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in cache.paths]
+        for backing, store in stores.items():
+            assert pool.apply(_digests, (store,)) == files, backing
     cache.close()
