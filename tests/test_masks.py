@@ -463,23 +463,23 @@ def _mask_digests(store) -> tuple[list[str], bool]:
     )
 
 
-@pytest.mark.parametrize("backing", ["file", "shm"])
-def test_a_spawned_worker_reads_the_masks_from_the_shared_store(tmp_path, backing):
+def test_a_spawned_worker_reads_the_masks_from_the_shared_store(tmp_path):
+    """A store opened from its file and one moved to shared memory, each pickled into the same
+    spawned worker (one interpreter for both)."""
     images, masks = [], []
     for i in range(3):
         _pair(tmp_path, f"{i}.jpg", 20, 30, tmp_path / f"{i}.png", seed=i)
         images.append(tmp_path / f"{i}.jpg")
         masks.append(tmp_path / f"{i}.png")
     cache = JpegCache.from_files(images, masks=masks, progress=False)
-    store = (
-        JpegCache.open(cache.save(tmp_path / "w.gpucache")) if backing == "file" else cache.share()
-    )
-    assert len(pickle.dumps(store)) < 1024  # the store travels as its handle, not its bytes
+    stores = {"file": JpegCache.open(cache.save(tmp_path / "w.gpucache")), "shm": cache.share()}
+    files = [hashlib.sha256(m.read_bytes()).hexdigest() for m in masks]
     with mp.get_context("spawn").Pool(1) as pool:
-        digests, writable = pool.apply(_mask_digests, (store,))
-    assert digests == [hashlib.sha256(m.read_bytes()).hexdigest() for m in masks]
-    assert not writable
-    store.close()
+        for backing, store in stores.items():
+            assert len(pickle.dumps(store)) < 1024, backing  # its handle, not its bytes
+            assert pool.apply(_mask_digests, (store,)) == (files, False), backing  # read-only
+    for store in stores.values():
+        store.close()
 
 
 # ------------------------------------------------------------------ the file format
