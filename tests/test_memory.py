@@ -146,13 +146,13 @@ def copies_held(kind, backing, context, workers, src) -> tuple[float, list[str]]
     return copies, details
 
 
-# Every run covers each start method and each backing once, and the in-memory store under
-# spawn; the rest of the 12-cell matrix (the manual's table) is marked slow: `pytest -m slow
+# Every run covers each backing, a forked and a pickled (spawn) store, and the in-memory store
+# moved into shared memory for spawn workers; forkserver pickles the store as spawn does, so its
+# cells join the rest of the 12-cell matrix (the manual's table), marked slow: `pytest -m slow
 # tests/test_memory.py` measures it (~4 min).
 _QUICK = {
     ("memory", "fork", 2),
     ("memory", "spawn", 2),  # an in-memory store moved into shared memory for spawn workers
-    ("memory", "forkserver", 2),
     ("file", "spawn", 2),
 }
 _MATRIX = [
