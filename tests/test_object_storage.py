@@ -78,7 +78,8 @@ def s3(tmp_path_factory):
             for k, v in server.env(SECRET).items():
                 mp.setenv(k, v)
             fs = s3fs.S3FileSystem(skip_instance_cache=True)
-            fs.mkdir("bkt")
+            if not fs.exists("bkt"):  # moto keeps buckets per process, past a server
+                fs.mkdir("bkt")
             train = make_jpeg_folder(base / "train", 12, classes=("ant", "bee", "cat"), seed=3)
             ddp = base / "ddp"  # one image a class: a label names its sample
             for i in range(8):
