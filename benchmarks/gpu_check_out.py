@@ -5,7 +5,7 @@ part's full traceback, and the stacks of every thread when a part hangs.
 Files (fixed names, a handful, so that a device tool that brings back a few files brings them
 all): ``gpu_check.json`` (results, full tracebacks included), ``gpu_check_system.txt``
 (``nvidia-smi -q``, torch's build configuration), ``gpu_check_errors.txt`` (each failed part's
-traceback), ``gpu_check_stacks.txt`` (all threads' stacks, dumped by :mod:`faulthandler` when a
+traceback), ``gpu_check_stacks.txt`` (all threads' stacks, dumped by a watchdog thread when a
 part runs past its share of the budget by more than :data:`HANG_GRACE_S`, and again every as
 long until it returns). The caller's log (``tee``) and a crash's stacks (``python3 -X
 faulthandler`` under ``timeout -s ABRT``) complete it.
@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,15 +56,41 @@ class Outputs:
     @contextlib.contextmanager
     def watch(self, part: str, seconds: float) -> Iterator[None]:
         """Dump every thread's stack into the stacks file if ``part`` is still running after
-        ``seconds`` + :data:`HANG_GRACE_S`, and again as often, until it returns."""
+        ``seconds`` + :data:`HANG_GRACE_S`, and again as often, until it returns.
+
+        The watchdog is a Python thread that reads the stacks under the GIL
+        (``sys._current_frames``). faulthandler's own watchdog (``dump_traceback_later``) reads
+        them without it and crashed the process (SIGSEGV) in about 3 runs of 10 when a thread
+        started or ended during a dump. A part stuck holding the GIL is left to the crash dump:
+        ``-X faulthandler`` under ``timeout -s ABRT`` prints every thread's stack then."""
+        every = seconds + HANG_GRACE_S
+        done = threading.Event()
         with self.stacks.open("a") as f:
-            f.write(f"===== {part}: stacks dumped if it runs past {seconds + HANG_GRACE_S:.0f} s\n")
+            f.write(f"===== {part}: stacks dumped if it runs past {every:.0f} s\n")
             f.flush()
-            faulthandler.dump_traceback_later(seconds + HANG_GRACE_S, repeat=True, file=f)
+
+            def dump() -> None:
+                while not done.wait(every):
+                    f.write(all_stacks())
+                    f.flush()
+
+            dumper = threading.Thread(target=dump, name=f"gpu_check stacks: {part}", daemon=True)
+            dumper.start()
             try:
                 yield
             finally:
-                faulthandler.cancel_dump_traceback_later()
+                done.set()
+                dumper.join()
+
+
+def all_stacks() -> str:
+    """Every thread's stack, most recent call last, each headed by the thread's name."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        out.append(f"Thread {ident:#x} ({names.get(ident, '?')}), most recent call last:\n")
+        out.extend(traceback.format_stack(frame))
+    return "".join(out)
 
 
 def _run(cmd: list[str], timeout: float = 30.0) -> tuple[int | None, str]:
