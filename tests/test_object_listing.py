@@ -201,15 +201,15 @@ def test_a_paginator_that_repeats_itself_is_stopped_at_once(server, tmp_path):
 
 
 def test_a_listing_costs_bytes_an_object_and_frees_its_pages(server):
-    """Folders of 3,000 and 12,000 objects: a listing keeps its packed arrays and names (28
+    """Folders of 2,000 and 6,000 objects: a listing keeps its packed arrays and names (28
     bytes an object plus the name; the label 8 more), the pages it was made of are gone, and
     each object more raises its peak by about what it keeps (old: 1.2 KB, a dict each)."""
-    sizes = (3_000, 12_000)
-    for n in (*sizes, 1000):
+    sizes = (2_000, 6_000)
+    for n in (*sizes, 500):
         folder = VirtualFolder("lst", f"big{n}", n)
         server.answer(folder, folder.matches, bucket=BUCKET)
     fs = filesystem("s3://lst/", None)
-    _listing.list_folder("s3://lst/big1000/", None, fs)  # the client's own state, made once
+    _listing.list_folder("s3://lst/big500/", None, fs)  # the client's own state, made once
     kept, peak = [], []
     for n in sizes:
         gc.collect()

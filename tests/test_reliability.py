@@ -531,18 +531,18 @@ def _verify(cache) -> list:
 
 @pytest.mark.timeout(120)
 def test_out_of_memory_at_build_and_verify_is_a_memory_error_not_a_bad_sample():
-    # A fresh child process capped 48 MB above what it maps: re-encoding a 9000x9000 PNG (324 MB in
-    # PIL) used to keep the image as it was, unannounced; verifying a 9000x9000 JPEG (243 MB)
+    # A fresh child process capped 48 MB above what it maps: re-encoding a 6000x6000 PNG (144 MB in
+    # PIL) used to keep the image as it was, unannounced; verifying a 6000x6000 JPEG (108 MB)
     # reported the sample as undecodable.
     from gpucache.testing._memory import with_address_space
 
-    png = _flat("PNG", 9000, 9000)
+    png = _flat("PNG", 6000, 6000)
     out, raised = with_address_space(functools.partial(_build_reencoded, png), 48 << 20)
     assert out is None and raised is not None and raised[1], raised  # a MemoryError
-    assert "out of memory re-encoding a 9000x9000 image at build" in raised[2], raised
+    assert "out of memory re-encoding a 6000x6000 image at build" in raised[2], raised
     assert "not a bad sample" in raised[2] and "num_threads=" in raised[2], raised
-    cache = JpegCache.from_files([_flat("JPEG", 9000, 9000)], progress=False).share()
-    # without the cap it decodes (in a child, as the capped run); the image needs 243 MB
+    cache = JpegCache.from_files([_flat("JPEG", 6000, 6000)], progress=False).share()
+    # without the cap it decodes (in a child, as the capped run); the image needs 108 MB
     assert with_address_space(functools.partial(_verify, cache), None) == ([], None)
     out, raised = with_address_space(functools.partial(_verify, cache), 48 << 20)
     assert out is None and raised is not None and raised[1], raised  # a MemoryError
