@@ -110,10 +110,7 @@ class Store:
             if metadata is not None:
                 metadata, rest = (rest[0], rest[1]), rest[2:]
             extra = dict(zip(extra, rest))
-        self._data, self._offsets, self._labels, self._samples = data, offsets, labels, samples
-        self._classes = list(columns.classes)
-        self._paths, self._metadata_table = paths, metadata
-        self._extra = dict(extra)
+        self._hold(Columns(data, offsets, labels, samples, columns.classes, paths, metadata, extra))
         self.report = report
         self.max_pixels = max_pixels
         self._file = _file
@@ -133,16 +130,7 @@ class Store:
     @classmethod
     def _from_parsed(cls: type[S], parsed: _parse.Parsed, max_pixels: int | None) -> S:
         return cls(
-            Columns(
-                data=parsed.data,
-                offsets=parsed.offsets,
-                labels=parsed.labels,
-                samples=parsed.samples,
-                classes=parsed.classes,
-                paths=parsed.paths,
-                metadata=parsed.metadata,
-                extra=_user_sections(parsed.extra),
-            ),
+            _parsed_columns(parsed),
             report=_report.read_report(parsed.extra, parsed._name),
             max_pixels=max_pixels,
             _file=parsed,
@@ -371,14 +359,21 @@ class Store:
         fd, kept = _shm.create(size, lambda f: _format.write(f, columns))
         return fd, kept, size
 
-    def _adopt(self, parsed: _parse.Parsed) -> None:
-        self._data, self._offsets, self._labels = parsed.data, parsed.offsets, parsed.labels
-        self._samples, self._paths, self._metadata_table = (
-            parsed.samples,
-            parsed.paths,
-            parsed.metadata,
+    def _hold(self, columns: Columns) -> None:
+        """Hold ``columns`` as this store's arrays (checked and read-only already)."""
+        c = columns
+        self._data, self._offsets, self._labels, self._samples = (
+            c.data,
+            c.offsets,
+            c.labels,
+            c.samples,
         )
-        self._extra = _user_sections(parsed.extra)
+        self._classes = list(c.classes)
+        self._paths, self._metadata_table = c.paths, c.metadata
+        self._extra = dict(c.extra)
+
+    def _adopt(self, parsed: _parse.Parsed) -> None:
+        self._hold(_parsed_columns(parsed))
         self._file, self._tensor = parsed, None
 
     def close(self) -> None:
@@ -418,6 +413,20 @@ def _user_sections(extra: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The optional sections a user sees in ``cache.extra``: not gpucache's own (checksums,
     build report), which are rewritten from the store itself on every save."""
     return {k: v for k, v in extra.items() if not k.startswith(_format.RESERVED)}
+
+
+def _parsed_columns(parsed: _parse.Parsed) -> Columns:
+    """A mapped file's arrays as a store holds them (the user's optional sections only)."""
+    return Columns(
+        data=parsed.data,
+        offsets=parsed.offsets,
+        labels=parsed.labels,
+        samples=parsed.samples,
+        classes=parsed.classes,
+        paths=parsed.paths,
+        metadata=parsed.metadata,
+        extra=_user_sections(parsed.extra),
+    )
 
 
 def _reopen(cls: type[S], handle: Handle, max_pixels: int | None) -> S:
