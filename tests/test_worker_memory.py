@@ -117,6 +117,10 @@ def _collect(record: Path, wid: int) -> None:
 
 
 def _collection_copies(cache, record: Path) -> list[int]:
+    # the parent's garbage collected first: the control's workers collect without gc.freeze(),
+    # and should then find only this test's objects, not what earlier tests of this process
+    # left for the collector (their loaders, stores and file systems, finalizers included)
+    gc.collect()
     record.mkdir()
     with _loader(cache, worker_init_fn=functools.partial(_collect, record)) as loader:
         for _ in loader:  # an epoch: every worker has sent a batch, so ran worker_init_fn

@@ -7,6 +7,7 @@ child processes (forked from one helper so torch is imported once).
 import array
 import fcntl
 import functools
+import gc
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import textwrap
 import threading
 import time
 import warnings
+import weakref
 
 import psutil
 import pytest
@@ -233,6 +235,32 @@ def test_close_from_another_thread_wakes_a_waiting_iteration(cache):
     assert _gone(pids, 10) == []  # stopped workers too
     with pytest.raises(RuntimeError, match="closed.*Make a new GpuCachedLoader"):
         iter(loader).__next__()  # a closed loader starts no new workers
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_that_drops_the_loader_leaves_its_workers_alone(cache):
+    """A process forked mid-epoch (a user's os.fork, a worker of another loader) inherits the
+    loader; when it lets go of it, the loader's finalizer must not shut the parent's sockets or
+    signal the parent's workers: the parent's epoch goes on whole."""
+    loader = GpuCachedLoader(
+        cache, batch_size=50, num_workers=2, device="cpu", transform=SIZE, seed=0
+    )
+    it = iter(loader)
+    next(it)
+    pids = loader.worker_pids
+    child = os.fork()
+    if child == 0:  # the child: let go of the loader, collect, and say whether it is gone
+        gone = weakref.ref(loader)
+        del it, loader
+        gc.collect()
+        os._exit(0 if gone() is None else 3)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child still held the loader"
+    assert sorted(_gone(pids, 0)) == sorted(pids), "the child stopped the parent's workers"
+    rest = sum(1 for _ in it)
+    assert 1 + rest == len(cache) // 50
+    assert loader.worker_pids == pids
+    loader.close()
 
 
 def _raise_in_worker(worker_id):

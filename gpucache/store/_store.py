@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .._errors import CacheFormatError
+from ..base._fork import finalize_here
 from ..shares._record import StoreShare, share_of
 from . import _format, _parse, _readonly, _report, _save, _sections, _shm
 from ._format import Columns, Kind
@@ -114,7 +115,7 @@ class Store:
         self.report = report
         self.max_pixels = max_pixels
         self._file = _file
-        self._shm_finalizer: weakref.finalize[[Path], Store] | None = None
+        self._shm_finalizer: weakref.finalize[Any, Any] | None = None
         self._tensor: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ opening
@@ -338,7 +339,7 @@ class Store:
                 raise _shm.no_address_space(size, err.__cause__ or err) from err
             raise
         if kept is not None:  # no /proc: the name stays until close(), gc or exit
-            self._shm_finalizer = weakref.finalize(self, _shm.unlink, kept)
+            self._shm_finalizer = finalize_here(self, _shm.unlink, kept)
         self._adopt(parsed)
         if before is not None and before() is not None:
             warnings.warn(

@@ -35,7 +35,6 @@ import sys
 import threading
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +48,7 @@ import numpy as np
 import torch
 
 from ..._errors import SampleError, WorkerError
+from ...base._fork import finalize_here
 from ...store._oom import FIX, raise_if_out_of_memory
 from ...store._store import Store
 from .._core import decode_batch
@@ -133,7 +133,7 @@ class WorkerPool(Receiving):
         finally:
             if thaw:
                 gc.unfreeze()
-        self._finalizer = weakref.finalize(self, stop, self._links, self._wake)
+        self._finalizer = finalize_here(self, stop, self._links, self._wake)
         # (worker, task): the task, should it be decoded here
         self._pending: deque[tuple[int, Task]] = deque()
         self._next = self._task = 0
