@@ -92,8 +92,10 @@ def test_one_file_per_node_reused_and_attached_by_spawn_workers(cache, tmp_path)
     with GpuCachedLoader(cache, num_workers=0, **kw) as inline:  # anonymous memory
         assert inline._tier.pixels.path is None
         ref = _batches(inline)
+    # one spawn worker attaches the file as any other would (each worker unpickles the tier's
+    # descriptor, below 2 KiB, and maps the file)
     with GpuCachedLoader(
-        cache, num_workers=2, multiprocessing_context="spawn", cache_dir=tmp_path, **kw
+        cache, num_workers=1, multiprocessing_context="spawn", cache_dir=tmp_path, **kw
     ) as spawned:
         pixels = spawned._tier.pixels
         assert spawned.tier == "decoded" and pixels.path.parent == tmp_path
@@ -134,6 +136,9 @@ def test_ranks_of_a_node_build_once_and_share_the_file(cache, tmp_path, monkeypa
     assert len(calls) == 1 and out[0] == out[1]
 
 
+# One child process (one torch import) runs the loader of each start method in turn under the
+# limit, fork first, each with its own fresh cache_dir: the tier each one gets, the samples of
+# its epoch, its warnings and its reason, one line each.
 _LIMITED = """
 import resource, sys, warnings
 from gpucache import GpuCachedLoader, JpegCache
@@ -141,36 +146,49 @@ from gpucache import transforms as T
 
 def main():
     cache = JpegCache.from_folder(sys.argv[1], progress=False)
-    if sys.argv[3] == "spawn":  # the raw tier's spawn workers map a store file
-        cache = JpegCache.open(cache.save(sys.argv[2] + ".gpucache"))
+    # the raw tier's spawn workers map a store file (saved before the limit)
+    saved = JpegCache.open(cache.save(sys.argv[2] + ".gpucache"))
     resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        loader = GpuCachedLoader(
-            cache, batch_size=8, num_workers=2, multiprocessing_context=sys.argv[3],
-            device="cpu", decoded=256, cache_dir=sys.argv[2], transform=[T.RandomResizedCrop(32)],
-        )
-    n = sum(len(y) for y in [b[1] for b in loader])
-    print(loader.tier, n, len(caught), "|", loader.tier_reason)
-    loader.close()
+    for method in sys.argv[3:]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = GpuCachedLoader(
+                saved if method == "spawn" else cache, batch_size=8, num_workers=1,
+                multiprocessing_context=method, device="cpu", decoded=256,
+                cache_dir=sys.argv[2] + "-" + method, transform=[T.RandomResizedCrop(32)],
+            )
+        n = sum(len(y) for y in [b[1] for b in loader])
+        print(method, loader.tier, n, len(caught), "|", loader.tier_reason, flush=True)
+        loader.close()
 
 if __name__ == "__main__":
     main()
 """
+METHODS = ("fork", "spawn")
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_a_file_size_limit_never_crashes(folder, tmp_path, method):
-    script = tmp_path / "limited.py"
+@pytest.fixture(scope="module")
+def file_size_limited(folder, tmp_path_factory) -> dict:
+    """The line of each of :data:`METHODS`, by method, from one child under the limit."""
+    tmp = tmp_path_factory.mktemp("limited")
+    script = tmp / "limited.py"
     script.write_text(textwrap.dedent(_LIMITED))
     run = subprocess.run(
-        [sys.executable, str(script), str(folder), str(tmp_path / "fresh"), method],
+        [sys.executable, str(script), str(folder), str(tmp / "fresh"), *METHODS],
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert run.returncode == 0, run.stderr
-    tier, n, warned, reason = run.stdout.replace("|", " | ").split(None, 3)
+    lines = [line.split(None, 1) for line in run.stdout.splitlines()]
+    return {method: line for method, line in lines}
+
+
+# One worker: the tier a loader gets under the limit does not depend on how many it starts
+# (fork inherits the tier built in memory, spawn workers could only map a file).
+@pytest.mark.parametrize("method", METHODS)
+def test_a_file_size_limit_never_crashes(file_size_limited, method):
+    tier, n, warned, reason = file_size_limited[method].replace("|", " | ").split(None, 3)
     assert int(n) == 20 and int(warned) >= 1
     assert "file-size limit" in reason and "65,536" in reason
     assert tier == ("decoded" if method == "fork" else "raw")

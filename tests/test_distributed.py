@@ -9,22 +9,29 @@ checks (torchrun start-up is slow), and independent ones run at once (two cores)
 2. the same with 400 photos, 1 epoch: summed PSS (big run) -> copies held on the node = PSS slope.
    Runs 1 and 2 at once: the slope counts no page they share (their stores are two files, and
    library pages are left out).
-3. a rank that fails, 4. a job stopped with SIGTERM (what torchrun and Slurm send): no process,
-   /dev/shm file, lock or temporary file is left behind. Each has a node folder of its own, so
-   no job takes over (and removes) what another left.
-5. the next run, 2 ranks, resumes run 1's checkpoint: the rest of that epoch, re-split, and
-   none of what was already consumed; the saved store is reused. Runs 3, 4 and 5 at once.
+3. a rank that fails (torchrun's agent then stops the other rank with SIGTERM) and, in the slow
+   run, a job stopped with SIGTERM (what torchrun and Slurm send): no process, /dev/shm file,
+   lock or temporary file is left behind. Each has a node folder of its own, so no job takes
+   over (and removes) what another left.
+4. the next run, 2 ranks, resumes run 1's checkpoint: the rest of that epoch, re-split, and
+   none of what was already consumed; the saved store is reused. Runs 3 and 4 at once.
+
+The checks of one store per node without torchrun fork their ranks from the test process (the
+library already imported), with the variables a launcher sets.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -201,34 +208,27 @@ def test_readme_code_on_three_ranks(job):
     )
 
 
-def test_failed_and_stopped_jobs_leave_nothing_and_the_next_run_resumes(job):
+def test_a_failed_job_leaves_nothing_and_the_next_run_resumes(job):
+    """Rank 1 raises; torchrun's agent then stops rank 0 (its workers alive) with SIGTERM, as it
+    stops the other ranks of a job whenever one fails."""
     state = job["base"] / "run-small" / "state.pt"
     if not state.exists():
         pytest.skip("needs test_readme_code_on_three_ranks's checkpoint")
     shm_before = _shm()
-    failed, stopped = job["base"] / "run-fail", job["base"] / "run-term"
+    failed = job["base"] / "run-fail"
     resumed = job["base"] / "run-resume"  # the next run: 2 ranks, from the 3-rank checkpoint
-    tmps = {failed: job["base"] / "tmp-fail", stopped: job["base"] / "tmp-term"}
-    for tmp in tmps.values():
-        tmp.mkdir()
+    tmp = job["base"] / "tmp-fail"
+    tmp.mkdir()
     data = job["sets"][2]
-    failing = _start(job, 2, data, failed, "--fail-rank", "1", tmp=tmps[failed])
-    stopping = _start(job, 2, data, stopped, "--hang", tmp=tmps[stopped])
+    failing = _start(job, 2, data, failed, "--fail-rank", "1", tmp=tmp)
     resuming = _start(job, 2, data, resumed, "--resume", str(state))
     try:
-        deadline = time.monotonic() + 240
-        while len(list(stopped.glob("hanging-*"))) < 2:
-            assert stopping.poll() is None and time.monotonic() < deadline, stopping.stderr.read()
-            time.sleep(0.2)
-        stopping.send_signal(signal.SIGTERM)  # torchrun passes it to every rank
-        stopping.wait(timeout=60)
         proc = _finish(failing, ok=False)
         assert proc.returncode != 0 and "fails on purpose" in proc.stderr
         resumed_run = _finish(resuming)
     finally:
-        _kill(failing, stopping, resuming)
-    _assert_nothing_left(tmps[failed], _pids(failed), shm_before)
-    _assert_nothing_left(tmps[stopped], _pids(stopped), shm_before)
+        _kill(failing, resuming)
+    _assert_nothing_left(tmp, _pids(failed), shm_before)
 
     last = [s[-1] for s in _seen(job["base"] / "run-small", 3)]
     consumed = {i for s in last for i in s[: SAVE_AT * BATCH]}
@@ -239,6 +239,26 @@ def test_failed_and_stopped_jobs_leave_nothing_and_the_next_run_resumes(job):
     assert len(flat) - len(set(flat)) == -(80 - len(consumed)) % 2  # padding only
     assert "once for the ranks of this node" not in resumed_run.stderr  # the store was reused
     _assert_nothing_left(job["tmp"], _pids(resumed), shm_before)
+
+
+# Three more interpreters for a SIGTERM the default run already sends: the failed job's rank 0 is
+# stopped by its agent with SIGTERM, workers alive, and must leave nothing behind either.
+@pytest.mark.slow
+def test_a_job_stopped_with_sigterm_leaves_nothing(job):
+    shm_before = _shm()
+    stopped, tmp = job["base"] / "run-term", job["base"] / "tmp-term"
+    tmp.mkdir()
+    stopping = _start(job, 2, job["sets"][2], stopped, "--hang", tmp=tmp)
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(stopped.glob("hanging-*"))) < 2:
+            assert stopping.poll() is None and time.monotonic() < deadline, stopping.stderr.read()
+            time.sleep(0.2)
+        stopping.send_signal(signal.SIGTERM)  # torchrun passes it to every rank
+        stopping.wait(timeout=60)
+    finally:
+        _kill(stopping)
+    _assert_nothing_left(tmp, _pids(stopped), shm_before)
 
 
 # ------------------------------------------------------------------ one store per node, no torchrun
@@ -254,23 +274,64 @@ def _child(code: str, env: dict | None = None) -> subprocess.Popen:
     )
 
 
+def _forked(target, *args) -> multiprocessing.process.BaseProcess:
+    """``target(*args)`` in a child forked from this process (gpucache already imported: no
+    interpreter start), started."""
+    proc = multiprocessing.get_context("fork").Process(target=target, args=args)
+    proc.start()
+    return proc
+
+
+def _join(*procs: multiprocessing.process.BaseProcess) -> None:
+    """Every child done; one still running after the deadline is killed, and the check fails."""
+    deadline = time.monotonic() + 120
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [proc.pid for proc in procs if proc.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert not hung, f"children still running after 120 s: {hung}"
+
+
+def _rank_builds(root: str, env: dict, out: Path) -> None:
+    """A rank of a node as its launcher starts it: its variables and TMPDIR, then the build;
+    ``out``: the store's path, ``out.log``: what the library logged."""
+    from gpucache import JpegCache
+
+    os.environ.update(env)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again, as a new process would
+    logger = logging.getLogger("gpucache")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(logging.FileHandler(out.with_suffix(".log")))
+    c = JpegCache.from_folder(root, progress=False)
+    out.write_text(str(c.path))
+
+
 def test_ranks_started_apart_build_once_and_share_the_file(tmp_path):
+    """Ranks 0 and 1 start at once (one builds, the other waits for it or finds its file); rank 2
+    starts once the store is there, and maps it."""
     root = make_jpeg_folder(tmp_path / "imgs", 12, seed=2)
-    code = (
-        "import logging; from gpucache import JpegCache; logging.basicConfig(level='INFO'); "
-        f"c = JpegCache.from_folder({str(root)!r}, progress=False); print(c.path)"
-    )
-    procs = []
-    for r in range(3):  # ranks start a second apart; each finds the file or waits for the builder
-        procs.append(
-            _child(code, {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3", "TMPDIR": str(tmp_path)})
-        )
-        time.sleep(1)
-    outs = [p.communicate(timeout=400) for p in procs]  # torch import: slow on a loaded machine
-    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
-    built = sum(err.count("once for the ranks of this node") for _, err in outs)
-    assert built == 1 and len({out for out, _ in outs}) == 1  # one builder, one file
     folder = tmp_path / f"gpucache-{os.getuid()}"
+    env = {"LOCAL_WORLD_SIZE": "3", "TMPDIR": str(tmp_path)}
+    outs = [tmp_path / f"rank{r}" for r in range(3)]
+    procs = [
+        _forked(_rank_builds, str(root), {**env, "LOCAL_RANK": str(r)}, outs[r]) for r in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not list(folder.glob("*.gpucache")):
+            assert time.monotonic() < deadline and any(p.is_alive() for p in procs), "no store"
+            time.sleep(0.02)  # polling for the builder's file, under the deadline
+        procs.append(_forked(_rank_builds, str(root), {**env, "LOCAL_RANK": "2"}, outs[2]))
+    finally:
+        _join(*procs)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    built = sum(
+        out.with_suffix(".log").read_text().count("once for the ranks of this node") for out in outs
+    )
+    assert built == 1 and len({out.read_text() for out in outs}) == 1  # one builder, one file
     # the store, what it was built from, the scan's result; no lock or temp file left
     assert sorted(f.suffix for f in folder.iterdir()) == [".gpucache", ".info", ".scan"]
 
@@ -295,6 +356,19 @@ def test_cache_dir_reuses_an_unchanged_listing_and_rebuilds_a_changed_one(tmp_pa
     assert plain.path is None
 
 
+def _dies_saving(root: str, cdir: Path) -> None:
+    """A builder (forked) that dies by SIGKILL in its save, after writing half a temp file."""
+    from gpucache import JpegCache
+    from gpucache.store import _save
+
+    def dying(path, columns, **kw):
+        Path(path.parent, f".{path.name}.x{os.getpid()}.tmp").write_bytes(b"half")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _save.save_atomic = dying  # in the child only
+    JpegCache.from_folder(root, cache_dir=cdir, progress=False)
+
+
 def test_a_killed_builder_blocks_no_one_and_a_stuck_one_times_out(tmp_path):
     from gpucache import JpegCache
     from gpucache.node._lock import NodeLock
@@ -302,17 +376,9 @@ def test_a_killed_builder_blocks_no_one_and_a_stuck_one_times_out(tmp_path):
     root = make_jpeg_folder(tmp_path / "imgs", 6, seed=6)
     cdir = tmp_path / "c"
     # a builder that dies by SIGKILL mid-save, leaving its lock file and a half-written temp file
-    crash = _child(
-        "import os, signal; from pathlib import Path; from gpucache import JpegCache\n"
-        "from gpucache.store import _save\n"
-        "def dying(path, columns, **kw):\n"
-        "    Path(path.parent, f'.{path.name}.x{os.getpid()}.tmp').write_bytes(b'half')\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "_save.save_atomic = dying\n"
-        f"JpegCache.from_folder({str(root)!r}, cache_dir={str(cdir)!r}, progress=False)\n"
-    )
-    crash.communicate(timeout=400)
-    assert crash.returncode == -signal.SIGKILL
+    crash = _forked(_dies_saving, str(root), cdir)
+    _join(crash)
+    assert crash.exitcode == -signal.SIGKILL
     assert {f.suffix for f in cdir.iterdir()} >= {".lock"}  # what the crash left
     cache = JpegCache.from_folder(root, cache_dir=cdir, progress=False)  # not blocked
     assert cache.path is not None and len(cache) == 6

@@ -11,19 +11,19 @@ s3server.py``), credentials and endpoint from the standard environment variables
   without fetching what it had recorded; objects rewritten during the build stop it; a missing
   or denied bucket is a clear error naming the bucket.
 - no secret reaches a store, the node folder, a log line, an error or ``gpucache info``.
-- two torchrun agents on 127.0.0.1 (two nodes, two ranks each): one fetch of each object per
-  node, every sample once per epoch.
+- two nodes of two ranks (processes forked with torchrun's variables, a TMPDIR a node): one fetch
+  of each object per node, one store a node that both its ranks map, every sample once per
+  epoch across the ranks' loaders.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import logging
+import multiprocessing
 import os
-import subprocess
-import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,10 +36,8 @@ from gpucache import BuildError, JpegCache, ObjectStoreError  # noqa: E402
 from gpucache.cli import main as cli_main  # noqa: E402
 from gpucache.ingest.storage import _calls  # noqa: E402
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 SECRET = "gpucache-SECRET-do-not-leak-7f3a"
 
 
@@ -248,34 +246,31 @@ def test_an_object_that_stays_unreadable_is_a_bad_sample(s3, tmp_path, fast_retr
         assert len(listed) == 1 and "no such object" in listed.report.skipped[0].reason
 
 
+def _builds_train(cdir: Path) -> None:
+    JpegCache.from_folder("s3://bkt/train/", cache_dir=cdir, progress=False, requests_in_flight=1)
+
+
 def test_a_killed_build_publishes_nothing_and_resumes_without_refetching(s3, tmp_path):
     server = s3["server"]
     cdir = tmp_path / "cache"
-    child = (
-        "import sys; from gpucache import JpegCache; "
-        f"JpegCache.from_folder('s3://bkt/train/', cache_dir={str(cdir)!r}, progress=False, "
-        "requests_in_flight=1)"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with server.faulty():
         server.fail("delay", "/bkt/train/", times=None, seconds=0.1)  # a slow server
         server.reset_counts()
-        proc = subprocess.Popen([sys.executable, "-c", child], env=env, stderr=subprocess.PIPE)
+        proc = multiprocessing.get_context("fork").Process(target=_builds_train, args=(cdir,))
+        proc.start()  # a build in a child forked from this process, killed below
         try:
             journal = None
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and proc.poll() is None:
+            while time.monotonic() < deadline and proc.is_alive():
                 found = list(cdir.glob("*.fetched")) if cdir.exists() else []
                 if found and found[0].stat().st_size >= 4 * 12:  # 4 objects recorded
                     journal = found[0]
                     break
                 time.sleep(0.05)  # polling the child's journal, under the deadline
-            assert journal is not None, (
-                proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "no progress"
-            )
+            assert journal is not None, f"no progress (exit code {proc.exitcode})"
         finally:
             proc.kill()
-            proc.wait(timeout=60)
+            proc.join(timeout=60)
     assert not list(cdir.glob("*.gpucache")), "a partial store was published"
     recorded = journal.read_bytes()
     parts = {
@@ -403,75 +398,73 @@ def test_no_secret_reaches_a_store_a_record_a_log_or_an_error(
 
 
 # ------------------------------------------------------------------------- two nodes
-@pytest.mark.timeout(600)
+def _rank_builds(env: dict, out: Path) -> None:
+    """A rank, forked from this process: the variables torchrun sets for it, its node's TMPDIR,
+    then the build of the bucket's prefix; ``out``: the store's path."""
+    os.environ.update(env)
+    tempfile.tempdir = None  # gettempdir() reads the node's TMPDIR again, as a new process would
+    cache = JpegCache.from_folder("s3://bkt/ddp/", progress=False)
+    out.write_text(str(cache.path))
+
+
 def test_two_nodes_fetch_each_object_once_per_node(s3, tmp_path):
-    """Two torchrun agents on 127.0.0.1 (c10d rendezvous), each a node with its own TMPDIR."""
+    """Two nodes of two ranks, each rank a process forked from this one (the library already
+    imported) with the variables torchrun sets and its node's TMPDIR (tests/test_distributed.py
+    and tests/test_node_shares_jobs.py run torchrun itself); the ranks' loaders, as the ranks of
+    pipelines/ddp_example.py make them, then read each node's store."""
+    from gpucache import GpuCachedLoader
+
     server = s3["server"]
     server.reset_counts()
-    port, record = free_port(), tmp_path / "record"
-    record.mkdir()
-    procs = []
+    ctx = multiprocessing.get_context("fork")
+    ranks = []
     for node in range(2):
-        tmp = tmp_path / f"node{node}"
-        tmp.mkdir()
-        env = {
-            **os.environ,
-            "TMPDIR": str(tmp),
-            "PYTHONPATH": str(REPO),
-            "OMP_NUM_THREADS": "1",
-            "GLOO_SOCKET_IFNAME": "lo",  # the ranks talk over the loopback only
-            "CUDA_VISIBLE_DEVICES": "",
-        }
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2",
-            "--nproc_per_node=2",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=gpucache-s3",
-            "--local-addr=127.0.0.1",
-            "-m",
-            "pipelines.ddp_example",
-            "--data",
-            "s3://bkt/ddp/",
-            "--batch-size",
-            "2",
-            "--workers",
-            "0",
-            "--epochs",
-            "2",
-            "--record",
-            str(record),
-        ]
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                env=env,
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=400))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=60)
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-4000:]
+        (tmp_path / f"node{node}").mkdir()
+        for local in range(2):
+            env = {
+                "TMPDIR": str(tmp_path / f"node{node}"),
+                "RANK": str(2 * node + local),
+                "WORLD_SIZE": "4",
+                "LOCAL_RANK": str(local),
+                "LOCAL_WORLD_SIZE": "2",
+                "GROUP_RANK": str(node),
+            }
+            out = tmp_path / f"rank{2 * node + local}"
+            proc = ctx.Process(target=_rank_builds, args=(env, out))
+            proc.start()
+            ranks.append((node, proc, out))
+    deadline = time.monotonic() + 120
+    for _, proc, _ in ranks:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [proc.pid for _, proc, _ in ranks if proc.is_alive()]
+    for _, proc, _ in ranks:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert not hung, f"ranks still running after 120 s: {hung}"
+    assert [proc.exitcode for _, proc, _ in ranks] == [0] * 4
     gets = server.gets("/bkt/ddp/")
     assert gets == {f"/bkt/ddp/c{i}/x.jpg": 2 for i in range(8)}, gets  # once per node
+    paths = []
     for node in range(2):
         stores = list((tmp_path / f"node{node}").rglob("*.gpucache"))
         assert len(stores) == 1
-    seen = [json.loads((record / f"seen-{r}.json").read_text()) for r in range(4)]
+        mapped = {out.read_text() for k, _, out in ranks if k == node}
+        assert mapped == {str(stores[0])}  # both ranks of the node map the node's one store
+        paths.append(stores[0])
+    seen = []  # batches of 2, a shared seed, 4 replicas: what each rank plays, 2 epochs
+    for rank in range(4):
+        loader = GpuCachedLoader(
+            JpegCache.open(paths[rank // 2]),
+            batch_size=2,
+            shuffle=True,
+            seed=11,
+            num_replicas=4,
+            rank=rank,
+            num_workers=0,
+        )
+        seen.append([[x for _, y in loader for x in y.tolist()] for _ in range(2)])
+        loader.close()
     for epoch in range(2):
         assert sorted(x for rank in seen for x in rank[epoch]) == list(range(8))
 

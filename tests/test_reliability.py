@@ -1,4 +1,4 @@
-"""Reliability of the store (issue 8): identity of an open file, shared memory that cannot outlive
+"""Reliability of the store: identity of an open file, shared memory that cannot outlive
 its owner, read-only views, concurrent saves, hostile store files (records, strings, fuzzing)."""
 
 from __future__ import annotations
@@ -57,11 +57,21 @@ def replaced(jpeg_folder, tmp_path):
     return store, original
 
 
-@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+@pytest.mark.parametrize(
+    "context",
+    [
+        "spawn",
+        # forkserver workers get the store pickled and attach to it as spawn workers do
+        # (gpucache/decode/cpu/_pool.py: every start method but fork): the spawn case covers it
+        pytest.param("forkserver", marks=pytest.mark.slow),
+    ],
+)
 def test_replacing_an_open_store_file_never_changes_what_it_returns(replaced, context):
     store, original = replaced
-    if context == "spawn":  # the bytes themselves, inside a worker
-        with mp.get_context(context).Pool(1) as pool:
+    if context == "spawn":  # the bytes themselves, inside another process
+        # Pool.apply pickles its arguments under every start method, so the forked process
+        # attaches to the store through its pickle (/proc/<pid>/fd) as a spawned one does
+        with mp.get_context("fork").Pool(1) as pool:
             inside = pool.apply(_digests, (store,))
         assert inside == _file_digests(original.paths)
     loader = GpuCachedLoader(
@@ -132,14 +142,38 @@ _OWNER = textwrap.dedent("""
 
 
 _OWNERS = [(c, sig) for c in ("spawn", "forkserver") for sig in (signal.SIGKILL, signal.SIGTERM)]
+# The default run kills a spawn owner with SIGKILL and a forkserver owner with SIGTERM: each
+# start method and each signal once. The other two are the same mechanisms crossed (both start
+# methods share the store the same way, gpucache/decode/cpu/_pool.py), marked slow.
+_OWNERS_QUICK = {("spawn", signal.SIGKILL), ("forkserver", signal.SIGTERM)}
+_OWNER_CASES = [
+    pytest.param(
+        c, s, marks=() if (c, s) in _OWNERS_QUICK else pytest.mark.slow, id=f"{c}-{int(s)}"
+    )
+    for c, s in _OWNERS
+]
+
+
+def _selected(request, test: str, *names: str) -> list[tuple]:
+    """The parameters of the cases of ``test`` that this run selected (after ``-m`` and ``-k``),
+    so that a module fixture starts the processes of those cases only."""
+    return sorted(
+        {
+            tuple(item.callspec.params[n] for n in names)
+            for item in request.session.items
+            if getattr(item, "originalname", None) == test and hasattr(item, "callspec")
+        }
+    )
 
 
 @pytest.fixture(scope="module")
-def owners_killed(jpeg_folder, tmp_path_factory):
-    """The four owners started at once (each its own process and shared copy), each signalled
-    once it is READY: ``(context, sig) -> (what it printed, its pid, exit code, stderr)``."""
+def owners_killed(request, jpeg_folder, tmp_path_factory):
+    """The selected owners started at once (each its own process and shared copy), each
+    signalled once it is READY: ``(context, sig) -> (what it printed, its pid, exit code,
+    stderr)``."""
     script = tmp_path_factory.mktemp("owners") / "owner.py"
     script.write_text(_OWNER)
+    cases = _selected(request, "test_shared_memory_cannot_outlive_a_killed_owner", "context", "sig")
     procs = {
         case: subprocess.Popen(
             [sys.executable, str(script), str(jpeg_folder), case[0]],
@@ -148,7 +182,7 @@ def owners_killed(jpeg_folder, tmp_path_factory):
             stderr=subprocess.PIPE,
             text=True,
         )
-        for case in _OWNERS
+        for case in cases
     }
     out = {}
     try:
@@ -172,7 +206,7 @@ def owners_killed(jpeg_folder, tmp_path_factory):
 
 
 @pytest.mark.skipif(not (LINUX and os.path.isdir("/dev/shm")), reason="Linux /dev/shm design")
-@pytest.mark.parametrize("context, sig", _OWNERS, ids=[f"{c}-{int(s)}" for c, s in _OWNERS])
+@pytest.mark.parametrize("context, sig", _OWNER_CASES)
 def test_shared_memory_cannot_outlive_a_killed_owner(owners_killed, context, sig):
     got, pid, code, stderr = owners_killed[context, sig]
     assert "READY" in got, stderr
@@ -225,48 +259,86 @@ def test_no_numpy_route_writes_into_a_store(jpeg_folder, tmp_path):
 
 
 _TORCH_WRITE = textwrap.dedent("""
-    import sys, warnings
+    import os, sys, traceback, warnings
     import torch
     from gpucache import JpegCache
 
-    path, how, backing = sys.argv[1:4]
-    cache = JpegCache.open(path)
-    if backing == "memory":
-        cache = cache._replace()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        view = cache[0]
-        t = torch.from_numpy(view) if how == "from_numpy" else torch.frombuffer(view, dtype=torch.uint8)
-    print("WARNED", any("not writable" in str(w.message) for w in caught), flush=True)
-    t += 1  # a stray in-place op
-    print("WROTE", flush=True)
+    path = sys.argv[1]
+    for case in sys.argv[2:]:
+        how, backing = case.split(":")
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:  # each write in a fork of this fresh interpreter: torch warns once a process
+            try:
+                cache = JpegCache.open(path)
+                if backing == "memory":
+                    cache = cache._replace()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    view = cache[0]
+                    t = (torch.from_numpy(view) if how == "from_numpy"
+                         else torch.frombuffer(view, dtype=torch.uint8))
+                print(case, "WARNED", any("not writable" in str(w.message) for w in caught),
+                      flush=True)
+                t += 1  # a stray in-place op
+                print(case, "WROTE", flush=True)
+            except BaseException:
+                traceback.print_exc()
+                sys.stderr.flush()
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(case, "CODE", os.waitstatus_to_exitcode(status), flush=True)
 """)
+
+
+@pytest.fixture(scope="module")
+def torch_writes(request, jpeg_folder, tmp_path_factory):
+    """One fresh interpreter that imports torch once and makes each selected write in a fork of
+    itself (a fault ends only that fork): ``(how, backing) -> (its lines, exit code, stderr)``,
+    with the store file's bytes before and after all of them."""
+    cases = _selected(
+        request,
+        "test_a_torch_write_through_a_view_faults_instead_of_changing_the_store",
+        "how",
+        "backing",
+    )
+    folder = tmp_path_factory.mktemp("torch_write")
+    path = JpegCache.from_folder(jpeg_folder, progress=False).save(folder / "t.gpucache")
+    before = path.read_bytes()
+    proc = subprocess.run(
+        [sys.executable, "-c", _TORCH_WRITE, str(path), *(f"{h}:{b}" for h, b in cases)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    out = {}
+    for how, backing in cases:
+        mine = [
+            line.split(" ", 1)[1]
+            for line in proc.stdout.splitlines()
+            if line.startswith(f"{how}:{backing} ")
+        ]
+        codes = [int(line.split()[1]) for line in mine if line.startswith("CODE ")]
+        out[how, backing] = (mine, codes[0] if codes else None, proc.stderr)
+    return out, before, path.read_bytes()
 
 
 @pytest.mark.skipif(not LINUX, reason="PROT_READ mappings as on Linux")
 @pytest.mark.parametrize("backing", ["memory", "file"])
 @pytest.mark.parametrize("how", ["from_numpy", "frombuffer"])
 def test_a_torch_write_through_a_view_faults_instead_of_changing_the_store(
-    jpeg_folder, tmp_path, how, backing
+    torch_writes, how, backing
 ):
     """torch ignores numpy's read-only flag (it warns); the pages themselves are read-only for
     both backings, so the write faults in the process that made it and changes nothing."""
-    path = JpegCache.from_folder(jpeg_folder, progress=False).save(tmp_path / "t.gpucache")
-    before = path.read_bytes()
-    proc = subprocess.run(
-        [sys.executable, "-c", _TORCH_WRITE, str(path), how, backing],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert "WARNED True" in proc.stdout, proc.stdout + proc.stderr
-    assert "WROTE" not in proc.stdout and proc.returncode == -signal.SIGSEGV, (
-        proc.returncode,
-        proc.stdout,
-        proc.stderr[-2000:],
-    )
-    assert path.read_bytes() == before
+    out, before, after = torch_writes
+    lines, code, stderr = out[how, backing]
+    assert "WARNED True" in lines, (lines, stderr[-2000:])
+    assert "WROTE" not in lines and code == -signal.SIGSEGV, (code, lines, stderr[-2000:])
+    assert after == before
 
 
 # ------------------------------------------------------------ item 9: concurrent saves to one path
@@ -303,7 +375,9 @@ def test_concurrent_saves_to_one_path_all_succeed_and_leave_a_valid_file(jpeg_fo
             saved.set()  # a failed save fails the test now, not the reader's wait at the timeout
         r.result(timeout=300)
     assert set(opened) == {len(cache)}
-    with mp.get_context("spawn").Pool(3) as pool:
+    # processes, not threads, racing too: forked (the start method is not what is tested; each
+    # save makes its temporary name after the fork, from os.urandom)
+    with mp.get_context("fork").Pool(3) as pool:
         assert sum(pool.map(_save_many, [(target, src, 5)] * 3)) == 15
     assert _digests(JpegCache.open(target)) == _digests(cache)
     assert sorted(p.name for p in target.parent.iterdir()) == ["same.gpucache"]
@@ -330,7 +404,9 @@ def test_max_pixels_is_set_at_build_and_open_and_reaches_workers(tmp_path, monke
     opened = JpegCache.open(path, max_pixels=500)
     with pytest.raises(ValueError, match="max_pixels=500"):
         check_pixels(opened, 1)
-    with mp.get_context("spawn").Pool(1) as pool:
+    # the store reaches another process through its pickle (Pool.apply pickles its arguments
+    # under fork too), as it reaches spawn and forkserver workers
+    with mp.get_context("fork").Pool(1) as pool:
         assert pool.apply(getattr, (opened, "max_pixels")) == 500
 
 
@@ -416,34 +492,41 @@ def test_non_utf8_bytes_in_a_string_table_read_back_losslessly(small_store, tmp_
     assert os.fsencode(last).endswith(b"\xe2\x98\xff") and last.endswith("\udce2\udc98\udcff")
 
 
-_TRUNCATE = textwrap.dedent("""
-    import os, sys
-    from gpucache import CacheFormatError, JpegCache
+def _truncate_and_read(path: str, send) -> None:
+    """In a forked child (a SIGBUS ends it, not pytest): open, truncate in place, read."""
     from gpucache.decode._sample import decode_sample
 
-    cache = JpegCache.open(sys.argv[1])
+    cache = JpegCache.open(path)
     n = len(cache)
-    os.truncate(sys.argv[1], 8192)  # someone rewrites the file in place
+    os.truncate(path, 8192)  # someone rewrites the file in place
+    caught = []
     for what in ("view", "decode"):
         try:
             cache[n - 1].sum() if what == "view" else decode_sample(cache, n - 1)
         except CacheFormatError as err:
-            print("CAUGHT", what, "truncated" in str(err), flush=True)
-""")
+            caught.append((what, "truncated" in str(err)))
+    send.send(caught)
 
 
 def test_truncating_an_open_store_file_is_an_error_not_sigbus(small_store, tmp_path):
+    from multiprocessing.connection import wait
+
     raw, _ = small_store
     path = _write(tmp_path, raw)
-    proc = subprocess.run(
-        [sys.executable, "-c", _TRUNCATE, str(path)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])  # -7 would be SIGBUS
-    assert proc.stdout.split("\n")[:2] == ["CAUGHT view True", "CAUGHT decode True"], proc.stdout
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_truncate_and_read, args=(str(path), send))
+    child.start()
+    send.close()
+    try:
+        got = recv.recv() if recv in wait([recv, child.sentinel], 120) else None
+    except EOFError:  # it died before it sent anything
+        got = None
+    child.join(120)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0, child.exitcode  # -7 would be SIGBUS
+    assert got == [("view", True), ("decode", True)], got
     with pytest.raises(CacheFormatError, match="truncated"):
         JpegCache.open(path)
 

@@ -1,4 +1,4 @@
-"""Bounded fuzzing of the store format (issue 8 kept the 2,520-mutant run as this test).
+"""Bounded fuzzing of the store format.
 
 A few hundred mutants of one small v2 store (bit flips, truncations, header and section-directory
 field overwrites, data flips; half of the index/header edits with their checksums recomputed so the

@@ -29,6 +29,18 @@ def photos(photo_folder) -> JpegCache:
     return JpegCache.from_folder(photo_folder, progress=False)
 
 
+@pytest.fixture(scope="module")
+def few_photos(photo_folder) -> JpegCache:
+    """The first 30 of the photos (images 0-29 of make_jpeg_folder: both classes, and the gray,
+    CMYK, progressive and EXIF-rotated ones among them), for the tests that compare whole epochs
+    of batches made several ways: four batches of 8, the last one short. They compare batch by
+    batch, so the 60 photos added only time (2026-12-07: 6.1 s of CPU for those tests with 60,
+    3.7 s with 30)."""
+    files = sorted(photo_folder.rglob("*.jpg"), key=lambda p: p.name.rsplit("_", 1)[1])[:30]
+    labels = [["ants", "bees"].index(f.parent.name) for f in files]
+    return JpegCache.from_files([str(f) for f in files], labels, progress=False)
+
+
 def _batches(cache, transform, workers: int, **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
     with GpuCachedLoader(
         cache,
@@ -61,11 +73,23 @@ MIXED = [
 ]
 
 
-@pytest.mark.parametrize("transform", [README, MIXED], ids=["readme", "mixed"])
-def test_same_seed_same_float_batches_for_any_worker_count(photos, transform):
-    runs = {w: _batches(photos, transform, w) for w in (0, 1, 2)}
+@pytest.fixture(scope="module")
+def inline(few_photos) -> dict:
+    """The batches of each pipeline made without workers, by the pipeline's name: the reference
+    the runs with workers are compared to, made once for the module (nothing writes to them)."""
+    return {
+        name: _batches(few_photos, transform, 0)
+        for name, transform in (("uint8", README[:2]), ("readme", README), ("mixed", MIXED))
+    }
+
+
+@pytest.mark.parametrize(
+    "name, transform", [("readme", README), ("mixed", MIXED)], ids=["readme", "mixed"]
+)
+def test_same_seed_same_float_batches_for_any_worker_count(few_photos, inline, name, transform):
+    runs = {0: inline[name], **{w: _batches(few_photos, transform, w) for w in (1, 2)}}
     with _in_the_loop():
-        runs["loop"] = _batches(photos, transform, 2)
+        runs["loop"] = _batches(few_photos, transform, 2)
     assert runs[0][0][0].dtype == torch.float32
     for name, run in runs.items():  # the same for any worker count; with every step in the
         assert len(run) == len(runs[0]), name  # loop's process, within one float32 rounding
@@ -167,7 +191,7 @@ def _too_big(fd: int, size: int) -> None:
 
 
 @pytest.mark.parametrize("how", ["memory files", "socket", "memfd refused", "file-size rlimit"])
-def test_batches_come_back_whole_by_memory_file_or_socket(photos, monkeypatch, how):
+def test_batches_come_back_whole_by_memory_file_or_socket(few_photos, inline, monkeypatch, how):
     """A worker sends a stacked batch as a memory file where it can (``decode/cpu/_batch_files.py``),
     through the socket otherwise; the batches are the same either way, uint8 and float."""
     from gpucache.decode.cpu import _batch_files
@@ -178,9 +202,9 @@ def test_batches_come_back_whole_by_memory_file_or_socket(photos, monkeypatch, h
         monkeypatch.setattr(_batch_files.os, "memfd_create", _refused)
     elif how == "file-size rlimit":
         monkeypatch.setattr(_batch_files.os, "ftruncate", _too_big)
-    for transform in (README[:2], README, MIXED):
-        got = _batches(photos, transform, 2)
-        want = _batches(photos, transform, 0)
+    for name, transform in (("uint8", README[:2]), ("readme", README), ("mixed", MIXED)):
+        got = _batches(few_photos, transform, 2)
+        want = inline[name]
         assert len(got) == len(want)
         for (x, y), (x0, y0) in zip(got, want):
             assert torch.equal(x, x0) and torch.equal(y, y0), how

@@ -311,7 +311,12 @@ def one_big(tmp_path_factory):
 
 # Each out-of-memory case runs in a fresh interpreter (gpucache.testing._memory.with_address_space
 # says why): its loader forks or spawns its worker from there, and the worker caps its own
-# address space in worker_init_fn.
+# address space in worker_init_fn. The cases share one such interpreter (one torch import
+# instead of one a case). First the case without workers, capped in that interpreter itself
+# (then the cap is lifted: a limit's soft value may go back up to its hard one); then the fork
+# cases: a fork worker inherits its parent's heap, and before them the parent has only failed
+# one 75 MB allocation and freed four 64x64 images (KBs of free heap against margins of 32 MB);
+# then spawn, whose worker inherits nothing.
 
 
 def _epoch(cache, **options) -> dict:
@@ -333,22 +338,79 @@ def _epoch(cache, **options) -> dict:
     )
 
 
-def _worker_epoch(cache, context: str, margin: int, **options) -> dict:
-    """:func:`_epoch` with one worker of ``context`` capped ``margin`` bytes above its start."""
-    out, raised = with_address_space(
-        functools.partial(
-            _epoch,
+def _capped_epoch(cache, margin: int, **options) -> dict:
+    """:func:`_epoch` in this process capped ``margin`` bytes above what it maps; the cap is
+    lifted after."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit_address_space(margin)
+    try:
+        return _epoch(cache, **options)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _oom_epochs(cache, cases: dict) -> dict:
+    """:func:`_epoch` of each case in turn: context None, capped in this process; else with one
+    worker of that context capped its margin bytes above its start."""
+    out = {}
+    for name, (context, margin, options) in cases.items():
+        if context is None:
+            out[name] = _capped_epoch(cache, margin, num_workers=0, **options)
+            continue
+        out[name] = _epoch(
             cache,
             num_workers=1,
             multiprocessing_context=context,
             timeout=90,
             worker_init_fn=functools.partial(limit_address_space, margin),
             **options,
-        ),
-        None,
+        )
+    return out
+
+
+# 32 MB of address space beyond what the process maps after start: a 64x64 JPEG decodes, the
+# 75 MB one cannot.
+DECODING = (32 << 20, dict(batch_size=4, exact=True, transform=SIZE))
+# Room for the 75 MB image, not for the copy of it that goes to the socket (images of several
+# sizes are sent as one buffer).
+COPYING = (3 * BIG * BIG + (32 << 20), dict(batch_size=1))
+#: the cases of the default run, by (what runs out, context), in the order they run
+OOM = {
+    ("decoding", None): (None, *DECODING),
+    ("decoding", "fork"): ("fork", *DECODING),
+    ("copying", "fork"): ("fork", *COPYING),
+    ("decoding", "spawn"): ("spawn", *DECODING),
+}
+# A worker copies its result for sending in the same code under any start method
+# (decode/cpu/_worker.py, _serve); what spawn changes (a fresh interpreter capped in
+# worker_init_fn, the store attached from shared memory) the decoding case under spawn covers.
+# The copying case under spawn, one more interpreter, runs with `-m slow`.
+SLOW_OOM = {("copying", "spawn"): ("spawn", *COPYING)}
+
+
+def _oom(cache, cases) -> dict:
+    out, raised = with_address_space(
+        functools.partial(_oom_epochs, cache, cases), None, timeout=240
     )
     assert raised is None, raised
     return out
+
+
+@pytest.fixture(scope="module")
+def oom(one_big) -> dict:
+    """The epoch of every case of :data:`OOM`, all in one fresh interpreter."""
+    return _oom(one_big, OOM)
+
+
+@pytest.fixture(scope="module")
+def oom_slow(one_big) -> dict:
+    return _oom(one_big, SLOW_OOM)
+
+
+def _oom_case(request, case) -> dict:
+    return request.getfixturevalue("oom_slow" if case in SLOW_OOM else "oom")[case]
 
 
 def _says_memory(msg: str, wid: int = 0) -> None:
@@ -357,12 +419,11 @@ def _says_memory(msg: str, wid: int = 0) -> None:
     assert "RLIMIT_AS" in msg, msg
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # the first case also runs every case's epoch (one fresh interpreter)
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_a_worker_out_of_memory_decoding_is_an_error_not_a_skipped_sample(one_big, context):
-    # 32 MB of address space beyond what the worker maps after start: a 64x64 JPEG decodes, the
-    # 75 MB one cannot. It used to be skipped as "could not be decoded: MemoryError".
-    out = _worker_epoch(one_big, context, 32 << 20, batch_size=4, exact=True, transform=SIZE)
+def test_a_worker_out_of_memory_decoding_is_an_error_not_a_skipped_sample(request, context):
+    # It used to be skipped as "could not be decoded: MemoryError".
+    out = _oom_case(request, ("decoding", context))
     assert out["kind"] == "WorkerError", out
     assert out["batches"] == 1  # the small images decoded under the limit
     msg = out["error"]
@@ -371,13 +432,11 @@ def test_a_worker_out_of_memory_decoding_is_an_error_not_a_skipped_sample(one_bi
     assert out["skipped"] == 0 and out["samples"] == 4, out
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_a_worker_out_of_memory_copying_its_result_is_named(one_big, context):
-    # Room for the 75 MB image, not for the copy of it that goes to the socket (images of
-    # several sizes are sent as one buffer). That worker used to exit with code 1, the cause
-    # only on its stderr.
-    out = _worker_epoch(one_big, context, 3 * BIG * BIG + (32 << 20), batch_size=1)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_a_worker_out_of_memory_copying_its_result_is_named(request, context):
+    # That worker used to exit with code 1, the cause only on its stderr.
+    out = _oom_case(request, ("copying", context))
     assert out["kind"] == "WorkerError", out
     assert out["batches"] == 4
     _says_memory(out["error"])
@@ -385,13 +444,11 @@ def test_a_worker_out_of_memory_copying_its_result_is_named(one_big, context):
     assert out["skipped"] == 0, out
 
 
-@pytest.mark.timeout(120)
-def test_out_of_memory_decoding_without_workers_is_a_memory_error_not_a_skipped_sample(one_big):
+@pytest.mark.timeout(300)
+def test_out_of_memory_decoding_without_workers_is_a_memory_error_not_a_skipped_sample(request):
     # num_workers=0 decodes in the main process (here a fresh child capped 32 MB above what it
     # maps): the MemoryError propagates, with the sample and the fix, and nothing is skipped.
-    options = dict(batch_size=4, num_workers=0, exact=True, transform=SIZE)
-    out, raised = with_address_space(functools.partial(_epoch, one_big, **options), 32 << 20)
-    assert raised is None, raised
+    out = _oom_case(request, ("decoding", None))
     assert out["batches"] == 1 and out["skipped"] == 0 and out["kind"] == "MemoryError", out
     msg = out["error"]
     assert "out of memory while decoding sample 4 (<bytes #4>)" in msg, msg
@@ -425,21 +482,23 @@ def test_spawn_worker_dying_at_start_up_names_the_missing_main_guard(store_path,
 
 # One helper imports torch once and forks one parent per case; each parent starts a loader,
 # reads one batch (its workers keep decoding or sit blocked sending) and reports its pids.
+# (The default run's five parents take one helper; the slow cases, a second.)
 PARENTS = textwrap.dedent("""
     import json, os, signal, sys, time
     from gpucache import GpuCachedLoader, JpegCache
     from gpucache import transforms as T
 
 
-    def parent(cache, method, sig, workers):
+    def parent(cache, ready, method, sig, workers):
         loader = GpuCachedLoader(cache, batch_size=500, num_workers=workers, device="cpu",
                                  transform=T.Resize((16, 16)), multiprocessing_context=method)
         next(iter(loader))
-        # seven parents share one pipe: one write(2) of a whole line (under PIPE_BUF, so atomic);
+        # the parents share one pipe: one write(2) of a whole line (under PIPE_BUF, so atomic);
         # print() writes the text and its newline apart, and a flush between them (multiprocessing
         # flushes stdout before it starts a process) joins two reports on one line
         report = {"case": [method, sig, workers], "pid": os.getpid(), "workers": loader.worker_pids}
         os.write(1, (json.dumps(report) + "\\n").encode())
+        os.write(ready, b"x")  # to the helper
         # Ctrl-C arrives mid-epoch, in the loader or in the loop body (Python's own handler, even
         # when this test runs where SIGINT is ignored)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -451,12 +510,18 @@ PARENTS = textwrap.dedent("""
 
     if __name__ == "__main__":
         cache = JpegCache.open(sys.argv[1])
-        kids = []
+        kids, ready = [], []
         for case in json.loads(sys.argv[2]):
+            if case[1] == "SIGINT":  # its epochs decode without pause until it is signalled:
+                for r in ready:  # it starts once every other parent has reported (or died)
+                    os.read(r, 1)
+            r, w = os.pipe()
             kids.append(os.fork())
             if kids[-1] == 0:
-                parent(cache, *case)
+                parent(cache, w, *case)
                 os._exit(0)
+            os.close(w)
+            ready.append(r)
         for pid in kids:
             os.waitpid(pid, 0)
 """)
@@ -466,21 +531,26 @@ CASES = [
     for m in ("fork", "spawn", "forkserver")
     for s in ("SIGKILL", "SIGTERM")
 ] + [("fork", "SIGINT", 4)]
+# A parent dies the same way by SIGTERM as by SIGKILL: nothing in it handles SIGTERM, so the
+# kernel ends it and no Python code runs (gpucache installs no SIGTERM handler); its workers go
+# by the same PR_SET_PDEATHSIG and end-of-file either way. The default run keeps SIGTERM under
+# fork and both signals under spawn and forkserver (each of those parents starts interpreters);
+# SIGTERM under spawn and forkserver runs with `-m slow`.
+SLOW_CASES = [("spawn", "SIGTERM", 1), ("forkserver", "SIGTERM", 1)]
 
 
-@pytest.fixture(scope="module")
-def parents_killed(store_path, tmp_path_factory):
+def _parents_killed(store_path, tmp_path_factory, cases):
     """Signal each parent; seconds until its workers (and every other descendant) are gone."""
     script = tmp_path_factory.mktemp("parents") / "parents.py"
     script.write_text(PARENTS)
     helper = subprocess.Popen(
-        [sys.executable, str(script), store_path, json.dumps(CASES)],
+        [sys.executable, str(script), store_path, json.dumps(cases)],
         stdout=subprocess.PIPE,
         text=True,
     )
     tree = psutil.Process(helper.pid)
     try:
-        reports = [json.loads(helper.stdout.readline()) for _ in CASES]
+        reports = [json.loads(helper.stdout.readline()) for _ in cases]
         results = {}
         for rep in reports:
             case = tuple(rep["case"])
@@ -504,12 +574,29 @@ def parents_killed(store_path, tmp_path_factory):
         helper.wait()
 
 
-# The first case also sets up the fixture: seven parents, the spawn and forkserver workers each
+@pytest.fixture(scope="module")
+def parents_killed(store_path, tmp_path_factory):
+    return _parents_killed(store_path, tmp_path_factory, [c for c in CASES if c not in SLOW_CASES])
+
+
+@pytest.fixture(scope="module")
+def parents_killed_slow(store_path, tmp_path_factory):
+    return _parents_killed(store_path, tmp_path_factory, SLOW_CASES)
+
+
+# The first case also sets up the fixture: the parents, the spawn and forkserver workers each
 # importing torch (30-50 s apiece at load 15 on 2 cores), then each parent's exit.
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
-def test_no_worker_survives_its_parent(parents_killed, case):
-    took, workers, left = parents_killed[case]
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id="-".join(map(str, c)), marks=pytest.mark.slow if c in SLOW_CASES else ())
+        for c in CASES
+    ],
+)
+def test_no_worker_survives_its_parent(request, case):
+    fixture = "parents_killed_slow" if case in SLOW_CASES else "parents_killed"
+    took, workers, left = request.getfixturevalue(fixture)[case]
     assert left == [], f"still running {took:.1f} s after {case[1]}: {left}"
     assert took < 3, f"{case}: the workers took {took:.2f} s to go"
     assert len(workers) == case[2]
