@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +38,7 @@ import pytest
 import torch
 
 from gpucache.testing import make_jpeg_folder
+from tests.support import forked
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is measured on Linux"),
@@ -274,34 +273,12 @@ def _child(code: str, env: dict | None = None) -> subprocess.Popen:
     )
 
 
-def _forked(target, *args) -> multiprocessing.process.BaseProcess:
-    """``target(*args)`` in a child forked from this process (gpucache already imported: no
-    interpreter start), started."""
-    proc = multiprocessing.get_context("fork").Process(target=target, args=args)
-    proc.start()
-    return proc
-
-
-def _join(*procs: multiprocessing.process.BaseProcess) -> None:
-    """Every child done; one still running after the deadline is killed, and the check fails."""
-    deadline = time.monotonic() + 120
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    hung = [proc.pid for proc in procs if proc.is_alive()]
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    assert not hung, f"children still running after 120 s: {hung}"
-
-
 def _rank_builds(root: str, env: dict, out: Path) -> None:
     """A rank of a node as its launcher starts it: its variables and TMPDIR, then the build;
     ``out``: the store's path, ``out.log``: what the library logged."""
     from gpucache import JpegCache
 
-    os.environ.update(env)
-    tempfile.tempdir = None  # gettempdir() reads TMPDIR again, as a new process would
+    forked.as_launched(env)
     logger = logging.getLogger("gpucache")
     logger.setLevel(logging.INFO)
     logger.addHandler(logging.FileHandler(out.with_suffix(".log")))
@@ -317,16 +294,17 @@ def test_ranks_started_apart_build_once_and_share_the_file(tmp_path):
     env = {"LOCAL_WORLD_SIZE": "3", "TMPDIR": str(tmp_path)}
     outs = [tmp_path / f"rank{r}" for r in range(3)]
     procs = [
-        _forked(_rank_builds, str(root), {**env, "LOCAL_RANK": str(r)}, outs[r]) for r in (0, 1)
+        forked.start(_rank_builds, str(root), {**env, "LOCAL_RANK": str(r)}, outs[r])
+        for r in (0, 1)
     ]
     try:
         deadline = time.monotonic() + 120
         while not list(folder.glob("*.gpucache")):
             assert time.monotonic() < deadline and any(p.is_alive() for p in procs), "no store"
             time.sleep(0.02)  # polling for the builder's file, under the deadline
-        procs.append(_forked(_rank_builds, str(root), {**env, "LOCAL_RANK": "2"}, outs[2]))
+        procs.append(forked.start(_rank_builds, str(root), {**env, "LOCAL_RANK": "2"}, outs[2]))
     finally:
-        _join(*procs)
+        forked.join_all(procs)
     assert [p.exitcode for p in procs] == [0, 0, 0]
     built = sum(
         out.with_suffix(".log").read_text().count("once for the ranks of this node") for out in outs
@@ -376,8 +354,8 @@ def test_a_killed_builder_blocks_no_one_and_a_stuck_one_times_out(tmp_path):
     root = make_jpeg_folder(tmp_path / "imgs", 6, seed=6)
     cdir = tmp_path / "c"
     # a builder that dies by SIGKILL mid-save, leaving its lock file and a half-written temp file
-    crash = _forked(_dies_saving, str(root), cdir)
-    _join(crash)
+    crash = forked.start(_dies_saving, str(root), cdir)
+    forked.join_all([crash])
     assert crash.exitcode == -signal.SIGKILL
     assert {f.suffix for f in cdir.iterdir()} >= {".lock"}  # what the crash left
     cache = JpegCache.from_folder(root, cache_dir=cdir, progress=False)  # not blocked

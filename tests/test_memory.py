@@ -54,6 +54,7 @@ from pathlib import Path
 import pytest
 
 from gpucache.testing import make_jpeg_folder
+from tests.support import forked
 
 pytestmark = [
     pytest.mark.skipif(
@@ -288,23 +289,11 @@ def test_fork_and_zero_workers_need_no_shared_memory_and_run_under_fsize_limit(
 ):
     # a fork of this process, not a fresh interpreter: what is tested is the loaders' use of
     # /dev/shm and of file writes, which does not depend on how the process that runs them began
-    import multiprocessing as mp
-    from multiprocessing.connection import wait
-
-    ctx = mp.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_no_shm_child, args=(str(copies_src), str(tmp_path), send))
-    child.start()
-    send.close()
-    try:
-        stdout = recv.recv() if recv in wait([recv, child.sentinel], 240) else ""
-    except EOFError:  # it died before it sent anything
-        stdout = ""
-    child.join(240)
-    if child.exitcode is None:
-        child.kill()
+    code, stdout = forked.result_of(
+        _no_shm_child, str(copies_src), str(tmp_path), within=240, none=""
+    )
     proc = subprocess.CompletedProcess(
-        child.name, child.exitcode, stdout, "(a traceback: in the captured stderr)"
+        "a forked child", code, stdout, "(a traceback: in the captured stderr)"
     )
     assert proc.returncode == 0, _explain(proc)  # -25 would be SIGXFSZ
     got = _lines(proc.stdout)

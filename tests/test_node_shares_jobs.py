@@ -27,11 +27,9 @@ file, 48 s of CPU; the 2-node job 14-19 s, the 3-node job 23 s, the over-budget 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +41,7 @@ from gpucache import JpegCache, ShareError
 from gpucache.shares._order import NodeOrder
 from gpucache.shares._partition import global_ranks, node_bounds, owners
 from gpucache.testing import make_jpeg_bytes
+from tests.support import forked
 from tests.support.ports import free_port
 
 pytestmark = [
@@ -318,8 +317,7 @@ def _over_budget_rank(root: str, cap: int, env: dict, out: Path) -> None:
     """One rank of the over-budget job, in a child forked from this process: the environment
     torchrun gives a rank (the library reads nothing else when there is no process group), its
     node's TMPDIR, then the build; ``out``: the refusal (or ``STORE BUILT``)."""
-    os.environ.update(env)
-    tempfile.tempdir = None  # gettempdir() reads the node's TMPDIR again, as a new process would
+    forked.as_launched(env)
     t0 = time.monotonic()
     try:
         JpegCache.from_folder(root, shard="node", cache_max_bytes=cap)
@@ -338,34 +336,16 @@ def test_a_share_over_the_node_budget_stops_every_rank_at_once(data):
     tmps = [base / "over0", base / "over1"]
     refused = base / "over-refused"  # what each rank wrote
     refused.mkdir()
-    ctx = multiprocessing.get_context("fork")
     ranks = []
     t0 = time.monotonic()
     for node, tmp in enumerate(tmps):
         tmp.mkdir()
         for local in range(RANKS):
-            rank = node * RANKS + local
-            env = {
-                "TMPDIR": str(tmp),
-                "RANK": str(rank),
-                "WORLD_SIZE": str(len(tmps) * RANKS),
-                "LOCAL_RANK": str(local),
-                "LOCAL_WORLD_SIZE": str(RANKS),
-                "GROUP_RANK": str(node),
-                "GROUP_WORLD_SIZE": str(len(tmps)),
-            }
-            out = refused / str(rank)
-            proc = ctx.Process(target=_over_budget_rank, args=(str(data["root"]), cap, env, out))
-            proc.start()
-            ranks.append((node, rank, proc, out))
-    try:
-        for _, _, proc, _ in ranks:
-            proc.join(timeout=120)
-    finally:
-        for _, _, proc, _ in ranks:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            env = forked.rank_env(tmp, node, local, len(tmps), RANKS)
+            out = refused / env["RANK"]
+            proc = forked.start(_over_budget_rank, str(data["root"]), cap, env, out)
+            ranks.append((node, int(env["RANK"]), proc, out))
+    forked.join_all([proc for _, _, proc, _ in ranks])
     print(f"over-budget job: {time.monotonic() - t0:.1f} s")
     owner = owners(data["ranks"], N, 2)
     for node, rank, proc, out in ranks:

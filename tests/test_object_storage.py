@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import io
 import logging
-import multiprocessing
-import os
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +33,7 @@ from gpucache import BuildError, JpegCache, ObjectStoreError  # noqa: E402
 from gpucache.cli import main as cli_main  # noqa: E402
 from gpucache.ingest.storage import _calls  # noqa: E402
 from gpucache.testing import make_jpeg_bytes, make_jpeg_folder  # noqa: E402
+from tests.support import forked  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
 
 SECRET = "gpucache-SECRET-do-not-leak-7f3a"
@@ -256,8 +254,7 @@ def test_a_killed_build_publishes_nothing_and_resumes_without_refetching(s3, tmp
     with server.faulty():
         server.fail("delay", "/bkt/train/", times=None, seconds=0.1)  # a slow server
         server.reset_counts()
-        proc = multiprocessing.get_context("fork").Process(target=_builds_train, args=(cdir,))
-        proc.start()  # a build in a child forked from this process, killed below
+        proc = forked.start(_builds_train, cdir)  # a build in a forked child, killed below
         try:
             journal = None
             deadline = time.monotonic() + 120
@@ -401,8 +398,7 @@ def test_no_secret_reaches_a_store_a_record_a_log_or_an_error(
 def _rank_builds(env: dict, out: Path) -> None:
     """A rank, forked from this process: the variables torchrun sets for it, its node's TMPDIR,
     then the build of the bucket's prefix; ``out``: the store's path."""
-    os.environ.update(env)
-    tempfile.tempdir = None  # gettempdir() reads the node's TMPDIR again, as a new process would
+    forked.as_launched(env)
     cache = JpegCache.from_folder("s3://bkt/ddp/", progress=False)
     out.write_text(str(cache.path))
 
@@ -416,32 +412,14 @@ def test_two_nodes_fetch_each_object_once_per_node(s3, tmp_path):
 
     server = s3["server"]
     server.reset_counts()
-    ctx = multiprocessing.get_context("fork")
     ranks = []
     for node in range(2):
         (tmp_path / f"node{node}").mkdir()
         for local in range(2):
-            env = {
-                "TMPDIR": str(tmp_path / f"node{node}"),
-                "RANK": str(2 * node + local),
-                "WORLD_SIZE": "4",
-                "LOCAL_RANK": str(local),
-                "LOCAL_WORLD_SIZE": "2",
-                "GROUP_RANK": str(node),
-            }
-            out = tmp_path / f"rank{2 * node + local}"
-            proc = ctx.Process(target=_rank_builds, args=(env, out))
-            proc.start()
-            ranks.append((node, proc, out))
-    deadline = time.monotonic() + 120
-    for _, proc, _ in ranks:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    hung = [proc.pid for _, proc, _ in ranks if proc.is_alive()]
-    for _, proc, _ in ranks:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    assert not hung, f"ranks still running after 120 s: {hung}"
+            env = forked.rank_env(tmp_path / f"node{node}", node, local, 2, 2)
+            out = tmp_path / f"rank{env['RANK']}"
+            ranks.append((node, forked.start(_rank_builds, env, out), out))
+    forked.join_all([proc for _, proc, _ in ranks])
     assert [proc.exitcode for _, proc, _ in ranks] == [0] * 4
     gets = server.gets("/bkt/ddp/")
     assert gets == {f"/bkt/ddp/c{i}/x.jpg": 2 for i in range(8)}, gets  # once per node

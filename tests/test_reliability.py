@@ -19,6 +19,7 @@ import pytest
 
 from gpucache import CacheFormatError, GpuCachedLoader, JpegCache
 from gpucache.store._mapped import attach
+from tests.support import forked
 
 REPO = Path(__file__).resolve().parent.parent
 LINUX = sys.platform.startswith("linux")
@@ -509,23 +510,10 @@ def _truncate_and_read(path: str, send) -> None:
 
 
 def test_truncating_an_open_store_file_is_an_error_not_sigbus(small_store, tmp_path):
-    from multiprocessing.connection import wait
-
     raw, _ = small_store
     path = _write(tmp_path, raw)
-    ctx = mp.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_truncate_and_read, args=(str(path), send))
-    child.start()
-    send.close()
-    try:
-        got = recv.recv() if recv in wait([recv, child.sentinel], 120) else None
-    except EOFError:  # it died before it sent anything
-        got = None
-    child.join(120)
-    if child.exitcode is None:
-        child.kill()
-    assert child.exitcode == 0, child.exitcode  # -7 would be SIGBUS
+    code, got = forked.result_of(_truncate_and_read, str(path), within=120)
+    assert code == 0, code  # -7 would be SIGBUS
     assert got == [("view", True), ("decode", True)], got
     with pytest.raises(CacheFormatError, match="truncated"):
         JpegCache.open(path)

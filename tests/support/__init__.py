@@ -1,4 +1,4 @@
 """Support code for the tests and ``benchmarks/gpu_check.py`` (run from the repository root), kept
 out of the wheel: the CUDA emulation (``emulated_cuda``, ``emulated_order``, ``emulated_nvjpeg``),
 hostile image files (``hostile``), directory-listing counts (``audit``), the S3 server
-(``s3server``) and free ports (``ports``)."""
+(``s3server``), free ports (``ports``) and children forked from the test process (``forked``)."""
