@@ -1,7 +1,7 @@
 """The node cache folder attacked by a second local user (uid 12345), as root runs setpriv.
 
 Each attack gets its own world-writable, sticky TMPDIR (like /tmp), in which the attacker
-prepares the predictable folder ``gpucache-<victim uid>`` (or a shared ``cache_dir=``). Then one
+prepares the predictable folder ``gpucache-<victim uid>`` (or a common ``cache_dir=``). Then one
 victim process (uid 12346, two ranks of a node: LOCAL_WORLD_SIZE=2) builds or opens its store in
 each place in turn (one process: torch is imported once), and every test checks one outcome.
 """
@@ -107,7 +107,7 @@ def attacks():
             tmp = base / name
             tmp.mkdir(mode=0o1777)
             os.chmod(tmp, 0o1777)
-            folder = tmp / ("shared" if name.endswith("cache_dir") else f"gpucache-{VICTIM}")
+            folder = tmp / ("common" if name.endswith("cache_dir") else f"gpucache-{VICTIM}")
             places[name] = (str(tmp), {"cache_dir": str(folder)} if "cache_dir" in name else {})
             if plant is None:
                 continue

@@ -145,10 +145,10 @@ def test_a_fifo_and_a_link_in_the_cache_folder_are_replaced_not_followed(tmp_pat
 
 
 def test_cache_commands_refuse_a_folder_others_may_write(tmp_path, capsys):
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    os.chmod(shared, 0o777)
-    assert main(["cache", "clean", "--dir", str(shared), "--all"]) == 2
+    open_to_all = tmp_path / "open-to-all"
+    open_to_all.mkdir()
+    os.chmod(open_to_all, 0o777)
+    assert main(["cache", "clean", "--dir", str(open_to_all), "--all"]) == 2
     assert "mode 0777, writable by group or others" in capsys.readouterr().err
     assert main(["cache", "list", "--dir", str(tmp_path / "none")]) == 0
     assert "no node cache folder" in capsys.readouterr().out

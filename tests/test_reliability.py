@@ -238,7 +238,7 @@ def _stores(jpeg_folder, tmp_path):
     assert len(memory.report.skipped) == 1
     opened = JpegCache.open(memory.save(tmp_path / "ro.gpucache"))
     shared = JpegCache.from_files(files, progress=False).share()
-    return {"memory": memory, "file": opened, "shared": shared}
+    return {"memory": memory, "file": opened, "shared memory": shared}
 
 
 def test_no_numpy_route_writes_into_a_store(jpeg_folder, tmp_path):

@@ -387,7 +387,10 @@ def test_bytes_inside_a_spawned_worker_equal_the_files(jpeg_folder, tmp_path):
     import multiprocessing as mp
 
     cache = JpegCache.from_folder(jpeg_folder, progress=False)
-    stores = {"file": JpegCache.open(cache.save(tmp_path / "w.gpucache")), "shared": cache.share()}
+    stores = {
+        "file": JpegCache.open(cache.save(tmp_path / "w.gpucache")),
+        "shared memory": cache.share(),
+    }
     files = [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in cache.paths]
     with mp.get_context("spawn").Pool(1) as pool:
         for backing, store in stores.items():
