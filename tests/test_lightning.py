@@ -8,6 +8,7 @@ samples of epoch 1 that run 1 had not, once each.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,8 +19,10 @@ import pytest
 
 from gpucache.testing import make_jpeg_bytes
 
-pytest.importorskip("lightning")
 pytestmark = [
+    # found, not imported: collection in every pytest-xdist worker would pay Lightning's import
+    # (about 1 s of CPU) for a test that runs Lightning in child processes only
+    pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs lightning"),
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="CPU DDP on Linux"),
     pytest.mark.timeout(900),
 ]  # two Lightning launches; slow on a loaded 2-core machine
