@@ -20,6 +20,7 @@ import pytest
 from gpucache import CacheFormatError, GpuCachedLoader, JpegCache
 from gpucache.store._mapped import attach
 from tests.support import forked
+from tests.support.selected import selected
 
 REPO = Path(__file__).resolve().parent.parent
 LINUX = sys.platform.startswith("linux")
@@ -155,18 +156,6 @@ _OWNER_CASES = [
 ]
 
 
-def _selected(request, test: str, *names: str) -> list[tuple]:
-    """The parameters of the cases of ``test`` that this run selected (after ``-m`` and ``-k``),
-    so that a module fixture starts the processes of those cases only."""
-    return sorted(
-        {
-            tuple(item.callspec.params[n] for n in names)
-            for item in request.session.items
-            if getattr(item, "originalname", None) == test and hasattr(item, "callspec")
-        }
-    )
-
-
 @pytest.fixture(scope="module")
 def owners_killed(request, jpeg_folder, tmp_path_factory):
     """The selected owners started at once (each its own process and shared copy), each
@@ -174,7 +163,7 @@ def owners_killed(request, jpeg_folder, tmp_path_factory):
     stderr)``."""
     script = tmp_path_factory.mktemp("owners") / "owner.py"
     script.write_text(_OWNER)
-    cases = _selected(request, "test_shared_memory_cannot_outlive_a_killed_owner", "context", "sig")
+    cases = selected(request, "test_shared_memory_cannot_outlive_a_killed_owner", "context", "sig")
     procs = {
         case: subprocess.Popen(
             [sys.executable, str(script), str(jpeg_folder), case[0]],
@@ -298,7 +287,7 @@ def torch_writes(request, jpeg_folder, tmp_path_factory):
     """One fresh interpreter that imports torch once and makes each selected write in a fork of
     itself (a fault ends only that fork): ``(how, backing) -> (its lines, exit code, stderr)``,
     with the store file's bytes before and after all of them."""
-    cases = _selected(
+    cases = selected(
         request,
         "test_a_torch_write_through_a_view_faults_instead_of_changing_the_store",
         "how",

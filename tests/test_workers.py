@@ -27,6 +27,7 @@ from gpucache import GpuCachedLoader, JpegCache, WorkerError
 from gpucache import transforms as T
 from gpucache.testing import make_jpeg_bytes
 from gpucache.testing._memory import limit_address_space, with_address_space
+from tests.support.selected import selected
 
 SIZE = T.Resize((16, 16))  # fixed size: a batch is one stacked tensor of 768 bytes per image
 
@@ -376,41 +377,34 @@ DECODING = (32 << 20, dict(batch_size=4, exact=True, transform=SIZE))
 # Room for the 75 MB image, not for the copy of it that goes to the socket (images of several
 # sizes are sent as one buffer).
 COPYING = (3 * BIG * BIG + (32 << 20), dict(batch_size=1))
-#: the cases of the default run, by (what runs out, context), in the order they run
-OOM = {
-    ("decoding", None): (None, *DECODING),
-    ("decoding", "fork"): ("fork", *DECODING),
-    ("copying", "fork"): ("fork", *COPYING),
-    ("decoding", "spawn"): ("spawn", *DECODING),
-}
+#: what runs out -> (address space allowed above what the worker maps at start, loader options)
+LIMITS = {"decoding": DECODING, "copying": COPYING}
 # A worker copies its result for sending in the same code under any start method
 # (decode/cpu/_worker.py, _serve); what spawn changes (a fresh interpreter capped in
 # worker_init_fn, the store attached from shared memory) the decoding case under spawn covers.
 # The copying case under spawn, one more interpreter, runs with `-m slow`.
-SLOW_OOM = {("copying", "spawn"): ("spawn", *COPYING)}
+_OOM_TESTS = {
+    "decoding": "test_a_worker_out_of_memory_decoding_is_an_error_not_a_skipped_sample",
+    "copying": "test_a_worker_out_of_memory_copying_its_result_is_named",
+}
+_NO_WORKERS = "test_out_of_memory_decoding_without_workers_is_a_memory_error_not_a_skipped_sample"
 
 
-def _oom(cache, cases) -> dict:
+@pytest.fixture(scope="module")
+def oom(request, one_big) -> dict:
+    """The epoch of every selected case, ``(what runs out, context)``, all in one fresh
+    interpreter: the case without workers first, then fork, then spawn."""
+    cases = [("decoding", None)] if selected(request, _NO_WORKERS) else []
+    for what, test in _OOM_TESTS.items():
+        cases += [(what, context) for (context,) in selected(request, test, "context")]
+    cases.sort(key=lambda case: (None, "fork", "spawn").index(case[1]))
     out, raised = with_address_space(
-        functools.partial(_oom_epochs, cache, cases), None, timeout=240
+        functools.partial(_oom_epochs, one_big, {c: (c[1], *LIMITS[c[0]]) for c in cases}),
+        None,
+        timeout=240,
     )
     assert raised is None, raised
     return out
-
-
-@pytest.fixture(scope="module")
-def oom(one_big) -> dict:
-    """The epoch of every case of :data:`OOM`, all in one fresh interpreter."""
-    return _oom(one_big, OOM)
-
-
-@pytest.fixture(scope="module")
-def oom_slow(one_big) -> dict:
-    return _oom(one_big, SLOW_OOM)
-
-
-def _oom_case(request, case) -> dict:
-    return request.getfixturevalue("oom_slow" if case in SLOW_OOM else "oom")[case]
 
 
 def _says_memory(msg: str, wid: int = 0) -> None:
@@ -421,9 +415,9 @@ def _says_memory(msg: str, wid: int = 0) -> None:
 
 @pytest.mark.timeout(300)  # the first case also runs every case's epoch (one fresh interpreter)
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_a_worker_out_of_memory_decoding_is_an_error_not_a_skipped_sample(request, context):
+def test_a_worker_out_of_memory_decoding_is_an_error_not_a_skipped_sample(oom, context):
     # It used to be skipped as "could not be decoded: MemoryError".
-    out = _oom_case(request, ("decoding", context))
+    out = oom["decoding", context]
     assert out["kind"] == "WorkerError", out
     assert out["batches"] == 1  # the small images decoded under the limit
     msg = out["error"]
@@ -434,9 +428,9 @@ def test_a_worker_out_of_memory_decoding_is_an_error_not_a_skipped_sample(reques
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
-def test_a_worker_out_of_memory_copying_its_result_is_named(request, context):
+def test_a_worker_out_of_memory_copying_its_result_is_named(oom, context):
     # That worker used to exit with code 1, the cause only on its stderr.
-    out = _oom_case(request, ("copying", context))
+    out = oom["copying", context]
     assert out["kind"] == "WorkerError", out
     assert out["batches"] == 4
     _says_memory(out["error"])
@@ -445,10 +439,10 @@ def test_a_worker_out_of_memory_copying_its_result_is_named(request, context):
 
 
 @pytest.mark.timeout(300)
-def test_out_of_memory_decoding_without_workers_is_a_memory_error_not_a_skipped_sample(request):
+def test_out_of_memory_decoding_without_workers_is_a_memory_error_not_a_skipped_sample(oom):
     # num_workers=0 decodes in the main process (here a fresh child capped 32 MB above what it
     # maps): the MemoryError propagates, with the sample and the fix, and nothing is skipped.
-    out = _oom_case(request, ("decoding", None))
+    out = oom["decoding", None]
     assert out["batches"] == 1 and out["skipped"] == 0 and out["kind"] == "MemoryError", out
     msg = out["error"]
     assert "out of memory while decoding sample 4 (<bytes #4>)" in msg, msg
@@ -575,13 +569,10 @@ def _parents_killed(store_path, tmp_path_factory, cases):
 
 
 @pytest.fixture(scope="module")
-def parents_killed(store_path, tmp_path_factory):
-    return _parents_killed(store_path, tmp_path_factory, [c for c in CASES if c not in SLOW_CASES])
-
-
-@pytest.fixture(scope="module")
-def parents_killed_slow(store_path, tmp_path_factory):
-    return _parents_killed(store_path, tmp_path_factory, SLOW_CASES)
+def parents_killed(request, store_path, tmp_path_factory):
+    """Every selected case's parent, each signalled in turn."""
+    picked = {case for (case,) in selected(request, "test_no_worker_survives_its_parent", "case")}
+    return _parents_killed(store_path, tmp_path_factory, [c for c in CASES if c in picked])
 
 
 # The first case also sets up the fixture: the parents, the spawn and forkserver workers each
@@ -594,9 +585,8 @@ def parents_killed_slow(store_path, tmp_path_factory):
         for c in CASES
     ],
 )
-def test_no_worker_survives_its_parent(request, case):
-    fixture = "parents_killed_slow" if case in SLOW_CASES else "parents_killed"
-    took, workers, left = request.getfixturevalue(fixture)[case]
+def test_no_worker_survives_its_parent(parents_killed, case):
+    took, workers, left = parents_killed[case]
     assert left == [], f"still running {took:.1f} s after {case[1]}: {left}"
     assert took < 3, f"{case}: the workers took {took:.2f} s to go"
     assert len(workers) == case[2]
